@@ -1,0 +1,59 @@
+"""oomguard: keep GRPO fine-tuning alive through GPU out-of-memory errors.
+
+Importing oomguard is cheap and never imports torch. The public names are loaded on first use:
+
+>>> import oomguard
+>>> oomguard.is_oom(MemoryError())
+True
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "is_oom": ("oomguard.oom", "is_oom"),
+    "parse_oom": ("oomguard.oom", "parse_oom"),
+    "OOMReport": ("oomguard.oom", "OOMReport"),
+    "diagnose": ("oomguard.diagnose", "diagnose"),
+    "Diagnosis": ("oomguard.diagnose", "Diagnosis"),
+    "Knobs": ("oomguard.knobs", "Knobs"),
+    "guard": ("oomguard.guard", "guard"),
+    "estimate": ("oomguard.estimate", "estimate"),
+    "analyze_paths": ("oomguard.analyze", "analyze_paths"),
+}
+
+__all__ = [
+    "Diagnosis",
+    "Knobs",
+    "OOMReport",
+    "__version__",
+    "analyze_paths",
+    "diagnose",
+    "estimate",
+    "guard",
+    "is_oom",
+    "parse_oom",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .analyze import analyze_paths
+    from .diagnose import Diagnosis, diagnose
+    from .estimate import estimate
+    from .guard import guard
+    from .knobs import Knobs
+    from .oom import OOMReport, is_oom, parse_oom
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'oomguard' has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,50 @@
+"""The TrainerCallback that reports progress and peak memory to the supervisor, and oomguard's facts to the log."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .runtime import Runtime
+
+
+def make_callback(rt: Runtime) -> Any:
+    from transformers import TrainerCallback
+
+    class OOMGuardCallback(TrainerCallback):
+        """Reports each step and its peak memory; empties the cache at step ends when the empty_cache rung is on."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rt.emit("train_begin", step=state.global_step, max_steps=state.max_steps,
+                    save_steps=getattr(args, "save_steps", None), save_strategy=str(getattr(args, "save_strategy", "")),
+                    output_dir=args.output_dir)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rt.emit("step", step=state.global_step, peak=rt.peak_bytes())
+            if rt.overrides.torch_empty_cache_steps == 1:
+                rt.empty_cache()
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rt.emit("checkpoint", step=state.global_step,
+                    path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rt.emit("train_end", step=state.global_step, peak=rt.peak_bytes())
+
+    return OOMGuardCallback()
+
+
+def wrap_log(rt: Runtime, trainer: Any) -> None:
+    """Add oomguard's facts to every ``trainer.log()`` call, so W&B and TensorBoard show them beside the loss."""
+    inner = trainer.log
+
+    def log(logs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(logs, dict) and "loss" in logs:
+            logs["oomguard/attempt"] = rt.plan.attempt
+            logs["oomguard/remedies"] = len(rt.plan.remedies)
+            peak = rt.peak_bytes()
+            if peak is not None:
+                logs["oomguard/peak_gib"] = round(peak / 2**30, 4)
+        return inner(logs, *args, **kwargs)
+
+    trainer.log = log

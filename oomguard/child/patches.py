@@ -1,0 +1,420 @@
+"""Patches at the construction points every TRL script passes through: GRPOConfig, GRPOTrainer, from_pretrained.
+
+Each patch first records what the script set (so the diff starts from the user's own config), then applies the
+knobs. The user's code is never edited; ``remove()`` restores the originals (the decorator uses this).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from .runtime import Runtime
+
+# GRPOConfig fields that are knobs of the same name.
+CONFIG_KNOBS = (
+    "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
+    "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
+    "dataloader_num_workers", "dataloader_prefetch_factor",
+)
+_PROMPT_STATS_ROWS = 20000
+
+_UNDO: list[Callable[[], None]] = []
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if name in owner.__dict__:
+        old = owner.__dict__[name]
+        _UNDO.append(lambda: setattr(owner, name, old))
+    else:  # inherited: removing ours restores the base class's
+        _UNDO.append(lambda: delattr(owner, name))
+    setattr(owner, name, value)
+
+
+def remove() -> None:
+    """Restore every patched attribute (last patched first)."""
+    while _UNDO:
+        _UNDO.pop()()
+
+
+def _plain(v: Any) -> Any:
+    value = getattr(v, "value", v)  # enums such as OptimizerNames
+    if value is not None and not isinstance(value, (bool, int, float, str, list, tuple)):
+        return str(value)
+    return value
+
+
+def _dtype_name(d: Any) -> str | None:
+    if d is None:
+        return None
+    s = str(d)
+    return s.split(".", 1)[1] if s.startswith("torch.") else s
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPOConfig
+
+
+def observe_config(cfg: Any) -> dict[str, Any]:
+    out = {name: _plain(getattr(cfg, name)) for name in CONFIG_KNOBS if hasattr(cfg, name)}
+    act = getattr(cfg, "activation_checkpointing", None)
+    out["gradient_checkpointing"] = act if act is not None else getattr(cfg, "gradient_checkpointing", None)
+    return out
+
+
+def apply_config(rt: Runtime, cfg: Any) -> None:
+    ov = rt.overrides
+    for name in CONFIG_KNOBS:
+        v = getattr(ov, name)
+        if v is not None and hasattr(cfg, name):
+            setattr(cfg, name, v)
+    if ov.gradient_checkpointing is not None:
+        # transformers 5.x: activation_checkpointing is the name; gradient_checkpointing is its deprecated mirror.
+        if hasattr(cfg, "activation_checkpointing"):
+            cfg.activation_checkpointing = ov.gradient_checkpointing
+        cfg.gradient_checkpointing = ov.gradient_checkpointing
+    plan = rt.plan
+    if plan.checkpoint_every:
+        cfg.save_strategy = "steps"
+        cfg.save_steps = int(plan.checkpoint_every)
+    if plan.probe:
+        apply_probe(rt, cfg, plan.probe)
+
+
+def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
+    """A short worst-case rehearsal: few steps, full-length completions, nothing saved, nothing reported."""
+    cfg.max_steps = int(probe.get("steps", 3))
+    cfg.save_strategy = "no"
+    cfg.output_dir = probe.get("output_dir") or tempfile.mkdtemp(prefix="oomguard-probe-")
+    cfg.report_to = []
+    cfg.push_to_hub = False
+    if hasattr(cfg, "eval_strategy"):
+        cfg.eval_strategy = "no"
+    cfg.logging_steps = 1
+    gk = dict(getattr(cfg, "generation_kwargs", None) or {})
+    if getattr(cfg, "use_vllm", False):
+        gk["min_tokens"] = cfg.max_completion_length
+    else:
+        gk["min_new_tokens"] = cfg.max_completion_length
+    cfg.generation_kwargs = gk
+
+
+def patch_grpo_config(rt: Runtime, module: Any) -> None:
+    cls = module.GRPOConfig
+    orig = cls.__dict__["__post_init__"]
+
+    def __post_init__(self: Any) -> None:
+        if not getattr(self, "_oomguard_seen", False):
+            rt.observe(observe_config(self))
+            rt.emit("config", observed=observe_config(self), world_size=_world())
+        object.__setattr__(self, "_oomguard_seen", True)
+        apply_config(rt, self)
+        orig(self)
+
+    _set(cls, "__post_init__", __post_init__)
+
+
+def _world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPOTrainer
+
+
+def _bnb_config(torch: Any) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=True)
+
+
+def _lora_config(rt: Runtime) -> Any:
+    from peft import LoraConfig
+
+    k = rt.knobs()
+    tm = k.lora_target_modules or "all-linear"
+    return LoraConfig(r=int(k.lora_r), lora_alpha=int(k.lora_alpha or 2 * k.lora_r),
+                      target_modules=list(tm) if isinstance(tm, tuple) else tm, lora_dropout=0.0,
+                      task_type="CAUSAL_LM")
+
+
+def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
+    cls = module.GRPOTrainer
+    orig_init = cls.__dict__["__init__"]
+    orig_train = cls.__dict__.get("train")
+    sig = inspect.signature(orig_init)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = sig.bind(self, *args, **kwargs)
+        a = bound.arguments
+        prepare_trainer_args(rt, a, module)
+        orig_init(*bound.args, **bound.kwargs)
+        rt.trainer = self
+        _after_init(rt, self)
+
+    _set(cls, "__init__", __init__)
+    if orig_train is None:
+        from transformers import Trainer
+
+        orig_train = Trainer.train
+
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt.trainer = self
+        resume = (rt.plan.resume or {}).get("checkpoint")
+        if resume and not kwargs.get("resume_from_checkpoint") and not args:
+            kwargs["resume_from_checkpoint"] = resume
+            rt.emit("resume", checkpoint=resume)
+        try:
+            return orig_train(self, *args, **kwargs)
+        except BaseException as e:
+            from ..oom import is_oom
+
+            if is_oom(e):
+                rt.record_crash(e)
+            raise
+
+    _set(cls, "train", train)
+
+
+def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
+    """Observe and rewrite GRPOTrainer's arguments in place (``a`` is the bound-arguments mapping)."""
+    import torch
+
+    model = a.get("model")
+    args = a.get("args")
+    if args is None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        args = module.GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        a["args"] = args
+    k_over = rt.overrides
+    peft_config = a.get("peft_config")
+    quant = a.get("quantization_config")
+    is_peft_model = type(model).__name__.startswith("Peft") or hasattr(model, "peft_config")
+    if isinstance(model, str):
+        source = "string"
+        mik = dict(args.model_init_kwargs or {})
+        dtype = _dtype_name(mik.get("dtype", mik.get("torch_dtype", "float32")))
+        q = quant or mik.get("quantization_config")
+        in4 = bool(getattr(q, "load_in_4bit", False) or (isinstance(q, dict) and q.get("load_in_4bit")))
+    else:
+        source = "from_pretrained" if getattr(model, "_oomguard_from_pretrained", False) else "instance"
+        dtype = _dtype_name(getattr(model, "dtype", None))
+        in4 = bool(getattr(model, "is_loaded_in_4bit", False))
+    lora_r = 0
+    if peft_config is not None:
+        lora_r = int(getattr(peft_config, "r", 0) or 0) or 8
+    elif is_peft_model:
+        cfgs = getattr(model, "peft_config", {}) or {}
+        first = next(iter(cfgs.values()), None) if isinstance(cfgs, dict) else cfgs
+        lora_r = int(getattr(first, "r", 0) or 0) or 8
+    rt.observe({"dtype": dtype, "load_in_4bit": in4, "lora_r": lora_r})
+
+    # Apply what only the trainer can take.
+    if isinstance(model, str):
+        mik = dict(args.model_init_kwargs or {})
+        if k_over.dtype is not None:
+            mik.pop("torch_dtype", None)
+            mik["dtype"] = k_over.dtype
+        if k_over.load_in_4bit and quant is None and "quantization_config" not in mik:
+            a["quantization_config"] = _bnb_config(torch)
+            if mik.get("dtype", "float32") == "float32":
+                mik["dtype"] = "bfloat16"
+        if mik != dict(args.model_init_kwargs or {}):
+            args.model_init_kwargs = mik
+    if k_over.lora_r and peft_config is None and not is_peft_model:
+        a["peft_config"] = _lora_config(rt)
+    dataset = a.get("train_dataset")
+    tokenizer = a.get("processing_class")
+    if dataset is not None:
+        a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model)
+    callbacks = list(a.get("callbacks") or [])
+    from .callback import make_callback
+
+    callbacks.append(make_callback(rt))
+    a["callbacks"] = callbacks
+    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model or peft_config is not None),
+                              "world_size": _world()}, observed=dict(rt.observed))
+
+
+def _after_init(rt: Runtime, trainer: Any) -> None:
+    from . import simulate
+
+    dev = simulate.device()
+    model = getattr(trainer, "model", None)
+    if dev is not None and model is not None:
+        dev.adopt(list(model.parameters()) + list(model.buffers()))
+    if rt.model_config is None and model is not None:
+        record_model(rt, model)
+    if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
+        inner = trainer._generate_and_score_completions
+
+        def generate_then_empty(*a: Any, **kw: Any) -> Any:
+            out = inner(*a, **kw)
+            rt.empty_cache()
+            return out
+
+        trainer._generate_and_score_completions = generate_then_empty
+    if rt.plan.log_to_trainer:
+        from .callback import wrap_log
+
+        wrap_log(rt, trainer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Datasets: prompt lengths, the max_prompt_tokens filter and the probe's worst case.
+
+
+def _prompt_texts(rows: list[Any], tokenizer: Any) -> list[str]:
+    texts = []
+    for p in rows:
+        if isinstance(p, list) and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            texts.append(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True))
+        elif isinstance(p, list):
+            texts.append(" ".join(str(m.get("content", "")) for m in p if isinstance(m, dict)))
+        else:
+            texts.append(str(p))
+    return texts
+
+
+def prompt_lengths(rows: list[Any], tokenizer: Any) -> list[int]:
+    texts = _prompt_texts(rows, tokenizer)
+    if tokenizer is None:
+        return [len(t.split()) for t in texts]
+    enc = tokenizer(texts, add_special_tokens=False)
+    return [len(ids) for ids in enc["input_ids"]]
+
+
+def _tokenizer_for(tokenizer: Any, model: Any) -> Any:
+    if tokenizer is not None and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer
+    if tokenizer is not None and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer  # a processor
+    try:
+        from transformers import AutoTokenizer
+
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return AutoTokenizer.from_pretrained(name)
+    except Exception:
+        return None
+
+
+def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any) -> Any:
+    """Measure prompt lengths, apply max_prompt_tokens, and for a probe keep only the longest prompts."""
+    if isinstance(dataset, dict) or not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []):
+        return dataset
+    tok = _tokenizer_for(tokenizer, model)
+    limit = rt.overrides.max_prompt_tokens
+    n = len(dataset) if hasattr(dataset, "__len__") else None
+    if n is None:  # IterableDataset: filter lazily, no statistics
+        if limit:
+            rt.emit("dataset", rows=None, dropped=None, max_prompt_tokens=limit)
+            return dataset.filter(lambda row: prompt_lengths([row["prompt"]], tok)[0] <= limit)
+        return dataset
+    if n == 0:
+        return dataset
+    step = max(1, math.ceil(n / _PROMPT_STATS_ROWS))
+    sample_idx = list(range(0, n, step))
+    lengths = prompt_lengths([dataset[i]["prompt"] for i in sample_idx], tok)
+    ordered = sorted(lengths)
+    stats = {"rows": n, "prompt_tokens_max": ordered[-1],
+             "prompt_tokens_p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+             "sampled": step > 1}
+    out = dataset
+    if limit:
+        all_len = lengths if step == 1 else prompt_lengths(list(dataset["prompt"]), tok)
+        keep = [i for i, length in enumerate(all_len) if length <= limit]
+        dropped = n - len(keep)
+        if keep:
+            out = dataset.select(keep)
+        stats.update(dropped=dropped, max_prompt_tokens=limit)
+        sys.stderr.write(f"oomguard: max_prompt_tokens={limit} dropped {dropped} of {n} prompts "
+                         f"(longest was {ordered[-1]} tokens)\n")
+    rt.emit("dataset", **stats)
+    if rt.plan.probe:
+        out = _longest(out, tok, rt)
+    return out
+
+
+def _longest(dataset: Any, tok: Any, rt: Runtime) -> Any:
+    """The probe trains only on the longest prompts, so every generation round is the worst case."""
+    lengths = prompt_lengths(list(dataset["prompt"]), tok)
+    want = int(rt.plan.probe.get("rows", 64))
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[: max(1, want)]
+    rt.emit("probe_dataset", rows=len(order), prompt_tokens=lengths[order[0]] if order else None)
+    return dataset.select(order)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# from_pretrained
+
+
+_MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+               "max_position_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype")
+
+
+def record_model(rt: Runtime, model: Any) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    rt.model_config = {k: _plain(d[k]) for k in _MODEL_KEYS if k in d}
+    try:
+        params = sum(p.numel() for p in model.parameters())
+    except Exception:
+        params = None
+    rt.emit("model", config=rt.model_config, params=params, dtype=_dtype_name(getattr(model, "dtype", None)))
+
+
+def _is_policy(cls: type) -> bool:
+    return cls.__name__.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel"))
+
+
+def patch_from_pretrained(rt: Runtime, module: Any) -> None:
+    base = module.PreTrainedModel
+    orig = base.__dict__["from_pretrained"].__func__
+
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not _is_policy(cls):
+            return orig(cls, *args, **kwargs)
+        import torch
+
+        requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        ov = rt.overrides
+        if ov.dtype is not None and ov.dtype != "auto":
+            kwargs.pop("torch_dtype", None)
+            kwargs["dtype"] = getattr(torch, ov.dtype)
+        if ov.load_in_4bit and "quantization_config" not in kwargs:
+            kwargs["quantization_config"] = _bnb_config(torch)
+            if kwargs.get("dtype") in (None, "auto", torch.float32, "float32"):
+                kwargs["dtype"] = torch.bfloat16
+        model = orig(cls, *args, **kwargs)
+        # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
+        # without an override (the first attempt always loads without one).
+        if requested not in (None, "auto"):
+            rt.observe({"dtype": _dtype_name(requested)})
+        elif ov.dtype is None and not ov.load_in_4bit:
+            rt.observe({"dtype": _dtype_name(getattr(model, "dtype", None))})
+        try:
+            model._oomguard_from_pretrained = True
+        except Exception:
+            pass
+        from . import simulate
+
+        dev = simulate.device()
+        if dev is not None:
+            dev.adopt(list(model.parameters()) + list(model.buffers()))
+        record_model(rt, model)
+        return model
+
+    _set(base, "from_pretrained", classmethod(from_pretrained))

@@ -1,0 +1,219 @@
+"""State of oomguard inside the training process: the plan, the knobs, events to the supervisor, crash records.
+
+Everything here is cheap to import (no torch): the bootstrap loads it in every Python process of a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..knobs import TRL_DEFAULTS, Knobs
+from ..records import PLAN_SCHEMA, CrashRecord, check_schema
+from ..sizes import format_size
+
+PLAN_ENV = "OOMGUARD_PLAN"
+SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
+# Exit code of a training process that died of OOM after writing its CrashRecord.
+EXIT_OOM = 86
+
+
+@dataclass
+class Plan:
+    """What the supervisor asks of one attempt (schema ``oomguard.plan/1``)."""
+
+    attempt: int = 1
+    overrides: dict[str, Any] = field(default_factory=dict)
+    simulate_gpu: int | None = None
+    gpu_memory: int | None = None
+    crash_dir: str | None = None
+    events: str | None = None
+    probe: dict[str, Any] | None = None
+    resume: dict[str, Any] | None = None
+    checkpoint_every: int | None = None
+    remedies: list[str] = field(default_factory=list)
+    log_to_trainer: bool = True
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        check_schema(data, PLAN_SCHEMA, path)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": PLAN_SCHEMA, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+
+class Runtime:
+    """One per process. Holds the plan, what the script set, and talks to the supervisor through files."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.overrides = Knobs.from_dict(plan.overrides)
+        self.observed: dict[str, Any] = {}
+        self.model_config: dict[str, Any] | None = None
+        self.trainer: Any = None
+        self.crashed = False
+        self.started = time.time()
+        self._lock = threading.Lock()
+
+    # -- knobs -------------------------------------------------------------------------------------------------
+    def observe(self, values: dict[str, Any]) -> None:
+        """Record what the script set, first value wins (copies of the config must not overwrite it)."""
+        for k, v in values.items():
+            self.observed.setdefault(k, v)
+
+    def knobs(self) -> Knobs:
+        """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""
+        base = TRL_DEFAULTS.merged({k: v for k, v in self.observed.items() if v is not None})
+        return base.merged(self.overrides)
+
+    def override(self, name: str) -> Any:
+        return getattr(self.overrides, name)
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def emit(self, event: str, **data: Any) -> None:
+        """Append one JSON line to the events file (O_APPEND keeps lines from several processes whole)."""
+        path = self.plan.events
+        if not path:
+            return
+        rec = {"event": event, "t": round(time.time(), 3), "pid": os.getpid(), "rank": rank(), **data}
+        line = json.dumps(rec, default=str) + "\n"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def peak_bytes(self) -> int | None:
+        from . import simulate
+
+        dev = simulate.device()
+        if dev is not None:
+            return dev.peak
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+        return None
+
+    def memory_stats(self) -> dict[str, Any] | None:
+        from . import simulate
+
+        dev = simulate.device()
+        if dev is not None:
+            return dev.stats()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            try:
+                return {k: v for k, v in torch.cuda.memory_stats().items() if isinstance(v, (int, float))}
+            except RuntimeError:
+                return None
+        return None
+
+    def device_name(self) -> str:
+        from . import simulate
+
+        if simulate.device() is not None:
+            return f"simulated ({format_size(simulate.device().capacity)})"
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+        return "cpu"
+
+    def empty_cache(self) -> None:
+        """Release cached blocks on whatever device this process uses (the simulated one included)."""
+        from . import simulate
+
+        dev = simulate.device()
+        if dev is not None:
+            dev.release_cached()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    # -- crash -------------------------------------------------------------------------------------------------
+    def record_crash(self, exc: BaseException) -> Path | None:
+        """Write the CrashRecord for an OOM (once per process). Returns its path."""
+        from ..diagnose import phase_from_frames
+        from ..oom import Frame, oom_in_chain, report_from_exception
+
+        with self._lock:
+            if self.crashed or not self.plan.crash_dir:
+                return None
+            self.crashed = True
+        oom = oom_in_chain(exc) or exc
+        frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(oom.__traceback__)]
+        if not frames and exc is not oom:
+            frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+        phase, _ = phase_from_frames(frames)
+        step = None
+        if self.trainer is not None:
+            step = getattr(getattr(self.trainer, "state", None), "global_step", None)
+        cls = type(oom)
+        rec = CrashRecord(
+            message=str(oom),
+            exception_type=f"{cls.__module__}.{cls.__qualname__}",
+            report=report_from_exception(oom),
+            frames=frames,
+            phase=phase,
+            step=step,
+            memory_stats=self.memory_stats(),
+            knobs=self.knobs().to_dict(),
+            observed=dict(self.observed),
+            peak_bytes=self.peak_bytes(),
+            rank=rank(),
+            world_size=world_size(),
+            device=self.device_name(),
+            attempt=self.plan.attempt,
+            model_config=self.model_config,
+        )
+        name = f"crash-rank{rank()}.json" if rank() is not None else f"crash-{os.getpid()}.json"
+        path = Path(self.plan.crash_dir) / name
+        try:
+            rec.write(path)
+        except OSError as e:
+            sys.stderr.write(f"oomguard: could not write the crash record {path}: {e}\n")
+            return None
+        self.emit("oom", step=step, phase=phase, path=str(path))
+        return path
+
+
+def rank() -> int | None:
+    r = os.environ.get("RANK")
+    try:
+        return int(r) if r is not None else None
+    except ValueError:
+        return None
+
+
+def world_size() -> int | None:
+    w = os.environ.get("WORLD_SIZE")
+    try:
+        return int(w) if w is not None else None
+    except ValueError:
+        return None
+
+
+_RUNTIME: Runtime | None = None
+
+
+def runtime() -> Runtime | None:
+    return _RUNTIME
+
+
+def set_runtime(rt: Runtime | None) -> None:
+    global _RUNTIME
+    _RUNTIME = rt

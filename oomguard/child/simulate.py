@@ -1,0 +1,443 @@
+"""The simulated device: a memory budget on CPU that raises real ``torch.OutOfMemoryError``s.
+
+It is a rehearsal and test device, never passed off as a GPU. A ``TorchDispatchMode`` sees every tensor an operator
+creates; each new storage is placed by a model of PyTorch's CUDA caching allocator, and a weak reference frees its
+block when the storage dies. So "allocated" is the real live tensor memory of this process, rounded as the CUDA
+allocator rounds it, and "reserved" follows the caching allocator's segment rules:
+
+- sizes round up to 512 bytes; requests up to 1 MiB come from 2 MiB small-pool segments, requests up to 10 MiB from
+  20 MiB segments, larger ones from segments rounded up to 2 MiB (``CUDACachingAllocator.cpp``);
+- a free block is found best-fit and split when the remainder is worth keeping; freed blocks merge with free
+  neighbours and stay cached;
+- when a new segment does not fit, all fully free segments are released and the request is tried again, and only
+  then is an OOM raised, with the allocator's exact message format;
+- with ``expandable_segments:True`` (read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF``) each pool is one
+  virtual segment mapped in 2 MiB pages, so freed pages can always be reused and fragmentation is limited to
+  partly used pages.
+
+Storages that exist before the mode starts (or that a loader maps straight from a file) are adopted with
+:meth:`SimulatedDevice.adopt`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from ..sizes import format_size
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20  # kSmallSize: requests up to this use the small pool
+SMALL_BUFFER = 2 << 20  # kSmallBuffer
+LARGE_BUFFER = 20 << 20  # kLargeBuffer
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge
+PAGE = 2 << 20  # granularity of expandable segments
+
+SIMULATED_TAG = "  [oomguard simulated device: a memory budget on CPU, not a real GPU]"
+
+
+def round_size(n: int) -> int:
+    return MIN_BLOCK if n < MIN_BLOCK else MIN_BLOCK * ((n + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def segment_size(n: int) -> int:
+    if n <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if n < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((n + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class _Block:
+    seg: _Segment
+    offset: int
+    size: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.seg.id, self.offset)
+
+
+@dataclass(eq=False)
+class _Segment:
+    id: int
+    size: int
+    small: bool
+
+
+class AllocatorModel:
+    """The segment and block bookkeeping of the caching allocator (no tensors here; sizes only)."""
+
+    def __init__(self, capacity: int, expandable: bool = False) -> None:
+        self.capacity = capacity
+        self.expandable = expandable
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.num_ooms = 0
+        self.num_alloc_retries = 0
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._free_blocks: dict[tuple[int, int, int], _Block] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._first: dict[int, _Block] = {}
+        self._next_seg = 0
+        # expandable segments: one virtual segment per pool, mapped in pages
+        self._vseg: dict[bool, _Segment] = {}
+        self._page_refs: dict[tuple[bool, int], int] = {}
+        self._mapped: set[tuple[bool, int]] = set()
+
+    # -- free list ---------------------------------------------------------------------------------------------
+    def _add_free(self, b: _Block) -> None:
+        b.free = True
+        k = b.key()
+        bisect.insort(self._free[b.seg.small], k)
+        self._free_blocks[k] = b
+
+    def _remove_free(self, b: _Block) -> None:
+        k = b.key()
+        lst = self._free[b.seg.small]
+        i = bisect.bisect_left(lst, k)
+        if i < len(lst) and lst[i] == k:
+            lst.pop(i)
+        self._free_blocks.pop(k, None)
+
+    def _best_fit(self, small: bool, size: int) -> _Block | None:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size, -1, -1))
+        return self._free_blocks[lst[i]] if i < len(lst) else None
+
+    # -- public ------------------------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> _Block:
+        """Place a block, or raise MemoryError(request) when it cannot fit after releasing cached segments."""
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        if self.expandable:
+            return self._malloc_expandable(size, small)
+        b = self._best_fit(small, size)
+        if b is None:
+            seg_size = segment_size(size)
+            if self.reserved + seg_size > self.capacity:
+                self.num_alloc_retries += 1
+                self.release_cached()
+                if self.reserved + seg_size > self.capacity:
+                    self.num_ooms += 1
+                    raise MemoryError(seg_size)
+            b = self._new_segment(seg_size, small)
+        else:
+            self._remove_free(b)
+        self._split(b, size, small)
+        b.free = False
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def free(self, b: _Block) -> None:
+        if b.free:
+            return
+        self.allocated -= b.size
+        if self.expandable:
+            self._unref_pages(b)
+        # merge with free neighbours
+        if b.prev is not None and b.prev.free:
+            p = b.prev
+            self._remove_free(p)
+            p.size += b.size
+            p.next = b.next
+            if b.next is not None:
+                b.next.prev = p
+            b = p
+        if b.next is not None and b.next.free:
+            n = b.next
+            self._remove_free(n)
+            b.size += n.size
+            b.next = n.next
+            if n.next is not None:
+                n.next.prev = b
+        self._add_free(b)
+
+    def release_cached(self) -> None:
+        """Give fully free segments (or, expandable, unused pages) back to the device, like ``empty_cache()``."""
+        if self.expandable:
+            for page in [p for p in self._mapped if self._page_refs.get(p, 0) == 0]:
+                self._mapped.discard(page)
+                self.reserved -= PAGE
+            return
+        for sid, seg in list(self._segments.items()):
+            b = self._first[sid]
+            if b.free and b.next is None and b.size == seg.size:
+                self._remove_free(b)
+                del self._segments[sid]
+                del self._first[sid]
+                self.reserved -= seg.size
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _new_segment(self, seg_size: int, small: bool) -> _Block:
+        seg = _Segment(self._next_seg, seg_size, small)
+        self._next_seg += 1
+        self._segments[seg.id] = seg
+        b = _Block(seg, 0, seg_size)
+        self._first[seg.id] = b
+        self.reserved += seg_size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return b
+
+    def _split(self, b: _Block, size: int, small: bool) -> None:
+        rest = b.size - size
+        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE) or (self.expandable and rest >= MIN_BLOCK):
+            r = _Block(b.seg, b.offset + size, rest, True, b, b.next)
+            if b.next is not None:
+                b.next.prev = r
+            b.next = r
+            b.size = size
+            self._add_free(r)
+
+    def _pages(self, b: _Block) -> range:
+        return range(b.offset // PAGE, (b.offset + b.size - 1) // PAGE + 1)
+
+    def _malloc_expandable(self, size: int, small: bool) -> _Block:
+        b = self._best_fit(small, size)
+        if b is None:
+            # grow the virtual segment at its end
+            seg = self._vseg.get(small)
+            if seg is None:
+                seg = self._vseg[small] = _Segment(self._next_seg, 0, small)
+                self._next_seg += 1
+            tail = self._tail(seg)
+            if tail is not None and tail.free:
+                self._remove_free(tail)
+                tail.size += size
+                b = tail
+            else:
+                b = _Block(seg, seg.size, size, True, tail, None)
+                if tail is not None:
+                    tail.next = b
+                else:
+                    self._first[seg.id] = b
+            seg.size += size
+        else:
+            self._remove_free(b)
+        need = [p for p in range(b.offset // PAGE, (b.offset + size - 1) // PAGE + 1) if (small, p) not in self._mapped]
+        if self.reserved + len(need) * PAGE > self.capacity:
+            self.num_alloc_retries += 1
+            self.release_cached()
+            need = [p for p in range(b.offset // PAGE, (b.offset + size - 1) // PAGE + 1)
+                    if (small, p) not in self._mapped]
+            if self.reserved + len(need) * PAGE > self.capacity:
+                self.num_ooms += 1
+                self._add_free(b)
+                raise MemoryError(max(PAGE, len(need) * PAGE))
+        for p in need:
+            self._mapped.add((small, p))
+            self.reserved += PAGE
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._split(b, size, small)
+        b.free = False
+        for p in self._pages(b):
+            self._page_refs[(small, p)] = self._page_refs.get((small, p), 0) + 1
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def _tail(self, seg: _Segment) -> _Block | None:
+        b = self._first.get(seg.id)
+        while b is not None and b.next is not None:
+            b = b.next
+        return b
+
+    def _unref_pages(self, b: _Block) -> None:
+        small = b.seg.small
+        for p in self._pages(b):
+            k = (small, p)
+            n = self._page_refs.get(k, 0) - 1
+            if n <= 0:
+                self._page_refs.pop(k, None)
+            else:
+                self._page_refs[k] = n
+
+
+def expandable_from_env(env: dict[str, str] | None = None) -> bool:
+    """Whether the allocator config in force enables expandable segments (first variable set wins, as in torch)."""
+    env = dict(os.environ if env is None else env)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        if var in env:
+            return any(opt.strip().lower() == "expandable_segments:true" for opt in env[var].split(","))
+    return False
+
+
+class SimulatedDevice:
+    """A memory budget for this process's tensors, with the caching allocator's behaviour and message."""
+
+    def __init__(self, capacity: int, expandable: bool | None = None) -> None:
+        self.capacity = int(capacity)
+        self.model = AllocatorModel(self.capacity, expandable_from_env() if expandable is None else expandable)
+        self._live: dict[int, tuple[Any, _Block, int]] = {}
+        self._lock = threading.RLock()
+        self._mode: Any = None
+        self.last_oom: str | None = None
+        # A weakref callback can fire while this thread is inside the model (GC runs during any allocation);
+        # such frees wait until the model is consistent again.
+        self._busy = 0
+        self._pending: list[int] = []
+
+    # -- storage tracking --------------------------------------------------------------------------------------
+    def track(self, storage: Any) -> None:
+        """Account for a storage; raise torch.OutOfMemoryError if it does not fit."""
+        key = id(storage)
+        with self._lock:
+            entry = self._live.get(key)
+            nbytes = storage.nbytes()
+            if entry is not None:
+                if entry[2] == nbytes:
+                    return
+                self._release(key)  # resized in place
+            if nbytes == 0:
+                return
+            self._busy += 1
+            try:
+                block = self.model.malloc(nbytes)
+            except MemoryError as e:
+                request = int(e.args[0])
+            else:
+                request = 0
+            finally:
+                self._busy -= 1
+                self._drain()
+            if request:
+                self._raise_oom(request)
+            try:
+                ref = weakref.ref(storage, lambda _r, k=key: self._release(k))
+            except TypeError:
+                self.model.free(block)
+                return
+            self._live[key] = (ref, block, nbytes)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            if self._busy:
+                self._pending.append(key)
+                return
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._busy += 1
+                try:
+                    self.model.free(entry[1])
+                finally:
+                    self._busy -= 1
+                    self._drain()
+
+    def _drain(self) -> None:
+        while self._pending and not self._busy:
+            self._release(self._pending.pop())
+
+    def adopt(self, tensors: Any) -> int:
+        """Account for tensors that already exist (model weights loaded before the mode saw them). Returns bytes."""
+        before = self.model.allocated
+        for t in tensors:
+            try:
+                if getattr(t, "device", None) is not None and t.device.type == "cpu":
+                    self.track(t.untyped_storage())
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+        return self.model.allocated - before
+
+    def release_cached(self) -> None:
+        with self._lock:
+            self.model.release_cached()
+
+    # -- facts -------------------------------------------------------------------------------------------------
+    @property
+    def peak(self) -> int:
+        return self.model.peak_allocated
+
+    def stats(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "simulated": True,
+            "capacity": self.capacity,
+            "expandable_segments": m.expandable,
+            "allocated_bytes.all.current": m.allocated,
+            "allocated_bytes.all.peak": m.peak_allocated,
+            "reserved_bytes.all.current": m.reserved,
+            "reserved_bytes.all.peak": m.peak_reserved,
+            "num_alloc_retries": m.num_alloc_retries,
+            "num_ooms": m.num_ooms,
+        }
+
+    def reset_peak(self) -> None:
+        self.model.peak_allocated = self.model.allocated
+        self.model.peak_reserved = self.model.reserved
+
+    def oom_message(self, request: int) -> str:
+        m = self.model
+        free = max(0, self.capacity - m.reserved)
+        return (
+            f"CUDA out of memory. Tried to allocate {format_size(request)}. GPU 0 has a total capacity of "
+            f"{format_size(self.capacity)} of which {format_size(free)} is free. Including non-PyTorch memory, this "
+            f"process has {format_size(m.reserved)} memory in use. Of the allocated memory {format_size(m.allocated)} "
+            f"is allocated by PyTorch, and {format_size(m.reserved - m.allocated)} is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+            "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)" + SIMULATED_TAG
+        )
+
+    def _raise_oom(self, request: int) -> None:
+        import torch
+
+        self.last_oom = self.oom_message(request)
+        raise torch.OutOfMemoryError(self.last_oom)
+
+    # -- the dispatch mode -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Enter the dispatch mode on this thread for the rest of the process."""
+        if self._mode is not None:
+            return
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        device = self
+        tensor_type = torch.Tensor
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                leaves = (out,) if isinstance(out, tensor_type) else tree_flatten(out)[0]
+                for t in leaves:
+                    if isinstance(t, tensor_type) and t.device.type == "cpu":
+                        try:
+                            storage = t.untyped_storage()
+                        except (RuntimeError, NotImplementedError, TypeError):
+                            continue
+                        try:
+                            device.track(storage)
+                        except torch.OutOfMemoryError as e:
+                            raise e.with_traceback(None) from None  # the user's frames, not the simulator's
+                return out
+
+        self._mode = _Count()
+        self._mode.__enter__()
+
+
+_DEVICE: SimulatedDevice | None = None
+
+
+def device() -> SimulatedDevice | None:
+    """The simulated device of this process, if one was started."""
+    return _DEVICE
+
+
+def start(capacity: int, expandable: bool | None = None) -> SimulatedDevice:
+    global _DEVICE
+    if _DEVICE is None:
+        _DEVICE = SimulatedDevice(capacity, expandable)
+        _DEVICE.start()
+    return _DEVICE

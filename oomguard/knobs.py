@@ -1,0 +1,319 @@
+"""Knobs: every value oomguard may change, immutable, checked against GRPO's batch rules, with a diff.
+
+A run has three layers of knobs. TRL's defaults, then what the user's script set (recorded by the training process
+when it builds its ``GRPOConfig``), then oomguard's overrides. ``effective = defaults | observed | overrides``, and
+the diff compares ``defaults | observed`` (the user's own config) with the effective knobs, so it shows exactly
+what oomguard changed.
+
+>>> k = TRL_DEFAULTS.replace(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+>>> k.rows_per_device(), k.validate()
+(8, [])
+>>> [r.knob for r in k.diff(k.replace(max_completion_length=256))]
+['max_completion_length']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Optimizer names that transformers 5.x accepts and what they are (training_args.py OptimizerNames).
+EIGHT_BIT_OPTIMIZERS = {
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit", "ademamix_8bit",
+    "paged_ademamix_8bit", "rmsprop_bnb_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw_8bit",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Every value oomguard may change. ``None`` means "not set": TRL's default (or the user's value) applies.
+
+    Field names follow ``GRPOConfig`` where one exists; the others are oomguard's own:
+    ``expandable_segments`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
+    from the dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
+    ``load_in_4bit`` (adapters and quantisation injected at the trainer), ``zero_stage``/``offload_*`` (DeepSpeed
+    through accelerate), ``fsdp_offload``.
+    """
+
+    expandable_segments: bool | None = None
+    torch_empty_cache_steps: int | None = None
+    max_completion_length: int | None = None
+    max_prompt_tokens: int | None = None
+    num_generations: int | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
+    gradient_checkpointing: bool | None = None
+    optim: str | None = None
+    dtype: str | None = None
+    lora_r: int | None = None
+    lora_alpha: int | None = None
+    lora_target_modules: tuple[str, ...] | str | None = None
+    load_in_4bit: bool | None = None
+    beta: float | None = None
+    use_vllm: bool | None = None
+    vllm_mode: str | None = None
+    vllm_gpu_memory_utilization: float | None = None
+    vllm_enable_sleep_mode: bool | None = None
+    vllm_max_model_length: int | None = None
+    dataloader_num_workers: int | None = None
+    dataloader_prefetch_factor: int | None = None
+    zero_stage: int | None = None
+    offload_optimizer: bool | None = None
+    offload_params: bool | None = None
+    fsdp_offload: bool | None = None
+
+    # -- construction ----------------------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> Knobs:
+        unknown = set(changes) - KNOB_NAMES
+        if unknown:
+            raise KeyError(f"unknown knob(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def merged(self, top: Knobs | Mapping[str, Any]) -> Knobs:
+        """This layer with ``top``'s set (non-None) values on top."""
+        items = top.to_dict(only_set=True) if isinstance(top, Knobs) else dict(top)
+        return self.replace(**{k: _normalise(k, v) for k, v in items.items() if v is not None})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Knobs:
+        d = dict(d or {})
+        unknown = set(d) - KNOB_NAMES
+        if unknown:
+            raise KeyError(f"unknown knob(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: _normalise(k, v) for k, v in d.items()})
+
+    def to_dict(self, *, only_set: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if only_set and v is None:
+                continue
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    # -- GRPO batch geometry (GRPOConfig.__post_init__, TRL 1.16) ----------------------------------------------
+    def geometry(self, world_size: int = 1) -> tuple[int, int, int]:
+        """``(per_device_train_batch_size, gradient_accumulation_steps, steps_per_generation)`` as TRL resolves them."""
+        bs = self.per_device_train_batch_size or 8
+        ga = self.gradient_accumulation_steps or 1
+        if self.steps_per_generation is not None:
+            spg = self.steps_per_generation
+        elif self.generation_batch_size is not None:
+            spg = max(1, self.generation_batch_size // max(1, bs * world_size))
+        else:
+            spg = ga
+        return bs, ga, spg
+
+    def rows_per_device(self, world_size: int = 1) -> int:
+        """Completions generated per device per generation round: what sets generation memory."""
+        bs, _, spg = self.geometry(world_size)
+        return bs * spg
+
+    def with_geometry(self, bs: int, ga: int, spg: int, world_size: int = 1) -> Knobs:
+        """Set the batch geometry, written in the form the user used (generation_batch_size or steps_per_generation)."""
+        changes: dict[str, Any] = {"per_device_train_batch_size": bs, "gradient_accumulation_steps": ga}
+        if self.generation_batch_size is not None:
+            changes["generation_batch_size"] = bs * world_size * spg
+        elif self.steps_per_generation is not None or spg != ga:
+            changes["steps_per_generation"] = spg
+        return self.replace(**changes)
+
+    def validate(self, world_size: int = 1) -> list[str]:
+        """Problems with these knobs under TRL 1.16's rules; an empty list means GRPOConfig will accept them."""
+        problems: list[str] = []
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                     "generation_batch_size", "max_completion_length", "max_prompt_tokens", "torch_empty_cache_steps",
+                     "lora_r"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "lora_r" else 1)):
+                problems.append(f"{name} must be a positive integer, not {v!r}")
+        if problems:
+            return problems
+        g = self.num_generations if self.num_generations is not None else 8
+        if g < 2:
+            problems.append(f"num_generations must be at least 2 (got {g})")
+        bs = self.per_device_train_batch_size or 8
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            problems.append("generation_batch_size and steps_per_generation cannot both be set")
+        if self.generation_batch_size is not None and self.generation_batch_size % (bs * world_size):
+            problems.append(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch "
+                            f"size ({bs} x {world_size})")
+        gbs = self.rows_per_device(world_size) * world_size
+        if g >= 2 and gbs % g:
+            problems.append(f"generation_batch_size ({gbs}) must be divisible by num_generations ({g})")
+        if self.dtype is not None and self.dtype not in (*DTYPES, "auto"):
+            problems.append(f"dtype must be one of {', '.join(DTYPES)} or auto, not {self.dtype!r}")
+        if self.load_in_4bit and not self.lora_r:
+            problems.append("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
+        u = self.vllm_gpu_memory_utilization
+        if u is not None and not (0 < u <= 1):
+            problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], not {u}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"zero_stage must be 0, 1, 2 or 3, not {self.zero_stage}")
+        if self.beta is not None and self.beta < 0:
+            problems.append(f"beta must be >= 0, not {self.beta}")
+        return problems
+
+    # -- diff --------------------------------------------------------------------------------------------------
+    def diff(self, other: Knobs) -> list[DiffRow]:
+        """Rows for every knob whose value differs between ``self`` (before) and ``other`` (after)."""
+        rows = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                rows.append(DiffRow(f.name, a, b))
+        return rows
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    knob: str
+    before: Any
+    after: Any
+    remedy: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        def plain(v: Any) -> Any:
+            return list(v) if isinstance(v, tuple) else v
+
+        return {"knob": self.knob, "from": plain(self.before), "to": plain(self.after), "remedy": self.remedy}
+
+
+KNOB_NAMES = frozenset(f.name for f in fields(Knobs))
+
+_BOOL_KNOBS = {f.name for f in fields(Knobs) if "bool" in str(f.type)}
+_INT_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("int")}
+_FLOAT_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("float")}
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if name == "lora_target_modules" and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def parse_knob(name: str, text: str) -> Any:
+    """Read ``KNOB=VALUE`` text from the command line into the knob's type, with a one-line error if it cannot.
+
+    >>> parse_knob("gradient_checkpointing", "off"), parse_knob("lora_target_modules", "q_proj,v_proj")
+    (False, ('q_proj', 'v_proj'))
+    """
+    if name not in KNOB_NAMES:
+        raise KeyError(f"unknown knob {name!r}; known knobs: {', '.join(sorted(KNOB_NAMES))}")
+    t = text.strip()
+    if t.lower() in ("none", "null", ""):
+        return None
+    if name in _BOOL_KNOBS:
+        low = t.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} takes true or false, not {text!r}")
+    if name in _INT_KNOBS:
+        try:
+            return int(t)
+        except ValueError:
+            raise ValueError(f"{name} takes an integer, not {text!r}")
+    if name in _FLOAT_KNOBS:
+        try:
+            return float(t)
+        except ValueError:
+            raise ValueError(f"{name} takes a number, not {text!r}")
+    if name == "lora_target_modules":
+        return t if t == "all-linear" else tuple(p.strip() for p in t.split(",") if p.strip())
+    return t
+
+
+# TRL 1.16 GRPOConfig defaults for the knobs (research/trl-grpo-memory.md §1), plus the allocator and dtype facts:
+# no allocator config, and fp32 when TRL loads the model from a string.
+TRL_DEFAULTS = Knobs(
+    expandable_segments=False,
+    torch_empty_cache_steps=None,
+    max_completion_length=512,
+    max_prompt_tokens=None,
+    num_generations=8,
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=1,
+    steps_per_generation=None,
+    generation_batch_size=None,
+    gradient_checkpointing=True,
+    optim="adamw_torch_fused",
+    dtype="float32",
+    lora_r=0,
+    lora_alpha=None,
+    lora_target_modules=None,
+    load_in_4bit=False,
+    beta=0.0,
+    use_vllm=False,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.3,
+    vllm_enable_sleep_mode=False,
+    vllm_max_model_length=None,
+    dataloader_num_workers=0,
+    dataloader_prefetch_factor=None,
+    zero_stage=None,
+    offload_optimizer=False,
+    offload_params=False,
+    fsdp_offload=False,
+)
+
+
+# Which knobs reach the training process through which construction point (`oomguard run`). A rung whose knobs
+# reach nothing the command built cannot help it: a script without GRPOConfig only feels the allocator settings.
+REACH: dict[str, frozenset[str]] = {
+    "env": frozenset({"expandable_segments"}),
+    "config": frozenset({
+        "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+        "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
+        "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
+        "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing", "zero_stage",
+        "offload_optimizer", "offload_params", "fsdp_offload",
+    }),
+    "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
+    "model": frozenset({"dtype", "load_in_4bit"}),
+}
+
+
+def reachable(points: frozenset[str] | set[str]) -> frozenset[str]:
+    """The knobs that reach a process which passed through ``points`` (``config``, ``trainer``, ``model``)."""
+    out = set(REACH["env"])
+    for p in points:
+        out |= REACH.get(p, frozenset())
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the training process reported about the run, beyond the knobs: remedies read these to decide.
+
+    ``model_source``: ``"string"`` (TRL loads it, so dtype/4-bit can be injected), ``"from_pretrained"`` (the
+    script loaded it), ``"instance"`` (built otherwise: no load-time remedy applies), or ``None`` (not known yet).
+    """
+
+    world_size: int = 1
+    model_source: str | None = None
+    user_peft: bool = False
+    alloc_conf_locked: str | None = None  # the user's own expandable_segments:False, which oomguard respects
+    prompt_tokens_max: int | None = None
+    prompt_tokens_p95: int | None = None
+    dataset_rows: int | None = None
+    model_config: dict[str, Any] | None = None
+    launcher: str | None = None
+    checkpoints: bool | None = None
+
+    def replace(self, **changes: Any) -> RunFacts:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RunFacts:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in dict(d or {}).items() if k in known})

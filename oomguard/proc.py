@@ -1,0 +1,150 @@
+"""Launch one attempt: a fresh process group, output streamed live with a tail kept, signals forwarded.
+
+SIGINT and SIGTERM go to the whole process group of the child, grandchildren included. After the child exits, the
+group is killed, so nothing the attempt started outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+TAIL_BYTES = 256 * 1024
+
+
+class Tail:
+    """The last ``limit`` bytes written to it."""
+
+    def __init__(self, limit: int = TAIL_BYTES) -> None:
+        self.limit = limit
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def write(self, b: bytes) -> None:
+        with self._lock:
+            self._chunks.append(b)
+            self._size += len(b)
+            while self._size - len(self._chunks[0]) >= self.limit:
+                self._size -= len(self._chunks.popleft())
+
+    def text(self) -> str:
+        with self._lock:
+            data = b"".join(self._chunks)[-self.limit:]
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class ProcessResult:
+    returncode: int  # negative: killed by that signal (subprocess convention)
+    stdout_tail: str
+    stderr_tail: str
+    interrupted: int | None  # the signal the supervisor received and forwarded, if any
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        """The code a shell would report: 128 + signal for a child killed by a signal."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+
+class Interrupts:
+    """SIGINT/SIGTERM handling for the supervisor's lifetime: remember the signal, forward it to the child group."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self.pgid: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+        if self.pgid is not None:
+            # A second Ctrl-C means now.
+            _killpg(self.pgid, signal.SIGKILL if self.count > 1 else signum)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None) -> None:
+    fd = src.fileno()
+    while True:
+        try:
+            b = os.read(fd, 65536)
+        except OSError:
+            break
+        if not b:
+            break
+        tail.write(b)
+        if on_data is not None:
+            on_data(b)
+        if dst is not None:
+            try:
+                dst.write(b)
+                dst.flush()
+            except (OSError, ValueError):
+                pass
+    src.close()
+
+
+def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts, *, grace: float = 20.0,
+                echo: bool = True, on_stdout: Callable[[bytes], None] | None = None,
+                on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None) -> ProcessResult:
+    """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does."""
+    start = time.monotonic()
+    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, cwd=cwd)
+    interrupts.pgid = proc.pid
+    out_tail, err_tail = Tail(), Tail()
+    threads = [
+        threading.Thread(target=_pump, args=(proc.stdout, sys.stdout.buffer if echo else None, out_tail, on_stdout),
+                         daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, sys.stderr.buffer if echo else None, err_tail, on_stderr),
+                         daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    if interrupts.signum is not None:  # a signal arrived while starting
+        _killpg(proc.pid, interrupts.signum)
+    killed_at: float | None = None
+    while True:
+        try:
+            rc = proc.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if interrupts.signum is not None:
+            killed_at = killed_at or time.monotonic()
+            if time.monotonic() - killed_at > grace:
+                _killpg(proc.pid, signal.SIGKILL)
+    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank).
+    _killpg(proc.pid, signal.SIGKILL)
+    interrupts.pgid = None
+    for t in threads:
+        t.join(timeout=5)
+    return ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start)

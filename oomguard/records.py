@@ -1,0 +1,283 @@
+"""Versioned records that oomguard writes: CrashRecord (the training process's last words), RunReport and the lock.
+
+Every record is JSON with a ``schema`` field, ``"<kind>/<major>"``. Readers accept any record of the same major
+version and ignore fields they do not know, so a newer oomguard can add fields without breaking older readers.
+Writes are atomic (a temporary file in the same directory, fsync, rename): a crash mid-write never leaves half a
+record, and an existing file is replaced only by a complete one.
+
+>>> import tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> p = write_json_atomic(os.path.join(d, "r.json"), {"schema": CRASH_SCHEMA, "message": "x"})
+>>> read_json(p)["message"]
+'x'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .oom import Frame, OOMReport
+
+CRASH_SCHEMA = "oomguard.crash/1"
+REPORT_SCHEMA = "oomguard.report/1"
+LOCK_SCHEMA = "oomguard.lock/1"
+PLAN_SCHEMA = "oomguard.plan/1"
+
+
+class RecordError(ValueError):
+    """A file that is not the record it should be; the message names the file and the reason."""
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    to_dict = getattr(o, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return repr(o)
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_schema(data: Any, expected: str, source: str) -> None:
+    """Raise RecordError unless ``data`` is a record of ``expected``'s kind and major version."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{source}: not an oomguard record (expected a JSON object)")
+    schema = str(data.get("schema", ""))
+    kind, _, major = expected.partition("/")
+    got_kind, _, got_major = schema.partition("/")
+    if got_kind != kind:
+        raise RecordError(f"{source}: not an {kind} record (schema {schema or 'missing'})")
+    if got_major.split(".")[0] != major:
+        raise RecordError(f"{source}: {kind} schema version {got_major} is not supported (this oomguard reads {major})")
+
+
+@dataclass
+class CrashRecord:
+    """What the training process writes when it dies of OOM (schema ``oomguard.crash/1``).
+
+    Fields: ``message`` (the exception text), ``exception_type``, ``report`` (the parsed OOMReport), ``frames``
+    (outermost first), ``phase``, ``step`` (the trainer's global step, if training had started), ``memory_stats``
+    (``torch.cuda.memory_stats()`` on a GPU, the simulated device's counters on CPU), ``knobs`` (the effective
+    knobs), ``observed`` (what the script itself set), ``peak_bytes``, ``rank``/``world_size``, ``pid``, ``host``,
+    ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``.
+    """
+
+    message: str
+    exception_type: str
+    report: OOMReport
+    frames: list[Frame] = field(default_factory=list)
+    phase: str = "unknown"
+    step: int | None = None
+    memory_stats: dict[str, Any] | None = None
+    knobs: dict[str, Any] | None = None
+    observed: dict[str, Any] | None = None
+    peak_bytes: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    device: str | None = None
+    attempt: int | None = None
+    model_config: dict[str, Any] | None = None
+    created: str = field(default_factory=now_iso)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": CRASH_SCHEMA,
+            "created": self.created,
+            "message": self.message,
+            "exception_type": self.exception_type,
+            "report": self.report.to_dict(),
+            "frames": [f.to_dict() for f in self.frames],
+            "phase": self.phase,
+            "step": self.step,
+            "memory_stats": self.memory_stats,
+            "knobs": self.knobs,
+            "observed": self.observed,
+            "peak_bytes": self.peak_bytes,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": self.pid,
+            "host": self.host,
+            "device": self.device,
+            "attempt": self.attempt,
+            "model_config": self.model_config,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "crash record") -> CrashRecord:
+        check_schema(d, CRASH_SCHEMA, source)
+        try:
+            report = OOMReport.from_dict(d.get("report") or {"backend": "cuda", "origin": "allocator",
+                                                              "message": d.get("message", "")})
+            return cls(
+                message=str(d.get("message", "")),
+                exception_type=str(d.get("exception_type", "")),
+                report=report,
+                frames=[Frame.from_dict(f) for f in d.get("frames") or []],
+                phase=str(d.get("phase") or "unknown"),
+                step=d.get("step"),
+                memory_stats=d.get("memory_stats"),
+                knobs=d.get("knobs"),
+                observed=d.get("observed"),
+                peak_bytes=d.get("peak_bytes"),
+                rank=d.get("rank"),
+                world_size=d.get("world_size"),
+                pid=int(d.get("pid") or 0),
+                host=str(d.get("host", "")),
+                device=d.get("device"),
+                attempt=d.get("attempt"),
+                model_config=d.get("model_config"),
+                created=str(d.get("created", "")),
+            )
+        except (TypeError, ValueError, KeyError) as e:
+            raise RecordError(f"{source}: malformed crash record ({e})") from None
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> CrashRecord:
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            raise RecordError(f"{path}: cannot read crash record ({e})") from None
+        return cls.from_dict(data, str(path))
+
+
+@dataclass
+class Attempt:
+    """One launch (or one in-process call, for the decorator) and how it ended."""
+
+    index: int
+    knobs: dict[str, Any]
+    remedies: list[str]
+    outcome: str  # ok | oom | failed | interrupted
+    exit_code: int | None
+    seconds: float
+    peak_bytes: int | None = None
+    oom: dict[str, Any] | None = None
+    step: int | None = None
+    kind: str = "run"  # run | probe | minimize
+    skipped: list[dict[str, str]] = field(default_factory=list)  # rungs passed over after this attempt, with why
+    climbed: str | None = None  # the rung climbed after this attempt
+    resume: dict[str, Any] | None = None  # how this attempt continued from a checkpoint, if it did
+    predicted_bytes: int | None = None
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "knobs": self.knobs,
+            "remedies": self.remedies,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "peak_bytes": self.peak_bytes,
+            "predicted_bytes": self.predicted_bytes,
+            "oom": self.oom,
+            "step": self.step,
+            "climbed": self.climbed,
+            "skipped": self.skipped,
+            "resume": self.resume,
+            "note": self.note,
+        }
+
+
+@dataclass
+class RunReport:
+    """All attempts, the original and stable knobs, and the diff (schema ``oomguard.report/1``)."""
+
+    status: str  # stable | exhausted | failed | interrupted
+    attempts: list[Attempt]
+    original: dict[str, Any]
+    stable: dict[str, Any] | None
+    diff: list[dict[str, Any]]
+    command: list[str] = field(default_factory=list)
+    ladder: str | None = None
+    message: str = ""
+    exit_code: int | None = None
+    started: str = field(default_factory=now_iso)
+    finished: str | None = None
+    device: dict[str, Any] | None = None
+    facts: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "status": self.status,
+            "message": self.message,
+            "exit_code": self.exit_code,
+            "command": self.command,
+            "ladder": self.ladder,
+            "started": self.started,
+            "finished": self.finished,
+            "device": self.device,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "original": self.original,
+            "stable": self.stable,
+            "diff": self.diff,
+            "facts": self.facts,
+        }
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The JSON lines a training process appended; a torn last line (a crash mid-write) is skipped."""
+    out: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    out.append(rec)
+    except OSError:
+        pass
+    return out

@@ -1,0 +1,408 @@
+"""The Supervisor: launch the user's command, watch it, and on OOM climb the ladder and relaunch.
+
+It reads top to bottom like torchrun's elastic agent: prepare a plan, launch the attempt in a fresh process group,
+classify how it ended, and on an OOM diagnose it and take the next rung. tenacity decides when to stop (attempts,
+time). The supervisor never imports torch: everything it learns about the training process comes from the plan's
+events file, the CrashRecord, the exit status and the tail of the output.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tenacity import Retrying, retry_if_result, stop_after_attempt, stop_after_delay, wait_none
+
+from .analyze import finding, finding_from_crash, finding_from_hit
+from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .diagnose import Diagnosis, diagnose
+from .knobs import TRL_DEFAULTS, Knobs, RunFacts, reachable
+from .ladder import Exhausted, Ladder, Step
+from .oom import OOMReport, scan_text
+from .proc import Interrupts, ProcessResult, run_attempt
+from .records import (
+    LOCK_SCHEMA,
+    Attempt,
+    CrashRecord,
+    RecordError,
+    RunReport,
+    check_schema,
+    now_iso,
+    read_events,
+    read_json,
+    write_json_atomic,
+)
+from .strategies import Context, Remedy
+
+EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
+EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
+ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+BOOT_DIR = Path(__file__).resolve().parent / "child" / "_boot"
+
+
+class UsageError(Exception):
+    """A mistake in how oomguard was called; the message is one line and names the way out."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Reporter(Protocol):
+    def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
+                      kind: str) -> None: ...
+    def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None: ...
+    def climb(self, step: Step | None, exhausted: Exhausted | None, changes: dict[str, Any]) -> None: ...
+    def message(self, text: str) -> None: ...
+    def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None: ...
+
+
+@dataclass
+class RunOptions:
+    ladder: Ladder
+    max_attempts: int = 8
+    max_time: float | None = None
+    simulate_gpu: int | None = None
+    gpu_memory: int | None = None
+    report_path: Path = Path("oomguard-report.json")
+    lock_path: Path = Path("oomguard.lock.json")
+    workdir: Path = Path(".oomguard")
+    replay: dict[str, Any] | None = None  # a lock file's content: replay it without climbing
+    grace: float = 20.0
+    echo: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command forms
+
+
+def resolve_command(args: list[str]) -> list[str]:
+    """``train.py ARGS`` -> the current interpreter; ``-m module``; ``python ...``; any console script on PATH."""
+    if not args:
+        raise UsageError("no command given: use `oomguard run train.py ARGS...` or `oomguard run -- COMMAND...`")
+    first = args[0]
+    if first == "-m":
+        if len(args) < 2:
+            raise UsageError("`-m` needs a module name: `oomguard run -m package.module ARGS...`")
+        return [sys.executable, "-m", *args[1:]]
+    if first.endswith(".py"):
+        if not Path(first).is_file():
+            raise UsageError(f"no such script: {first}", EXIT_NOT_FOUND)
+        return [sys.executable, *args]
+    if os.sep in first or (os.altsep and os.altsep in first):
+        if not Path(first).exists():
+            raise UsageError(f"no such command: {first}", EXIT_NOT_FOUND)
+        return list(args)
+    if shutil.which(first) is None:
+        raise UsageError(f"command not found: {first} (is it installed in this environment?)", EXIT_NOT_FOUND)
+    return list(args)
+
+
+def merge_alloc_conf(env: dict[str, str], key: str, value: str) -> str:
+    """Set one allocator option in the variable torch reads (the first one set wins; no merging across them)."""
+    var = next((v for v in ALLOC_VARS if v in env), "PYTORCH_CUDA_ALLOC_CONF")
+    opts = [o for o in env.get(var, "").split(",") if o.strip() and not o.strip().startswith(key + ":")]
+    opts.append(f"{key}:{value}")
+    env[var] = ",".join(opts)
+    return var
+
+
+def user_alloc_conf(env: dict[str, str]) -> tuple[bool | None, str | None]:
+    """(expandable_segments as the user set it, or None; the 'VAR=value' text when they set it)."""
+    for var in ALLOC_VARS:
+        if var in env:
+            for opt in env[var].split(","):
+                k, _, v = opt.strip().partition(":")
+                if k == "expandable_segments":
+                    return v.strip().lower() == "true", f"{var}={env[var]}"
+            return None, None
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], options: RunOptions, reporter: Reporter) -> None:
+        self.argv = argv
+        self.o = options
+        self.ui = reporter
+        self.run_dir = options.workdir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.observed: dict[str, Any] = {}
+        self.facts = RunFacts()
+        self.applied: list[tuple[Remedy, Diagnosis | None]] = []
+        self.attempts: list[Attempt] = []
+        self.diagnoses: list[Diagnosis | None] = []
+        self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
+        self.exhausted: Exhausted | None = None
+        self.interrupts = Interrupts()
+        self.started = time.time()
+        self.started_iso = now_iso()
+        self.base = Knobs()
+        user_es, text = user_alloc_conf(dict(os.environ))
+        if user_es is False:
+            self.facts = self.facts.replace(alloc_conf_locked=text)
+        self.env_knobs: dict[str, Any] = {"expandable_segments": bool(user_es)}
+        if options.replay:
+            self.base = Knobs.from_dict(options.replay.get("overrides") or {})
+
+    # -- knobs -------------------------------------------------------------------------------------------------
+    def original(self) -> Knobs:
+        """The user's own config: TRL defaults, the allocator settings in the environment, what the script set."""
+        return TRL_DEFAULTS.merged(self.env_knobs).merged({k: v for k, v in self.observed.items() if v is not None})
+
+    def effective(self) -> tuple[Knobs, dict[str, str]]:
+        """The knobs for the next attempt, replayed from the original, and which remedy set each changed knob.
+
+        Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to
+        report what the script set.
+        """
+        knobs = self.original().merged(self.base)
+        who: dict[str, str] = {r.knob: "lock" for r in self.original().diff(knobs)}
+        used: Counter[str] = Counter()
+        for remedy, diag in self.applied:
+            ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used))
+            used[remedy.name] += 1
+            if remedy.blocked(ctx):
+                continue
+            new = remedy.apply(ctx)
+            for row in knobs.diff(new):
+                who[row.knob] = remedy.name
+            knobs = new
+        return knobs, who
+
+    def overrides(self, knobs: Knobs) -> dict[str, Any]:
+        return {r.knob: r.after for r in self.original().diff(knobs)}
+
+    def remedies_in_force(self) -> list[str]:
+        names: list[str] = []
+        for remedy, _ in self.applied:
+            if remedy.name not in names:
+                names.append(remedy.name)
+        return names
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        stop = stop_after_attempt(self.o.max_attempts)
+        if self.o.max_time:
+            stop = stop | stop_after_delay(self.o.max_time)
+        retryer = Retrying(
+            stop=stop,
+            wait=wait_none(),
+            retry=retry_if_result(lambda a: a.outcome == "oom" and a.climbed is not None),
+            retry_error_callback=lambda state: state.outcome.result(),
+            reraise=True,
+        )
+        last: Attempt | None = None
+        with self.interrupts:
+            try:
+                last = retryer(self._attempt)
+            except KeyboardInterrupt:
+                self.interrupts.signum = self.interrupts.signum or 2
+        return self._finish(last)
+
+    def _env(self, plan_path: Path, knobs: Knobs) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.o.extra_env)
+        env[PLAN_ENV] = str(plan_path)
+        old = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + old if old else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.o.simulate_gpu:
+            env[SIMULATE_ENV] = str(self.o.simulate_gpu)
+        if knobs.expandable_segments and not self.env_knobs.get("expandable_segments"):
+            merge_alloc_conf(env, "expandable_segments", "True")
+        return env
+
+    def _attempt(self) -> Attempt:
+        index = len(self.attempts) + 1
+        knobs = self.effective()[0]
+        adir = self.run_dir / f"attempt-{index}"
+        adir.mkdir(parents=True, exist_ok=True)
+        remedies = self.remedies_in_force()
+        plan = Plan(attempt=index, overrides=self.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
+                    gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
+                    remedies=remedies)
+        plan_path = write_json_atomic(adir / "plan.json", plan.to_dict())
+        self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, "run")
+        try:
+            res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
+                              echo=self.o.echo)
+        except FileNotFoundError:
+            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
+        except PermissionError:
+            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+        events = read_events(adir / "events.jsonl")
+        self._learn(events)
+        attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
+        # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
+        attempt.knobs = self.effective()[0].to_dict()
+        self.attempts.append(attempt)
+        self.diagnoses.append(diag)
+        self.ui.attempt_end(attempt, diag)
+        if attempt.outcome == "oom" and not self.interrupts.signum:
+            self._climb(attempt, diag)
+        return attempt
+
+    def _learn(self, events: list[dict[str, Any]]) -> None:
+        """Take what the training process reported: the script's own values (first report wins), and facts."""
+        facts = self.facts
+        for ev in events:
+            kind = ev.get("event")
+            if kind in ("config", "trainer", "model"):
+                self.reached.add(str(kind))
+            if kind in ("config", "trainer"):
+                for k, v in (ev.get("observed") or {}).items():
+                    if k in TRL_DEFAULTS.to_dict():
+                        self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+                f = ev.get("facts") or {}
+                facts = facts.replace(**{k: v for k, v in f.items() if k in RunFacts.__dataclass_fields__})
+                if ev.get("world_size"):
+                    facts = facts.replace(world_size=int(ev["world_size"]))
+            elif kind == "dataset":
+                facts = facts.replace(prompt_tokens_max=ev.get("prompt_tokens_max") or facts.prompt_tokens_max,
+                                      prompt_tokens_p95=ev.get("prompt_tokens_p95") or facts.prompt_tokens_p95,
+                                      dataset_rows=ev.get("rows") or facts.dataset_rows)
+            elif kind == "model":
+                facts = facts.replace(model_config=ev.get("config") or facts.model_config)
+        self.facts = facts
+
+    def _classify(self, index: int, res: ProcessResult, adir: Path, events: list[dict[str, Any]], knobs: Knobs,
+                  remedies: list[str]) -> tuple[Attempt, Diagnosis | None]:
+        steps = [e.get("step") for e in events if e.get("event") in ("step", "train_end") and e.get("step") is not None]
+        peaks = [e.get("peak") for e in events if e.get("peak") is not None]
+        attempt = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome="failed",
+                          exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
+                          step=max(steps) if steps else None)
+        if res.interrupted:
+            attempt.outcome = "interrupted"
+            return attempt, None
+        if res.returncode == 0:
+            attempt.outcome = "ok"
+            return attempt, None
+        crash = self._crash_record(adir)
+        if crash is not None:
+            d = diagnose(crash.report, crash.frames, phase=crash.phase)
+            attempt.outcome = "oom"
+            attempt.oom = finding_from_crash(str(adir / "crash"), crash)
+            attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
+            if crash.step is not None:
+                attempt.step = crash.step
+            return attempt, d
+        if res.returncode in (-9, 137):
+            report = OOMReport(backend="host", origin="oom-killer",
+                               message=f"the training process was killed by SIGKILL (exit {res.exit_code}); the "
+                                       "kernel's OOM killer is the usual cause")
+            d = diagnose(report)
+            attempt.outcome = "oom"
+            attempt.oom = finding("exit status", None, report, d)
+            return attempt, d
+        hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
+        if hits:
+            hit = hits[-1]
+            attempt.outcome = "oom"
+            attempt.oom = finding_from_hit("stderr", hit)
+            return attempt, diagnose(hit.report, hit.frames)
+        return attempt, None
+
+    def _crash_record(self, adir: Path) -> CrashRecord | None:
+        for p in sorted(adir.glob("crash-*.json"), key=lambda p: p.stat().st_mtime):
+            try:
+                return CrashRecord.read(p)
+            except RecordError as e:
+                self.ui.message(str(e))
+        return None
+
+    def _climb(self, attempt: Attempt, diag: Diagnosis | None) -> None:
+        if self.o.replay:
+            self.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
+            self.ui.climb(None, self.exhausted, {})
+            return
+        knobs = self.effective()[0]
+        used = Counter(r.name for r, _ in self.applied)
+        step = self.o.ladder.next(Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used),
+                                          read_fields=reachable(self.reached)))
+        attempt.skipped = [{"remedy": n, "reason": why} for n, why in step.skipped]
+        if isinstance(step, Exhausted):
+            self.exhausted = step
+            self.ui.climb(None, step, {})
+            return
+        self.applied.append((step.remedy, diag))
+        attempt.climbed = step.remedy.name
+        self.ui.climb(step, None, {r.knob: r.after for r in knobs.diff(step.knobs)})
+
+    # -- the end -----------------------------------------------------------------------------------------------
+    def _finish(self, last: Attempt | None) -> int:
+        original = self.original()
+        final, who = self.effective()
+        if last is not None and last.outcome in ("ok", "oom", "failed", "interrupted"):
+            final = Knobs.from_dict(last.knobs)
+        sig = self.interrupts.signum
+        lock_path: Path | None = None
+        if sig or last is None or last.outcome == "interrupted":
+            status, code = "interrupted", 128 + (sig or 2)
+            message = "interrupted; no retry"
+        elif last.outcome == "ok":
+            status, code = "stable", 0
+            message = (f"stable after {len(self.attempts)} attempt(s)" if len(self.attempts) > 1
+                       else "the command fit on the first attempt; nothing changed")
+        elif last.outcome == "failed":
+            status, code = "failed", last.exit_code if last.exit_code is not None else 1
+            message = f"the command failed with exit code {code} (not an OOM); passed through without retrying"
+        elif self.exhausted is not None:
+            status, code = "exhausted", EXIT_EXHAUSTED
+            message = ("the ladder is used up: no rung left that can help"
+                       if not self.o.replay else "the locked config ran out of memory; run without --config to climb")
+        else:
+            status, code = "exhausted", EXIT_EXHAUSTED
+            budget = (f"--max-time {self.o.max_time:g}s" if self.o.max_time and
+                      time.time() - self.started >= self.o.max_time else f"--max-attempts {self.o.max_attempts}")
+            message = f"stopped by the budget ({budget}) while the run still ran out of memory"
+        rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
+        report = RunReport(
+            status=status, attempts=self.attempts, original=original.to_dict(),
+            stable=final.to_dict() if status == "stable" else None, diff=rows, command=self.argv,
+            ladder=self.o.ladder.name, message=message, exit_code=code, started=self.started_iso,
+            finished=now_iso(), device={"simulate_gpu": self.o.simulate_gpu, "gpu_memory": self.o.gpu_memory},
+            facts=self.facts.to_dict(),
+        )
+        report.write(self.o.report_path)
+        if status == "stable":
+            lock_path = self.o.lock_path
+            write_json_atomic(lock_path, {
+                "schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
+                "overrides": self.overrides(final), "original": original.to_dict(), "stable": final.to_dict(),
+                "diff": rows,
+            })
+        self.ui.finish(report, self.o.report_path, lock_path)
+        return code
+
+
+def load_lock(path: str) -> dict[str, Any]:
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        raise UsageError(f"no such lock file: {path}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read the lock file {path}: {e}") from None
+    try:
+        check_schema(data, LOCK_SCHEMA, path)
+        Knobs.from_dict(data.get("overrides") or {})
+    except (RecordError, KeyError) as e:
+        raise UsageError(str(e.args[0] if e.args else e)) from None
+    return data
+
+
+__all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_OOM", "RunOptions", "Supervisor", "UsageError", "load_lock",
+           "resolve_command"]

@@ -1,0 +1,29 @@
+"""oomguard's remedies and ladders.
+
+Each module holds one family of remedies (small, pure transforms of Knobs); each ``*.toml`` file here is a ladder
+that names remedies in order. Installed as ``oomguard.strategies``.
+
+>>> from oomguard.strategies import REGISTRY
+>>> sorted(REGISTRY)[:3]
+['bf16_load', 'checkpointing', 'empty_cache']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import adapters, allocator, batch, checkpointing, host, precision, sequences, vllm  # noqa: F401  (register)
+from .base import REGISTRY, Advice, Context, Remedy
+
+LADDER_DIR = Path(__file__).resolve().parent
+
+__all__ = ["LADDER_DIR", "REGISTRY", "Advice", "Context", "Remedy", "make_remedy"]
+
+
+def make_remedy(name: str, **params: object) -> Remedy:
+    """A remedy by name, with the parameters a ladder gives it."""
+    try:
+        cls = REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown remedy {name!r}; known remedies: {', '.join(sorted(REGISTRY))}") from None
+    return cls(**params)

@@ -1,0 +1,136 @@
+"""The Remedy contract: a small, pure transform of Knobs that says when it applies and what it trades.
+
+A remedy answers four questions, each a method:
+
+- ``helps(diagnosis)``: can this remedy address this kind of OOM in this phase? (``None`` = yes, else why not)
+- ``blocked(ctx)``: can it apply to this run now? Already in force, at its floor, missing a prerequisite.
+- ``apply(ctx)``: the new Knobs. Pure: no I/O, no torch.
+- ``advise(diagnosis)``: for ``oomguard analyze``, a reason and, where the figures allow, the bytes it frees.
+
+Class attributes state the trade (``nothing``, ``speed``, ``quality``, ``host``) and whether a checkpoint can continue
+after it (``resume``: ``continue``, ``continue-drift`` with a warning that the data position drifts, or
+``new-run`` from the checkpoint's weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from oomguard.diagnose import OVERFLOW_FACTOR, Diagnosis
+from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
+
+REGISTRY: dict[str, type[Remedy]] = {}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a remedy may look at: the effective knobs, facts about the run, the last diagnosis, and history."""
+
+    knobs: Knobs
+    facts: RunFacts = field(default_factory=RunFacts)
+    diagnosis: Diagnosis | None = None
+    used: Mapping[str, int] = field(default_factory=dict)
+    read_fields: frozenset[str] | None = None  # the knobs that reach the training code; None = all
+
+    def value(self, name: str) -> Any:
+        v = getattr(self.knobs, name)
+        return getattr(TRL_DEFAULTS, name) if v is None else v
+
+
+@dataclass(frozen=True)
+class Advice:
+    name: str
+    reason: str
+    frees_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "reason": self.reason, "frees_bytes": self.frees_bytes}
+
+
+def register(cls: type[Remedy]) -> type[Remedy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+class Remedy:
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    trades: ClassVar[str] = "nothing"  # nothing | speed | quality | host
+    trade_note: ClassVar[str] = ""
+    resume: ClassVar[str] = "continue"  # continue | continue-drift | new-run
+    graded: ClassVar[bool] = False
+    changes: ClassVar[tuple[str, ...]] = ()  # the knobs it writes
+    # Which diagnoses it addresses: "gpu" (any GPU shortage), "fragmentation", "host", "vllm".
+    addresses: ClassVar[str] = "gpu"
+    shrinks_shapes: ClassVar[bool] = False  # acts on per-step tensors (helps an oversized request)
+    helps_at_load: ClassVar[bool] = False  # reduces what model loading itself needs
+    helps_optimizer: ClassVar[bool] = False  # reduces persistent state (weights, grads, optimizer states)
+    params: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise ValueError(f"remedy {self.name!r} takes no parameter(s) {', '.join(sorted(unknown))}"
+                             + (f"; it takes {', '.join(self.params)}" if self.params else ""))
+        self.p = {**self.params, **params}
+
+    def __repr__(self) -> str:
+        extra = {k: v for k, v in self.p.items() if self.params.get(k) != v}
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in extra.items())})"
+
+    # -- the four questions ------------------------------------------------------------------------------------
+    def helps(self, d: Diagnosis | None) -> str | None:
+        if d is None:
+            return None
+        if self.addresses == "host":
+            return None if d.kind == "host-ram" else "it addresses host RAM, and the GPU ran out"
+        if d.kind == "host-ram":
+            return "the host ran out of RAM; this remedy changes GPU memory"
+        if self.addresses == "vllm":
+            if d.kind in ("vllm-reservation", "non-pytorch", "neighbour") or d.phase == "generation":
+                return None
+            return "vLLM's reservation was not what ran out"
+        if d.kind == "vllm-reservation":
+            return "vLLM's own reservation ran out; vllm_gpu_memory_utilization decides it"
+        if self.addresses == "fragmentation":
+            if d.kind == "fragmentation":
+                return None
+            return f"no fragmentation: the OOM is a {d.kind}, so allocator settings cannot help"
+        if d.kind == "impossible":
+            r = d.report
+            limit = r.allowed or r.capacity or 0
+            if r.requested and limit and r.requested > OVERFLOW_FACTOR * limit:
+                return "the request is an overflowed shape (far larger than the device); fix the shape"
+            if not self.shrinks_shapes:
+                return "the single request exceeds the device; only smaller shapes can help"
+        if d.phase == "load" and not self.helps_at_load:
+            return "the OOM came while loading the model, before any training memory exists"
+        if d.phase == "optimizer" and not self.helps_optimizer:
+            return "the OOM came in the optimizer step, whose state does not depend on this knob"
+        return None
+
+    def blocked(self, ctx: Context) -> str | None:
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        raise NotImplementedError
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, self.summary)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def unread(self, ctx: Context) -> str | None:
+        """The knobs this remedy changes never reach the code that ran (a function that does not read them, or a
+        command that built no GRPOConfig), so changing them cannot help."""
+        if ctx.read_fields is None or not self.changes:
+            return None
+        if not (set(self.changes) & ctx.read_fields):
+            return f"nothing the command runs reads {', '.join(self.changes)}"
+        return None
+
+
+def halve_request(d: Diagnosis) -> int | None:
+    """Bytes freed by halving the shape of the failing request (it scales linearly with batch rows or length)."""
+    return d.report.requested // 2 if d.report.requested else None

@@ -1,0 +1,112 @@
+"""Batch remedies: fewer rows generated per device, or a smaller micro-batch with more accumulation steps.
+
+GRPO's rules (TRL 1.16 GRPOConfig.__post_init__): rows per device = per_device_train_batch_size x steps_per_generation,
+and the global generation batch must be a multiple of num_generations, which must be at least 2. Lowering
+num_generations alone does not lower memory: the rows stay the same, only more prompts share them.
+"""
+
+from __future__ import annotations
+
+from oomguard.diagnose import Diagnosis
+from oomguard.knobs import Knobs
+
+from .base import Advice, Context, Remedy, halve_request, register
+
+
+@register
+class FewerGenerations(Remedy):
+    name = "fewer_generations"
+    summary = "Generate fewer completions per device: halve num_generations and the rows per generation round."
+    trades = "quality"
+    trade_note = "fewer samples per prompt make group advantages noisier"
+    resume = "continue-drift"
+    graded = True
+    changes = ("num_generations", "per_device_train_batch_size", "steps_per_generation", "generation_batch_size",
+               "gradient_accumulation_steps")
+    shrinks_shapes = True
+    params = {"min_generations": 2}
+
+    def _candidate(self, ctx: Context) -> Knobs | None:
+        k = ctx.knobs
+        world = ctx.facts.world_size
+        g = ctx.value("num_generations")
+        bs, ga, spg = k.geometry(world)
+        rows = bs * spg
+        floor = int(self.p["min_generations"])
+        new_g = max(floor, g // 2)
+        derived_spg = k.steps_per_generation is None and k.generation_batch_size is None
+        options = []
+        for b in range(bs, 0, -1):
+            for s in range(spg, 0, -1):
+                r = b * s
+                if r >= rows or (r * world) % new_g:
+                    continue
+                options.append((r <= rows // 2, r, s, b))
+        if not options:
+            return None
+        # Prefer halving (or the nearest step below it), keep steps_per_generation, shrink the micro-batch first.
+        options.sort(key=lambda o: (not o[0], -o[1] if o[0] else o[1], -o[2]))
+        _, _, s, b = options[0]
+        new_ga = s if derived_spg and s != spg else ga
+        out = k.replace(num_generations=new_g) if new_g != g else k
+        out = out.with_geometry(b, new_ga, s, world)
+        return None if out.validate(world) else out
+
+    def blocked(self, ctx: Context) -> str | None:
+        if self._candidate(ctx) is None:
+            return (f"at its floor: num_generations {ctx.value('num_generations')} and "
+                    f"{ctx.knobs.rows_per_device(ctx.facts.world_size)} rows per device cannot shrink further")
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        out = self._candidate(ctx)
+        assert out is not None
+        return out
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "Halving the rows generated per device halves the KV cache and the scoring and "
+                                 "training batches built from them.",
+                      halve_request(d) if d.phase in ("generation", "scoring", "forward", "backward") else None)
+
+
+@register
+class MicroBatch(Remedy):
+    name = "micro_batch"
+    summary = "Halve per_device_train_batch_size and double gradient_accumulation_steps: same effective batch."
+    trades = "speed"
+    trade_note = "more, smaller micro-steps; the effective batch and the generation rows stay the same"
+    resume = "continue-drift"
+    graded = True
+    changes = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+    shrinks_shapes = True
+    params = {"min_batch": 1}
+
+    def helps(self, d: Diagnosis | None) -> str | None:
+        if d is not None and d.phase == "generation":
+            return "generation memory is set by the rows per device, which a micro-batch split keeps"
+        return super().helps(d)
+
+    def _split(self, ctx: Context) -> tuple[int, int] | None:
+        bs, _, _ = ctx.knobs.geometry(ctx.facts.world_size)
+        for d in range(2, bs + 1):
+            if bs % d == 0 and bs // d >= int(self.p["min_batch"]):
+                return bs // d, d
+        return None
+
+    def blocked(self, ctx: Context) -> str | None:
+        if self._split(ctx) is None:
+            return f"per_device_train_batch_size is at its floor ({ctx.knobs.geometry(ctx.facts.world_size)[0]})"
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        split = self._split(ctx)
+        assert split is not None
+        new_bs, d = split
+        k = ctx.knobs
+        _, ga, spg = k.geometry(ctx.facts.world_size)
+        return k.with_geometry(new_bs, ga * d, spg * d, ctx.facts.world_size)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "A micro-batch half as large halves the activations and log-prob passes of each "
+                                 "step, and gradient accumulation keeps the effective batch.",
+                      halve_request(d) if d.phase in ("scoring", "forward", "backward") else None)

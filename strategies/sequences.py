@@ -1,0 +1,52 @@
+"""Shorter sequences: the padded completion width sets the KV cache, the activations and the logits tiles."""
+
+from __future__ import annotations
+
+from oomguard.diagnose import Diagnosis
+from oomguard.knobs import Knobs
+
+from .base import Advice, Context, Remedy, halve_request, register
+
+
+@register
+class ShorterSequences(Remedy):
+    name = "shorter_sequences"
+    summary = "Cap completions shorter (max_completion_length) and drop the longest prompts (max_prompt_tokens)."
+    trades = "quality"
+    trade_note = "long reasoning is cut off; the longest prompts leave the dataset"
+    resume = "continue"
+    graded = True
+    changes = ("max_completion_length", "max_prompt_tokens")
+    shrinks_shapes = True
+    params = {"factor": 0.5, "min_completion_length": 64, "prompt_tail_ratio": 1.25}
+
+    def blocked(self, ctx: Context) -> str | None:
+        c = ctx.value("max_completion_length")
+        if c <= self.p["min_completion_length"] and not self._prompt_cap(ctx):
+            return f"max_completion_length is at its floor ({self.p['min_completion_length']})"
+        return None
+
+    def _prompt_cap(self, ctx: Context) -> int | None:
+        """Drop the prompt tail (above the 95th percentile) when it is much longer than the bulk."""
+        f = ctx.facts
+        if ctx.knobs.max_prompt_tokens is not None or not f.prompt_tokens_max or not f.prompt_tokens_p95:
+            return None
+        if f.prompt_tokens_max > self.p["prompt_tail_ratio"] * f.prompt_tokens_p95:
+            return int(f.prompt_tokens_p95)
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        c = ctx.value("max_completion_length")
+        new_c = max(int(self.p["min_completion_length"]), int(c * float(self.p["factor"])))
+        changes: dict[str, int] = {}
+        if new_c < c:
+            changes["max_completion_length"] = new_c
+        cap = self._prompt_cap(ctx)
+        if cap:
+            changes["max_prompt_tokens"] = cap
+        return ctx.knobs.replace(**changes)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "Halving max_completion_length halves the padded completion width, and the KV cache, "
+                                 "activations and log-prob tiles scale with it.",
+                      halve_request(d) if d.phase in ("generation", "scoring", "forward", "backward") else None)

@@ -1,0 +1,52 @@
+"""vLLM colocate: its reservation (weights plus KV cache) sits beside training unless it sleeps."""
+
+from __future__ import annotations
+
+from oomguard.diagnose import Diagnosis
+from oomguard.knobs import Knobs
+
+from .base import Advice, Context, Remedy, register
+
+
+@register
+class VllmMemory(Remedy):
+    name = "vllm_memory"
+    summary = "Rebalance vLLM colocate: sleep between generations, or a smaller vllm_gpu_memory_utilization."
+    trades = "speed"
+    trade_note = "sleep mode reloads vLLM's weights each step; a smaller KV cache batches fewer sequences"
+    resume = "continue"
+    graded = True
+    changes = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length")
+    addresses = "vllm"
+    params = {"factor": 0.75, "min_utilization": 0.1}
+
+    def blocked(self, ctx: Context) -> str | None:
+        if not ctx.value("use_vllm"):
+            return "the run does not use vLLM"
+        if ctx.value("vllm_gpu_memory_utilization") <= self.p["min_utilization"] and ctx.value("vllm_enable_sleep_mode"):
+            return "at its floor"
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        k = ctx.knobs
+        d = ctx.diagnosis
+        u = float(ctx.value("vllm_gpu_memory_utilization"))
+        r = d.report if d else None
+        if r is not None and r.origin == "vllm-kv" and u < 0.9:
+            return k.replace(vllm_gpu_memory_utilization=round(min(0.9, u / self.p["factor"]), 3))
+        if r is not None and r.origin == "vllm-startup" and r.free and r.capacity:
+            return k.replace(vllm_gpu_memory_utilization=round(max(self.p["min_utilization"], 0.9 * r.free / r.capacity), 3))
+        if not ctx.value("vllm_enable_sleep_mode") and ctx.value("vllm_mode") == "colocate":
+            return k.replace(vllm_enable_sleep_mode=True)
+        return k.replace(vllm_gpu_memory_utilization=round(max(self.p["min_utilization"], u * self.p["factor"]), 3))
+
+    def advise(self, d: Diagnosis) -> Advice:
+        r = d.report
+        if r.origin == "vllm-startup" and r.free and r.capacity:
+            return Advice(self.name, f"Set vllm_gpu_memory_utilization below {r.free / r.capacity:.2f} (free / total) "
+                                     "or let vLLM sleep between generations.", (r.requested or 0) - r.free or None)
+        if r.origin == "vllm-kv":
+            return Advice(self.name, "Raise vllm_gpu_memory_utilization or lower vllm_max_model_length so one "
+                                     "full-length sequence fits in the KV cache.", None)
+        return Advice(self.name, "A colocated vLLM keeps its weights and KV cache resident unless it sleeps "
+                                 "(vllm_enable_sleep_mode) or reserves less.", None)
