@@ -119,13 +119,13 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     if args and args[0] == "--":
         args = args[1:]
     try:
-        argv = resolve_command(args)
         lad = load_ladder(ladder)
         sim = parse_size(simulate_gpu) if simulate_gpu else None
         cap = parse_size(gpu_memory) if gpu_memory else None
         if (sim is not None and sim <= 0) or (cap is not None and cap <= 0):
             raise UsageError("a memory size must be more than 0 bytes")
         replay = load_lock(config_path) if config_path else None
+        argv = resolve_command(args)
     except (UsageError, LadderError, SizeError) as e:
         _usage(str(e)) if not isinstance(e, UsageError) else _exit(str(e), e.code)
     options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,

@@ -17,7 +17,7 @@ request larger than the whole device points at a shape, not a budget.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .oom import Frame, OOMReport
@@ -42,6 +42,7 @@ PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "
 SMALL_REQUEST = 20 * MiB
 # A request this many times the device is an overflowed shape, not a budget problem.
 OVERFLOW_FACTOR = 64
+_OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says about capacity
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ _GENERATION_NAMES = {
     "generate_batch_outputs", "_prefill",
 }
 _SCORING_NAMES = {"_calculate_rewards", "_generate_and_score_completions", "_compute_ref_per_token_logps"}
-_FORWARD_NAMES = {"_compute_loss", "compute_loss", "_fused_forward", "training_step", "compute_liger_loss"}
+# Log-prob helpers run in scoring too; the scoring rule (checked first) claims them under _generate_and_score_completions.
+_FORWARD_NAMES = {"_compute_loss", "compute_loss", "_fused_forward", "training_step", "compute_liger_loss",
+                  "_get_per_token_logps_and_entropies", "_get_per_token_logps", "selective_log_softmax"}
 _LOAD_NAMES = {
     "from_pretrained", "_load_pretrained_model", "create_model_from_path", "get_peft_model", "load_state_dict",
     "_move_model_to_device", "dispatch_model", "prepare_model_for_kbit_training", "_load_state_dict_into_meta_model",
@@ -190,6 +193,7 @@ def _classify(r: OOMReport) -> tuple[str, list[str]]:
     limit = r.allowed if r.allowed is not None else r.capacity
     req = r.requested
     ru = r.reserved_unallocated
+    r = _self_among_others(r, ev)
     others = r.others_total
     non_torch = None
     if r.process is not None and r.allocated is not None:
@@ -207,12 +211,17 @@ def _classify(r: OOMReport) -> tuple[str, list[str]]:
     elif r.allocated is not None:
         ev.append(f"PyTorch had {_f(r.allocated)} allocated in live tensors.")
 
-    if req is not None and limit and req > limit:
-        verdict = (
-            f"The single request of {_f(req)} is larger than the whole device ({_f(limit)})"
-            + (": that is an overflowed shape, not a memory budget." if req > OVERFLOW_FACTOR * limit
-               else ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit.")
-        )
+    if req is not None and (req >= _OVERFLOWED or (limit and req > limit)):
+        if r.allowed is not None and r.capacity is not None and r.allowed < r.capacity:
+            what = f"this process's allowed share ({_f(r.allowed)} of {_f(r.capacity)}, set by a memory fraction)"
+        elif limit:
+            what = f"the whole device ({_f(limit)})"
+        else:
+            what = "any device"
+        overflowed = req >= _OVERFLOWED or (limit and req > OVERFLOW_FACTOR * limit)
+        verdict = (f"The single request of {_f(req)} is larger than {what}"
+                   + (": that is an overflowed shape, not a memory budget." if overflowed
+                      else ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit."))
         return "impossible", [verdict, *ev]
     if req is not None and ru is not None and req > 0 and ru >= req:
         ev.insert(0, f"{_f(ru)} was reserved by PyTorch but unallocated, more than the {_f(req)} requested: the memory "
@@ -221,11 +230,13 @@ def _classify(r: OOMReport) -> tuple[str, list[str]]:
             ev.append(_others_sentence(r))
         return "fragmentation", ev
     if others and limit and (others >= 0.25 * limit or (req is not None and others >= req)):
-        ev.insert(0, _others_sentence(r) + " That memory is out of this process's reach.")
+        ev.insert(0, _others_sentence(r) + " That memory belongs to another job, a vLLM server or other ranks of this "
+                     "run, and nothing changed in this process frees it.")
         return "neighbour", ev
     if non_torch is not None and limit and non_torch >= 0.25 * limit and (req is None or non_torch >= req):
-        ev.insert(0, f"{_f(non_torch)} of this process's memory is outside PyTorch's allocator (a colocated vLLM "
-                     "engine, NCCL buffers, the CUDA context).")
+        where = ("Metal allocations outside PyTorch's MPS allocator" if r.backend == "mps"
+                 else "a colocated vLLM engine, NCCL buffers, the CUDA context")
+        ev.insert(0, f"{_f(non_torch)} of this process's memory is outside PyTorch's allocator ({where}).")
         return "non-pytorch", ev
     if r.origin in ("runtime", "driver", "library", "nccl", "level-zero"):
         what = {"runtime": "the CUDA/HIP runtime", "driver": "the CUDA driver", "library": "a math library (cuBLAS, cuDNN, ...)",
@@ -240,12 +251,33 @@ def _classify(r: OOMReport) -> tuple[str, list[str]]:
         ev.insert(0, f"The failing request was only {_f(req)}, one of the allocator's small blocks: memory filled up "
                      "with many allocations rather than one large tensor, so the long-lived state is what to shrink.")
         return "small-allocations", ev
-    gap = req - (r.free or 0)
-    detail = f"; {_f(gap)} more would have been needed" if r.free is not None else ""
-    ev.insert(0, f"The request of {_f(req)} did not fit in the {_f(r.free)} free{detail}.")
+    if r.free is not None and r.free >= req:
+        cap = (f"this process's allowed share of {_f(r.allowed)} (a memory fraction)" if r.allowed is not None
+               else "what the allocator could use")
+        ev.insert(0, f"The device still had {_f(r.free)} free, but the request of {_f(req)} did not fit in {cap}.")
+    elif r.free is not None:
+        ev.insert(0, f"The request of {_f(req)} did not fit in the {_f(r.free)} free; {_f(req - r.free)} more would "
+                     "have been needed.")
+    else:
+        ev.insert(0, f"The request of {_f(req)} did not fit.")
     if ru:
         ev.append(f"Only {_f(ru)} was reserved but unallocated, so fragmentation is not the cause.")
     return "shortfall", ev
+
+
+def _self_among_others(r: OOMReport, ev: list[str]) -> OOMReport:
+    """Inside containers NVML cannot match PIDs, so this process shows up as "Process N has X memory in use".
+
+    One listed process, no "this process has" sentence, and at least PyTorch's own reserved memory: that is us.
+    """
+    if r.process is not None or len(r.other_processes) != 1 or r.allocated is None:
+        return r
+    only = r.other_processes[0]
+    if only.bytes is None or only.bytes < r.allocated + (r.reserved_unallocated or 0):
+        return r
+    ev.append(f"Process {only.pid} holds at least what PyTorch reserved here, so it is this process (NVML inside a "
+              "container cannot match process IDs).")
+    return replace(r, process=only.bytes, other_processes=())
 
 
 def _others_sentence(r: OOMReport) -> str:

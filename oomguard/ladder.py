@@ -104,7 +104,7 @@ class Ladder:
             steps.append(step)
             used[step.remedy.name] = used.get(step.remedy.name, 0) + 1
             cur = Context(knobs=step.knobs, facts=cur.facts, diagnosis=cur.diagnosis, used=used,
-                          read_fields=cur.read_fields)
+                          read_fields=cur.read_fields, subject=cur.subject)
             if fits(step.knobs):
                 return steps, None
 

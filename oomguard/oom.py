@@ -6,9 +6,15 @@ wording), MPS, the CPU allocator, the CUDA runtime and driver, cuBLAS/cuDNN, NCC
 "out of memory slots" or a hint that merely names ``PYTORCH_CUDA_ALLOC_CONF`` never raises an alarm.
 
 Logs wrap and prefix these messages (``[rank3]: ``, ``(EngineCore pid=7) ERROR ...``), so a message is read line by
-line: the head line is recognised, known prefixes are stripped from the lines that follow, and the pieces are joined
-without separators. Every pattern tolerates missing or extra whitespace between words, which makes a hard wrap
-anywhere (even inside a number) harmless.
+line: the head line is recognised, known prefixes are stripped from the lines that follow (lines of other ranks are
+passed over), and the pieces are joined without separators. Every pattern tolerates missing or extra whitespace
+between words, which makes a hard wrap anywhere (even inside a number) harmless.
+
+Lines are numbered as ``grep -n`` numbers them (split on ``\n``; a progress bar's ``\r`` redraws stay in their
+line). One OOM reported several times (torchrun's failure summary, an application that logs what it caught, a sticky
+CUDA error raised again in a handler, NCCL's warning before the Python error) counts once. A head quoted in a
+traceback's source line (``raise ValueError("No available memory ...``) is not the message, and configuration
+clashes worded as OOMs (Unsloth standby vs. expandable segments) are not OOMs.
 
 >>> r = parse_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total "
 ...               "capacity of 15.73 GiB of which 1.28 GiB is free.")
@@ -63,6 +69,11 @@ class OOMReport:
     ``runtime`` / ``driver`` (CUDA or HIP outside the allocator), ``library`` (cuBLAS, cuDNN, ...), ``nccl``,
     ``level-zero``, ``vllm-startup``, ``vllm-kv``, ``vllm-cumem``, ``python`` (MemoryError), ``oom-killer``,
     ``slurm``, ``shell``.
+
+    For MPS, ``allowed`` is the high-watermark limit ("max allowed"), ``allocated`` PyTorch's share ("MPS
+    allocated"), ``process`` all Metal memory of the process (allocated + "other allocations", or the oldest builds'
+    "currently allocated") and ``free`` the room left under the limit; ``capacity`` is not given. A CUDA request
+    refused as "more than 1EB" has ``requested`` = 2**60.
     """
 
     backend: str
@@ -101,11 +112,17 @@ class OOMReport:
 
 # --------------------------------------------------------------------------------------------------------------
 # Patterns. `_W` is "optional whitespace", used between every word so that hard-wrapped text still matches.
+# Continuation lines are joined without a separator (a wrap can fall inside a number), so a word-wrap that dropped
+# its blank glues words together ("GiBof which", "GPU 0has"): no pattern may rely on a word boundary after a unit or
+# a number.
 
 _W = r"\s*"
 _NUM = r"(\d[\d,]*(?:\.\d+)?)"
-_UNIT = r"(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)\b"
+_UNIT = r"(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)"
 SIZE = _NUM + _W + _UNIT
+
+# The CUDA allocator refuses any request of 2^60 bytes or more up front: "Tried to allocate more than 1EB memory."
+_ONE_EB = 2**60
 
 
 def _words(text: str) -> str:
@@ -129,16 +146,19 @@ class _Head:
     pattern: re.Pattern[str]
     backend: str | None = None  # None: taken from the `dev` group
     complete: re.Pattern[str] | None = None  # None: one line is the whole message
-    requires: re.Pattern[str] | None = None  # checked on the joined message
+    requires: re.Pattern[str] | None = None  # checked on the joined message, from the head on
 
 
 _HEADS: tuple[_Head, ...] = (
     _Head(
         "allocator",
         re.compile(r"\b(?P<dev>CUDA|HIP|XPU|NPU|MTIA)" + _W + _words("out of memory") + _W + r"\."),
+        # The figures end with "... but unallocated." (2.1+), "... reserved in total by PyTorch)" (1.4-2.0),
+        # "... cached)" (<= 1.3) or the 1EB refusal. A line that merely ends in "memory in use." is not the end: the
+        # message goes on with "Of the allocated memory ...".
         complete=re.compile(
-            r"(?:" + _words("but unallocated") + r"|" + _words("in total by PyTorch") + r"|cached\s*\)"
-            r"|" + _words("is free") + r"\.\s*(?:Process|Including|Of)?.*" + _words("memory in use") + r"\.?\s*$)",
+            _words("but unallocated") + r"|" + _words("in total by PyTorch") + r"|cached\s*\)"
+            r"|" + _words("more than 1") + _W + r"EB",
             re.IGNORECASE,
         ),
         requires=re.compile(_words("Tried to allocate"), re.IGNORECASE),
@@ -147,11 +167,12 @@ _HEADS: tuple[_Head, ...] = (
         "mps",
         re.compile(_words("MPS backend out of memory") + _W + r"\("),
         backend="mps",
-        complete=re.compile(_words("Tried to allocate") + _W + SIZE + r".*?\bpool\b", re.IGNORECASE),
+        complete=re.compile(_words("Tried to allocate") + _W + SIZE + r".*?pool", re.IGNORECASE),
     ),
     _Head(
         "cpu-allocator",
-        re.compile(r"DefaultCPUAllocator:" + _W + r"(?:can'?t" + _W + _words("allocate memory") + r"|" + _words("not enough memory") + r")"),
+        re.compile(r"DefaultCPUAllocator:" + _W + r"(?:can'?t" + _W + _words("allocate memory") + r"|"
+                   + _words("not enough memory") + r")"),
         backend="cpu",
         complete=re.compile(_words("you tried to allocate") + _W + r"\d+", re.IGNORECASE),
     ),
@@ -163,14 +184,17 @@ _HEADS: tuple[_Head, ...] = (
     _Head("runtime", re.compile(r"\bhipErrorOutOfMemory\b"), backend="hip"),
     _Head(
         "library",
-        re.compile(r"\b(?P<lib>CUBLAS|CUDNN|CUSOLVER|CUSPARSE|CUFFT|HIPBLAS|HIPBLASLT|MIOPEN|ROCBLAS)_(?:STATUS_)?ALLOC_FAILED\b"),
+        re.compile(r"\b(?P<lib>CUBLAS|CUDNN|CUSOLVER|CUSPARSE|CUFFT|HIPBLAS|HIPBLASLT|MIOPEN|ROCBLAS)_(?:STATUS_)?"
+                   r"ALLOC_FAILED\b"),
     ),
     _Head("library", re.compile(r"\bmiopenStatusAllocFailed\b"), backend="hip"),
-    _Head("nccl", re.compile(r"\b(?P<dev>Cuda|HIP)" + _W + r"failure" + _W + r"(?:\d+" + _W + r")?'out of memory'", re.IGNORECASE)),
+    _Head("nccl", re.compile(r"\b(?P<dev>Cuda|HIP)" + _W + r"failure" + _W + r"(?:\d+" + _W + r")?'out of memory'",
+                             re.IGNORECASE)),
     _Head("level-zero", re.compile(r"\b(?:UR|ZE)_RESULT_ERROR_OUT_OF_DEVICE_MEMORY\b"), backend="xpu"),
     _Head(
         "vllm-startup",
-        re.compile(_words("Free memory on device") + r".*?" + _words("less than desired GPU memory utilization"), re.IGNORECASE),
+        re.compile(_words("Free memory on device") + r".*?" + _words("less than desired GPU memory utilization"),
+                   re.IGNORECASE),
         backend="vllm",
     ),
     _Head(
@@ -180,16 +204,26 @@ _HEADS: tuple[_Head, ...] = (
     ),
     _Head("vllm-kv", re.compile(_words("No available memory for the cache blocks"), re.IGNORECASE), backend="vllm"),
     _Head("vllm-kv", re.compile(_words("larger than the available KV cache memory"), re.IGNORECASE), backend="vllm"),
-    _Head("vllm-kv", re.compile(_words("Available KV cache memory:") + _W + r"-\s*\d"), backend="vllm"),
     _Head(
         "oom-killer",
-        re.compile(r"(?:Memory" + _W + r"cgroup" + _W + r")?" + _words("out of memory:") + _W + r"Kill(?:ed)?" + _W + r"process" + _W + r"(?P<pid>\d+)", re.IGNORECASE),
+        re.compile(r"(?:Memory" + _W + r"cgroup" + _W + r")?" + _words("out of memory:") + _W + r"Kill(?:ed)?" + _W
+                   + r"process" + _W + r"(?P<pid>\d+)", re.IGNORECASE),
         backend="host",
     ),
-    _Head("slurm", re.compile(r"Detected" + _W + r"\d+" + _W + r"oom[-_]kill" + _W + r"event", re.IGNORECASE), backend="host"),
+    _Head("slurm", re.compile(r"Detected" + _W + r"\d+" + _W + r"oom[-_]kill" + _W + r"event", re.IGNORECASE),
+          backend="host"),
     _Head("slurm", re.compile(_words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
     _Head("shell", re.compile(r"\bline\s+\d+:\s+(?P<pid>\d+)\s+Killed\s+\S"), backend="host"),
     _Head("python", re.compile(r"^(?:[\w.]+\.)?(?:_Array)?MemoryError(?::|\s*$)"), backend="host"),
+)
+
+# Configuration clashes that libraries report in out-of-memory words. Unsloth's standby loader used to re-raise the
+# expandable-segments assertion as ``MemoryError("... ran out of memory ...")``; no memory ran out, and no remedy that
+# saves memory would help. A message that carries one of these phrases is never an OOM.
+_VETO = re.compile(
+    _words("Standby mode is not supported with expandable segments") + r"|"
+    + _words("Expandable segments are not compatible with memory pool"),
+    re.IGNORECASE,
 )
 
 # Prefixes that loggers, launchers and notebooks put on every line.
@@ -202,21 +236,31 @@ _PREFIX = re.compile(
     r"|\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?"
     r"|\d\d:\d\d:\d\d(?:[.,]\d+)?"
     r"|\[\s*\d+\.\d+\]"
+    r"|(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL):[\w.]+:"  # Python logging's default "LEVEL:logger:"
     r"|(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL)\b:?"
     r"|\[[\w./-]+\.py:\d+\]|[\w-]+\.py:\d+\]"
+    r"|[\w.-]+-\d+\s+\|"  # docker compose: "vllm-1  | "
     r"|E(?=\s{2,})"
     r"|[|:>-](?=\s)"
     r")\s*)+"
 )
 _RANK = re.compile(r"\[rank\s*(\d+)\]|rank\s*(\d+):|\[default(\d+)\]")
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>[^\s]+)')
+# Traceback frames: CPython ('File "x.py", line 3, in f') and IPython 8 ('File ~/x.py:3, in Cls.f(a, b)', 'Cell In[4],
+# line 9[, in f(...)]').
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+_FRAME_IPY = re.compile(r"^\s*File (?P<file>\S.*?):(?P<line>\d+), in (?P<name>[^\s(]+)")
+_FRAME_CELL = re.compile(r"^\s*(?P<file>Cell In\s*\[\d+\]), line (?P<line>\d+)(?:, in (?P<name>[^\s(]+))?")
+_TRACEBACK = "Traceback (most recent call last)"
 _NEW_RECORD = re.compile(
     r"^(?:Traceback \(most recent call last\)|File \"|During handling|The above exception|"
-    r"(?:[\w.]+\.)?\w*(?:Error|Exception|Warning|Interrupt|Exit)\b:|\{|\[\s*\d|#)"
+    r"(?:[\w.]+\.)?\w*(?:Error|Exception|Warning|Interrupt|Exit)\b:|\{|\[\s*\d|#|[=_*~-]{4,})"
 )
 
 _MAX_CONTINUATION = 14
+_ELLIPSIS = ("...", "\u2026")  # a log or summary line cut to the terminal width
 _MAX_FRAMES_LOOKBACK = 400
+_MAX_FRAME_GAP = 16  # lines without a frame (source, carets, IPython context) before the frames are given up
+_SOURCE_LOOKBACK = 6  # a frame this close above a quoted head means the head is the frame's source line
 
 
 def strip_prefix(line: str) -> str:
@@ -224,6 +268,8 @@ def strip_prefix(line: str) -> str:
 
     >>> strip_prefix("[rank3]: torch.OutOfMemoryError: CUDA out of memory.")
     'torch.OutOfMemoryError: CUDA out of memory.'
+    >>> strip_prefix("WARNING:root:CUDA out of memory.")
+    'CUDA out of memory.'
     """
     m = _PREFIX.match(line)
     return line[m.end():] if m else line
@@ -237,11 +283,41 @@ def rank_of(line: str) -> int | None:
     return int(next(g for g in m.groups() if g is not None))
 
 
-def _recognise(stripped: str) -> tuple[_Head, re.Match[str]] | None:
+def _visible(line: str) -> str:
+    """What a terminal shows of a line: trailing CR/LF dropped, and only the text after the last carriage return
+    (progress bars redraw themselves with ``\\r``)."""
+    line = line.rstrip("\r\n")
+    if "\r" in line:
+        line = line.rsplit("\r", 1)[-1]
+    return line
+
+
+def _split(text: str) -> list[str]:
+    """Lines as editors and ``grep -n`` count them: split on ``\\n`` only (``\\r\\n`` included), ``\\r`` redraws kept
+    within their line."""
+    return [_visible(line) for line in text.split("\n")]
+
+
+def _recognitions(stripped: str) -> Iterator[tuple[_Head, re.Match[str]]]:
     for head in _HEADS:
         m = head.pattern.search(stripped)
         if m:
-            return head, m
+            yield head, m
+
+
+def _recognise(stripped: str) -> tuple[_Head, re.Match[str]] | None:
+    return next(_recognitions(stripped), None)
+
+
+def _frame_of(stripped: str) -> Frame | None:
+    m = _FRAME.search(stripped)
+    if m:
+        return Frame(m.group("file"), int(m.group("line")), m.group("name"))
+    m = _FRAME_IPY.match(stripped) or _FRAME_CELL.match(stripped)
+    if m:
+        # IPython prints qualified names ("Adam._init_group"); keep the function name, as CPython does.
+        name = (m.group("name") or "<cell>").rsplit(".", 1)[-1]
+        return Frame(m.group("file"), int(m.group("line")), name)
     return None
 
 
@@ -250,8 +326,9 @@ def _recognise(stripped: str) -> tuple[_Head, re.Match[str]] | None:
 
 _F = re.IGNORECASE
 _P_REQUESTED = re.compile(_words("Tried to allocate") + _W + SIZE, _F)
-_P_DEVICE = re.compile(r"\b(?:GPU|NPU|XPU|device)" + _W + r"(\d+)\b", _F)
-_P_CAPACITY = re.compile(_words("total capacit") + r"y?" + _W + "of" + _W + SIZE, _F)
+_P_REQ_EB = re.compile(_words("Tried to allocate more than 1") + _W + "EB", _F)
+_P_DEVICE = re.compile(r"\b(?:GPU|NPU|XPU|device)" + _W + r"(\d+)", _F)
+_P_CAPACITY = re.compile(_words("total") + _W + r"capac(?:ity|ty)" + _W + "of" + _W + SIZE, _F)  # 2.1: "capacty"
 _P_CAPACITY_OLD = re.compile(SIZE + _W + _words("total capacity"), _F)
 _P_FREE = re.compile(_words("of which") + _W + SIZE + _W + _words("is free"), _F)
 _P_FREE_OLD = re.compile(SIZE + _W + r"free\b", _F)
@@ -264,20 +341,20 @@ _P_RESV_TOTAL = re.compile(SIZE + _W + _words("reserved in total by PyTorch"), _
 _P_CACHED = re.compile(SIZE + _W + r"cached\b", _F)
 _P_THIS_PROC = re.compile(_words("this process has") + _W + SIZE + _W + _words("memory in use"), _F)
 _P_OTHER_PROC = re.compile(r"Process" + _W + r"(\d+)" + _W + r"has" + _W + SIZE + _W + _words("memory in use"), _F)
-_P_MPS_ALLOC = re.compile(r"(?:MPS|currently)" + _W + r"allocated:" + _W + SIZE, _F)
+_P_MPS_ALLOC = re.compile(r"MPS" + _W + r"allocated:" + _W + SIZE, _F)
+_P_MPS_CURRENT = re.compile(_words("currently allocated:") + _W + SIZE, _F)
 _P_MPS_OTHER = re.compile(_words("other allocations:") + _W + SIZE, _F)
 _P_MPS_MAX = re.compile(_words("max allowed:") + _W + SIZE, _F)
 _P_CPU_REQ = re.compile(_words("you tried to allocate") + _W + r"(\d+)" + _W + r"bytes", _F)
 _P_VLLM_FREE = re.compile(
-    _words("Free memory on device") + _W + r"(?:\(?[\w:]*\)?\s*)?\(" + _W + _NUM + _W + r"/" + _W + _NUM + _W + _UNIT + r"\)"
-    + r".*?" + _words("utilization") + _W + r"\(" + _W + r"([\d.]+)" + _W + r"," + _W + SIZE,
+    _words("Free memory on device") + _W + r"(?:\(?[\w:]*\)?\s*)?\(" + _W + _NUM + _W + r"/" + _W + _NUM + _W + _UNIT
+    + _W + r"\)" + r".*?" + _words("utilization") + _W + r"\(" + _W + r"([\d.]+)" + _W + r"," + _W + SIZE,
     _F,
 )
 _P_VLLM_KV = re.compile(
     r"\(" + _W + SIZE + _W + _words("KV cache is needed") + r".*?" + _words("KV cache memory") + _W + r"\(" + _W + SIZE, _F
 )
-_P_VLLM_AVAIL = re.compile(_words("Available KV cache memory:") + _W + r"(-?)" + _W + SIZE, _F)
-_P_RSS = re.compile(r"anon-rss:" + _W + r"(\d+)" + _W + r"kB", _F)
+_P_RSS = re.compile(r"anon-rss:" + _W + r"(\d[\d,]*)" + _W + r"kB", _F)
 _P_NP_REQ = re.compile(_words("Unable to allocate") + _W + SIZE, _F)
 
 
@@ -286,49 +363,58 @@ def _first(p: re.Pattern[str], text: str, *, binary_si: bool = False) -> int | N
     return _size(m.group(1), m.group(2), binary_si=binary_si) if m else None
 
 
-def _parse_figures(report: OOMReport) -> OOMReport:
+def _either(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _parse_figures(report: OOMReport, core: str) -> OOMReport:
+    """Read the figures. ``core`` is the message from its head on (log text before the head is not looked at);
+    ``report.message`` is the whole joined text, which a few vLLM wordings need (their figures precede the head)."""
     text = report.message
     o = report.origin
     kw: dict[str, Any] = {}
     if o == "allocator":
-        kw["requested"] = _first(_P_REQUESTED, text)
-        m = _P_DEVICE.search(text)
+        kw["requested"] = _first(_P_REQUESTED, core)
+        if kw["requested"] is None and _P_REQ_EB.search(core):
+            kw["requested"] = _ONE_EB
+        m = _P_DEVICE.search(core)
         kw["device"] = int(m.group(1)) if m else None
-        kw["capacity"] = _first(_P_CAPACITY, text) or _first(_P_CAPACITY_OLD, text)
-        kw["free"] = _first(_P_FREE, text)
-        if kw["free"] is None:
-            kw["free"] = _first(_P_FREE_OLD, text)
-        kw["allowed"] = _first(_P_ALLOWED, text)
-        kw["allocated"] = _first(_P_ALLOC, text)
-        if kw["allocated"] is None:
-            kw["allocated"] = _first(_P_ALLOC_OLD, text)
-        kw["private_pools"] = _first(_P_PRIVATE, text)
-        ru = _first(_P_RESV_UNALLOC, text)
+        kw["capacity"] = _either(_first(_P_CAPACITY, core), _first(_P_CAPACITY_OLD, core))
+        kw["free"] = _either(_first(_P_FREE, core), _first(_P_FREE_OLD, core))
+        kw["allowed"] = _first(_P_ALLOWED, core)
+        kw["allocated"] = _either(_first(_P_ALLOC, core), _first(_P_ALLOC_OLD, core))
+        kw["private_pools"] = _first(_P_PRIVATE, core)
+        ru = _first(_P_RESV_UNALLOC, core)
         if ru is None:
-            total = _first(_P_RESV_TOTAL, text)
+            total = _first(_P_RESV_TOTAL, core)
             if total is not None and kw["allocated"] is not None:
                 ru = max(0, total - kw["allocated"])
         if ru is None:
-            ru = _first(_P_CACHED, text)
+            ru = _first(_P_CACHED, core)
         kw["reserved_unallocated"] = ru
-        kw["process"] = _first(_P_THIS_PROC, text)
+        kw["process"] = _first(_P_THIS_PROC, core)
         kw["other_processes"] = tuple(
-            OtherProcess(int(m.group(1)), _size(m.group(2), m.group(3))) for m in _P_OTHER_PROC.finditer(text)
+            OtherProcess(int(m.group(1)), _size(m.group(2), m.group(3))) for m in _P_OTHER_PROC.finditer(core)
         )
     elif o == "mps":
         # Old MPS builds print binary values labelled KB/MB/GB; newer ones print KiB/MiB/GiB. Both read as binary.
-        kw["requested"] = _first(_P_REQUESTED, text, binary_si=True)
-        kw["allocated"] = _first(_P_MPS_ALLOC, text, binary_si=True)
-        other = _first(_P_MPS_OTHER, text, binary_si=True)
-        cap = _first(_P_MPS_MAX, text, binary_si=True)
-        kw["capacity"] = cap
-        kw["allowed"] = cap
-        if kw["allocated"] is not None:
-            kw["process"] = kw["allocated"] + (other or 0)
-        if cap is not None and kw.get("process") is not None:
-            kw["free"] = max(0, cap - kw["process"])
+        # "max allowed" is the high-watermark limit (it can exceed physical memory), so it is ``allowed``, not the
+        # device's capacity. "MPS allocated" is PyTorch's share; "other allocations" the rest of the process's Metal
+        # memory; the oldest builds print only "currently allocated", the process total.
+        kw["requested"] = _first(_P_REQUESTED, core, binary_si=True)
+        allocated = _first(_P_MPS_ALLOC, core, binary_si=True)
+        other = _first(_P_MPS_OTHER, core, binary_si=True)
+        limit = _first(_P_MPS_MAX, core, binary_si=True)
+        kw["allowed"] = limit
+        kw["allocated"] = allocated
+        if allocated is not None:
+            kw["process"] = allocated + (other or 0)
+        else:
+            kw["process"] = _first(_P_MPS_CURRENT, core, binary_si=True)
+        if limit is not None and kw["process"] is not None:
+            kw["free"] = max(0, limit - kw["process"])
     elif o == "cpu-allocator":
-        m = _P_CPU_REQ.search(text)
+        m = _P_CPU_REQ.search(core)
         kw["requested"] = int(m.group(1)) if m else None
     elif o == "vllm-startup":
         m = _P_VLLM_FREE.search(text)
@@ -342,12 +428,9 @@ def _parse_figures(report: OOMReport) -> OOMReport:
         if m:
             kw["requested"] = _size(m.group(1), m.group(2))
             kw["free"] = _size(m.group(3), m.group(4))
-        m = _P_VLLM_AVAIL.search(text)
-        if m and m.group(1) == "-":
-            kw["free"] = 0
     elif o in ("oom-killer", "shell"):
         m = _P_RSS.search(text)
-        kw["process"] = int(m.group(1)) * 1024 if m else None
+        kw["process"] = int(m.group(1).replace(",", "")) * 1024 if m else None
     elif o == "python":
         kw["requested"] = _first(_P_NP_REQ, text)
     return replace(report, **{k: v for k, v in kw.items() if v is not None or k in ("other_processes",)})
@@ -377,8 +460,11 @@ def parse_oom(text: str) -> OOMReport | None:
     >>> parse_oom("RuntimeError: MPS backend out of memory (MPS allocated: 33.48 GB, other allocations: 2.45 GB, "
     ...           "max allowed: 36.27 GB). Tried to allocate 600.15 MB on private pool.").backend
     'mps'
+    >>> parse_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB. GPU 0 has a total "
+    ...           "capacty of 14.75 GiB of which 11.06 MiB is free.").capacity  # the 2.1-era typo
+    15837691904
     """
-    hits = list(scan_lines(text.splitlines() or [text]))
+    hits = list(scan_lines(_split(text)))
     return hits[0].report if hits else None
 
 
@@ -396,77 +482,185 @@ class Hit:
     rank: int | None = None
 
 
+def _same_rank(a: int | None, b: int | None) -> bool:
+    return a is None or b is None or a == b
+
+
 def _frames_before(lines: list[str], index: int, rank: int | None) -> tuple[Frame, ...]:
+    """The traceback frames above line ``index`` (outermost first), read back to the ``Traceback`` header.
+
+    Lines of other ranks are skipped. Only a traceback that ends right above the message counts: once more than
+    ``_MAX_FRAME_GAP`` lines pass without a frame the walk stops, so an unrelated traceback further up is not
+    attributed to a message printed without one.
+    """
     frames: list[Frame] = []
+    gap = 0
     lo = max(0, index - _MAX_FRAMES_LOOKBACK)
     for j in range(index - 1, lo - 1, -1):
         raw = lines[j]
         if rank is not None and rank_of(raw) not in (rank, None):
             continue
         s = strip_prefix(raw)
-        m = _FRAME.search(s)
-        if m:
-            frames.append(Frame(m.group("file"), int(m.group("line")), m.group("name")))
-            continue
-        if s.startswith("Traceback (most recent call last)"):
+        if _TRACEBACK in s:
             break
+        frame = _frame_of(s)
+        if frame is not None:
+            frames.append(frame)
+            gap = 0
+            continue
         if frames and (s.startswith("During handling") or s.startswith("The above exception")):
+            break
+        gap += 1
+        if gap > _MAX_FRAME_GAP:
             break
     frames.reverse()
     return tuple(frames)
 
 
-def _assemble(lines: list[str], index: int, head: _Head) -> tuple[str, int]:
-    """Join the head line with continuation lines until the message is complete. Returns (text, lines used)."""
+_EXCEPTION_LINE = re.compile(r"(?:[\w.]+\.)?\w*(?:Error|Exception|Warning|Interrupt|Exit)\b:")
+
+
+def _inside_literal(code: str) -> bool:
+    """Whether ``code`` ends inside a string literal. A quote opens a literal only where code can start one (not
+    after a letter or digit, so "models's" or "can't" in prose do not count), string prefixes (f, r, b, u) allowed."""
+    quote = ""
+    i = 0
+    while i < len(code):
+        c = code[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = ""
+        elif c in "\"'":
+            j = i - 1
+            while j >= 0 and code[j] in "rRbBuUfF" and i - j <= 2:
+                j -= 1
+            if j < 0 or not (code[j].isalnum() or code[j] == "_"):
+                quote = c
+        i += 1
+    return bool(quote)
+
+
+def _is_source_line(lines: list[str], index: int, stripped: str, m: re.Match[str], rank: int | None) -> bool:
+    """True when the head sits inside a string literal of a traceback's source line, such as
+    ``raise ValueError("No available memory for the cache blocks. "`` under its ``File "...", line N`` frame.
+    The real message follows a few lines down."""
+    if _EXCEPTION_LINE.match(stripped.lstrip()) or not _inside_literal(stripped[: m.start()]):
+        return False
+    for j in range(index - 1, max(-1, index - 1 - _SOURCE_LOOKBACK), -1):
+        raw = lines[j]
+        if rank is not None and rank_of(raw) not in (rank, None):
+            continue
+        s = strip_prefix(raw)
+        if _frame_of(s) is not None:
+            return True
+        if _EXCEPTION_LINE.match(s.lstrip()):
+            return False  # that traceback already ended with its exception line
+    return False
+
+
+def _assemble(lines: list[str], index: int, head: _Head, rank: int | None) -> tuple[str, list[int]]:
+    """Join the head line with continuation lines until the message is complete.
+
+    Returns the text and the indices of the continuation lines used. Only lines of the head's rank continue it;
+    lines from other ranks or sources in between are passed over (and left for the scanner).
+    """
     text = strip_prefix(lines[index])
-    used = 1
+    used: list[int] = []
     if head.complete is None:
         return text, used
-    while not head.complete.search(text) and used <= _MAX_CONTINUATION and index + used < len(lines):
-        nxt = strip_prefix(lines[index + used])
+    j = index + 1
+    while (not head.complete.search(text) and not text.rstrip().endswith(_ELLIPSIS) and j < len(lines)
+           and j - index <= _MAX_CONTINUATION):
+        raw = lines[j]
+        j += 1
+        if rank_of(raw) != rank:
+            continue
+        nxt = strip_prefix(raw)
         if not nxt.strip() or _NEW_RECORD.match(nxt.lstrip()) or _recognise(nxt):
             break
         text = text + nxt if not text.endswith((" ", "\t")) else text + nxt.lstrip()
-        used += 1
+        used.append(j - 1)
     return text, used
 
 
+def _same_message(a: str, b: str) -> bool:
+    """Equal, or one is the other cut short with an ellipsis (pytest's summary line, a terminal-width log)."""
+    if a == b:
+        return True
+    short, long_ = (a, b) if len(a) <= len(b) else (b, a)
+    if not short.endswith(_ELLIPSIS):
+        return False
+    short = short.rstrip(".\u2026").rstrip()
+    return len(short) >= 40 and long_.startswith(short)
+
+
 class _Scanner:
-    """Scans lines for OOM heads; remembers recent messages so a message repeated by a launcher counts once."""
+    """Scans lines for OOM heads; remembers recent messages so that one OOM reported several times counts once.
+
+    Launchers print the same message again (torchrun's failure summary, an app that logs what it caught, pytest's
+    short summary), a sticky CUDA error repeats in every handler, and NCCL's own warning precedes the Python error.
+    A repeat is the same origin and backend within a window (200 lines for an allocator message with the same
+    text, 60 for the rest), on the same rank or where one side names no rank.
+    """
+
+    _WINDOW_ALLOCATOR = 200
+    _WINDOW = 60
 
     def __init__(self) -> None:
-        self.recent: dict[str, int] = {}
-        self.next_index = 0  # index after the last line consumed by scan()
+        self.recent: dict[tuple[Any, ...], list[tuple[int, int | None, str]]] = {}
+        self.consumed: set[int] = set()  # absolute line numbers used as continuation lines
+
+    def _is_repeat(self, key: tuple[Any, ...], line_no: int, rank: int | None, core: str) -> bool:
+        window = self._WINDOW_ALLOCATOR if key[0] == "allocator" else self._WINDOW
+        entries = [e for e in self.recent.get(key, []) if line_no - e[0] <= window]
+        repeat = False
+        for k, (_, r, c) in enumerate(entries):
+            if _same_rank(r, rank) and (key[0] != "allocator" or _same_message(c, core)):
+                entries[k] = (line_no, r if r is not None else rank, c if len(c) >= len(core) else core)
+                repeat = True
+                break
+        if not repeat:
+            entries.append((line_no, rank, core))
+        self.recent[key] = entries
+        return repeat
 
     def scan(self, lines: list[str], first_line: int, start: int, stop: int) -> Iterator[Hit]:
-        i = start
-        while i < stop:
+        for i in range(start, stop):
+            line_no = first_line + i
+            if line_no in self.consumed:
+                continue
             raw = lines[i]
             stripped = strip_prefix(raw)
-            found = _recognise(stripped) if _might_be_oom(stripped) else None
-            if not found:
-                i += 1
+            if not _might_be_oom(stripped):
                 continue
-            head, m = found
-            text, used = _assemble(lines, i, head)
-            if head.requires is not None and not head.requires.search(text):
-                i += 1
+            hit = self._hit(lines, i, line_no, raw, stripped)
+            if hit is not None:
+                yield hit
+
+    def _hit(self, lines: list[str], i: int, line_no: int, raw: str, stripped: str) -> Hit | None:
+        rank = rank_of(raw)
+        for head, m in _recognitions(stripped):
+            if _is_source_line(lines, i, stripped, m, rank):
+                return None
+            text, used = _assemble(lines, i, head, rank)
+            core = text[m.start():]
+            if head.requires is not None and not head.requires.search(core):
                 continue
-            rank = rank_of(raw)
+            if _VETO.search(text):
+                return None
+            first = line_no - i
+            self.consumed.update(first + j for j in used)
             message = " ".join(text.split())
             report = _parse_figures(
-                OOMReport(backend=_backend_for(head, m), origin=head.origin, message=message, pid=_pid_of(m))
+                OOMReport(backend=_backend_for(head, m), origin=head.origin, message=message, pid=_pid_of(m)), core
             )
-            # A launcher may print the same message again (torchrun's summary, a re-raise); an OOM killer or a CUDA
-            # runtime error spreads over a few lines that each match. Count each once.
-            key = f"{rank}|{head.origin}|{report.backend}|{message if head.origin == 'allocator' else ''}"
-            line_no = first_line + i
-            seen = self.recent.get(key)
-            if seen is None or line_no - seen > (50 if head.origin == "allocator" else 6):
-                yield Hit(line_no, report, _frames_before(lines, i, rank), rank)
-            self.recent[key] = line_no
-            i += used
-        self.next_index = i
+            key = (head.origin, report.backend, report.pid if head.origin in ("oom-killer", "shell") else None)
+            if self._is_repeat(key, line_no, rank, " ".join(core.split())):
+                return None
+            return Hit(line_no, report, _frames_before(lines, i, rank), rank)
+        return None
 
 
 def scan_lines(lines: Iterable[str], *, first_line: int = 1) -> Iterator[Hit]:
@@ -476,13 +670,13 @@ def scan_lines(lines: Iterable[str], *, first_line: int = 1) -> Iterator[Hit]:
     ...                              "Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 7.9 GiB"])]
     [2]
     """
-    lines = lines if isinstance(lines, list) else list(lines)
+    lines = [_visible(line) for line in lines]
     yield from _Scanner().scan(lines, first_line, 0, len(lines))
 
 
 def scan_text(text: str) -> list[Hit]:
-    """All OOMs in a string (a captured stderr tail, an exception's text)."""
-    return list(scan_lines(text.splitlines()))
+    """All OOMs in a string (a captured stderr tail, an exception's text). Lines are numbered as ``\\n`` splits them."""
+    return list(scan_lines(text.split("\n")))
 
 
 _CHEAP_PATTERN = (
@@ -490,7 +684,8 @@ _CHEAP_PATTERN = (
     r"|cache\s*blocks|memory\s*utilization|OUT_OF_DEVICE_MEMORY|cudaErrorMemoryAllocation|allocate\s*memory"
     r"|not\s*enough\s*memory"
 )
-_CHEAP = re.compile(_CHEAP_PATTERN, re.IGNORECASE)
+# ASCII case folding in both, so that a line passes the str test exactly when its bytes pass the bytes test.
+_CHEAP = re.compile(_CHEAP_PATTERN, re.IGNORECASE | re.ASCII)
 _CHEAP_BYTES = re.compile(_CHEAP_PATTERN.encode(), re.IGNORECASE)
 
 
@@ -498,69 +693,83 @@ def _might_be_oom(s: str) -> bool:
     return _CHEAP.search(s) is not None
 
 
-# Byte needles for streaming: every line that _CHEAP accepts contains one of them. bytes.find runs at GB/s, far
-# faster than a regex with alternatives, so streaming a large log costs little more than reading it.
-NEEDLES = (b"emory", b"EMORY", b"ALLOC_FAILED", b"AllocFailed", b"oom-kill", b"oom_kill", b"Killed", b"KV cache",
-           b"cache blocks")
+# Byte needles for streaming, searched in the lower-cased chunk: every line that a head can match contains one of
+# them (each head names "memory", ALLOC_FAILED/AllocFailed, oom-kill/oom_kill or Killed). bytes.find runs at GB/s,
+# far faster than a regex with alternatives, so streaming a large log costs little more than reading it.
+NEEDLES = (b"emory", b"alloc_failed", b"allocfailed", b"oom-kill", b"oom_kill", b"killed")
 _MAX_LINE = 1 << 20  # a "line" longer than this is cut, so one runaway line cannot hold the whole file
 
 
 def scan_stream(stream: BinaryIO, *, chunk_size: int = 4 << 20, max_bytes: int | None = None) -> Iterator[Hit]:
     """Stream a (possibly huge) binary log and yield its OOMs in order, in bounded memory.
 
-    Only lines that contain a needle are looked at; the lines before them are kept for traceback frames, and a
-    message near the end of a chunk waits for the next chunk so that its continuation lines are there.
+    Gives the same hits as ``scan_text`` on the decoded text. Only lines that contain a needle are looked at; the
+    lines before them are kept for traceback frames, and a message near the end of a chunk waits for the next chunk
+    so that its continuation lines are there.
 
     >>> import io
     >>> [h.report.backend for h in scan_stream(io.BytesIO(b"ok\\nMemoryError\\n"))]
     ['host']
+    >>> list(scan_stream(io.BytesIO(b"")))
+    []
     """
     scanner = _Scanner()
-    keep_lines = max(_MAX_FRAMES_LOOKBACK, _MAX_CONTINUATION + 2)
+    chunk_size = max(1, chunk_size)
+    # a candidate can sit in the last lines of the carry, and still sees the full frame look-back above it
+    keep_lines = _MAX_FRAMES_LOOKBACK + _MAX_CONTINUATION + 2
     carry = b""
     carry_first = 1  # line number of carry's first line
     pending = 1  # first line number not yet scanned
     total = 0
     while True:
-        chunk = stream.read(chunk_size if max_bytes is None else max(0, min(chunk_size, max_bytes - total)))
+        want = chunk_size if max_bytes is None else max(0, min(chunk_size, max_bytes - total))
+        chunk = stream.read(want) if want else b""
         total += len(chunk)
         eof = not chunk
         buf = carry + chunk
-        cut = len(buf) if eof else buf.rfind(b"\n") + 1
-        if cut == 0:
-            if len(buf) <= _MAX_LINE:
-                carry = buf
-                continue
+        if eof:
             cut = len(buf)
+        else:
+            cut = buf.rfind(b"\n") + 1
+            if cut == 0:
+                if len(buf) <= _MAX_LINE:
+                    carry = buf
+                    continue
+                cut = len(buf)
+        if cut == 0:
+            return  # end of an empty stream
         region, rest = buf[:cut], buf[cut:]
         n_lines = region.count(b"\n") + (0 if region.endswith(b"\n") else 1)
         limit = n_lines if eof else max(0, n_lines - (_MAX_CONTINUATION + 1))
-        candidates = [i for i in _candidate_lines(region) if i < limit and carry_first + i >= pending]
+        candidates = [
+            i for i in _candidate_lines(region)
+            if i < limit and carry_first + i >= pending and carry_first + i not in scanner.consumed
+        ]
         if candidates:
-            lines = region.decode("utf-8", errors="replace").split("\n")
+            lines = _split(region.decode("utf-8", errors="replace"))
             for i in candidates:
-                if carry_first + i < pending:
-                    continue  # part of a message already read
                 yield from scanner.scan(lines, carry_first, i, i + 1)
-                pending = carry_first + scanner.next_index
+                pending = max(pending, carry_first + i + 1)
         pending = max(pending, carry_first + limit)
         if eof:
             return
         keep_from = _tail_start(region, keep_lines)
         carry_first += region.count(b"\n", 0, keep_from)
         carry = region[keep_from:] + rest
+        scanner.consumed = {n for n in scanner.consumed if n >= carry_first}
 
 
 def _candidate_lines(region: bytes) -> list[int]:
     """Sorted indices of the lines of ``region`` that pass the cheap byte test."""
     starts: set[int] = set()
+    folded = region.lower()  # ASCII only, byte offsets unchanged
     for nd in NEEDLES:
-        p = region.find(nd)
+        p = folded.find(nd)
         while p != -1:
             s = region.rfind(b"\n", 0, p) + 1
             starts.add(s)
             e = region.find(b"\n", p)
-            p = region.find(nd, len(region) if e == -1 else e)
+            p = folded.find(nd, len(region) if e == -1 else e)
     out: list[int] = []
     prev_pos, prev_idx = 0, 0
     for s in sorted(starts):
@@ -613,23 +822,41 @@ def is_oom(exc: BaseException | None) -> bool:
 
 
 def oom_in_chain(exc: BaseException | None) -> BaseException | None:
-    """The first exception in the chain that is an OOM (``exc`` itself first), or ``None``."""
+    """The first exception in the chain that is an OOM (``exc`` itself first), or ``None``.
+
+    Both links are followed (``__cause__`` before ``__context__``: ``raise X from Y`` inside an ``except`` block
+    leaves the original error only in the context), as are the members of an ``ExceptionGroup``. Cycles end the walk.
+    """
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if _exception_is_oom(exc):
-            return exc
-        exc = exc.__cause__ or exc.__context__
+    stack = [exc] if exc is not None else []
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _exception_is_oom(e):
+            return e
+        linked = [x for x in (e.__cause__, e.__context__) if x is not None]
+        members = getattr(e, "exceptions", None)
+        if isinstance(members, (list, tuple)):
+            linked += [x for x in members if isinstance(x, BaseException)]
+        stack.extend(reversed(linked))
     return None
 
 
+def _exception_text(exc: BaseException) -> str | None:
+    try:
+        return str(exc)
+    except Exception:
+        return None
+
+
 def _exception_is_oom(exc: BaseException) -> bool:
+    text = _exception_text(exc)
+    if text and _VETO.search(text):
+        return False
     if any(cls.__name__ in _OOM_TYPE_NAMES for cls in type(exc).__mro__):
         return True
-    try:
-        text = str(exc)
-    except Exception:
-        return False
     if not text or not _might_be_oom(text):
         return False
     return parse_oom(text) is not None
@@ -638,7 +865,7 @@ def _exception_is_oom(exc: BaseException) -> bool:
 def report_from_exception(exc: BaseException) -> OOMReport:
     """Parse the OOM in an exception chain; falls back to a bare report when the text has no figures."""
     oom = oom_in_chain(exc) or exc
-    text = str(oom)
+    text = _exception_text(oom) or ""
     report = parse_oom(text) if text else None
     if report is None:
         name = type(oom).__name__

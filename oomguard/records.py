@@ -196,12 +196,14 @@ class Attempt:
     peak_bytes: int | None = None
     oom: dict[str, Any] | None = None
     step: int | None = None
+    peak_reserved_bytes: int | None = None
     kind: str = "run"  # run | probe | minimize
     skipped: list[dict[str, str]] = field(default_factory=list)  # rungs passed over after this attempt, with why
     climbed: str | None = None  # the rung climbed after this attempt
     resume: dict[str, Any] | None = None  # how this attempt continued from a checkpoint, if it did
     predicted_bytes: int | None = None
     note: str | None = None
+    memory: dict[str, Any] | None = None  # guard(): live bytes before the call and after releasing a failed one
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -213,6 +215,7 @@ class Attempt:
             "exit_code": self.exit_code,
             "seconds": round(self.seconds, 3),
             "peak_bytes": self.peak_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
             "predicted_bytes": self.predicted_bytes,
             "oom": self.oom,
             "step": self.step,
@@ -220,6 +223,7 @@ class Attempt:
             "skipped": self.skipped,
             "resume": self.resume,
             "note": self.note,
+            "memory": self.memory,
         }
 
 

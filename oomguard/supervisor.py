@@ -12,7 +12,6 @@ import os
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,8 +20,9 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, stop_after_d
 
 from .analyze import finding, finding_from_crash, finding_from_hit
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .climb import Climb
 from .diagnose import Diagnosis, diagnose
-from .knobs import TRL_DEFAULTS, Knobs, RunFacts, reachable
+from .knobs import Knobs, RunFacts, reachable
 from .ladder import Exhausted, Ladder, Step
 from .oom import OOMReport, scan_text
 from .proc import Interrupts, ProcessResult, run_attempt
@@ -38,7 +38,6 @@ from .records import (
     read_json,
     write_json_atomic,
 )
-from .strategies import Context, Remedy
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
@@ -138,58 +137,16 @@ class Supervisor:
         self.o = options
         self.ui = reporter
         self.run_dir = options.workdir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        self.observed: dict[str, Any] = {}
-        self.facts = RunFacts()
-        self.applied: list[tuple[Remedy, Diagnosis | None]] = []
-        self.attempts: list[Attempt] = []
-        self.diagnoses: list[Diagnosis | None] = []
-        self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
-        self.exhausted: Exhausted | None = None
         self.interrupts = Interrupts()
-        self.started = time.time()
-        self.started_iso = now_iso()
-        self.base = Knobs()
+        self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
         user_es, text = user_alloc_conf(dict(os.environ))
-        if user_es is False:
-            self.facts = self.facts.replace(alloc_conf_locked=text)
-        self.env_knobs: dict[str, Any] = {"expandable_segments": bool(user_es)}
-        if options.replay:
-            self.base = Knobs.from_dict(options.replay.get("overrides") or {})
-
-    # -- knobs -------------------------------------------------------------------------------------------------
-    def original(self) -> Knobs:
-        """The user's own config: TRL defaults, the allocator settings in the environment, what the script set."""
-        return TRL_DEFAULTS.merged(self.env_knobs).merged({k: v for k, v in self.observed.items() if v is not None})
-
-    def effective(self) -> tuple[Knobs, dict[str, str]]:
-        """The knobs for the next attempt, replayed from the original, and which remedy set each changed knob.
-
-        Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to
-        report what the script set.
-        """
-        knobs = self.original().merged(self.base)
-        who: dict[str, str] = {r.knob: "lock" for r in self.original().diff(knobs)}
-        used: Counter[str] = Counter()
-        for remedy, diag in self.applied:
-            ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used))
-            used[remedy.name] += 1
-            if remedy.blocked(ctx):
-                continue
-            new = remedy.apply(ctx)
-            for row in knobs.diff(new):
-                who[row.knob] = remedy.name
-            knobs = new
-        return knobs, who
-
-    def overrides(self, knobs: Knobs) -> dict[str, Any]:
-        return {r.knob: r.after for r in self.original().diff(knobs)}
-
-    def remedies_in_force(self) -> list[str]:
-        names: list[str] = []
-        for remedy, _ in self.applied:
-            if remedy.name not in names:
-                names.append(remedy.name)
-        return names
+        self.user_expandable = bool(user_es)
+        self.climb = Climb(
+            options.ladder,
+            pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
+            env_knobs={"expandable_segments": self.user_expandable},
+            facts=RunFacts(alloc_conf_locked=text if user_es is False else None),
+        )
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -221,17 +178,18 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.o.simulate_gpu:
             env[SIMULATE_ENV] = str(self.o.simulate_gpu)
-        if knobs.expandable_segments and not self.env_knobs.get("expandable_segments"):
+        if knobs.expandable_segments and not self.user_expandable:
             merge_alloc_conf(env, "expandable_segments", "True")
         return env
 
     def _attempt(self) -> Attempt:
-        index = len(self.attempts) + 1
-        knobs = self.effective()[0]
+        c = self.climb
+        index = len(c.attempts) + 1
+        knobs = c.effective()[0]
         adir = self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
-        remedies = self.remedies_in_force()
-        plan = Plan(attempt=index, overrides=self.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
+        remedies = c.remedies_in_force()
+        plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
                     remedies=remedies)
         plan_path = write_json_atomic(adir / "plan.json", plan.to_dict())
@@ -247,25 +205,29 @@ class Supervisor:
         self._learn(events)
         attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
         # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
-        attempt.knobs = self.effective()[0].to_dict()
-        self.attempts.append(attempt)
-        self.diagnoses.append(diag)
+        attempt.knobs = c.effective()[0].to_dict()
+        c.attempts.append(attempt)
         self.ui.attempt_end(attempt, diag)
         if attempt.outcome == "oom" and not self.interrupts.signum:
-            self._climb(attempt, diag)
+            if self.o.replay:
+                c.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
+                self.ui.climb(None, c.exhausted, {})
+            else:
+                step, changes = c.climb(attempt, diag, reachable(self.reached))
+                self.ui.climb(step if isinstance(step, Step) else None,
+                              step if isinstance(step, Exhausted) else None, changes)
         return attempt
 
     def _learn(self, events: list[dict[str, Any]]) -> None:
         """Take what the training process reported: the script's own values (first report wins), and facts."""
-        facts = self.facts
+        c = self.climb
+        facts = c.facts
         for ev in events:
             kind = ev.get("event")
             if kind in ("config", "trainer", "model"):
                 self.reached.add(str(kind))
             if kind in ("config", "trainer"):
-                for k, v in (ev.get("observed") or {}).items():
-                    if k in TRL_DEFAULTS.to_dict():
-                        self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+                c.observe(ev.get("observed") or {})
                 f = ev.get("facts") or {}
                 facts = facts.replace(**{k: v for k, v in f.items() if k in RunFacts.__dataclass_fields__})
                 if ev.get("world_size"):
@@ -276,15 +238,17 @@ class Supervisor:
                                       dataset_rows=ev.get("rows") or facts.dataset_rows)
             elif kind == "model":
                 facts = facts.replace(model_config=ev.get("config") or facts.model_config)
-        self.facts = facts
+        c.facts = facts
 
     def _classify(self, index: int, res: ProcessResult, adir: Path, events: list[dict[str, Any]], knobs: Knobs,
                   remedies: list[str]) -> tuple[Attempt, Diagnosis | None]:
         steps = [e.get("step") for e in events if e.get("event") in ("step", "train_end") and e.get("step") is not None]
         peaks = [e.get("peak") for e in events if e.get("peak") is not None]
+        reserved = [e.get("reserved") for e in events if e.get("reserved") is not None]
         attempt = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome="failed",
                           exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
-                          step=max(steps) if steps else None)
+                          step=max(steps) if steps else None,
+                          peak_reserved_bytes=max(reserved) if reserved else None)
         if res.interrupted:
             attempt.outcome = "interrupted"
             return attempt, None
@@ -324,66 +288,46 @@ class Supervisor:
                 self.ui.message(str(e))
         return None
 
-    def _climb(self, attempt: Attempt, diag: Diagnosis | None) -> None:
-        if self.o.replay:
-            self.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
-            self.ui.climb(None, self.exhausted, {})
-            return
-        knobs = self.effective()[0]
-        used = Counter(r.name for r, _ in self.applied)
-        step = self.o.ladder.next(Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used),
-                                          read_fields=reachable(self.reached)))
-        attempt.skipped = [{"remedy": n, "reason": why} for n, why in step.skipped]
-        if isinstance(step, Exhausted):
-            self.exhausted = step
-            self.ui.climb(None, step, {})
-            return
-        self.applied.append((step.remedy, diag))
-        attempt.climbed = step.remedy.name
-        self.ui.climb(step, None, {r.knob: r.after for r in knobs.diff(step.knobs)})
-
     # -- the end -----------------------------------------------------------------------------------------------
     def _finish(self, last: Attempt | None) -> int:
-        original = self.original()
-        final, who = self.effective()
-        if last is not None and last.outcome in ("ok", "oom", "failed", "interrupted"):
-            final = Knobs.from_dict(last.knobs)
+        c = self.climb
         sig = self.interrupts.signum
-        lock_path: Path | None = None
         if sig or last is None or last.outcome == "interrupted":
             status, code = "interrupted", 128 + (sig or 2)
             message = "interrupted; no retry"
         elif last.outcome == "ok":
             status, code = "stable", 0
-            message = (f"stable after {len(self.attempts)} attempt(s)" if len(self.attempts) > 1
+            message = (f"stable after {len(c.attempts)} attempt(s)" if len(c.attempts) > 1
                        else "the command fit on the first attempt; nothing changed")
         elif last.outcome == "failed":
             status, code = "failed", last.exit_code if last.exit_code is not None else 1
             message = f"the command failed with exit code {code} (not an OOM); passed through without retrying"
-        elif self.exhausted is not None:
+        elif c.exhausted is not None:
             status, code = "exhausted", EXIT_EXHAUSTED
-            message = ("the ladder is used up: no rung left that can help"
-                       if not self.o.replay else "the locked config ran out of memory; run without --config to climb")
+            if self.o.replay:
+                message = "the locked config ran out of memory; run without --config to climb again"
+            elif not self.reached:
+                message = ("no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no "
+                           "model with from_pretrained before running out of memory, so only allocator settings "
+                           "apply")
+            else:
+                message = "the ladder is used up: no rung left that can help"
         else:
             status, code = "exhausted", EXIT_EXHAUSTED
             budget = (f"--max-time {self.o.max_time:g}s" if self.o.max_time and
-                      time.time() - self.started >= self.o.max_time else f"--max-attempts {self.o.max_attempts}")
+                      time.time() - c.started >= self.o.max_time else f"--max-attempts {self.o.max_attempts}")
             message = f"stopped by the budget ({budget}) while the run still ran out of memory"
-        rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
-        report = RunReport(
-            status=status, attempts=self.attempts, original=original.to_dict(),
-            stable=final.to_dict() if status == "stable" else None, diff=rows, command=self.argv,
-            ladder=self.o.ladder.name, message=message, exit_code=code, started=self.started_iso,
-            finished=now_iso(), device={"simulate_gpu": self.o.simulate_gpu, "gpu_memory": self.o.gpu_memory},
-            facts=self.facts.to_dict(),
-        )
+        report = c.report(status, message, code, command=self.argv,
+                          device={"simulate_gpu": self.o.simulate_gpu, "gpu_memory": self.o.gpu_memory})
         report.write(self.o.report_path)
+        lock_path: Path | None = None
         if status == "stable":
             lock_path = self.o.lock_path
+            final = Knobs.from_dict(report.attempts[-1].knobs)
             write_json_atomic(lock_path, {
                 "schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
-                "overrides": self.overrides(final), "original": original.to_dict(), "stable": final.to_dict(),
-                "diff": rows,
+                "overrides": c.overrides(final), "original": report.original, "stable": report.stable,
+                "diff": report.diff,
             })
         self.ui.finish(report, self.o.report_path, lock_path)
         return code

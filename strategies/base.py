@@ -33,6 +33,7 @@ class Context:
     diagnosis: Diagnosis | None = None
     used: Mapping[str, int] = field(default_factory=dict)
     read_fields: frozenset[str] | None = None  # the knobs that reach the training code; None = all
+    subject: str = "the command"  # who reads the knobs, for messages ("the function" under guard())
 
     def value(self, name: str) -> Any:
         v = getattr(self.knobs, name)
@@ -127,7 +128,7 @@ class Remedy:
         if ctx.read_fields is None or not self.changes:
             return None
         if not (set(self.changes) & ctx.read_fields):
-            return f"nothing the command runs reads {', '.join(self.changes)}"
+            return f"{ctx.subject} never reads {', '.join(self.changes)}"
         return None
 
 

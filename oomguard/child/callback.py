@@ -20,7 +20,7 @@ def make_callback(rt: Runtime) -> Any:
                     output_dir=args.output_dir)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("step", step=state.global_step, peak=rt.peak_bytes())
+            rt.emit("step", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
             if rt.overrides.torch_empty_cache_steps == 1:
                 rt.empty_cache()
 
@@ -29,7 +29,7 @@ def make_callback(rt: Runtime) -> Any:
                     path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("train_end", step=state.global_step, peak=rt.peak_bytes())
+            rt.emit("train_end", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
 
     return OOMGuardCallback()
 

@@ -27,7 +27,13 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
-        for hook in self.hooks:
+        # Give the module its real loader back, so nothing keeps the hooks (and what they hold) alive.
+        if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
+            module.__spec__.loader = self.inner
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.inner
+        hooks, self.hooks = self.hooks, []
+        for hook in hooks:
             try:
                 hook(module)
             except Exception as e:  # a failing patch must never break the user's import
@@ -76,3 +82,10 @@ def when_imported(name: str, hook: Hook) -> None:
     _FINDER.hooks.setdefault(name, []).append(hook)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+
+
+def forget_hooks() -> None:
+    """Drop hooks still waiting for their module (the decorator removes its patches after each call)."""
+    _FINDER.hooks.clear()
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)

@@ -64,6 +64,8 @@ class Runtime:
         self.trainer: Any = None
         self.crashed = False
         self.started = time.time()
+        self.reached: set[str] = set()  # construction points passed: config, trainer, model
+        self._facts: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     # -- knobs -------------------------------------------------------------------------------------------------
@@ -80,9 +82,17 @@ class Runtime:
     def override(self, name: str) -> Any:
         return getattr(self.overrides, name)
 
+    def facts(self) -> dict[str, Any]:
+        """What the trainer patch learned about the run (model_source, user_peft, world_size)."""
+        return dict(self._facts)
+
     # -- events ------------------------------------------------------------------------------------------------
     def emit(self, event: str, **data: Any) -> None:
         """Append one JSON line to the events file (O_APPEND keeps lines from several processes whole)."""
+        if event in ("config", "trainer", "model"):
+            self.reached.add(event)
+        if event == "trainer":
+            self._facts.update(data.get("facts") or {})
         path = self.plan.events
         if not path:
             return
@@ -107,6 +117,17 @@ class Runtime:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             return int(torch.cuda.max_memory_allocated())
+        return None
+
+    def peak_reserved_bytes(self) -> int | None:
+        from . import simulate
+
+        dev = simulate.device()
+        if dev is not None:
+            return dev.model.peak_reserved
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_reserved())
         return None
 
     def memory_stats(self) -> dict[str, Any] | None:

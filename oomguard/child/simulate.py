@@ -38,6 +38,7 @@ MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
 PAGE = 2 << 20  # granularity of expandable segments
 
+TRACE_ENV = "OOMGUARD_SIMULATE_TRACE"
 SIMULATED_TAG = "  [oomguard simulated device: a memory budget on CPU, not a real GPU]"
 
 
@@ -287,6 +288,15 @@ class SimulatedDevice:
         # such frees wait until the model is consistent again.
         self._busy = 0
         self._pending: list[int] = []
+        # OOMGUARD_SIMULATE_TRACE=path records every allocation and free, so a run can be replayed through the
+        # allocator model at other budgets (bench/min_budget.py) without running it again.
+        self._trace: list[tuple[str, int, int]] | None = [] if os.environ.get(TRACE_ENV) else None
+        self._ids: dict[int, int] = {}
+        self._next_id = 0
+        if self._trace is not None:
+            import atexit
+
+            atexit.register(self.dump_trace, os.environ[TRACE_ENV])
 
     # -- storage tracking --------------------------------------------------------------------------------------
     def track(self, storage: Any) -> None:
@@ -319,6 +329,10 @@ class SimulatedDevice:
                 self.model.free(block)
                 return
             self._live[key] = (ref, block, nbytes)
+            if self._trace is not None:
+                self._ids[key] = self._next_id
+                self._trace.append(("a", self._next_id, nbytes))
+                self._next_id += 1
 
     def _release(self, key: int) -> None:
         with self._lock:
@@ -326,6 +340,8 @@ class SimulatedDevice:
                 self._pending.append(key)
                 return
             entry = self._live.pop(key, None)
+            if entry is not None and self._trace is not None and key in self._ids:
+                self._trace.append(("f", self._ids.pop(key), 0))
             if entry is not None:
                 self._busy += 1
                 try:
@@ -352,6 +368,28 @@ class SimulatedDevice:
     def release_cached(self) -> None:
         with self._lock:
             self.model.release_cached()
+            if self._trace is not None:
+                self._trace.append(("e", 0, 0))
+
+    def dump_trace(self, path: str) -> None:
+        """Write the allocation trace: one line per event, ``a ID BYTES``, ``f ID`` or ``e`` (empty_cache)."""
+        if not self._trace:
+            return
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"# oomguard simulated-device trace; expandable={int(self.model.expandable)}\n")
+            for kind, i, n in self._trace:
+                f.write(f"{kind} {i} {n}\n" if kind == "a" else (f"f {i}\n" if kind == "f" else "e\n"))
+
+    def set_expandable(self, on: bool = True) -> None:
+        """Switch allocator mode in-process, like ``torch.cuda.memory._set_allocator_settings``: the live blocks
+        are placed again under the new mode."""
+        with self._lock:
+            if self.model.expandable == on:
+                return
+            model = AllocatorModel(self.capacity, on)
+            for key, (ref, _block, nbytes) in list(self._live.items()):
+                self._live[key] = (ref, model.malloc(nbytes), nbytes)
+            self.model = model
 
     # -- facts -------------------------------------------------------------------------------------------------
     @property
@@ -426,6 +464,12 @@ class SimulatedDevice:
         self._mode = _Count()
         self._mode.__enter__()
 
+    def stop(self) -> None:
+        """Leave the dispatch mode (on the thread that started it): tensors are no longer counted."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
 
 _DEVICE: SimulatedDevice | None = None
 
@@ -436,8 +480,74 @@ def device() -> SimulatedDevice | None:
 
 
 def start(capacity: int, expandable: bool | None = None) -> SimulatedDevice:
+    """Start this process's simulated device (once; later calls return the running one)."""
     global _DEVICE
     if _DEVICE is None:
         _DEVICE = SimulatedDevice(capacity, expandable)
         _DEVICE.start()
     return _DEVICE
+
+
+def stop() -> None:
+    """Stop this process's simulated device, if one runs."""
+    global _DEVICE
+    if _DEVICE is not None:
+        _DEVICE.stop()
+        _DEVICE = None
+
+
+def replay(events: list[tuple[str, int, int]], capacity: int, expandable: bool = False) -> tuple[bool, dict[str, int]]:
+    """Replay a trace through the allocator model at ``capacity``: (fits, facts at the end or at the OOM).
+
+    >>> replay([("a", 0, 3 << 20), ("a", 1, 3 << 20), ("f", 0, 0)], 20 << 20)[0]
+    True
+    """
+    m = AllocatorModel(capacity, expandable)
+    live: dict[int, _Block] = {}
+    for kind, i, n in events:
+        if kind == "a":
+            try:
+                live[i] = m.malloc(n)
+            except MemoryError as e:
+                return False, {"request": int(e.args[0]), "allocated": m.allocated, "reserved": m.reserved}
+        elif kind == "f" and i in live:
+            m.free(live.pop(i))
+        elif kind == "e":
+            m.release_cached()
+    return True, {"peak_allocated": m.peak_allocated, "peak_reserved": m.peak_reserved}
+
+
+def read_trace(path: str) -> tuple[list[tuple[str, int, int]], bool]:
+    events: list[tuple[str, int, int]] = []
+    expandable = False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#"):
+                expandable = "expandable=1" in line
+                continue
+            parts = line.split()
+            if not parts:
+                continue
+            if parts[0] == "a":
+                events.append(("a", int(parts[1]), int(parts[2])))
+            elif parts[0] == "f":
+                events.append(("f", int(parts[1]), 0))
+            else:
+                events.append(("e", 0, 0))
+    return events, expandable
+
+
+def min_capacity(events: list[tuple[str, int, int]], expandable: bool = False, step: int = 1 << 20) -> int:
+    """The smallest capacity (to ``step``) at which the trace runs without an OOM."""
+    lo, hi = 0, step
+    while not replay(events, hi, expandable)[0]:
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step or step
+        if mid <= lo:
+            break
+        if replay(events, mid, expandable)[0]:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,498 @@
+"""``@oomguard.guard``: the ladder for custom training functions, retried in-process.
+
+Two styles:
+
+(a) The function builds a TRL ``GRPOTrainer`` itself and takes no ``knobs``: the same patches as ``oomguard run``
+    apply within each call (GRPOConfig, GRPOTrainer, from_pretrained) and are removed afterwards.
+(b) The function declares a parameter ``knobs`` and receives a :class:`~oomguard.knobs.Knobs`. The Knobs object
+    records which fields the function reads; a rung that only changes fields it never read is skipped.
+
+Only OOMs are retried (``oomguard.is_oom``); anything else propagates unchanged. Between attempts memory is really
+released, in this order: leave the ``except`` block, drop the traceback (its frames pin tensors, pytorch #18853
+and #27600), ``gc.collect()`` (with a scalar backward to flush what a failed backward leaves in the autograd
+engine, pytorch #82218), ``torch.cuda.empty_cache()``, reset the peak statistics.
+
+>>> import oomguard
+>>> @oomguard.guard
+... def train(knobs):
+...     if knobs.per_device_train_batch_size > 2:  # stands in for a real torch.OutOfMemoryError
+...         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+...                            "8.00 GiB of which 1.00 GiB is free.")
+...     return "trained"
+>>> train()
+'trained'
+>>> [(a.knobs["per_device_train_batch_size"], a.outcome) for a in train.report.attempts]
+[(8, 'oom'), (4, 'oom'), (2, 'ok')]
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import inspect
+import os
+import pickle
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
+
+from .climb import Climb
+from .diagnose import Diagnosis, diagnose, phase_from_frames
+from .knobs import KNOB_NAMES, Knobs, reachable
+from .ladder import Exhausted, Ladder, load_ladder
+from .oom import Frame, is_oom, oom_in_chain, report_from_exception
+from .records import Attempt, RunReport
+from .sizes import parse_size
+
+
+class OOMGuardExhausted(RuntimeError):
+    """Every rung was tried (or the budget ran out) and the function still ran out of memory.
+
+    ``.report`` holds the RunReport. The last OOM is described in the message, not chained, so its traceback does
+    not keep the failed attempt's tensors alive.
+    """
+
+    def __init__(self, message: str, report: RunReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class TrackedKnobs(Knobs):
+    """Knobs that remember which fields were read, so a rung that changes only unread fields can be skipped."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in KNOB_NAMES:
+            reads = object.__getattribute__(self, "__dict__").get("_reads")
+            if reads is not None:
+                reads.add(name)
+        return super().__getattribute__(name)
+
+
+def _track(knobs: Knobs, reads: set[str]) -> TrackedKnobs:
+    t = TrackedKnobs(**{f: getattr(knobs, f) for f in KNOB_NAMES})
+    object.__setattr__(t, "_reads", reads)
+    return t
+
+
+class _Attempt:
+    """What one call produced: the result, or the facts of its OOM (never the exception itself)."""
+
+    def __init__(self, record: Attempt, value: Any = None, diagnosis: Diagnosis | None = None,
+                 message: str = "") -> None:
+        self.record = record
+        self.value = value
+        self.diagnosis = diagnosis
+        self.message = message
+
+    @property
+    def outcome(self) -> str:
+        return self.record.outcome
+
+
+class Guarded:
+    """A function wrapped by :func:`guard`. Call it as the function; ``.report`` is the last call's RunReport."""
+
+    def __init__(self, fn: Callable[..., Any], ladder: str | Ladder, knobs: Knobs | dict[str, Any] | None,
+                 max_attempts: int, simulate_gpu: int | str | None, report: str | os.PathLike[str] | None,
+                 isolate: bool) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
+        self.initial = knobs if isinstance(knobs, Knobs) else Knobs.from_dict(knobs or {})
+        self.max_attempts = max_attempts
+        self.simulate_gpu = parse_size(simulate_gpu) if simulate_gpu not in (None, "") else None
+        self.report_path = Path(report) if report else None
+        self.isolate = isolate
+        self.report: RunReport | None = None
+        self.takes_knobs = "knobs" in inspect.signature(fn).parameters
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled by reference (isolate=True sends it to a spawned process): module attribute lookup.
+        return (_lookup, (self.fn.__module__, self.fn.__qualname__))
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_distributed()
+        if self.isolate:
+            _check_picklable(self, args, kwargs)
+        started = bool(self.simulate_gpu) and not self.isolate and _start_simulation(self.simulate_gpu)
+        try:
+            return self._climb(args, kwargs)
+        finally:
+            if started:
+                from .child import simulate
+
+                simulate.stop()
+
+    def _climb(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        climb = Climb(self.ladder, base=self.initial)
+        reads: set[str] = set()
+        retryer = Retrying(
+            stop=stop_after_attempt(self.max_attempts),
+            wait=wait_none(),
+            retry=retry_if_result(lambda a: a.outcome == "oom" and a.record.climbed is not None),
+            retry_error_callback=lambda state: state.outcome.result(),
+            reraise=True,
+        )
+        last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
+        if last.outcome == "ok":
+            n = len(climb.attempts)
+            self.report = climb.report("stable", f"stable after {n} attempt(s)" if n > 1 else
+                                       "the call fit on the first attempt; nothing changed", 0)
+            self._write()
+            return last.value
+        why = ("no rung left that can help" if climb.exhausted is not None
+               else f"stopped after {self.max_attempts} attempts (max_attempts)")
+        self.report = climb.report("exhausted", f"{why}; last OOM: {last.message}", None)
+        self._write()
+        skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.record.skipped[-4:])
+        raise OOMGuardExhausted(
+            f"{self.fn.__name__} still ran out of memory after {len(climb.attempts)} attempt(s): {why}. "
+            f"Last OOM: {last.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
+
+    def _write(self) -> None:
+        if self.report_path and self.report is not None:
+            self.report.write(self.report_path)
+
+    def _attempt(self, climb: Climb, reads: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Attempt:
+        index = len(climb.attempts) + 1
+        knobs = climb.effective()[0]
+        remedies = climb.remedies_in_force()
+        record = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome="ok", exit_code=None,
+                         seconds=0.0)
+        note = _apply_in_process(knobs, climb)
+        if note:
+            record.note = note
+        before = _live_bytes()
+        _reset_peak()
+        start = time.monotonic()
+        if self.isolate:
+            result = _run_isolated(self, knobs, climb, args, kwargs)
+        else:
+            result = self._call_here(knobs, climb, reads, args, kwargs)
+        record.seconds = time.monotonic() - start
+        record.peak_bytes = result.get("peak")
+        climb.observe(result.get("observed") or {})
+        if result.get("facts"):
+            climb.facts = climb.facts.replace(**result["facts"])
+        attempt = _Attempt(record)
+        if "value" in result:
+            attempt.value = result["value"]
+            climb.attempts.append(record)
+            return attempt
+        # An OOM: everything below works from plain data; the exception and its frames are gone.
+        _release()
+        record.memory = {"live_before": before, "live_after_release": _live_bytes()}
+        d = diagnose(result["report"], result["frames"], phase=result["phase"])
+        from .analyze import finding
+
+        record.outcome = "oom"
+        record.oom = finding(f"{self.fn.__name__}()", None, result["report"], d, frames=result["frames"])
+        attempt.diagnosis = d
+        attempt.message = result["report"].message
+        climb.attempts.append(record)
+        if d.kind == "driver" and not self.isolate:
+            climb.exhausted = Exhausted((("fresh_process", "a CUDA runtime OOM can leave the context unusable; use "
+                                          "guard(isolate=True) or `oomguard run`"),))
+            record.skipped = [{"remedy": "fresh_process", "reason": climb.exhausted.skipped[0][1]}]
+            return attempt
+        fields = set(reads) | set(reachable(result.get("reached", set()))) if not self.takes_knobs else set(reads)
+        if self.takes_knobs:
+            fields.add("expandable_segments")
+        step, _ = climb.climb(record, d, frozenset(fields), subject="the function")
+        if isinstance(step, Exhausted):
+            return attempt
+        if not _can_apply_here(step.remedy.name, self.isolate):
+            record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
+        return attempt
+
+    def _call_here(self, knobs: Knobs, climb: Climb, reads: set[str], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> dict[str, Any]:
+        return _call_with_knobs(self.fn, self.takes_knobs, knobs, climb.overrides(knobs), reads, args, kwargs)
+
+
+def _call_with_knobs(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, overrides: dict[str, Any],
+                     reads: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Call ``fn`` once. Returns plain data: ``value`` on success, or the OOM's report, frames and phase."""
+    rt = None
+    if takes_knobs:
+        kwargs = {**kwargs, "knobs": _track(knobs, reads)}
+    else:
+        rt = _install_patches(overrides)
+    try:
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as e:
+            if not is_oom(e):
+                raise
+            oom = oom_in_chain(e) or e
+            frames = tuple(Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(oom.__traceback__))
+            out = {"report": report_from_exception(oom), "frames": frames, "phase": phase_from_frames(frames)[0]}
+            _drop_traceback(e)
+        else:
+            out = {"value": value}
+        out["peak"] = _peak()
+        if rt is not None:
+            out["observed"] = dict(rt.observed)
+            out["reached"] = set(rt.reached)
+            facts = rt.facts()
+            if facts:
+                out["facts"] = facts
+        return out
+    finally:
+        if rt is not None:
+            from .child import patches
+            from .child.hooks import forget_hooks
+            from .child.runtime import set_runtime
+
+            rt.trainer = None  # the trainer holds the model; nothing of a finished call may outlive it
+            patches.remove()
+            forget_hooks()
+            set_runtime(None)
+
+
+def _drop_traceback(exc: BaseException) -> None:
+    """Clear the frames of every traceback in the chain, so their locals (tensors) can be freed."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory and the in-process rungs.
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _cuda_in_use() -> bool:
+    torch = _torch()
+    return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+def _live_bytes() -> int | None:
+    from .child import simulate
+
+    dev = simulate.device()
+    if dev is not None:
+        return dev.model.allocated
+    if _cuda_in_use():
+        return int(_torch().cuda.memory_allocated())
+    return None
+
+
+def _peak() -> int | None:
+    from .child import simulate
+
+    dev = simulate.device()
+    if dev is not None:
+        return dev.peak
+    if _cuda_in_use():
+        return int(_torch().cuda.max_memory_allocated())
+    return None
+
+
+def _reset_peak() -> None:
+    from .child import simulate
+
+    dev = simulate.device()
+    if dev is not None:
+        dev.reset_peak()
+    if _cuda_in_use():
+        _torch().cuda.reset_peak_memory_stats()
+
+
+def _release() -> None:
+    """After leaving the except block and dropping the traceback: collect, give the cache back, reset the peak.
+
+    An OOM inside ``backward()`` leaves the autograd engine holding the failed step's gradients until the next
+    backward runs (pytorch #82218); a scalar backward flushes it, then a second collection frees them.
+    """
+    gc.collect()
+    torch = _torch()
+    if torch is not None:
+        torch.zeros((), requires_grad=True).sum().backward()
+        gc.collect()
+    from .child import simulate
+
+    dev = simulate.device()
+    if dev is not None:
+        dev.release_cached()
+    if _cuda_in_use():
+        _torch().cuda.empty_cache()
+    _reset_peak()
+
+
+def _can_apply_here(remedy: str, isolate: bool) -> bool:
+    if remedy != "expandable_segments" or isolate:
+        return True
+    torch = _torch()
+    return torch is None or not _cuda_in_use() or hasattr(torch.cuda.memory, "_set_allocator_settings")
+
+
+def _apply_in_process(knobs: Knobs, climb: Climb) -> str | None:
+    """Allocator settings: set in-process where torch allows it (or on the simulated device)."""
+    if not knobs.expandable_segments or climb.original().expandable_segments:
+        return None
+    from .child import simulate
+
+    dev = simulate.device()
+    if dev is not None:
+        dev.set_expandable(True)
+        return "expandable segments switched on in-process (simulated device)"
+    torch = _torch()
+    if torch is not None and _cuda_in_use():
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is None:
+            return "expandable segments need a fresh process on this torch: use isolate=True"
+        setter("expandable_segments:True")
+        return "expandable segments switched on in-process"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+        [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if o and
+         not o.startswith("expandable_segments")] + ["expandable_segments:True"])
+    return "expandable segments set for CUDA's first use"
+
+
+def _start_simulation(size: int) -> bool:
+    """Start the simulated device for this call; False if one already runs (it is then left as it is)."""
+    from .child import simulate
+
+    if simulate.device() is not None:
+        return False
+    simulate.start(size)
+    return True
+
+
+def _refuse_distributed() -> None:
+    torch = _torch()
+    if torch is None:
+        return
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("oomguard.guard does not coordinate OOM recovery across ranks: one rank would retry while "
+                           "the others wait in a collective. Run the job under `oomguard run -- torchrun ...`, which "
+                           "restarts every rank with the next rung.")
+
+
+def _install_patches(overrides: dict[str, Any]) -> Any:
+    from .child import bootstrap
+    from .child.runtime import Plan, Runtime, set_runtime
+
+    rt = Runtime(Plan(attempt=1, overrides=overrides, log_to_trainer=False))
+    set_runtime(rt)
+    bootstrap.install_hooks(rt)
+    return rt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# isolate=True: one spawned process per attempt.
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_picklable(g: Guarded, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if "<locals>" in g.fn.__qualname__ or (g.fn.__module__ == "__main__" and not _main_is_importable()):
+        raise TypeError(f"guard(isolate=True) runs {g.fn.__name__} in a new process, so it must be defined at the top "
+                        "of an importable module (not inside a function, a lambda or a notebook cell)")
+    try:
+        pickle.dumps((g, args, kwargs))
+    except Exception as e:
+        raise TypeError(f"guard(isolate=True) sends the function and its arguments to a new process, and they cannot "
+                        f"be pickled: {e}") from None
+
+
+def _main_is_importable() -> bool:
+    main = sys.modules.get("__main__")
+    return bool(getattr(main, "__file__", None))
+
+
+def _isolated_child(conn: Any, payload: bytes, env: dict[str, str]) -> None:  # pragma: no cover - runs in a child
+    os.environ.update(env)
+    g, knobs, overrides, args, kwargs, simulate = pickle.loads(payload)
+    if simulate:
+        _start_simulation(simulate)
+    try:
+        out = _call_with_knobs(g.fn, g.takes_knobs, knobs, overrides, set(), args, kwargs)
+        if "value" in out:
+            try:
+                pickle.dumps(out["value"])
+            except Exception as e:
+                out = {"error": f"the function's return value cannot be sent back: {e}"}
+        conn.send(out)
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def _run_isolated(g: Guarded, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    env: dict[str, str] = {}
+    if knobs.expandable_segments:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    payload = pickle.dumps((g, knobs, climb.overrides(knobs), args, kwargs, g.simulate_gpu))
+    proc = ctx.Process(target=_isolated_child, args=(child, payload, env))
+    proc.start()
+    child.close()
+    try:
+        out = parent.recv()
+    except EOFError:
+        out = {"error": f"the isolated attempt died with exit code {proc.exitcode} before reporting"}
+    proc.join()
+    if "error" in out:
+        raise RuntimeError(f"{g.fn.__name__} failed in its isolated process: {out['error']}"
+                           + (f"\n{out['traceback']}" if out.get("traceback") else ""))
+    return out
+
+
+def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "default",
+          knobs: Knobs | dict[str, Any] | None = None, max_attempts: int = 8, simulate_gpu: int | str | None = None,
+          report: str | os.PathLike[str] | None = None, isolate: bool = False) -> Any:
+    """Retry ``fn`` on OOM, climbing the ladder between attempts. Usable bare, with options, or as a call.
+
+    ``@oomguard.guard``, ``@oomguard.guard(max_attempts=4)`` and ``oomguard.guard(fn, simulate_gpu="300MiB")`` all
+    work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits.
+    """
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+    if fn is None:
+        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate)
+    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate)
+
+
+__all__ = ["Guarded", "OOMGuardExhausted", "TrackedKnobs", "guard"]
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule rebinds ``oomguard.guard`` to it; calling it still means ``guard(...)``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return guard(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,114 @@
+"""A small, fast GRPO training script for oomguard's end-to-end tests (real TRL, CPU, a local random model).
+
+Every memory-relevant choice is a flag, so a test can start from a config where earlier rungs of the ladder are
+already in force or at their floors. Flags a test needs beyond GRPO itself:
+
+  --fail-with CODE    exit with CODE before training (non-OOM failure passthrough)
+  --sleep SECONDS     sleep inside a training step (interrupt tests), spawning a grandchild that sleeps too
+  --oom-at-step N     raise a real-looking CUDA OOM from a callback at step N (late-OOM tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--max-steps", type=int, default=2)
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--per-device-train-batch-size", type=int, default=4)
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--max-completion-length", type=int, default=32)
+    p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model-as-string", action="store_true", help="pass the model path to GRPOTrainer")
+    p.add_argument("--lora-r", type=int, default=0, help="the script's own LoRA (peft_config)")
+    p.add_argument("--prompt-words", type=int, default=8)
+    p.add_argument("--long-prompts", type=int, default=0, help="this many extra prompts 8x longer")
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--fail-with", type=int, default=None)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--oom-at-step", type=int, default=None)
+    a = p.parse_args()
+    if a.fail_with is not None:
+        print("failing on purpose", file=sys.stderr)
+        sys.exit(a.fail_with)
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
+    rows = []
+    for i in range(a.rows + a.long_prompts):
+        n = a.prompt_words * (8 if i >= a.rows else 1)
+        text = " ".join(words[(i + j) % len(words)] for j in range(n))
+        rows.append({"prompt": [{"role": "user", "content": f"{i}: {text}"}], "answer": str(i % 7)})
+    dataset = Dataset.from_list(rows)
+
+    def reward_len(completions, **kw):
+        return [len(c[0]["content"]) / 100.0 for c in completions]
+
+    def reward_answer(completions, answer, **kw):
+        return [1.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    args = GRPOConfig(
+        output_dir=a.output_dir,
+        max_steps=a.max_steps,
+        per_device_train_batch_size=a.per_device_train_batch_size,
+        gradient_accumulation_steps=a.gradient_accumulation_steps,
+        num_generations=a.num_generations,
+        max_completion_length=a.max_completion_length,
+        gradient_checkpointing=not a.no_gradient_checkpointing,
+        optim=a.optim,
+        learning_rate=1e-5,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        generation_kwargs={"min_new_tokens": a.max_completion_length},
+        model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model = a.model if a.model_as_string else AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype))
+    peft_config = None
+    if a.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+
+    class Behaviour(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if a.sleep:
+                subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({a.sleep * 10})"])
+                print(f"sleeping pid={os.getpid()}", flush=True)
+                time.sleep(a.sleep)
+            if a.oom_at_step is not None and state.global_step == a.oom_at_step and not os.environ.get("NO_OOM"):
+                raise torch.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of which "
+                    "1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "
+                    "allocated memory 11.82 GiB is allocated by PyTorch, and 300.00 MiB is reserved by PyTorch but "
+                    "unallocated.")
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_len, reward_answer], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Behaviour()])
+    trainer.train()
+    print(f"trained {trainer.state.global_step} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()

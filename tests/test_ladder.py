@@ -1,0 +1,151 @@
+"""Ladders: TOML loading, cumulative climbing with reasons for skips, graded passes, GRPO-valid knobs."""
+
+from pathlib import Path
+
+import pytest
+from oomguard.strategies import Context
+
+from oomguard.diagnose import diagnose
+from oomguard.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.ladder import Exhausted, LadderError, Step, available_ladders, load_ladder
+from oomguard.oom import OOMReport
+from oomguard.sizes import GiB, MiB
+
+FRAG = diagnose(OOMReport("cuda", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=100 * MiB,
+                          reserved_unallocated=2 * GiB))
+SHORT = diagnose(OOMReport("cuda", "allocator", "x", requested=4 * GiB, capacity=16 * GiB, free=1 * GiB,
+                           reserved_unallocated=0), phase="forward")
+HOST = diagnose(OOMReport("host", "oom-killer", "killed"))
+
+
+def climb_all(ladder, diag, knobs=TRL_DEFAULTS, facts=None, max_steps=40):
+    """Every step the ladder takes for a run that keeps failing with the same diagnosis."""
+    facts = facts or RunFacts()
+    steps = []
+    used: dict[str, int] = {}
+    for _ in range(max_steps):
+        step = ladder.next(Context(knobs=knobs, facts=facts, diagnosis=diag, used=dict(used)))
+        if isinstance(step, Exhausted):
+            return steps, step
+        steps.append(step)
+        used[step.remedy.name] = used.get(step.remedy.name, 0) + 1
+        knobs = step.knobs
+    raise AssertionError("the ladder never ends")
+
+
+def test_shipped_ladders_and_default_order():
+    assert {"default", "quality-first"} <= set(available_ladders())
+    names = [r.name for r in load_ladder("default").rungs]
+    assert names[:8] == ["expandable_segments", "empty_cache", "shorter_sequences", "fewer_generations",
+                         "checkpointing", "optimizer_8bit", "lora", "load_4bit"]
+    qf = [r.name for r in load_ladder("quality-first").rungs]
+    assert qf.index("micro_batch") < qf.index("fewer_generations") < qf.index("shorter_sequences")
+    assert qf.index("bf16_load") < qf.index("micro_batch")
+
+
+def test_fragmentation_climbs_allocator_rungs_first():
+    steps, _ = climb_all(load_ladder("default"), FRAG)
+    assert [s.remedy.name for s in steps[:2]] == ["expandable_segments", "empty_cache"]
+    assert steps[0].knobs.expandable_segments is True
+
+
+def test_shortfall_skips_allocator_rungs_and_says_why():
+    steps, _ = climb_all(load_ladder("default"), SHORT)
+    first = steps[0]
+    assert first.remedy.name == "shorter_sequences"
+    reasons = dict(first.skipped)
+    assert "no fragmentation" in reasons["expandable_segments"]
+
+
+def test_checkpointing_is_skipped_when_trl_already_does_it():
+    steps, _ = climb_all(load_ladder("default"), SHORT)
+    assert "checkpointing" not in [s.remedy.name for s in steps]
+    skips = {n: why for s in steps for n, why in s.skipped}
+    assert "already in force" in skips["checkpointing"]
+    off = TRL_DEFAULTS.replace(gradient_checkpointing=False)
+    assert "checkpointing" in [s.remedy.name for s in climb_all(load_ladder("default"), SHORT, off)[0]]
+
+
+def test_the_climb_is_cumulative_graded_and_bounded():
+    steps, end = climb_all(load_ladder("default"), SHORT)
+    names = [s.remedy.name for s in steps]
+    assert names.count("shorter_sequences") >= 2  # a second pass steps again
+    final = steps[-1].knobs
+    assert final.max_completion_length >= 64  # the floor
+    assert final.num_generations >= 2
+    assert final.lora_r and final.load_in_4bit and final.optim == "adamw_bnb_8bit"  # earlier rungs stay in force
+    assert isinstance(end, Exhausted)
+
+
+def test_every_step_of_every_ladder_is_valid_for_grpo():
+    for name in available_ladders():
+        for diag in (FRAG, SHORT):
+            for start in (TRL_DEFAULTS, TRL_DEFAULTS.replace(per_device_train_batch_size=4,
+                                                             gradient_accumulation_steps=4, num_generations=16),
+                          TRL_DEFAULTS.replace(generation_batch_size=24, per_device_train_batch_size=6,
+                                               num_generations=6)):
+                steps, _ = climb_all(load_ladder(name), diag, start)
+                for s in steps:
+                    assert s.knobs.validate() == [], (name, s.remedy.name, s.knobs)
+
+
+def test_expandable_segments_respects_the_user_and_vllm_sleep_mode():
+    lad = load_ladder("default")
+    locked = RunFacts(alloc_conf_locked="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+    step = lad.next(Context(knobs=TRL_DEFAULTS, facts=locked, diagnosis=FRAG))
+    assert isinstance(step, Step) and step.remedy.name == "empty_cache"
+    assert "oomguard keeps it" in dict(step.skipped)["expandable_segments"]
+    sleepy = TRL_DEFAULTS.replace(use_vllm=True, vllm_enable_sleep_mode=True)
+    step = lad.next(Context(knobs=sleepy, diagnosis=FRAG))
+    assert "sleep mode" in dict(step.skipped)["expandable_segments"]
+
+
+def test_host_ram_uses_host_rungs_only():
+    lad = load_ladder("default")
+    step = lad.next(Context(knobs=TRL_DEFAULTS.replace(dataloader_num_workers=4), diagnosis=HOST))
+    assert isinstance(step, Step) and step.remedy.name == "fewer_workers"
+    assert isinstance(lad.next(Context(knobs=TRL_DEFAULTS, diagnosis=HOST)), Exhausted)
+
+
+def test_unread_knobs_are_skipped():
+    lad = load_ladder("default")
+    step = lad.next(Context(knobs=TRL_DEFAULTS, diagnosis=SHORT, read_fields=frozenset({"optim"})))
+    assert isinstance(step, Step) and step.remedy.name == "optimizer_8bit"
+    assert "never reads max_completion_length" in dict(step.skipped)["shorter_sequences"]
+
+
+def test_load_phase_only_takes_load_remedies():
+    load = diagnose(OOMReport("cuda", "allocator", "x", requested=4 * GiB, capacity=16 * GiB, free=1 * GiB),
+                    phase="load")
+    steps, _ = climb_all(load_ladder("default"), load)
+    assert [s.remedy.name for s in steps] == ["load_4bit"]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("name = 'x'", "at least one [[rung]]"),
+    ("[[rung]]\nremedy = 'nope'", "unknown remedy 'nope'"),
+    ("[[rung]]\nremedy = 'lora'\nbogus = 1", "takes no parameter(s) bogus"),
+    ("[[rung]]\nremedy = 'lora'\n[[rung]]\nremedy = 'lora'", "listed twice"),
+    ("[[rung]\n", "not valid TOML"),
+    ("[[rung]]\nfactor = 2", "needs a `remedy"),
+])
+def test_bad_ladder_files_get_one_line_errors(tmp_path: Path, text: str, problem: str):
+    p = tmp_path / "mine.toml"
+    p.write_text(text)
+    with pytest.raises(LadderError) as e:
+        load_ladder(str(p))
+    assert problem in str(e.value) and str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_ladder_name_and_directory(tmp_path: Path):
+    with pytest.raises(LadderError, match="no ladder named 'fastest'"):
+        load_ladder("fastest")
+    with pytest.raises(LadderError, match="is a directory"):
+        load_ladder(str(tmp_path))
+
+
+def test_custom_ladder_params(tmp_path: Path):
+    p = tmp_path / "short.toml"
+    p.write_text("[[rung]]\nremedy = 'shorter_sequences'\nfactor = 0.25\nmin_completion_length = 16\n")
+    step = load_ladder(str(p)).next(Context(knobs=TRL_DEFAULTS, diagnosis=SHORT))
+    assert step.knobs.max_completion_length == 128

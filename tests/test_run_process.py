@@ -1,0 +1,122 @@
+"""`oomguard run` as a supervisor: outcomes, exit codes, signals, and no process left behind (no TRL needed)."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
+
+from oomguard.supervisor import UsageError, merge_alloc_conf, resolve_command, user_alloc_conf
+
+
+def test_command_forms(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)")
+    assert resolve_command([str(script), "--x"]) == [sys.executable, str(script), "--x"]
+    assert resolve_command(["-m", "pkg.mod"]) == [sys.executable, "-m", "pkg.mod"]
+    assert resolve_command(["python", "t.py"]) == ["python", "t.py"]
+    with pytest.raises(UsageError, match="no such script"):
+        resolve_command([str(tmp_path / "nope.py")])
+    with pytest.raises(UsageError, match="command not found: definitely-not-a-command"):
+        resolve_command(["definitely-not-a-command"])
+    with pytest.raises(UsageError, match="no command given"):
+        resolve_command([])
+
+
+def test_allocator_config_merge_respects_precedence():
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "x:y"}
+    assert merge_alloc_conf(env, "expandable_segments", "True") == "PYTORCH_ALLOC_CONF"
+    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    env = {}
+    merge_alloc_conf(env, "expandable_segments", "True")
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert user_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})[0] is False
+    assert user_alloc_conf({})[0] is None
+
+
+def test_success_passes_output_through_and_writes_a_report(tmp_path):
+    out, rep = run_oomguard(tmp_path, "--", sys.executable, "-c", "print('hello from the job')")
+    assert out.returncode == 0 and "hello from the job" in out.stdout
+    assert rep["status"] == "stable" and rep["attempts"][0]["outcome"] == "ok" and rep["diff"] == []
+    assert (tmp_path / "lock.json").exists()
+
+
+def test_non_oom_failure_passes_through_with_its_exit_code(tmp_path):
+    out, rep = run_oomguard(tmp_path, "--", sys.executable, "-c",
+                            "import sys; print('partial output'); sys.stderr.write('KeyError: boom\\n'); sys.exit(3)")
+    assert out.returncode == 3
+    assert "partial output" in out.stdout and "KeyError: boom" in out.stderr
+    assert rep["status"] == "failed" and len(rep["attempts"]) == 1 and rep["attempts"][0]["exit_code"] == 3
+
+
+def test_oom_seen_only_in_stderr_is_an_oom(tmp_path):
+    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of "
+           "8.00 GiB of which 100.00 MiB is free. Of the allocated memory 6.00 GiB is allocated by PyTorch, and 1.50 GiB "
+           "is reserved by PyTorch but unallocated.")
+    out, rep = run_oomguard(tmp_path, "--max-attempts", "3", "--", sys.executable, "-c",
+                            f"import sys; sys.stderr.write({msg!r} + '\\n'); sys.exit(1)")
+    first = rep["attempts"][0]
+    assert first["outcome"] == "oom" and first["oom"]["kind"] == "fragmentation"
+    assert first["climbed"] == "expandable_segments"
+    assert out.returncode == 75 and rep["status"] == "exhausted"
+
+
+def test_sigkill_is_diagnosed_as_host_ram(tmp_path):
+    out, rep = run_oomguard(tmp_path, "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    first = rep["attempts"][0]
+    assert first["outcome"] == "oom" and first["exit_code"] == 137
+    assert first["oom"]["kind"] == "host-ram" and first["oom"]["backend"] == "host"
+    assert out.returncode == 75
+    assert "OOM killer" in out.stderr
+
+
+def test_command_not_found_is_one_line(tmp_path):
+    out, _ = run_oomguard(tmp_path, "--", "no-such-trainer-cmd")
+    assert out.returncode == 127
+    assert out.stderr.strip() == "oomguard: command not found: no-such-trainer-cmd (is it installed in this environment?)"
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--simulate-gpu", "lots", "x.py"], "not a size"),
+    (["--ladder", "fastest", "--", "true"], "no ladder named 'fastest'"),
+    (["--config", "missing.lock", "--", "true"], "no such lock file"),
+])
+def test_usage_errors_are_one_line(tmp_path, args, problem):
+    out, _ = run_oomguard(tmp_path, *args)
+    assert out.returncode == 2 and problem in out.stderr and "Traceback" not in out.stderr
+
+
+def _start_sleeper(tmp_path):
+    report = tmp_path / "report.json"
+    proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", "--report", str(report), "--lock",
+                             str(tmp_path / "lock.json"), "--workdir", str(tmp_path / "wd"), str(SCRIPTS / "sleeper.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    line = ""
+    deadline = time.time() + 60
+    while "ready" not in line and time.time() < deadline:
+        line = proc.stdout.readline()
+    m = re.search(r"child=(\d+) grandchild=(\d+)", line)
+    assert m, line
+    return proc, int(m.group(1)), int(m.group(2)), report
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_stops_the_whole_group_without_retry(tmp_path, sig, code):
+    proc, child, grandchild, report = _start_sleeper(tmp_path)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == code
+    time.sleep(0.2)
+    assert not pid_alive(child) and not pid_alive(grandchild)  # the grandchild ignored the signal: it was killed
+    rep = json.loads(report.read_text())
+    assert rep["status"] == "interrupted" and len(rep["attempts"]) == 1
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, oomguard.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+    out = subprocess.run([sys.executable, "-m", "oomguard", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "oomguard run" in out.stdout

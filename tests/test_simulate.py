@@ -1,0 +1,71 @@
+"""The simulated device's allocator model (pure bookkeeping) and the device on real tensors."""
+
+import pytest
+
+from oomguard.child.simulate import LARGE_BUFFER, PAGE, SMALL_BUFFER, AllocatorModel, expandable_from_env, segment_size
+
+MiB = 2**20
+
+
+def test_segment_sizes_follow_the_cuda_allocator():
+    assert segment_size(1000) == SMALL_BUFFER
+    assert segment_size(3 * MiB) == LARGE_BUFFER
+    assert segment_size(11 * MiB) == 12 * MiB
+
+
+def test_blocks_split_merge_and_cache():
+    m = AllocatorModel(100 * MiB)
+    a = m.malloc(3 * MiB)
+    b = m.malloc(3 * MiB)
+    assert m.reserved == 20 * MiB and m.allocated == 6 * MiB  # one 20 MiB segment, split
+    m.free(a)
+    m.free(b)
+    assert m.allocated == 0 and m.reserved == 20 * MiB  # cached, not returned
+    m.release_cached()
+    assert m.reserved == 0
+
+
+def test_fragmentation_raises_with_reserved_but_unallocated_memory():
+    m = AllocatorModel(60 * MiB)
+    blocks = [m.malloc(3 * MiB) for _ in range(18)]  # three 20 MiB segments
+    for b in blocks[::2]:
+        m.free(b)
+    with pytest.raises(MemoryError) as e:
+        m.malloc(12 * MiB)  # no free run is that long and no segment is entirely free
+    assert e.value.args[0] == 12 * MiB
+    assert m.reserved - m.allocated >= 12 * MiB
+
+
+def test_expandable_segments_reuse_freed_pages():
+    m = AllocatorModel(60 * MiB, expandable=True)
+    blocks = [m.malloc(3 * MiB) for _ in range(18)]
+    for b in blocks[::2]:
+        m.free(b)
+    m.malloc(12 * MiB)  # the freed pages are unmapped and mapped again for the new block
+    assert m.reserved <= 60 * MiB and m.reserved % PAGE == 0
+
+
+def test_alloc_conf_from_environment_first_variable_wins():
+    assert expandable_from_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert not expandable_from_env({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+                                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert not expandable_from_env({})
+
+
+def test_device_counts_real_tensors_and_raises_real_ooms():
+    torch = pytest.importorskip("torch")
+    from oomguard.child import simulate
+
+    dev = simulate.start(64 * MiB)
+    try:
+        x = torch.zeros(4 * MiB // 4)
+        assert dev.model.allocated >= 4 * MiB
+        with pytest.raises(torch.OutOfMemoryError) as e:
+            torch.zeros(100 * MiB // 4)
+        assert "Tried to allocate 100.00 MiB" in str(e.value) and "simulated device" in str(e.value)
+        del x
+        assert dev.model.allocated == 0
+        assert dev.peak >= 4 * MiB
+    finally:
+        simulate.stop()
+    assert simulate.device() is None

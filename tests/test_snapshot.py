@@ -1,0 +1,100 @@
+"""Memory snapshots: plain data only, both forms and spellings, a useful summary, findings for OOM events."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from oomguard.analyze import analyze_paths
+from oomguard.snapshot import SnapshotError, load_snapshot_bytes, summarize
+
+MiB = 2**20
+FRAMES = [{"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+          {"filename": "/home/me/train.py", "line": 42, "name": "train_step"}]
+
+
+def segment(total, blocks, kind="large", device=0):
+    return {"device": device, "address": 0, "total_size": total, "allocated_size": 0, "active_size": 0,
+            "requested_size": 0, "stream": 0, "segment_type": kind, "segment_pool_id": (0, 0), "is_expandable": False,
+            "frames": [], "blocks": blocks}
+
+
+def block(size, state, frames=FRAMES):
+    return {"address": 0, "size": size, "requested_size": size, "state": state, "frames": frames}
+
+
+def snapshot(pending_spelling="active_pending_free"):
+    segs = [
+        segment(20 * MiB, [block(2 * MiB, "active_allocated"), block(18 * MiB, "inactive")]),
+        segment(20 * MiB, [block(4 * MiB, pending_spelling), block(16 * MiB, "active_allocated")]),
+        segment(2 * MiB, [block(512, "active_allocated", []), block(2 * MiB - 512, "inactive", [])], kind="small"),
+    ]
+    traces = [[{"action": "alloc", "addr": 1, "size": 10, "stream": 0, "frames": []},
+               {"action": "oom", "device_free": 3 * MiB, "size": 30 * MiB, "stream": 0, "frames": FRAMES}]]
+    return {"segments": segs, "device_traces": traces, "allocator_settings": {"expandable_segments": False}}
+
+
+def test_summary_of_pools_blocks_and_fragmentation():
+    s = summarize(load_snapshot_bytes(pickle.dumps(snapshot())))
+    assert s.reserved == 42 * MiB
+    assert s.allocated == 18 * MiB + 512
+    assert s.pools["large"].segments == 2 and s.pools["small"].reserved == 2 * MiB
+    assert s.largest_free == 18 * MiB
+    assert 0 < s.fragmentation < 1
+    top = s.largest_blocks[0]
+    assert top.size == 16 * MiB and top.frame.name == "train_step"  # the first frame outside torch
+    assert len(s.oom_events) == 1 and s.oom_events[0].size == 30 * MiB
+
+
+@pytest.mark.parametrize("spelling", ["active_pending_free", "active_awaiting_free"])
+def test_both_block_state_spellings_count_as_active(spelling):
+    s = summarize(load_snapshot_bytes(pickle.dumps(snapshot(spelling))))
+    assert s.pools["large"].active == 22 * MiB
+
+
+def test_list_form_of_memory_snapshot():
+    s = summarize(load_snapshot_bytes(pickle.dumps(snapshot()["segments"])))
+    assert s.reserved == 42 * MiB and s.oom_events == []
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/oomguard-pwned",))
+
+
+def test_code_in_a_pickle_is_refused_and_never_run(tmp_path):
+    marker = "/tmp/oomguard-pwned"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    with pytest.raises(SnapshotError, match=r"refuses to load posix\.system"):
+        load_snapshot_bytes(pickle.dumps({"segments": [], "x": Evil()}))
+    assert not os.path.exists(marker)
+
+
+def test_analyze_a_snapshot_gives_a_finding_per_oom_event(tmp_path):
+    p = tmp_path / "snap.pickle"
+    p.write_bytes(pickle.dumps(snapshot()))
+    r = analyze_paths([str(p)])
+    assert len(r.findings) == 1
+    f = r.findings[0]
+    assert f["requested_bytes"] == 30 * MiB and f["free_bytes"] == 3 * MiB and f["backend"] == "cuda"
+    assert f["frames"][-1]["name"] == "forward"
+    assert r.snapshots[0]["reserved_bytes"] == 42 * MiB
+
+
+def test_cli_refuses_a_malicious_pickle_with_exit_2(tmp_path):
+    p = tmp_path / "evil.pickle"
+    p.write_bytes(pickle.dumps({"segments": [], "x": Evil()}))
+    out = subprocess.run([sys.executable, "-m", "oomguard", "analyze", str(p)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "refuses to load posix.system" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_and_non_snapshot_pickles(tmp_path):
+    with pytest.raises(SnapshotError, match="not a readable pickle"):
+        load_snapshot_bytes(pickle.dumps(snapshot())[:50])
+    with pytest.raises(SnapshotError, match="not a memory snapshot"):
+        load_snapshot_bytes(pickle.dumps({"weights": [1, 2]}))
