@@ -147,18 +147,26 @@ class Guarded:
         last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
         if last.outcome == "ok":
             n = len(climb.attempts)
-            self.report = climb.report("stable", f"stable after {n} attempt(s)" if n > 1 else
+            self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
                                        "the call fit on the first attempt; nothing changed", 0)
             self._write()
             return last.value
         why = ("no rung left that can help" if climb.exhausted is not None
                else f"stopped after {self.max_attempts} attempts (max_attempts)")
-        self.report = climb.report("exhausted", f"{why}; last OOM: {last.message}", None)
+        self.report = self._report(climb, reads, "exhausted", f"{why}; last OOM: {last.message}", None)
         self._write()
         skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.record.skipped[-4:])
         raise OOMGuardExhausted(
             f"{self.fn.__name__} still ran out of memory after {len(climb.attempts)} attempt(s): {why}. "
             f"Last OOM: {last.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
+
+    def _report(self, climb: Climb, reads: set[str], status: str, message: str, code: int | None) -> RunReport:
+        report = climb.report(status, message, code)
+        if self.takes_knobs:
+            # A rung may change knobs the function never reads (num_generations beside the batch size of a plain
+            # loop); the diff shows what reached the function.
+            report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] == "expandable_segments"]
+        return report
 
     def _write(self) -> None:
         if self.report_path and self.report is not None:
@@ -182,6 +190,7 @@ class Guarded:
             result = self._call_here(knobs, climb, reads, args, kwargs)
         record.seconds = time.monotonic() - start
         record.peak_bytes = result.get("peak")
+        reads |= result.get("reads", set())  # an isolated attempt reads knobs in its own process
         climb.observe(result.get("observed") or {})
         if result.get("facts"):
             climb.facts = climb.facts.replace(**result["facts"])
@@ -242,6 +251,7 @@ def _call_with_knobs(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, ov
         else:
             out = {"value": value}
         out["peak"] = _peak()
+        out["reads"] = set(reads)
         if rt is not None:
             out["observed"] = dict(rt.observed)
             out["reached"] = set(rt.reached)

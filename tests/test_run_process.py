@@ -8,9 +8,10 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
 
 from oomguard.supervisor import UsageError, merge_alloc_conf, resolve_command, user_alloc_conf
+
+from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
 
 
 def test_command_forms(tmp_path):

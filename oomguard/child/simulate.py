@@ -12,8 +12,9 @@ allocator rounds it, and "reserved" follows the caching allocator's segment rule
 - when a new segment does not fit, all fully free segments are released and the request is tried again, and only
   then is an OOM raised, with the allocator's exact message format;
 - with ``expandable_segments:True`` (read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF``) each pool is one
-  virtual segment mapped in 2 MiB pages, so freed pages can always be reused and fragmentation is limited to
-  partly used pages.
+  virtual segment mapped in granules (2 MiB for the small pool, 20 MiB for the large one, as in
+  ``get_expandable_segment``), so freed granules can always be reused and fragmentation is limited to partly used
+  granules.
 
 Storages that exist before the mode starts (or that a loader maps straight from a file) are adopted with
 :meth:`SimulatedDevice.adopt`.
@@ -36,7 +37,8 @@ SMALL_BUFFER = 2 << 20  # kSmallBuffer
 LARGE_BUFFER = 20 << 20  # kLargeBuffer
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
-PAGE = 2 << 20  # granularity of expandable segments
+PAGE = 2 << 20  # expandable segments map the small pool in 2 MiB granules ...
+PAGE_LARGE = LARGE_BUFFER  # ... and the large pool in 20 MiB ones (segment_size in get_expandable_segment)
 
 TRACE_ENV = "OOMGUARD_SIMULATE_TRACE"
 SIMULATED_TAG = "  [oomguard simulated device: a memory budget on CPU, not a real GPU]"
@@ -170,7 +172,7 @@ class AllocatorModel:
         if self.expandable:
             for page in [p for p in self._mapped if self._page_refs.get(p, 0) == 0]:
                 self._mapped.discard(page)
-                self.reserved -= PAGE
+                self.reserved -= self._granule(page[0])
             return
         for sid, seg in list(self._segments.items()):
             b = self._first[sid]
@@ -201,8 +203,13 @@ class AllocatorModel:
             b.size = size
             self._add_free(r)
 
+    @staticmethod
+    def _granule(small: bool) -> int:
+        return PAGE if small else PAGE_LARGE
+
     def _pages(self, b: _Block) -> range:
-        return range(b.offset // PAGE, (b.offset + b.size - 1) // PAGE + 1)
+        g = self._granule(b.seg.small)
+        return range(b.offset // g, (b.offset + b.size - 1) // g + 1)
 
     def _malloc_expandable(self, size: int, small: bool) -> _Block:
         b = self._best_fit(small, size)
@@ -226,19 +233,20 @@ class AllocatorModel:
             seg.size += size
         else:
             self._remove_free(b)
-        need = [p for p in range(b.offset // PAGE, (b.offset + size - 1) // PAGE + 1) if (small, p) not in self._mapped]
-        if self.reserved + len(need) * PAGE > self.capacity:
+        g = self._granule(small)
+        span = range(b.offset // g, (b.offset + size - 1) // g + 1)
+        need = [p for p in span if (small, p) not in self._mapped]
+        if self.reserved + len(need) * g > self.capacity:
             self.num_alloc_retries += 1
             self.release_cached()
-            need = [p for p in range(b.offset // PAGE, (b.offset + size - 1) // PAGE + 1)
-                    if (small, p) not in self._mapped]
-            if self.reserved + len(need) * PAGE > self.capacity:
+            need = [p for p in span if (small, p) not in self._mapped]
+            if self.reserved + len(need) * g > self.capacity:
                 self.num_ooms += 1
                 self._add_free(b)
-                raise MemoryError(max(PAGE, len(need) * PAGE))
+                raise MemoryError(size)
         for p in need:
             self._mapped.add((small, p))
-            self.reserved += PAGE
+            self.reserved += g
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self._split(b, size, small)
         b.free = False

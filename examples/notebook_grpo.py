@@ -1,0 +1,53 @@
+# %% [markdown]
+# # GRPO in a notebook, guarded
+#
+# Each cell below is what you would type in Jupyter. The training function builds its own `GRPOTrainer` and takes no
+# `knobs`: `@oomguard.guard` installs the same patches as `oomguard run` (GRPOConfig, GRPOTrainer, from_pretrained)
+# for each call and removes them afterwards, so the retry changes the config without editing the function.
+#
+# Run it as a script too: `python examples/notebook_grpo.py` (CPU, the tiny offline model, a simulated 260 MiB GPU).
+
+# %%
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+import oomguard
+
+from grpo_gsm8k import correctness_reward_func, load_questions, resolve_model, soft_format_reward_func
+
+MODEL = resolve_model("tiny-llama")  # or "meta-llama/Llama-3.2-1B-Instruct" where the hub is reachable
+dataset = load_questions("bundled")
+
+# %%
+@oomguard.guard(simulate_gpu=None if torch.cuda.is_available() else "260MiB", max_attempts=6)
+def train_grpo() -> float:
+    args = GRPOConfig(
+        output_dir="outputs/notebook-grpo",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        max_completion_length=256,
+        max_steps=1,
+        logging_steps=1,
+        report_to=[],
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="no",
+    )
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(MODEL),
+                          reward_funcs=[soft_format_reward_func, correctness_reward_func], args=args,
+                          train_dataset=dataset)
+    return trainer.train().training_loss
+
+# %%
+loss = train_grpo()
+print("training loss", loss)
+
+# %%
+for a in train_grpo.report.attempts:
+    oom = f" ({a.oom['kind']} during {a.oom['phase']})" if a.oom else ""
+    print(f"attempt {a.index}: {a.outcome}{oom}" + (f" -> {a.climbed}" if a.climbed else ""))
+for row in train_grpo.report.diff:
+    print(f"{row['knob']}: {row['from']} -> {row['to']}  [{row['remedy']}]")
