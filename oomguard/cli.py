@@ -90,12 +90,21 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
               help="Replay a lock file's stable config without climbing.")
 @click.option("--workdir", default=".oomguard", show_default=True, metavar="DIR",
               help="Where plans, events and crash records of each attempt are kept.")
+@click.option("--probe-steps", default=2, show_default=True, type=click.IntRange(0), metavar="K",
+              help="Before the real run, a K-step worst-case probe: the longest prompts, full-length completions, "
+                   "no checkpoints. A config is stable once its probe passes.")
+@click.option("--no-probe", is_flag=True, help="Skip the probe (same as --probe-steps 0).")
+@click.option("--no-predict", is_flag=True,
+              help="Climb one rung per OOM instead of letting the memory model skip rungs predicted not to be enough.")
+@click.option("--minimize", is_flag=True,
+              help="Once a config fits, try dropping the costliest rungs one at a time (with probes) and keep only "
+                   "those that are needed.")
 @click.option("--quiet", "-q", is_flag=True, help="Only the OOMs, the rungs climbed and the result.")
 @click.option("--json-log", is_flag=True, help="Progress as JSON lines on stderr, for CI and other programs.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
-        quiet: bool, json_log: bool) -> None:
+        probe_steps: int, no_probe: bool, no_predict: bool, minimize: bool, quiet: bool, json_log: bool) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
 
     \b
@@ -130,7 +139,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
         _usage(str(e)) if not isinstance(e, UsageError) else _exit(str(e), e.code)
     options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,
                          simulate_gpu=sim, gpu_memory=cap, report_path=Path(report_path), lock_path=Path(lock_path),
-                         workdir=Path(workdir), replay=replay)
+                         workdir=Path(workdir), replay=replay, predict=not no_predict,
+                         probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet)
     try:
         code = Supervisor(argv, options, reporter).run()
@@ -143,7 +153,61 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 
 # ----------------------------------------------------------------------------------------------------------------
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the ladders as JSON.")
+@click.option("--model", "model_path", required=True, metavar="PATH",
+              help="A model directory or its config.json (no weights are read).")
+@click.option("--gpu", "gpu_size", required=True, metavar="SIZE", help="The device memory, e.g. 24GiB, 15.73GiB, 80GB.")
+@click.option("--ladder", default="default", show_default=True, metavar="NAME|PATH",
+              help="The ladder whose rungs are suggested, in its order.")
+@click.option("--prompt-tokens", type=click.IntRange(1), default=None, metavar="N",
+              help="Padded prompt length (default 256).")
+@click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
+def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None, world_size: int,
+         as_json: bool, knobs: tuple[str, ...]) -> None:
+    """Predict the peak memory of a GRPO configuration (TRL 1.16) and the cheapest rungs that make it fit.
+
+    \b
+      oomguard plan --model ./Llama-3.2-1B-Instruct --gpu 16GiB dtype=bfloat16 max_completion_length=786
+      oomguard plan --model config.json --gpu 24GiB lora_r=32 load_in_4bit=true --json
+
+    Knobs are the Knobs fields (see `oomguard ladders` and the README); unset knobs take TRL 1.16's defaults.
+    """
+    from .estimate import EstimateError, load_model_spec
+    from .knobs import TRL_DEFAULTS, RunFacts, parse_knob
+    from .ladder import LadderError, load_ladder
+    from .plan import make_plan
+    from .sizes import SizeError, parse_size
+
+    try:
+        capacity = parse_size(gpu_size)
+        if capacity <= 0:
+            raise SizeError(f"--gpu must be more than 0 bytes, not {gpu_size!r}")
+        values: dict[str, Any] = {}
+        for item in knobs:
+            name, sep, text = item.partition("=")
+            if not sep:
+                raise ValueError(f"expected KNOB=VALUE, not {item!r}")
+            values[name.strip()] = parse_knob(name.strip(), text)
+        k = TRL_DEFAULTS.merged(values)
+        problems = k.validate(world_size)
+        if problems:
+            raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
+        spec = load_model_spec(model_path)
+        lad = load_ladder(ladder)
+    except KeyError as e:
+        _usage(str(e.args[0]))
+    except (SizeError, ValueError, EstimateError, LadderError) as e:
+        _usage(str(e))
+    p = make_plan(spec, k, capacity, ladder=lad, facts=RunFacts(world_size=world_size), prompt_tokens=prompt_tokens)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(p.to_dict(), indent=2))
+        return
+    from .render import console, plan_table
+
+    plan_table(console(), p, model_path)
 def ladders(as_json: bool) -> None:
     """List the remedy ladders shipped with oomguard and their rungs, in order."""
     from .ladder import available_ladders, describe, load_ladder

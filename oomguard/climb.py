@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +50,20 @@ class Climb:
         """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
         return TRL_DEFAULTS.merged(self.env_knobs).merged(self.observed).merged(self.base)
 
-    def effective(self) -> tuple[Knobs, dict[str, str]]:
+    def effective(self, without: int | None = None) -> tuple[Knobs, dict[str, str]]:
         """The knobs for the next attempt, replayed from the original, and which remedy set each changed knob.
 
         Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to
-        report what the code set.
+        report what the code set. ``without`` leaves out one climbed rung (by its index), to test whether it is
+        still needed.
         """
         original = self.original()
         knobs = original.merged(self.pinned)
         who: dict[str, str] = {r.knob: "lock" for r in original.diff(knobs)}
         used: Counter[str] = Counter()
-        for remedy, diag in self.applied:
+        for i, (remedy, diag) in enumerate(self.applied):
+            if i == without:
+                continue
             ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used))
             used[remedy.name] += 1
             if remedy.blocked(ctx):
@@ -84,19 +88,44 @@ class Climb:
 
     # -- climbing ----------------------------------------------------------------------------------------------
     def climb(self, attempt: Attempt, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
-              subject: str = "the command") -> tuple[Step | Exhausted, dict[str, Any]]:
-        """Take the next rung for this OOM; record it on the attempt. Returns the step and the knobs it changed."""
+              subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
+              ) -> tuple[list[Step] | Exhausted, dict[str, Any]]:
+        """Take the next rung for this OOM and record it on the attempt; returns the steps and the knobs changed.
+
+        With ``fits`` (the memory model's verdict), rungs predicted not to be enough are climbed together with the
+        next ones, straight to the first prefix of the ladder predicted to fit; the ladder's order is kept. If no
+        prefix is predicted to fit, a single rung is climbed and the next attempt decides.
+        """
         knobs = self.effective()[0]
         used = Counter(r.name for r, _ in self.applied)
-        step = self.ladder.next(Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used),
-                                        read_fields=read_fields, subject=subject))
-        attempt.skipped = [{"remedy": n, "reason": why} for n, why in step.skipped]
-        if isinstance(step, Exhausted):
-            self.exhausted = step
-            return step, {}
-        self.applied.append((step.remedy, diag))
-        attempt.climbed = step.remedy.name
-        return step, {r.knob: r.after for r in knobs.diff(step.knobs)}
+        ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
+                      subject=subject)
+        steps: list[Step] = []
+        if fits is not None:
+            steps, ran_out = self.ladder.climb(ctx, fits)
+            if ran_out is not None:
+                steps = steps[:1]
+        if not steps:
+            step = self.ladder.next(ctx)
+            if isinstance(step, Exhausted):
+                attempt.skipped = [{"remedy": n, "reason": why} for n, why in step.skipped]
+                self.exhausted = step
+                return step, {}
+            steps = [step]
+        skipped: dict[str, str] = {}
+        for s in steps:
+            for n, why in s.skipped:
+                skipped.setdefault(n, why)
+        climbed = {s.remedy.name for s in steps}
+        attempt.skipped = [{"remedy": n, "reason": why} for n, why in skipped.items() if n not in climbed]
+        for s in steps:
+            self.applied.append((s.remedy, diag))
+        attempt.climbed = "+".join(s.remedy.name for s in steps)
+        return steps, {r.knob: r.after for r in knobs.diff(steps[-1].knobs)}
+
+    def drop(self, index: int) -> Remedy:
+        """Remove a climbed rung for good (``--minimize`` found it unnecessary)."""
+        return self.applied.pop(index)[0]
 
     # -- the end -----------------------------------------------------------------------------------------------
     def report(self, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:

@@ -101,7 +101,7 @@ class Guarded:
 
     def __init__(self, fn: Callable[..., Any], ladder: str | Ladder, knobs: Knobs | dict[str, Any] | None,
                  max_attempts: int, simulate_gpu: int | str | None, report: str | os.PathLike[str] | None,
-                 isolate: bool) -> None:
+                 isolate: bool, predict: bool = True) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
@@ -110,6 +110,8 @@ class Guarded:
         self.simulate_gpu = parse_size(simulate_gpu) if simulate_gpu not in (None, "") else None
         self.report_path = Path(report) if report else None
         self.isolate = isolate
+        self.predict = predict
+        self._guide_obj: Any = None
         self.report: RunReport | None = None
         self.takes_knobs = "knobs" in inspect.signature(fn).parameters
 
@@ -165,7 +167,8 @@ class Guarded:
         if self.takes_knobs:
             # A rung may change knobs the function never reads (num_generations beside the batch size of a plain
             # loop); the diff shows what reached the function.
-            report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] == "expandable_segments"]
+            allocator = {"expandable_segments", "max_split_size_mb"}
+            report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] in allocator]
         return report
 
     def _write(self) -> None:
@@ -194,6 +197,12 @@ class Guarded:
         climb.observe(result.get("observed") or {})
         if result.get("facts"):
             climb.facts = climb.facts.replace(**result["facts"])
+        guide = self._guide()
+        if guide is not None:
+            report = result.get("report")
+            guide.learn(climb.facts, knobs, "ok" if "value" in result else "oom", result.get("peak"), report)
+            est = guide.predict(climb.facts, knobs)
+            record.predicted_bytes = est.peak_bytes if est else None
         attempt = _Attempt(record)
         if "value" in result:
             attempt.value = result["value"]
@@ -217,13 +226,32 @@ class Guarded:
             return attempt
         fields = set(reads) | set(reachable(result.get("reached", set()))) if not self.takes_knobs else set(reads)
         if self.takes_knobs:
-            fields.add("expandable_segments")
-        step, _ = climb.climb(record, d, frozenset(fields), subject="the function")
-        if isinstance(step, Exhausted):
+            fields |= {"expandable_segments", "max_split_size_mb"}
+        steps, _ = climb.climb(record, d, frozenset(fields), subject="the function", fits=self._fits(climb, result))
+        if isinstance(steps, Exhausted):
             return attempt
-        if not _can_apply_here(step.remedy.name, self.isolate):
-            record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
+        for step in steps:
+            if not _can_apply_here(step.remedy.name, self.isolate):
+                record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
         return attempt
+
+    def _guide(self) -> Any:
+        """The memory model for this call's device, when guided climbing is possible (a GRPO model was seen)."""
+        if not self.predict:
+            return None
+        if getattr(self, "_guide_obj", None) is None:
+            from .plan import Guide
+
+            cap = self.simulate_gpu
+            torch = _torch()
+            if cap is None and torch is not None and torch.cuda.is_available():
+                cap = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu)) if cap else None
+        return self._guide_obj
+
+    def _fits(self, climb: Climb, result: dict[str, Any]) -> Any:
+        guide = self._guide()
+        return guide.fits(climb.facts) if guide is not None and not self.takes_knobs else None
 
     def _call_here(self, knobs: Knobs, climb: Climb, reads: set[str], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -256,6 +284,8 @@ def _call_with_knobs(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, ov
             out["observed"] = dict(rt.observed)
             out["reached"] = set(rt.reached)
             facts = rt.facts()
+            if rt.model_config:
+                facts["model_config"] = rt.model_config
             if facts:
                 out["facts"] = facts
         return out
@@ -358,25 +388,35 @@ def _can_apply_here(remedy: str, isolate: bool) -> bool:
 
 def _apply_in_process(knobs: Knobs, climb: Climb) -> str | None:
     """Allocator settings: set in-process where torch allows it (or on the simulated device)."""
-    if not knobs.expandable_segments or climb.original().expandable_segments:
+    original = climb.original()
+    opts: dict[str, str] = {}
+    if knobs.expandable_segments and not original.expandable_segments:
+        opts["expandable_segments"] = "True"
+    if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != original.max_split_size_mb:
+        opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
+    if not opts:
         return None
+    text = ",".join(f"{k}:{v}" for k, v in opts.items())
     from .child import simulate
 
     dev = simulate.device()
     if dev is not None:
-        dev.set_expandable(True)
-        return "expandable segments switched on in-process (simulated device)"
+        if "max_split_size_mb" in opts:
+            dev.set_max_split(int(opts["max_split_size_mb"]) << 20)
+        if "expandable_segments" in opts:
+            dev.set_expandable(True)
+        return f"allocator settings {text} applied in-process (simulated device)"
     torch = _torch()
     if torch is not None and _cuda_in_use():
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
         if setter is None:
-            return "expandable segments need a fresh process on this torch: use isolate=True"
-        setter("expandable_segments:True")
-        return "expandable segments switched on in-process"
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
-        [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if o and
-         not o.startswith("expandable_segments")] + ["expandable_segments:True"])
-    return "expandable segments set for CUDA's first use"
+            return f"allocator settings {text} need a fresh process on this torch: use isolate=True"
+        setter(text)
+        return f"allocator settings {text} applied in-process"
+    current = [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+               if o and o.split(":")[0] not in opts]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*current, *(f"{k}:{v}" for k, v in opts.items())])
+    return f"allocator settings {text} set for CUDA's first use"
 
 
 def _start_simulation(size: int) -> bool:
@@ -482,17 +522,18 @@ def _run_isolated(g: Guarded, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
 
 def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "default",
           knobs: Knobs | dict[str, Any] | None = None, max_attempts: int = 8, simulate_gpu: int | str | None = None,
-          report: str | os.PathLike[str] | None = None, isolate: bool = False) -> Any:
+          report: str | os.PathLike[str] | None = None, isolate: bool = False, predict: bool = True) -> Any:
     """Retry ``fn`` on OOM, climbing the ladder between attempts. Usable bare, with options, or as a call.
 
     ``@oomguard.guard``, ``@oomguard.guard(max_attempts=4)`` and ``oomguard.guard(fn, simulate_gpu="300MiB")`` all
-    work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits.
+    work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits. With ``predict``
+    (the default), once the function has built a GRPO model the memory model skips rungs predicted not to be enough.
     """
     if max_attempts < 1:
         raise ValueError("max_attempts must be at least 1")
     if fn is None:
-        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate)
-    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate)
+        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict)
+    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict)
 
 
 __all__ = ["Guarded", "OOMGuardExhausted", "TrackedKnobs", "guard"]

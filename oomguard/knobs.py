@@ -32,13 +32,14 @@ class Knobs:
     """Every value oomguard may change. ``None`` means "not set": TRL's default (or the user's value) applies.
 
     Field names follow ``GRPOConfig`` where one exists; the others are oomguard's own:
-    ``expandable_segments`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
+    ``expandable_segments`` and ``max_split_size_mb`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
     from the dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
     ``load_in_4bit`` (adapters and quantisation injected at the trainer), ``zero_stage``/``offload_*`` (DeepSpeed
     through accelerate), ``fsdp_offload``.
     """
 
     expandable_segments: bool | None = None
+    max_split_size_mb: int | None = None
     torch_empty_cache_steps: int | None = None
     max_completion_length: int | None = None
     max_prompt_tokens: int | None = None
@@ -128,7 +129,7 @@ class Knobs:
         problems: list[str] = []
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
                      "generation_batch_size", "max_completion_length", "max_prompt_tokens", "torch_empty_cache_steps",
-                     "lora_r"):
+                     "lora_r", "max_split_size_mb"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "lora_r" else 1)):
                 problems.append(f"{name} must be a positive integer, not {v!r}")
@@ -155,6 +156,8 @@ class Knobs:
             problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], not {u}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage must be 0, 1, 2 or 3, not {self.zero_stage}")
+        if self.max_split_size_mb is not None and self.max_split_size_mb <= 20:
+            problems.append(f"max_split_size_mb must be more than 20 (PyTorch's minimum), not {self.max_split_size_mb}")
         if self.beta is not None and self.beta < 0:
             problems.append(f"beta must be >= 0, not {self.beta}")
         return problems
@@ -234,6 +237,7 @@ def parse_knob(name: str, text: str) -> Any:
 # no allocator config, and fp32 when TRL loads the model from a string.
 TRL_DEFAULTS = Knobs(
     expandable_segments=False,
+    max_split_size_mb=None,
     torch_empty_cache_steps=None,
     max_completion_length=512,
     max_prompt_tokens=None,
@@ -267,7 +271,7 @@ TRL_DEFAULTS = Knobs(
 # Which knobs reach the training process through which construction point (`oomguard run`). A rung whose knobs
 # reach nothing the command built cannot help it: a script without GRPOConfig only feels the allocator settings.
 REACH: dict[str, frozenset[str]] = {
-    "env": frozenset({"expandable_segments"}),
+    "env": frozenset({"expandable_segments", "max_split_size_mb"}),
     "config": frozenset({
         "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
         "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
@@ -298,7 +302,7 @@ class RunFacts:
 
     world_size: int = 1
     model_source: str | None = None
-    user_peft: bool = False
+    user_peft: bool = False  # the script passes a model already wrapped by PEFT (a peft_config alone is not this)
     alloc_conf_locked: str | None = None  # the user's own expandable_segments:False, which oomguard respects
     prompt_tokens_max: int | None = None
     prompt_tokens_p95: int | None = None

@@ -108,3 +108,42 @@ def _v(v: Any) -> str:
 
 def is_tty() -> bool:
     return sys.stdout.isatty()
+
+
+_TERMS = [
+    ("weights", "weights"), ("reference", "reference model"), ("gradients", "gradients"),
+    ("optimizer", "optimizer state"), ("activations", "activations"), ("logits", "log-prob tiles (LM head)"),
+    ("kv_cache", "generation KV cache"), ("vllm", "vLLM reservation"), ("overhead", "context + fragmentation"),
+]
+
+
+def plan_table(out: Console, p: Any, model: str) -> None:
+    """The breakdown, the verdict with headroom, and the suggested rungs."""
+    e = p.estimate
+    out.print(f"[bold]{model}[/]: predicted peak in the {e.dominant_phase.replace('_', '/')} phase")
+    t = Table(header_style="bold")
+    t.add_column("term")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    for key, label in _TERMS:
+        v = e.breakdown.get(key, 0)
+        if v:
+            t.add_row(label, size(v), f"{v / max(1, e.peak_bytes):.0%}")
+    t.add_row("[bold]peak[/]", f"[bold]{size(e.peak_bytes)}[/]", "")
+    out.print(t)
+    out.print(f"trainable parameters {e.trainable_params:,} of {e.total_params:,}")
+    if p.fits:
+        out.print(f"[green]fits[/] in {size(p.capacity)} with {size(p.headroom)} to spare")
+        return
+    out.print(f"[red]does not fit[/] in {size(p.capacity)}: {size(-p.headroom)} short")
+    if not p.steps:
+        out.print("no rung of the ladder applies")
+        return
+    out.print("[bold]cheapest rungs, in the ladder's order[/]")
+    for s in p.steps:
+        r = s.remedy
+        out.print(f"  [cyan]{r.name}[/]  (trades {r.trades}: {r.trade_note})", soft_wrap=True)
+    out.print("  " + " ".join(f"{k}={_v(v)}" for k, v in p.suggest.items()), soft_wrap=True)
+    if p.after is not None:
+        verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"
+        out.print(f"  then: peak {size(p.after.peak_bytes)}, {verdict}")

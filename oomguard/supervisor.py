@@ -16,15 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tenacity import Retrying, retry_if_result, stop_after_attempt, stop_after_delay, wait_none
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_none
+from tenacity.stop import stop_base
 
 from .analyze import finding, finding_from_crash, finding_from_hit
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
 from .climb import Climb
+from .device import gpu_total_memory
 from .diagnose import Diagnosis, diagnose
 from .knobs import Knobs, RunFacts, reachable
 from .ladder import Exhausted, Ladder, Step
 from .oom import OOMReport, scan_text
+from .plan import Guide
 from .proc import Interrupts, ProcessResult, run_attempt
 from .records import (
     LOCK_SCHEMA,
@@ -38,6 +41,7 @@ from .records import (
     read_json,
     write_json_atomic,
 )
+from .strategies import Remedy
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
@@ -46,6 +50,17 @@ EXIT_NOT_EXECUTABLE = 126
 
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 BOOT_DIR = Path(__file__).resolve().parent / "child" / "_boot"
+
+
+class stop_after_attempt_of(stop_base):
+    """Stop once ``count()`` reaches ``limit``: tenacity's stop_after_attempt, counting only the attempts that count."""
+
+    def __init__(self, count: Any, limit: int) -> None:
+        self.count = count
+        self.limit = limit
+
+    def __call__(self, retry_state: Any) -> bool:
+        return self.count() >= self.limit
 
 
 class UsageError(Exception):
@@ -79,6 +94,10 @@ class RunOptions:
     grace: float = 20.0
     echo: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    predict: bool = True  # climb straight to the first ladder prefix the memory model predicts to fit
+    probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
+    minimize: bool = False  # once stable, drop the rungs a probe shows are not needed
+    capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,16 +135,22 @@ def merge_alloc_conf(env: dict[str, str], key: str, value: str) -> str:
     return var
 
 
-def user_alloc_conf(env: dict[str, str]) -> tuple[bool | None, str | None]:
-    """(expandable_segments as the user set it, or None; the 'VAR=value' text when they set it)."""
+def user_alloc_conf(env: dict[str, str]) -> tuple[bool | None, str | None, int | None]:
+    """(expandable_segments as the user set it or None; 'VAR=value' when they set it; their max_split_size_mb)."""
     for var in ALLOC_VARS:
         if var in env:
+            es, text, ms = None, None, None
             for opt in env[var].split(","):
                 k, _, v = opt.strip().partition(":")
                 if k == "expandable_segments":
-                    return v.strip().lower() == "true", f"{var}={env[var]}"
-            return None, None
-    return None, None
+                    es, text = v.strip().lower() == "true", f"{var}={env[var]}"
+                elif k == "max_split_size_mb":
+                    try:
+                        ms = int(float(v))
+                    except ValueError:
+                        ms = None
+            return es, text, ms
+    return None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -139,25 +164,34 @@ class Supervisor:
         self.run_dir = options.workdir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.interrupts = Interrupts()
         self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
-        user_es, text = user_alloc_conf(dict(os.environ))
+        user_es, text, user_ms = user_alloc_conf(dict(os.environ))
         self.user_expandable = bool(user_es)
+        self.user_max_split = user_ms
         self.climb = Climb(
             options.ladder,
             pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
-            env_knobs={"expandable_segments": self.user_expandable},
+            env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": user_ms},
             facts=RunFacts(alloc_conf_locked=text if user_es is False else None),
         )
+        self.capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
+        self.guide = (Guide(self.capacity, simulated=bool(options.simulate_gpu))
+                      if options.predict and self.capacity else None)
+        self.next_kind = "probe" if options.probe_steps > 0 else "run"
+        self.min_queue: list[Remedy] | None = None  # rungs still to try without (--minimize)
+        self.min_trial: Remedy | None = None
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        stop = stop_after_attempt(self.o.max_attempts)
+        # Minimize trials are extra work the user asked for: they do not use up --max-attempts.
+        stop = stop_after_attempt_of(lambda: sum(1 for a in self.climb.attempts if a.kind != "minimize"),
+                                     self.o.max_attempts)
         if self.o.max_time:
             stop = stop | stop_after_delay(self.o.max_time)
         retryer = Retrying(
             stop=stop,
             wait=wait_none(),
-            retry=retry_if_result(lambda a: a.outcome == "oom" and a.climbed is not None),
+            retry=retry_if_result(lambda a: self.next_kind != "done"),
             retry_error_callback=lambda state: state.outcome.result(),
             reraise=True,
         )
@@ -180,20 +214,26 @@ class Supervisor:
             env[SIMULATE_ENV] = str(self.o.simulate_gpu)
         if knobs.expandable_segments and not self.user_expandable:
             merge_alloc_conf(env, "expandable_segments", "True")
+        if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != self.user_max_split:
+            merge_alloc_conf(env, "max_split_size_mb", str(knobs.max_split_size_mb))
         return env
 
     def _attempt(self) -> Attempt:
         c = self.climb
+        kind = self.next_kind
         index = len(c.attempts) + 1
-        knobs = c.effective()[0]
+        without = c.applied.index(next(x for x in c.applied if x[0] is self.min_trial)) if kind == "minimize" else None
+        knobs = c.effective(without)[0]
         adir = self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
-        remedies = c.remedies_in_force()
+        remedies = [r.name for i, (r, _) in enumerate(c.applied) if i != without]
+        remedies = list(dict.fromkeys(remedies))
+        probe = {"steps": self.o.probe_steps, "rows": 64} if kind in ("probe", "minimize") else None
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
-                    remedies=remedies)
+                    remedies=remedies, probe=probe)
         plan_path = write_json_atomic(adir / "plan.json", plan.to_dict())
-        self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, "run")
+        self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, kind)
         try:
             res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
                               echo=self.o.echo)
@@ -204,19 +244,68 @@ class Supervisor:
         events = read_events(adir / "events.jsonl")
         self._learn(events)
         attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
+        attempt.kind = kind
+        if kind != "run" and not any(e.get("event") == "config" for e in events):
+            attempt.kind = "run"  # no GRPOConfig to shorten: the "probe" was the whole command
+            attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
         # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
-        attempt.knobs = c.effective()[0].to_dict()
+        attempt.knobs = c.effective(without)[0].to_dict()
+        if self.guide is not None:
+            est = self.guide.predict(c.facts, Knobs.from_dict(attempt.knobs))
+            attempt.predicted_bytes = est.peak_bytes if est else None
+            self.guide.learn(c.facts, Knobs.from_dict(attempt.knobs), attempt.outcome, attempt.peak_bytes,
+                             diag.report if diag is not None else None)
         c.attempts.append(attempt)
         self.ui.attempt_end(attempt, diag)
-        if attempt.outcome == "oom" and not self.interrupts.signum:
-            if self.o.replay:
-                c.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
-                self.ui.climb(None, c.exhausted, {})
-            else:
-                step, changes = c.climb(attempt, diag, reachable(self.reached))
-                self.ui.climb(step if isinstance(step, Step) else None,
-                              step if isinstance(step, Exhausted) else None, changes)
+        self.next_kind = self._decide(attempt, diag)
         return attempt
+
+    def _decide(self, attempt: Attempt, diag: Diagnosis | None) -> str:
+        """What comes after this attempt: "probe", "minimize", "run", or "done"."""
+        c = self.climb
+        if self.interrupts.signum or attempt.outcome in ("failed", "interrupted"):
+            return "done"
+        if attempt.kind == "minimize":
+            removed = self.min_trial
+            if attempt.outcome == "ok" and removed is not None:
+                c.drop(next(i for i, (r, _) in enumerate(c.applied) if r is removed))
+                attempt.note = f"{removed.name} is not needed: the probe fits without it"
+            elif removed is not None:
+                attempt.note = f"{removed.name} is needed: without it the probe runs out of memory"
+            return self._next_minimize()
+        if attempt.outcome == "ok":
+            if attempt.kind == "run":
+                return "done"
+            if self.o.minimize and self.min_queue is None and c.applied:
+                order = {"quality": 0, "speed": 1, "host": 2, "nothing": 3}
+                self.min_queue = sorted((r for r, _ in reversed(c.applied)), key=lambda r: order.get(r.trades, 9))
+                return self._next_minimize()
+            return "run"
+        # an OOM
+        if self.o.replay:
+            c.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
+            self.ui.climb(None, c.exhausted, {})
+            return "done"
+        fits = self.guide.fits(c.facts) if self.guide is not None else None
+        steps, changes = c.climb(attempt, diag, reachable(self.reached), fits=fits)
+        if isinstance(steps, Exhausted):
+            self.ui.climb(None, steps, {})
+            return "done"
+        for i, step in enumerate(steps):
+            self.ui.climb(step, None, changes if i == len(steps) - 1 else {})
+        if len(steps) > 1:
+            self.ui.message(f"  the memory model predicts that {', '.join(s.remedy.name for s in steps[:-1])} "
+                            f"alone would not be enough")
+        return "probe" if self.o.probe_steps > 0 else "run"
+
+    def _next_minimize(self) -> str:
+        while self.min_queue:
+            candidate = self.min_queue.pop(0)
+            if any(r is candidate for r, _ in self.climb.applied):
+                self.min_trial = candidate
+                return "minimize"
+        self.min_trial = None
+        return "run"
 
     def _learn(self, events: list[dict[str, Any]]) -> None:
         """Take what the training process reported: the script's own values (first report wins), and facts."""
@@ -295,10 +384,14 @@ class Supervisor:
         if sig or last is None or last.outcome == "interrupted":
             status, code = "interrupted", 128 + (sig or 2)
             message = "interrupted; no retry"
-        elif last.outcome == "ok":
+        elif last.outcome == "ok" and last.kind == "run":
             status, code = "stable", 0
-            message = (f"stable after {len(c.attempts)} attempt(s)" if len(c.attempts) > 1
+            ooms = sum(1 for a in c.attempts if a.outcome == "oom" and a.kind != "minimize")
+            message = (f"stable after {ooms} out-of-memory attempt(s)" if ooms
                        else "the command fit on the first attempt; nothing changed")
+        elif last.outcome == "ok":
+            status, code = "exhausted", EXIT_EXHAUSTED
+            message = f"the probe fits, but the budget (--max-attempts {self.o.max_attempts}) ran out before the run"
         elif last.outcome == "failed":
             status, code = "failed", last.exit_code if last.exit_code is not None else 1
             message = f"the command failed with exit code {code} (not an OOM); passed through without retrying"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from oomguard.diagnose import Diagnosis
 from oomguard.knobs import Knobs
-from oomguard.sizes import format_size
+from oomguard.sizes import MiB, format_size
 
 from .base import Advice, Context, Remedy, register
 
@@ -42,13 +42,25 @@ class ExpandableSegments(Remedy):
 
 @register
 class EmptyCache(Remedy):
+    """Cache hygiene for allocators without expandable segments (locked off by the user, vLLM sleep mode, ...).
+
+    Emptying the cache alone cannot give back a segment that still holds one live block, and that is how caches
+    fragment: a long-lived small tensor (a gradient, an optimizer moment) is carved out of a large cached block and
+    pins it. So this rung does both: it releases the cache between phases (after each generation, before the
+    optimizer step, and transformers' ``torch_empty_cache_steps=1`` between forward and backward), and it sets
+    ``max_split_size_mb`` so that large cached blocks are never split for small requests and stay releasable.
+    """
+
     name = "empty_cache"
-    summary = "Release cached blocks between phases (torch_empty_cache_steps=1, and after each generation)."
+    summary = ("Release cached blocks between phases (torch_empty_cache_steps=1) and keep large cached blocks whole "
+               "(max_split_size_mb), so small long-lived tensors cannot pin them.")
     trades = "speed"
-    trade_note = "about 10% slower (transformers #31372)"
+    trade_note = "about 10% slower (transformers #31372), plus more device allocations"
     resume = "continue"
-    changes = ("torch_empty_cache_steps",)
+    changes = ("torch_empty_cache_steps", "max_split_size_mb")
     addresses = "fragmentation"
+    # "auto": 1/32 of the device (at least PyTorch's minimum of 21): blocks that large are worth keeping whole.
+    params = {"max_split_size_mb": "auto"}
 
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.kind in ("driver", "non-pytorch"):
@@ -56,14 +68,28 @@ class EmptyCache(Remedy):
         return super().helps(d)
 
     def blocked(self, ctx: Context) -> str | None:
-        return "already in force" if ctx.knobs.torch_empty_cache_steps == 1 else None
+        if ctx.knobs.torch_empty_cache_steps == 1 and ctx.knobs.max_split_size_mb is not None:
+            return "already in force"
+        return None
+
+    def _max_split(self, ctx: Context) -> int:
+        v = self.p["max_split_size_mb"]
+        if v != "auto":
+            return max(21, int(v))
+        r = ctx.diagnosis.report if ctx.diagnosis is not None else None
+        cap = (r.allowed or r.capacity) if r is not None else None
+        return max(21, cap // 32 // MiB) if cap else 512
 
     def apply(self, ctx: Context) -> Knobs:
-        return ctx.knobs.replace(torch_empty_cache_steps=1)
+        changes: dict[str, int] = {"torch_empty_cache_steps": 1}
+        if ctx.knobs.max_split_size_mb is None:
+            changes["max_split_size_mb"] = self._max_split(ctx)
+        return ctx.knobs.replace(**changes)
 
     def advise(self, d: Diagnosis) -> Advice:
         if d.kind == "fragmentation":
-            return Advice(self.name, "Emptying the cache after generation lets training lay out fresh segments "
-                                     "instead of splitting the generation-sized ones.", None)
+            return Advice(self.name, "Keeping large cached blocks whole (max_split_size_mb) stops small long-lived "
+                                     "tensors from pinning them, and emptying the cache between phases gives them back.",
+                          None)
         return Advice(self.name, "Memory outside PyTorch's allocator (cuBLAS, NCCL, vLLM) can only use what the "
                                  "cache gives back.", None)

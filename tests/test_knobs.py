@@ -67,6 +67,6 @@ def test_parse_knob_types_and_errors():
 
 
 def test_reach_of_construction_points():
-    assert reachable(set()) == {"expandable_segments"}
+    assert reachable(set()) == {"expandable_segments", "max_split_size_mb"}
     assert "max_completion_length" in reachable({"config"})
     assert "dtype" in reachable({"model"}) and "lora_r" not in reachable({"model"})

@@ -3,13 +3,13 @@
 from pathlib import Path
 
 import pytest
-from oomguard.strategies import Context
 
 from oomguard.diagnose import diagnose
 from oomguard.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.ladder import Exhausted, LadderError, Step, available_ladders, load_ladder
 from oomguard.oom import OOMReport
 from oomguard.sizes import GiB, MiB
+from oomguard.strategies import Context
 
 FRAG = diagnose(OOMReport("cuda", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=100 * MiB,
                           reserved_unallocated=2 * GiB))

@@ -1,11 +1,10 @@
 """Recommendations for analyze: names shared with the ladder, ranked for the diagnosis, with bytes freed."""
 
-from oomguard.strategies import REGISTRY
-
 from oomguard.diagnose import diagnose
 from oomguard.oom import OOMReport, OtherProcess
 from oomguard.recommend import recommend
 from oomguard.sizes import GiB, MiB
+from oomguard.strategies import REGISTRY
 
 
 def names(d):

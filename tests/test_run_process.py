@@ -36,6 +36,7 @@ def test_allocator_config_merge_respects_precedence():
     merge_alloc_conf(env, "expandable_segments", "True")
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert user_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})[0] is False
+    assert user_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})[2] == 128
     assert user_alloc_conf({})[0] is None
 
 

@@ -19,6 +19,12 @@ def make_callback(rt: Runtime) -> Any:
                     save_steps=getattr(args, "save_steps", None), save_strategy=str(getattr(args, "save_strategy", "")),
                     output_dir=args.output_dir)
 
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # Before the first step allocates the long-lived optimizer state: without this, that state is carved
+            # out of cached generation- and activation-sized segments and pins them (fragmentation).
+            if rt.overrides.torch_empty_cache_steps == 1:
+                rt.empty_cache()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit("step", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
             if rt.overrides.torch_empty_cache_steps == 1:

@@ -242,8 +242,8 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
 
     callbacks.append(make_callback(rt))
     a["callbacks"] = callbacks
-    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model or peft_config is not None),
-                              "world_size": _world()}, observed=dict(rt.observed))
+    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world()},
+            observed=dict(rt.observed))
 
 
 def _after_init(rt: Runtime, trainer: Any) -> None:

@@ -93,6 +93,10 @@ class Runtime:
             self.reached.add(event)
         if event == "trainer":
             self._facts.update(data.get("facts") or {})
+        if event == "dataset":
+            for k in ("prompt_tokens_max", "prompt_tokens_p95"):
+                if data.get(k) is not None:
+                    self._facts[k] = data[k]
         path = self.plan.events
         if not path:
             return

@@ -79,9 +79,12 @@ class _Segment:
 class AllocatorModel:
     """The segment and block bookkeeping of the caching allocator (no tensors here; sizes only)."""
 
-    def __init__(self, capacity: int, expandable: bool = False) -> None:
+    def __init__(self, capacity: int, expandable: bool = False, max_split: int | None = None) -> None:
         self.capacity = capacity
         self.expandable = expandable
+        # max_split_size_mb: cached blocks at least this large are not split for smaller requests, so long-lived
+        # small tensors cannot pin them (CUDACachingAllocator get_free_block / should_split).
+        self.max_split = max_split
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
@@ -116,7 +119,16 @@ class AllocatorModel:
     def _best_fit(self, small: bool, size: int) -> _Block | None:
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size, -1, -1))
-        return self._free_blocks[lst[i]] if i < len(lst) else None
+        if i >= len(lst):
+            return None
+        b = self._free_blocks[lst[i]]
+        ms = self.max_split
+        if ms is not None and not small and not self.expandable:
+            if size < ms <= b.size:
+                return None  # do not return an oversized block for a smaller request
+            if size >= ms and b.size >= size + LARGE_BUFFER:
+                return None  # an oversized block may be rounded up, but within a limit
+        return b
 
     # -- public ------------------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> _Block:
@@ -195,7 +207,8 @@ class AllocatorModel:
 
     def _split(self, b: _Block, size: int, small: bool) -> None:
         rest = b.size - size
-        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE) or (self.expandable and rest >= MIN_BLOCK):
+        large_ok = rest > SMALL_SIZE and (self.max_split is None or size < self.max_split)
+        if (small and rest >= MIN_BLOCK) or (not small and large_ok) or (self.expandable and rest >= MIN_BLOCK):
             r = _Block(b.seg, b.offset + size, rest, True, b, b.next)
             if b.next is not None:
                 b.next.prev = r
@@ -273,21 +286,42 @@ class AllocatorModel:
                 self._page_refs[k] = n
 
 
-def expandable_from_env(env: dict[str, str] | None = None) -> bool:
-    """Whether the allocator config in force enables expandable segments (first variable set wins, as in torch)."""
+def alloc_conf_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The allocator options in force: the first of PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF
+    that is set wins, with no merging (as in torch)."""
     env = dict(os.environ if env is None else env)
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         if var in env:
-            return any(opt.strip().lower() == "expandable_segments:true" for opt in env[var].split(","))
-    return False
+            out = {}
+            for opt in env[var].split(","):
+                k, _, v = opt.strip().partition(":")
+                if k:
+                    out[k.strip()] = v.strip()
+            return out
+    return {}
+
+
+def expandable_from_env(env: dict[str, str] | None = None) -> bool:
+    """Whether the allocator config in force enables expandable segments."""
+    return alloc_conf_from_env(env).get("expandable_segments", "").lower() == "true"
+
+
+def max_split_from_env(env: dict[str, str] | None = None) -> int | None:
+    """``max_split_size_mb`` in bytes, if the allocator config in force sets it."""
+    v = alloc_conf_from_env(env).get("max_split_size_mb")
+    try:
+        return int(float(v)) << 20 if v else None
+    except ValueError:
+        return None
 
 
 class SimulatedDevice:
     """A memory budget for this process's tensors, with the caching allocator's behaviour and message."""
 
-    def __init__(self, capacity: int, expandable: bool | None = None) -> None:
+    def __init__(self, capacity: int, expandable: bool | None = None, max_split: int | None = None) -> None:
         self.capacity = int(capacity)
-        self.model = AllocatorModel(self.capacity, expandable_from_env() if expandable is None else expandable)
+        self.model = AllocatorModel(self.capacity, expandable_from_env() if expandable is None else expandable,
+                                    max_split if max_split is not None else max_split_from_env())
         self._live: dict[int, tuple[Any, _Block, int]] = {}
         self._lock = threading.RLock()
         self._mode: Any = None
@@ -379,6 +413,11 @@ class SimulatedDevice:
             if self._trace is not None:
                 self._trace.append(("e", 0, 0))
 
+    def set_max_split(self, nbytes: int | None) -> None:
+        """``max_split_size_mb`` in-process; it governs the blocks placed from now on."""
+        with self._lock:
+            self.model.max_split = nbytes
+
     def dump_trace(self, path: str) -> None:
         """Write the allocation trace: one line per event, ``a ID BYTES``, ``f ID`` or ``e`` (empty_cache)."""
         if not self._trace:
@@ -394,7 +433,7 @@ class SimulatedDevice:
         with self._lock:
             if self.model.expandable == on:
                 return
-            model = AllocatorModel(self.capacity, on)
+            model = AllocatorModel(self.capacity, on, self.model.max_split)
             for key, (ref, _block, nbytes) in list(self._live.items()):
                 self._live[key] = (ref, model.malloc(nbytes), nbytes)
             self.model = model
@@ -504,13 +543,14 @@ def stop() -> None:
         _DEVICE = None
 
 
-def replay(events: list[tuple[str, int, int]], capacity: int, expandable: bool = False) -> tuple[bool, dict[str, int]]:
+def replay(events: list[tuple[str, int, int]], capacity: int, expandable: bool = False,
+           max_split: int | None = None) -> tuple[bool, dict[str, int]]:
     """Replay a trace through the allocator model at ``capacity``: (fits, facts at the end or at the OOM).
 
     >>> replay([("a", 0, 3 << 20), ("a", 1, 3 << 20), ("f", 0, 0)], 20 << 20)[0]
     True
     """
-    m = AllocatorModel(capacity, expandable)
+    m = AllocatorModel(capacity, expandable, max_split)
     live: dict[int, _Block] = {}
     for kind, i, n in events:
         if kind == "a":
@@ -545,16 +585,17 @@ def read_trace(path: str) -> tuple[list[tuple[str, int, int]], bool]:
     return events, expandable
 
 
-def min_capacity(events: list[tuple[str, int, int]], expandable: bool = False, step: int = 1 << 20) -> int:
+def min_capacity(events: list[tuple[str, int, int]], expandable: bool = False, step: int = 1 << 20,
+                 max_split: int | None = None) -> int:
     """The smallest capacity (to ``step``) at which the trace runs without an OOM."""
     lo, hi = 0, step
-    while not replay(events, hi, expandable)[0]:
+    while not replay(events, hi, expandable, max_split)[0]:
         lo, hi = hi, hi * 2
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step or step
         if mid <= lo:
             break
-        if replay(events, mid, expandable)[0]:
+        if replay(events, mid, expandable, max_split)[0]:
             hi = mid
         else:
             lo = mid

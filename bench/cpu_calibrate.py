@@ -1,0 +1,385 @@
+"""Calibrate oomguard's memory model against real TRL GRPO steps on the simulated device (CPU only).
+
+For each configuration of a small grid, a fresh subprocess builds a GRPOTrainer on a tiny random Llama or Qwen2
+model (written to a temporary directory, with a word-level tokenizer made with ``tokenizers``), starts oomguard's
+simulated device before any tensor exists, and trains two optimizer steps. Completions are forced to the worst case
+with ``generation_kwargs={"min_new_tokens": C}`` and every prompt has exactly P tokens, so the shapes are
+deterministic. The subprocess reports the simulated device's peak allocated bytes per phase (generation, scoring,
+forward_backward, optimizer), and this script compares them with ``oomguard.estimate.estimate(..., simulated=True)``.
+
+    python bench/cpu_calibrate.py            # the full grid (about 6-8 minutes on 2 CPU cores)
+    python bench/cpu_calibrate.py --quick    # a 4-configuration subset
+    python bench/cpu_calibrate.py --only qwen-full-c128 --show-phases
+
+The table's "measured" column is the simulated device's ``peak`` (max allocated, the analogue of
+``torch.cuda.max_memory_allocated``) over both steps; "predicted" is ``Estimate.peak_alloc_bytes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Tiny architectures: Llama-3.2-shaped (GQA 4:1, tied) with a 2k vocabulary, and Qwen2.5-shaped (qkv bias, tied)
+# with a 40k vocabulary so that the chunked LM head runs over two 32768-wide vocabulary chunks.
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=256,
+                  intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                  hidden_act="silu", attention_bias=False, mlp_bias=False),
+    "qwen": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=40000, hidden_size=128,
+                 intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                 hidden_act="silu"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    arch: str = "llama"
+    P: int = 32  # prompt tokens (every prompt has exactly this many)
+    C: int = 128  # max_completion_length, forced with min_new_tokens
+    B: int = 4  # per_device_train_batch_size
+    G: int = 4  # num_generations
+    GA: int = 1  # gradient_accumulation_steps (steps_per_generation follows it)
+    gc: bool = True
+    lora_r: int = 0
+    optim: str = "adamw_torch"
+    dtype: str = "float32"
+    beta: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def knobs(self) -> Any:
+        from oomguard.knobs import TRL_DEFAULTS
+
+        return TRL_DEFAULTS.replace(
+            max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
+            gradient_accumulation_steps=self.GA, gradient_checkpointing=self.gc, optim=self.optim, dtype=self.dtype,
+            lora_r=self.lora_r, lora_target_modules="all-linear" if self.lora_r else None, beta=self.beta,
+        )
+
+    def label(self) -> str:
+        parts = [self.arch, self.dtype[:4], f"P{self.P}", f"C{self.C}", f"B{self.B}", f"GA{self.GA}",
+                 "gc" if self.gc else "nogc", f"lora{self.lora_r}" if self.lora_r else "full",
+                 "8bit" if "8bit" in self.optim else "adamw"]
+        if self.beta:
+            parts.append(f"beta{self.beta}")
+        return " ".join(parts)
+
+
+BASE = Config("base")
+GRID: list[Config] = [
+    replace(BASE, name="llama-full-c64", C=64),
+    replace(BASE, name="llama-full-c128"),
+    replace(BASE, name="llama-full-c256", C=256),
+    replace(BASE, name="llama-full-p96", P=96),
+    replace(BASE, name="llama-full-b8", B=8, G=8),
+    replace(BASE, name="llama-full-ga2", GA=2),
+    replace(BASE, name="llama-full-nogc", gc=False),
+    replace(BASE, name="llama-full-bf16", dtype="bfloat16"),
+    replace(BASE, name="llama-full-8bit", optim="adamw_bnb_8bit"),
+    replace(BASE, name="llama-full-beta", beta=0.04),
+    replace(BASE, name="llama-lora16", lora_r=16),
+    replace(BASE, name="llama-lora16-nogc", lora_r=16, gc=False),
+    replace(BASE, name="llama-lora16-bf16", lora_r=16, dtype="bfloat16"),
+    replace(BASE, name="llama-lora16-c512-b8", lora_r=16, C=512, B=8, G=8),  # N > 4096: two token chunks
+    replace(BASE, name="qwen-full-c128", arch="qwen"),
+    replace(BASE, name="qwen-full-nogc-b8", arch="qwen", gc=False, B=8, G=8, C=64),
+    replace(BASE, name="qwen-lora16", arch="qwen", lora_r=16),
+    replace(BASE, name="qwen-full-bf16-8bit", arch="qwen", dtype="bfloat16", optim="adamw_bnb_8bit"),
+]
+QUICK = ["llama-full-c128", "llama-full-nogc", "llama-lora16", "qwen-full-c128"]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The tiny model (built once per architecture, in the parent, without the simulated device)
+
+
+def make_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer over ``vocab_size`` ids (``<pad>``, ``<unk>``, ``<eos>``, then ``w3``, ``w4``, ...):
+    every prompt of P words is exactly P tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<eos>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+
+
+def build_model(path: Path, arch: str) -> None:
+    """Write a random-weight model of ``ARCHS[arch]`` and a word-level tokenizer over its whole vocabulary."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCHS[arch])
+    tokenizer = make_tokenizer(spec["vocab_size"])
+    spec.update(pad_token_id=0, eos_token_id=2, bos_token_id=2, torch_dtype="float32")
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The worker (one subprocess per configuration)
+
+
+class PhaseTracker:
+    """Split the peak of allocated memory by phase: reset the peak at every boundary, record it at the next."""
+
+    def __init__(self, peak: Any, reset: Any) -> None:
+        self.peak, self.reset = peak, reset
+        self.current = "setup"
+        self.step = 0
+        self.records: list[dict[str, int]] = [{}]
+
+    def switch(self, phase: str) -> None:
+        rec = self.records[-1]
+        rec[self.current] = max(rec.get(self.current, 0), int(self.peak()))
+        self.reset()
+        self.current = phase
+
+    def next_step(self) -> None:
+        self.switch(self.current)
+        self.records.append({})
+
+
+def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
+    import torch
+
+    from oomguard.child import simulate
+
+    dev = simulate.start(64 * 2**30, expandable=False)
+
+    import random
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    random.seed(0)
+    torch.manual_seed(0)
+    # not AutoTokenizer: transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which cannot read a word-level vocab
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    V = ARCHS[cfg.arch]["vocab_size"]
+    rng = random.Random(0)
+    rows = [{"prompt": " ".join(f"w{rng.randrange(3, V)}" for _ in range(cfg.P))} for _ in range(64)]
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
+        gradient_accumulation_steps=cfg.GA, max_completion_length=cfg.C, max_steps=2,
+        gradient_checkpointing=cfg.gc, optim=cfg.optim, beta=cfg.beta, bf16=False, use_cpu=True,
+        model_init_kwargs={"dtype": cfg.dtype}, generation_kwargs={"min_new_tokens": cfg.C},
+        logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, seed=0,
+        **cfg.extra,
+    )
+    peft_config = None
+    if cfg.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+
+    def reward(completions: list[str], **kw: Any) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, peft_config=peft_config)
+    dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
+    resident = dev.model.allocated
+    dev.reset_peak()
+
+    tracker = PhaseTracker(lambda: dev.peak, dev.reset_peak)
+    gen_and_score, generate = trainer._generate_and_score_completions, trainer._generate
+
+    def wrapped_gen_and_score(*a: Any, **kw: Any) -> Any:
+        tracker.switch("generation")
+        out = gen_and_score(*a, **kw)
+        tracker.switch("forward_backward")
+        return out
+
+    def wrapped_generate(*a: Any, **kw: Any) -> Any:
+        out = generate(*a, **kw)
+        tracker.switch("scoring")
+        return out
+
+    trainer._generate_and_score_completions = wrapped_gen_and_score
+    trainer._generate = wrapped_generate
+
+    class Phases(TrainerCallback):
+        def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
+            tracker.switch("optimizer")
+
+        def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
+            tracker.switch("optimizer")  # zero_grad and logging count as the optimizer phase
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            tracker.next_step()
+
+    trainer.add_callback(Phases())
+    t0 = time.time()
+    trainer.train()
+    tracker.switch("end")
+    steps = [r for r in tracker.records if r]
+    phases: dict[str, int] = {}
+    for rec in steps:
+        for k, v in rec.items():
+            phases[k] = max(phases.get(k, 0), v)
+    return {"peak": max(phases.values()), "phases": phases, "steps": steps, "resident": resident,
+            "train_seconds": round(time.time() - t0, 1), "trainable": sum(p.numel() for p in trainer.model.parameters()
+                                                                           if p.requires_grad)}
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The parent
+
+
+def predict(cfg: Config, coefficients: Any = None) -> Any:
+    from oomguard.estimate import Coefficients, ModelSpec, estimate
+
+    spec = ModelSpec.from_config(ARCHS[cfg.arch])
+    coefficients = coefficients or Coefficients.for_simulated()
+    return estimate(spec, cfg.knobs(), prompt_tokens=cfg.P, coefficients=coefficients, simulated=True)
+
+
+def run_one(cfg: Config, model_dirs: dict[str, Path], timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="oomguard-cal-") as out:
+        cmd = [sys.executable, __file__, "--worker", json.dumps(cfg.__dict__), "--model-dir",
+               str(model_dirs[cfg.arch]), "--out-dir", out]
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+        env.pop("OOMGUARD_PLAN", None)
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                res["seconds"] = round(time.time() - t0, 1)
+                return res
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def table(results: list[tuple[Config, dict[str, Any]]], coefficients: Any, show_phases: bool) -> list[float]:
+    from oomguard.sizes import MiB
+
+    errors = []
+    print(f"{'config':<22} {'shape':<50} {'predicted':>10} {'measured':>10} {'error':>8}")
+    for cfg, res in results:
+        if "error" in res:
+            print(f"{cfg.name:<22} {cfg.label():<50} {'':>10} {'FAILED':>10}  {res['error'][:300]}")
+            continue
+        est = predict(cfg, coefficients)
+        err = 100.0 * (est.peak_alloc_bytes - res["peak"]) / res["peak"]
+        errors.append(err)
+        print(f"{cfg.name:<22} {cfg.label():<50} {est.peak_alloc_bytes / MiB:>8.1f}Mi {res['peak'] / MiB:>8.1f}Mi "
+              f"{err:>+7.1f}%")
+        if show_phases:
+            for ph in ("generation", "scoring", "forward_backward", "optimizer"):
+                m = res["phases"].get(ph)
+                p = est.phases.get(ph)
+                if m is None and not p:
+                    continue
+                m_txt = f"{m / MiB:8.1f}Mi" if m is not None else "       -  "
+                print(f"{'':<24}{ph:<48} {p / MiB:>8.1f}Mi {m_txt}")
+    if errors:
+        abs_err = [abs(e) for e in errors]
+        print(f"\n{len(errors)} configurations: median |error| {statistics.median(abs_err):.1f}%, "
+              f"max |error| {max(abs_err):.1f}%, mean error {statistics.mean(errors):+.1f}%")
+    return errors
+
+
+def fit(results: list[tuple[Config, dict[str, Any]]]) -> Any:
+    """Grid-search ``c_act`` and ``k_logits`` for the smallest worst-case error (ties: smallest median)."""
+    from oomguard.estimate import Coefficients
+
+    ok = [(c, r) for c, r in results if "error" not in r]
+    best = None
+    for c_act in [x / 100 for x in range(70, 131, 2)]:
+        for k_logits in range(16, 41, 1):
+            co = replace(Coefficients.for_simulated(), c_act=c_act, k_logits=float(k_logits))
+            errs = sorted(abs(predict(c, co).peak_alloc_bytes - r["peak"]) / r["peak"] for c, r in ok)
+            key = (round(errs[-1], 3), statistics.median(errs))
+            if best is None or key < best[0]:
+                best = (key, co)
+    assert best is not None
+    print(f"fit: c_act={best[1].c_act} k_logits={best[1].k_logits}: max |error| {100 * best[0][0]:.1f}%, "
+          f"median {100 * best[0][1]:.1f}%")
+    return best[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="run a 4-configuration subset")
+    p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
+    p.add_argument("--jobs", "-j", type=int, default=2, help="configurations measured in parallel (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
+    p.add_argument("--show-phases", action="store_true", help="also print predicted vs measured per phase")
+    p.add_argument("--json", metavar="PATH", help="write the raw measurements to PATH")
+    p.add_argument("--from-json", metavar="PATH", help="re-use measurements written by --json instead of measuring")
+    p.add_argument("--fit", action="store_true", help="also grid-search c_act and k_logits on these measurements")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+
+    if a.worker:
+        res = worker(Config(**json.loads(a.worker)), a.model_dir, a.out_dir)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+
+    grid = GRID
+    if a.only:
+        grid = [c for c in GRID if c.name in a.only]
+    elif a.quick:
+        grid = [c for c in GRID if c.name in QUICK]
+    if not grid:
+        p.error("no configuration selected; names: " + ", ".join(c.name for c in GRID))
+    t0 = time.time()
+    if a.from_json:
+        saved = {r["config"]["name"]: r for r in json.loads(Path(a.from_json).read_text())}
+        grid = [c for c in grid if c.name in saved]
+        measured = [saved[c.name] for c in grid]
+    else:
+        with tempfile.TemporaryDirectory(prefix="oomguard-tiny-") as tmp:
+            model_dirs = {}
+            for arch in sorted({c.arch for c in grid}):
+                model_dirs[arch] = Path(tmp) / arch
+                build_model(model_dirs[arch], arch)
+            with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+                measured = list(pool.map(lambda c: run_one(c, model_dirs, a.timeout), grid))
+    results = list(zip(grid, measured, strict=True))
+    if a.json:
+        Path(a.json).write_text(json.dumps([{"config": c.__dict__, **r} for c, r in results], indent=1))
+    from oomguard.estimate import Coefficients
+
+    coefficients = fit(results) if a.fit else Coefficients.for_simulated()
+    print(f"coefficients: {coefficients}\n")
+    table(results, coefficients, a.show_phases)
+    print(f"\nwall time {time.time() - t0:.0f} s; command: python bench/cpu_calibrate.py "
+          + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""Calibrate oomguard's memory model on a CUDA GPU with real TRL 1.16 GRPO steps.
+
+Random-initialised models with the exact shapes of Llama-3.2-1B and Qwen2.5-0.5B/1.5B/3B (configs written inline,
+nothing is downloaded; a word-level tokenizer covers the whole vocabulary so every prompt has exactly P tokens) are
+trained for two GRPO steps per configuration, each configuration in a fresh process. Completions are forced to the
+worst case with ``generation_kwargs={"min_new_tokens": C}``. A wrapper on ``_generate`` /
+``_generate_and_score_completions`` and a TrainerCallback reset the peak statistics at the generation, scoring,
+forward/backward and optimizer boundaries and record ``torch.cuda.max_memory_allocated`` and
+``max_memory_reserved`` per phase; the CUDA context is measured as device-used minus reserved
+(``torch.cuda.mem_get_info``).
+
+The script then fits the uncertain coefficients of ``oomguard.estimate.Coefficients`` by least squares:
+``c_act`` on the allocated peaks, ``f_frag`` / ``f_frag_expandable`` on reserved/allocated, ``m_ctx`` on the
+measured context, ``k_logits`` only if the chunked LM head ran its torch fallback (no Triton), and prints the
+table predicted vs measured. The measured table goes to ``--out`` (Markdown when it ends in ``.md``, else CSV);
+raw results go to ``--out`` + ``.jsonl`` as they arrive, so a cut-short run keeps what it measured (``--resume``).
+
+    python bench/gpu_calibrate.py --out gpu-calibration.md             # the full grid (about 25-35 minutes)
+    python bench/gpu_calibrate.py --quick --out quick.csv              # 4 configurations
+    python bench/gpu_calibrate.py --only q05-bf16-full --only q3b-qlora32 --out some.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+# The published config.json shapes (rope scaling and other memory-neutral fields left out).
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=2048,
+                    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    max_position_embeddings=8192, hidden_act="silu", attention_bias=False, mlp_bias=False),
+    "q05": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=896,
+                intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=8192,
+                hidden_act="silu"),
+    "q15": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
+                intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=8192,
+                hidden_act="silu"),
+    "q3b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=2048,
+                intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=8192,
+                hidden_act="silu"),
+}
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    name: str
+    arch: str = "q05"
+    P: int = 128
+    C: int = 256
+    B: int = 8
+    G: int = 8
+    GA: int = 1
+    gc: bool = True
+    dtype: str = "bfloat16"  # "float32" is TRL's default when it loads the model (fp32 master + bf16 autocast)
+    lora_r: int = 0
+    qlora: bool = False
+    optim: str = "adamw_torch_fused"
+    beta: float = 0.0
+    expandable: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def knobs(self) -> Any:
+        from oomguard.knobs import TRL_DEFAULTS
+
+        return TRL_DEFAULTS.replace(
+            max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
+            gradient_accumulation_steps=self.GA, gradient_checkpointing=self.gc, optim=self.optim, dtype=self.dtype,
+            lora_r=self.lora_r, lora_target_modules="all-linear" if self.lora_r else None, load_in_4bit=self.qlora,
+            beta=self.beta, expandable_segments=self.expandable,
+        )
+
+    def label(self) -> str:
+        kind = f"qlora{self.lora_r}" if self.qlora else f"lora{self.lora_r}" if self.lora_r else "full"
+        parts = [self.arch, self.dtype[:4], f"P{self.P}", f"C{self.C}", f"B{self.B}", f"GA{self.GA}",
+                 "gc" if self.gc else "nogc", kind, self.optim.replace("adamw_", "")]
+        if self.beta:
+            parts.append(f"beta{self.beta}")
+        if self.expandable:
+            parts.append("expandable")
+        return " ".join(parts)
+
+
+B0 = GPUConfig("base")
+GRID: list[GPUConfig] = [
+    replace(B0, name="q05-bf16-full"),
+    replace(B0, name="q05-fp32-full", dtype="float32"),
+    replace(B0, name="q05-bf16-full-nogc", gc=False),
+    replace(B0, name="q05-bf16-full-c1024", C=1024),
+    replace(B0, name="q05-bf16-full-foreach", optim="adamw_torch"),
+    replace(B0, name="q05-bf16-full-8bit", optim="adamw_bnb_8bit"),
+    replace(B0, name="q05-bf16-full-paged8bit", optim="paged_adamw_8bit"),
+    replace(B0, name="q05-bf16-lora16", lora_r=16),
+    replace(B0, name="q05-bf16-lora16-nogc", lora_r=16, gc=False),
+    replace(B0, name="q05-qlora16", lora_r=16, qlora=True),
+    replace(B0, name="q05-bf16-full-b16", B=16, G=16),
+    replace(B0, name="q05-bf16-full-ga2", GA=2),
+    replace(B0, name="q05-bf16-full-beta", beta=0.04),
+    replace(B0, name="q05-bf16-full-expandable", expandable=True),
+    replace(B0, name="llama1b-bf16-full", arch="llama1b"),
+    replace(B0, name="llama1b-fp32-full-8bit", arch="llama1b", dtype="float32", optim="adamw_bnb_8bit"),
+    replace(B0, name="llama1b-bf16-lora16-nogc-c1024", arch="llama1b", lora_r=16, gc=False, C=1024, B=4, G=4),
+    replace(B0, name="q15-bf16-full", arch="q15"),
+    replace(B0, name="q15-bf16-lora32", arch="q15", lora_r=32),
+    replace(B0, name="q15-qlora32-c1024", arch="q15", lora_r=32, qlora=True, C=1024),
+    replace(B0, name="q3b-bf16-lora32-c1024", arch="q3b", lora_r=32, C=1024),
+    replace(B0, name="q3b-qlora32-c1024", arch="q3b", lora_r=32, qlora=True, C=1024),
+    replace(B0, name="q3b-fp32-lora32", arch="q3b", dtype="float32", lora_r=32),
+    replace(B0, name="q3b-bf16-full-8bit-expandable", arch="q3b", optim="adamw_bnb_8bit", expandable=True),
+]
+QUICK = ["q05-bf16-full", "q05-fp32-full", "q05-bf16-lora16", "llama1b-bf16-full"]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Subprocess workers: probe, build, train
+
+
+def probe() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": False}
+    try:
+        import triton  # noqa: F401
+
+        has_triton = True
+    except ImportError:
+        has_triton = False
+    props = torch.cuda.get_device_properties(0)
+    return {"cuda": True, "name": props.name, "total": props.total_memory, "triton": has_triton,
+            "torch": torch.__version__}
+
+
+def build(arch: str, path: str) -> None:
+    """Random weights of ``ARCHS[arch]`` (initialised on the GPU, saved in bf16) and a word-level tokenizer."""
+    import torch
+    from cpu_calibrate import make_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCHS[arch])
+    tokenizer = make_tokenizer(spec["vocab_size"])
+    spec.update(pad_token_id=0, eos_token_id=2, bos_token_id=2, torch_dtype="bfloat16")
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+class CudaPhases:
+    """Peak allocated/reserved bytes per phase: reset the peak statistics at every boundary."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.current = "setup"
+        self.records: list[dict[str, list[int]]] = [{}]
+
+    def switch(self, phase: str) -> None:
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        rec = self.records[-1].setdefault(self.current, [0, 0])
+        rec[0] = max(rec[0], int(cuda.max_memory_allocated()))
+        rec[1] = max(rec[1], int(cuda.max_memory_reserved()))
+        cuda.reset_peak_memory_stats()
+        self.current = phase
+
+    def next_step(self) -> None:
+        self.switch(self.current)
+        self.records.append({})
+
+
+def context_bytes(torch: Any) -> int:
+    """Device memory this process uses outside torch's caching allocator (context, cuBLAS/cuDNN handles)."""
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free - torch.cuda.memory_reserved())
+
+
+def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
+    import random
+
+    import torch
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    ctx_start = context_bytes(torch)
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    random.seed(0)
+    torch.manual_seed(0)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    V = ARCHS[cfg.arch]["vocab_size"]
+    rng = random.Random(0)
+    rows = [{"prompt": " ".join(f"w{rng.randrange(3, V)}" for _ in range(cfg.P))} for _ in range(256)]
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
+        gradient_accumulation_steps=cfg.GA, max_completion_length=cfg.C, max_steps=2,
+        gradient_checkpointing=cfg.gc, optim=cfg.optim, beta=cfg.beta,
+        model_init_kwargs={"dtype": "bfloat16" if cfg.qlora else cfg.dtype},
+        generation_kwargs={"min_new_tokens": cfg.C}, logging_steps=1, report_to="none", save_strategy="no",
+        dataloader_num_workers=0, seed=0, **cfg.extra,
+    )
+    kwargs: dict[str, Any] = {}
+    if cfg.lora_r:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
+                                           lora_dropout=0.0, task_type="CAUSAL_LM")
+    if cfg.qlora:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True)
+
+    def reward(completions: list[str], **kw: Any) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, **kwargs)
+    torch.cuda.synchronize()
+    resident = int(torch.cuda.memory_allocated())
+    phases = CudaPhases(torch)
+    phases.switch("setup")
+    gen_and_score, generate = trainer._generate_and_score_completions, trainer._generate
+
+    def wrapped_gen_and_score(*a: Any, **kw: Any) -> Any:
+        phases.switch("generation")
+        out = gen_and_score(*a, **kw)
+        phases.switch("forward_backward")
+        return out
+
+    def wrapped_generate(*a: Any, **kw: Any) -> Any:
+        out = generate(*a, **kw)
+        phases.switch("scoring")
+        return out
+
+    trainer._generate_and_score_completions = wrapped_gen_and_score
+    trainer._generate = wrapped_generate
+    ctx_samples = [ctx_start]
+
+    class Phases(TrainerCallback):
+        def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
+            phases.switch("optimizer")
+
+        def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
+            phases.switch("optimizer")
+
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            ctx_samples.append(context_bytes(torch))
+            phases.next_step()
+
+    trainer.add_callback(Phases())
+    t0 = time.time()
+    trainer.train()
+    phases.switch("end")
+    alloc: dict[str, int] = {}
+    reserved: dict[str, int] = {}
+    for rec in phases.records:
+        for k, (a, r) in rec.items():
+            if k in ("setup", "end"):
+                continue
+            alloc[k] = max(alloc.get(k, 0), a)
+            reserved[k] = max(reserved.get(k, 0), r)
+    from trl.kernels import chunked_logprob
+
+    head_fallback = not chunked_logprob._TRITON_AVAILABLE  # the torch fallback: every position scored
+    return {
+        "peak_alloc": max(alloc.values()), "peak_reserved": max(reserved.values()), "phases_alloc": alloc,
+        "phases_reserved": reserved, "context": int(statistics.median(ctx_samples)), "resident": resident,
+        "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "head_fallback": head_fallback, "train_seconds": round(time.time() - t0, 1),
+    }
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The parent: run the grid, fit, report
+
+
+def child(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[dict[str, Any] | None, str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    e = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+             PYTHONWARNINGS="ignore", **(env or {}))
+    e.pop("OOMGUARD_PLAN", None)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):]), ""
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+    return None, f"exit {proc.returncode}: " + " | ".join(t.strip() for t in tail)
+
+
+def predict(cfg: GPUConfig, co: Any, capacity: int | None) -> Any:
+    from oomguard.estimate import ModelSpec, estimate
+
+    return estimate(ModelSpec.from_config(ARCHS[cfg.arch]), cfg.knobs(), prompt_tokens=cfg.P, coefficients=co,
+                    capacity=capacity)
+
+
+def fit(rows: list[tuple[GPUConfig, dict[str, Any]]], capacity: int) -> Any:
+    """Least-squares fits of the uncertain coefficients on the measured rows."""
+    from oomguard.estimate import Coefficients
+
+    co = Coefficients()
+    if not rows:
+        return co
+    # c_act (and k_logits when the head fell back to torch): sum of squared relative errors of the allocated peak
+    fallback = any(r.get("head_fallback") for _, r in rows)
+    best = None
+    for c_act in [x / 100 for x in range(40, 161)]:
+        for k_logits in (range(8, 41) if fallback else [co.k_logits]):
+            trial = replace(co, c_act=c_act, k_logits=float(k_logits))
+            sse = sum(((predict(c, trial, capacity).peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"]) ** 2
+                      for c, r in rows)
+            if best is None or sse < best[0]:
+                best = (sse, c_act, float(k_logits))
+    assert best is not None
+    co = replace(co, c_act=best[1], k_logits=best[2])
+
+    # fragmentation: reserved ≈ allocated·(1 + f), least squares through the origin
+    def frag(sel: list[dict[str, Any]], prior: float) -> float:
+        num = sum(r["peak_alloc"] * (r["peak_reserved"] - r["peak_alloc"]) for r in sel)
+        den = sum(r["peak_alloc"] ** 2 for r in sel)
+        return round(num / den, 4) if den else prior
+
+    co = replace(co, f_frag=frag([r for c, r in rows if not c.expandable], co.f_frag),
+                 f_frag_expandable=frag([r for c, r in rows if c.expandable], co.f_frag_expandable),
+                 m_ctx=int(statistics.median(r["context"] for _, r in rows)))
+    return co
+
+
+def render(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int, fmt: str) -> tuple[str, list[float]]:
+    """The measured table with predictions (``fmt``: ``md``, ``csv`` or ``text``) and the allocated-peak errors."""
+    from oomguard.sizes import GiB
+
+    header = ["config", "shape", "measured_alloc_GiB", "predicted_alloc_GiB", "alloc_error_%",
+              "measured_device_GiB", "predicted_device_GiB", "device_error_%", "gen_GiB", "score_GiB", "fwd_bwd_GiB",
+              "opt_GiB", "reserved_GiB", "context_GiB"]
+    table = []
+    errors = []
+    for c, r in rows:
+        e = predict(c, co, capacity)
+        dev = r["peak_reserved"] + r["context"]
+        err = 100 * (e.peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"]
+        errors.append(err)
+        pa = r["phases_alloc"]
+        table.append([c.name, c.label(), r["peak_alloc"] / GiB, e.peak_alloc_bytes / GiB, err, dev / GiB,
+                      e.peak_bytes / GiB, 100 * (e.peak_bytes - dev) / dev,
+                      *(pa.get(ph, 0) / GiB for ph in ("generation", "scoring", "forward_backward", "optimizer")),
+                      r["peak_reserved"] / GiB, r["context"] / GiB])
+
+    def cell(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(header)
+        w.writerows([[cell(v) for v in row] for row in table])
+        return buf.getvalue(), errors
+    if fmt == "md":
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table]
+        return "\n".join(lines) + "\n", errors
+    lines = [f"{'config':<32} {'meas alloc':>10} {'pred':>8} {'err':>7}   {'meas dev':>8} {'pred':>8} {'err':>7}"]
+    for row in table:
+        lines.append(f"{row[0]:<32} {row[2]:>9.2f}G {row[3]:>7.2f}G {row[4]:>+6.1f}%   {row[5]:>7.2f}G "
+                     f"{row[6]:>7.2f}G {row[7]:>+6.1f}%")
+    return "\n".join(lines), errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="gpu-calibration.md", help="measured table: .md for Markdown, else CSV")
+    p.add_argument("--quick", action="store_true", help="a 4-configuration subset")
+    p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
+    p.add_argument("--resume", action="store_true", help="skip configurations already in OUT.jsonl")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--workdir", default=None, help="where the random models are written (default: a temp dir)")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--build", nargs=2, metavar=("ARCH", "DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--train", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+
+    if a.probe:
+        print("RESULT " + json.dumps(probe()), flush=True)
+        return 0
+    if a.build:
+        build(*a.build)
+        print("RESULT {}", flush=True)
+        return 0
+    if a.train:
+        print("RESULT " + json.dumps(train(GPUConfig(**json.loads(a.train)), a.model_dir, a.out_dir)), flush=True)
+        return 0
+
+    info, why = child(["--probe"], 300)
+    if info is None:
+        sys.exit(f"gpu_calibrate: cannot start torch to look for a GPU ({why})")
+    if not info.get("cuda"):
+        sys.exit("gpu_calibrate: no CUDA device is available; this calibration needs an NVIDIA GPU "
+                 "(use bench/cpu_calibrate.py on a CPU)")
+    capacity = int(info["total"])
+    print(f"device: {info['name']}, {capacity / 2**30:.1f} GiB, torch {info['torch']}, "
+          f"triton {'yes' if info['triton'] else 'NO: the chunked LM head runs its torch fallback'}")
+
+    grid = GRID
+    if a.only:
+        grid = [c for c in GRID if c.name in a.only]
+    elif a.quick:
+        grid = [c for c in GRID if c.name in QUICK]
+    if not grid:
+        p.error("no configuration selected; names: " + ", ".join(c.name for c in GRID))
+    out = Path(a.out)
+    raw_path = Path(str(out) + ".jsonl")
+    done: dict[str, dict[str, Any]] = {}
+    if a.resume and raw_path.exists():
+        for line in raw_path.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["config"]["name"]] = rec
+    elif raw_path.exists():
+        raw_path.unlink()
+
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="oomguard-gpu-cal-"))
+    t0 = time.time()
+    for cfg in grid:
+        if cfg.name in done:
+            continue
+        model_dir = work / cfg.arch
+        if not (model_dir / "config.json").exists():
+            print(f"building random {cfg.arch} in {model_dir} ...", flush=True)
+            res, why = child(["--build", cfg.arch, str(model_dir)], 1800)
+            if res is None:
+                print(f"  build failed: {why}")
+                continue
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cfg.expandable else {}
+        with tempfile.TemporaryDirectory(prefix="oomguard-gpu-run-") as run_dir:
+            t1 = time.time()
+            res, why = child(["--train", json.dumps(asdict(cfg)), "--model-dir", str(model_dir), "--out-dir",
+                              run_dir], a.timeout, env)
+        if res is None:
+            print(f"{cfg.name:<32} FAILED {why[:400]}", flush=True)
+            continue
+        rec = {"config": asdict(cfg), **res, "seconds": round(time.time() - t1, 1)}
+        done[cfg.name] = rec
+        with raw_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"{cfg.name:<32} alloc {res['peak_alloc'] / 2**30:7.2f} GiB  reserved "
+              f"{res['peak_reserved'] / 2**30:7.2f} GiB  context {res['context'] / 2**30:5.2f} GiB  "
+              f"({rec['seconds']:.0f} s)", flush=True)
+
+    rows = [(c, done[c.name]) for c in grid if c.name in done]
+    if not rows:
+        sys.exit("gpu_calibrate: no configuration completed")
+    from oomguard.estimate import Coefficients
+
+    prior = Coefficients()
+    text, errs = render(rows, prior, capacity, "text")
+    print(f"\nwith the priors {prior}:\n{text}")
+    co = fit(rows, capacity)
+    text, errs = render(rows, co, capacity, "text")
+    print(f"\nfitted: {co}\n{text}")
+    abs_err = [abs(e) for e in errs]
+    print(f"\n{len(rows)} configurations: median |error| {statistics.median(abs_err):.1f}%, "
+          f"max |error| {max(abs_err):.1f}% (allocated peak, fitted coefficients)")
+    fmt = "md" if out.suffix.lower() in (".md", ".markdown") else "csv"
+    body, _ = render(rows, co, capacity, fmt)
+    if fmt == "md":
+        body = (f"# GPU calibration ({info['name']}, torch {info['torch']})\n\nFitted coefficients: `{co}`\n\n"
+                + body)
+    out.write_text(body)
+    print(f"wrote {out} and {raw_path}; wall time {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,861 @@
+"""The analytical GPU-memory model of one TRL 1.16 GRPO step: predict the peak before anything runs.
+
+Pure Python: no torch, transformers or trl import. The formulas come from ``research/memory-model.md`` (cited as
+"research §N") and were checked against the installed TRL 1.16.0, transformers 5.23, PEFT 0.21 and bitsandbytes
+0.50 code; each term below names the lines it rests on.
+
+One GRPO step has four phases (research §2). Each has its own transient peak on top of the persistent state::
+
+    peak_alloc = persistent + max(P_generation, P_scoring, P_forward_backward, P_optimizer)   # ≈ max_memory_allocated
+    peak_bytes = M_ctx + max over phases of (alloc_phase * (1 + f_frag) + vLLM when awake)      # ≈ nvidia-smi
+
+The terms (bytes; ``b_w`` weight dtype, ``b_res`` residual-stream dtype, ``b_c`` matmul/activation dtype):
+
+- **T1 weights** ``Σ params·b_w``; 4-bit NF4 with double quantisation stores each quantised Linear parameter in
+  ``0.5 + 1/64 + 4/(64·256)`` B (QLoRA paper, bnb blocksize 64, absmax re-quantised per 256 blocks); embeddings,
+  ``lm_head``, norms and biases stay 16-bit. LoRA adapters are added (fp32, or bf16 under QLoRA).
+- **T2 reference** ``beta > 0`` without LoRA: one more copy of T1 (``grpo_trainer.py:984-1003``); 0 otherwise.
+- **T3 trainable** ``Ψ_t`` = all parameters (full) or the exact LoRA count :func:`lora_trainable_params`.
+- **T4 gradients** ``Ψ_t·b_t``: from the first backward to ``zero_grad`` (``transformers/trainer.py:1946``), so
+  present in the forward/backward and optimizer phases, and before them only when ``gradient_accumulation_steps > 1``.
+- **T5 optimizer** AdamW (torch, fused): 2 states in the parameter dtype (plus one state's worth transient in the
+  CUDA foreach step); bnb 8-bit: ``2·(n + 4·⌈n/256⌉)`` per tensor, 32-bit states for tensors under 4096 elements
+  (``bitsandbytes/optim/optimizer.py:492-530``) and for ``nn.Embedding`` weights, which transformers registers as
+  32-bit overrides (``transformers/trainer.py:1328-1339``); ``paged_*``: states
+  of tensors ≥ 1e5 elements live in CUDA unified memory, invisible to torch (0 here; CPU falls back to plain
+  buffers, ``optimizer.py:374-390``); Adafactor ≈ 4·(rows+cols) per matrix; SGD 0 (momentum 0 in transformers).
+- **T6 autocast copies** fp32 master weights under bf16 autocast (TRL's default ``bf16=True`` with a fp32 load): every
+  Linear weight is cast to bf16 and cached until the outermost autocast exits, so ``+2·Ψ_linear`` during a forward;
+  without checkpointing the copies are saved for backward, with it only one layer's copies live in backward.
+- **T7 activations** per token per layer, derived from what autograd saves in HF Llama/Qwen2 blocks with SDPA and
+  ``repeat_kv`` (``transformers/integrations/sdpa_attention.py``): ``26h + 8i`` bytes in bf16 (research §3 T7),
+  ``44h + 16i`` with fp32 activations, ``36h + 8i`` for fp32 master weights under bf16 autocast; see
+  :func:`_activation_bytes_per_token` for the itemised sum. Scaled by ``c_act``. With gradient checkpointing only the
+  layer inputs ``L·B·T·h·b_res`` are kept, plus one layer recomputed in backward.
+- **T8 chunked LM head** (``trl/kernels/chunked_logprob.py``, TRL 1.16 always patches it in, ``grpo_trainer.py:1068``):
+  the forward allocates ``mm_buf = [min(N, 4096), 32768]`` in the compute dtype whatever the vocabulary size, plus
+  fp32 per-token statistics; the backward allocates fp32 ``grad_hidden [N, h]``, ``mm_buf`` again, and fp32
+  ``grad_weight [V, h]`` only when ``lm_head`` trains (full fine-tune). On CUDA with Triton, ``N = B·C`` (only
+  completion positions, ``trl/trainer/utils.py:1642-1645``) and the tiles are folded in place; without Triton (CPU, the
+  simulated device) every position is scored, ``N = B·(T-1)``, and the torch fallback makes fp32 tile temporaries
+  (``k_logits`` bytes per tile element in backward, 12 B in forward).
+- **T9 generation** HF ``generate`` KV cache ``L·n_kv·d·(P+C)·B_gen·(b_k + b_v)`` (DynamicCache grows by
+  ``torch.cat``, ``transformers/cache_utils.py:136``) plus the prefill or the sampling transient; vLLM colocate
+  reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator, in every phase unless
+  ``vllm_enable_sleep_mode`` (then only while generating).
+- **T10 context** ``M_ctx``: CUDA context and workspaces, not in torch's statistics (0 on the simulated device).
+- **T11 fragmentation** ``peak_alloc·f_frag``, with the smaller ``f_frag_expandable`` under
+  ``expandable_segments:True``.
+
+>>> from oomguard.knobs import TRL_DEFAULTS
+>>> qwen3b = ModelSpec(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
+...                    head_dim=128, intermediate_size=11008, tie_word_embeddings=True, qkv_bias=True, model_type="qwen2")
+>>> qwen3b.params, lora_trainable_params(qwen3b, 32)
+(3085938688, 59867136)
+>>> e = estimate(qwen3b, TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=32, per_device_train_batch_size=8,
+...                                           max_completion_length=1024), prompt_tokens=256)
+>>> e.dominant_phase, e.fits(80 * 2**30), e.fits(8 * 2**30)
+('forward_backward', True, False)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .knobs import TRL_DEFAULTS, Knobs
+from .sizes import MiB, format_size
+
+__all__ = [
+    "BREAKDOWN_KEYS",
+    "PHASES",
+    "Coefficients",
+    "Estimate",
+    "EstimateError",
+    "ModelSpec",
+    "describe",
+    "estimate",
+    "load_model_spec",
+    "lora_trainable_params",
+]
+
+PHASES = ("generation", "scoring", "forward_backward", "optimizer")
+BREAKDOWN_KEYS = ("weights", "reference", "gradients", "optimizer", "activations", "logits", "kv_cache", "vllm",
+                  "overhead")
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 weights + an fp32 absmax per 256 absmax
+# blocks (QLoRA, arXiv:2305.14314 §3; research §3 T1).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# trl/kernels/chunked_logprob.py:31 and trl/trainer/utils.py:1506
+TOKEN_CHUNK_SIZE = 4096
+VOCAB_CHUNK_SIZE = 32768
+# bitsandbytes/optim/optimizer.py: blockwise 8-bit states, min_8bit_size, paged threshold
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN_SIZE = 100_000
+DEFAULT_PROMPT_TOKENS = 256
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+class EstimateError(ValueError):
+    """A model description the memory model cannot use; the one-line message names the file and the problem."""
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shapes of a dense decoder-only transformer (Llama/Qwen2/Mistral/Qwen3 family), read from ``config.json``.
+
+    ``qkv_bias``: q/k/v projections have biases (Qwen2 always; Llama with ``attention_bias``). The extra fields
+    ``o_bias`` (Llama ``attention_bias`` also biases ``o_proj``), ``mlp_bias`` and ``qk_norm`` (Qwen3's per-head
+    q/k RMSNorm) default to off.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    model_type: str = "llama"
+    checkpoint_dtype: str | None = None
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    # -- shapes ----------------------------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection, ``num_heads · head_dim`` (equal to ``hidden_size`` in Llama/Qwen2)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key and value projections, ``num_kv_heads · head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` of the seven Linear layers of one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def linear_params_per_layer(self) -> int:
+        """Weights of the seven projections of one layer (what bitsandbytes quantises)."""
+        return sum(a * b for a, b in self.projections().values())
+
+    def small_params_per_layer(self) -> int:
+        """Biases and norm weights of one layer (kept in 16-bit under 4-bit loading)."""
+        h = self.hidden_size
+        n = 2 * h  # input_layernorm, post_attention_layernorm
+        if self.qkv_bias:
+            n += self.q_dim + 2 * self.kv_dim
+        if self.o_bias:
+            n += h
+        if self.mlp_bias:
+            n += 2 * self.intermediate_size + h
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n
+
+    @property
+    def embedding_params(self) -> int:
+        """``embed_tokens`` plus an untied ``lm_head``."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        """Exact parameter count: ``V·h·(1 if tied else 2) + L·(2h·q + 2h·kv + 3h·i + 2h [+ biases]) + h``.
+
+        research §1 (with ``q = heads·head_dim``, which equals ``h`` for Llama and Qwen2).
+
+        >>> ModelSpec(128256, 2048, 16, 32, 8, 64, 8192, True).params  # Llama-3.2-1B
+        1235814400
+        """
+        per_layer = self.linear_params_per_layer() + self.small_params_per_layer()
+        return self.embedding_params + self.num_layers * per_layer + self.hidden_size
+
+    def param_tensors(self) -> list[int]:
+        """Element counts of every parameter tensor (what per-tensor optimizer rules need)."""
+        out = [self.vocab_size * self.hidden_size] * (1 if self.tie_word_embeddings else 2)
+        layer = [a * b for a, b in self.projections().values()] + [self.hidden_size] * 2
+        if self.qkv_bias:
+            layer += [self.q_dim, self.kv_dim, self.kv_dim]
+        if self.o_bias:
+            layer.append(self.hidden_size)
+        if self.mlp_bias:
+            layer += [self.intermediate_size, self.intermediate_size, self.hidden_size]
+        if self.qk_norm:
+            layer += [self.head_dim, self.head_dim]
+        return out + layer * self.num_layers + [self.hidden_size]
+
+    # -- construction ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, d: Mapping[str, Any], *, source: str = "config") -> ModelSpec:
+        """Read a Hugging Face ``config.json`` dict.
+
+        ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (also when it is null), ``num_key_value_heads``
+        to ``num_attention_heads``. Qwen2 always has q/k/v biases; Llama's ``attention_bias`` biases q, k, v and o.
+        A multimodal config whose language model sits under ``text_config`` is read from there. Raises
+        :class:`EstimateError` naming ``source`` for missing keys, non-positive sizes and mixture-of-experts or
+        encoder architectures.
+
+        >>> ModelSpec.from_config({"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048,
+        ...     "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+        ...     "intermediate_size": 11008, "tie_word_embeddings": True}).params
+        3085938688
+        """
+        if not isinstance(d, Mapping):
+            raise EstimateError(f"{source}: expected a JSON object, found {type(d).__name__}")
+        top = d
+        if "hidden_size" not in d and isinstance(d.get("text_config"), Mapping):
+            d = {**{k: v for k, v in top.items() if k in ("tie_word_embeddings", "torch_dtype", "dtype")},
+                 **d["text_config"]}
+        archs = top.get("architectures") or []
+        if isinstance(archs, list) and archs and not any(
+                isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+                for a in archs):
+            raise EstimateError(f"{source}: architecture {', '.join(map(str, archs))} is not a decoder-only language "
+                                "model (expected *ForCausalLM)")
+        moe = [k for k in _MOE_KEYS if d.get(k)]
+        if moe:
+            raise EstimateError(f"{source}: a mixture-of-experts model ({', '.join(moe)}); only dense decoders are "
+                                "modelled")
+        aliases = {"num_hidden_layers": ("n_layer", "num_layers"), "hidden_size": ("n_embd", "d_model"),
+                   "num_attention_heads": ("n_head",), "intermediate_size": ("ffn_dim", "n_inner")}
+        vals: dict[str, Any] = {}
+        missing = []
+        for k in _REQUIRED_KEYS:
+            v = d.get(k)
+            if v is None:
+                v = next((d[a] for a in aliases.get(k, ()) if d.get(a) is not None), None)
+            if v is None:
+                missing.append(k)
+            vals[k] = v
+        if missing:
+            raise EstimateError(f"{source}: not a dense decoder config: missing {', '.join(missing)}")
+        nkv = d.get("num_key_value_heads")
+        vals["num_key_value_heads"] = vals["num_attention_heads"] if nkv is None else nkv
+        for k, v in vals.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise EstimateError(f"{source}: {k} must be a positive integer, not {v!r}")
+        h, a = vals["hidden_size"], vals["num_attention_heads"]
+        hd = d.get("head_dim")
+        if hd is None:
+            if h % a:
+                raise EstimateError(f"{source}: hidden_size {h} is not divisible by num_attention_heads {a} and "
+                                    "head_dim is not given")
+            hd = h // a
+        if isinstance(hd, bool) or not isinstance(hd, int) or hd <= 0:
+            raise EstimateError(f"{source}: head_dim must be a positive integer, not {hd!r}")
+        if a % vals["num_key_value_heads"]:
+            raise EstimateError(f"{source}: num_attention_heads {a} is not a multiple of num_key_value_heads "
+                                f"{vals['num_key_value_heads']}")
+        model_type = str(d.get("model_type") or top.get("model_type") or "llama")
+        attention_bias = bool(d.get("attention_bias", False))
+        qkv_bias = model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl") or attention_bias or bool(d.get("qkv_bias"))
+        tie = d.get("tie_word_embeddings", top.get("tie_word_embeddings"))
+        if tie is None:  # PretrainedConfig defaults to True; Llama-family configs to False
+            tie = model_type not in ("llama", "mistral", "qwen2", "qwen3")
+        dtype = d.get("dtype") or d.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype")
+        dtype = _DTYPE_ALIASES.get(str(dtype), str(dtype)) if dtype else None
+        return cls(
+            vocab_size=vals["vocab_size"], hidden_size=h, num_layers=vals["num_hidden_layers"], num_heads=a,
+            num_kv_heads=vals["num_key_value_heads"], head_dim=hd, intermediate_size=vals["intermediate_size"],
+            tie_word_embeddings=bool(tie), qkv_bias=qkv_bias, model_type=model_type,
+            checkpoint_dtype=dtype if dtype in _DTYPE_BYTES else None,
+            o_bias=attention_bias and model_type not in ("qwen2", "qwen3"),
+            mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=model_type.startswith("qwen3"),
+        )
+
+
+def load_model_spec(path: str | os.PathLike[str]) -> ModelSpec:
+    """Read a :class:`ModelSpec` from a ``config.json`` file or a model directory that holds one.
+
+    Every problem raises :class:`EstimateError` with one line that names the path: a missing path, a directory without
+    ``config.json``, unreadable or garbled JSON, missing keys, non-positive sizes, a non-decoder architecture.
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise EstimateError(f"{p}: no such file or directory")
+    if os.path.isdir(p):
+        cfg = os.path.join(p, "config.json")
+        if not os.path.isfile(cfg):
+            raise EstimateError(f"{p}: no config.json in this directory")
+        p = cfg
+    try:
+        with open(p, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EstimateError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}".splitlines()[0])
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EstimateError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})")
+    return ModelSpec.from_config(data, source=p)
+
+
+def _targets(target_modules: str | Iterable[str] | None) -> set[str]:
+    """The projections a LoRA ``target_modules`` value adapts. ``None`` follows oomguard (``patches._lora_config``):
+    all-linear. A string other than ``all-linear`` is one name or a comma-separated list; ``lm_head`` is never
+    adapted (PEFT excludes the output layer from all-linear, and TRL 1.16 rejects it, ``grpo_trainer.py:835``)."""
+    if target_modules is None or target_modules == "all-linear":
+        return set(PROJECTIONS)
+    names = target_modules.split(",") if isinstance(target_modules, str) else list(target_modules)
+    out = set()
+    for n in names:
+        n = n.strip().rsplit(".", 1)[-1]
+        if n == "all-linear":
+            return set(PROJECTIONS)
+        if n in PROJECTIONS:
+            out.add(n)
+    return out
+
+
+def lora_trainable_params(spec: ModelSpec, r: int, target_modules: str | tuple[str, ...] | None = "all-linear") -> int:
+    """Exact LoRA adapter parameter count: ``L · Σ_targets r·(in + out)`` (``lora_A`` is r×in, ``lora_B`` out×r).
+
+    ``"all-linear"`` is the seven projections q, k, v, o, gate, up, down (research §3 T3).
+
+    >>> qwen3b = ModelSpec(151936, 2048, 36, 16, 2, 128, 11008, True, qkv_bias=True, model_type="qwen2")
+    >>> lora_trainable_params(qwen3b, 32), lora_trainable_params(qwen3b, 64, ("q_proj", "v_proj"))
+    (59867136, 14745600)
+    """
+    if r <= 0:
+        return 0
+    shapes = spec.projections()
+    return spec.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in _targets(target_modules))
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Coefficients
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The uncertain coefficients of research §8, with the research priors as defaults.
+
+    - ``c_act``: scale of the derived activation bytes (research prior 0.9, from the Oxen OOM).
+    - ``k_logits``: bytes per tile element of the chunked LM head's torch-fallback temporaries in backward. TRL 1.16
+      only takes that path without Triton (CPU, the simulated device); on CUDA the Triton kernels work in place and
+      the term is unused. The default 12 is the research prior for the old materialised-logits backward.
+    - ``f_frag`` / ``f_frag_expandable``: reserved-but-unallocated margin, as a fraction of the allocated peak.
+    - ``m_ctx``: CUDA context and library workspaces (0 on the simulated device).
+    - ``scale``: online calibration, measured/predicted of the last attempt, applied to the allocated peak.
+    """
+
+    c_act: float = 0.9
+    k_logits: float = 12.0
+    f_frag: float = 0.25
+    f_frag_expandable: float = 0.07
+    m_ctx: int = 512 * 2**20
+    scale: float = 1.0
+
+    def calibrated(self, measured_peak: int, predicted_peak_alloc: int) -> Coefficients:
+        """A copy whose ``scale`` makes the last prediction match the last measurement (clamped to [0.25, 4]).
+
+        ``predicted_peak_alloc`` is what these coefficients predicted, so the new scale is
+        ``scale · measured / predicted``.
+
+        >>> Coefficients().calibrated(150, 100).scale, Coefficients(scale=2.0).calibrated(10**9, 1).scale
+        (1.5, 4.0)
+        """
+        if measured_peak <= 0 or predicted_peak_alloc <= 0:
+            return self
+        s = self.scale * measured_peak / predicted_peak_alloc
+        return replace(self, scale=min(4.0, max(0.25, s)))
+
+    @classmethod
+    def for_simulated(cls) -> Coefficients:
+        """Coefficients fitted on the simulated device by ``bench/cpu_calibrate.py --fit`` (18 real TRL GRPO
+        configurations, max |error| 1.0% of the allocated peak): ``c_act = 0.92`` of the itemised activation bytes and
+        ``k_logits = 29`` bytes per tile element for the chunked head's torch fallback (counting its temporaries gives
+        about 33). No CUDA context; fragmentation keeps the GPU priors (the simulated allocator follows CUDA's rules).
+        """
+        return cls(c_act=0.92, k_logits=29.0, f_frag=0.25, f_frag_expandable=0.07, m_ctx=0)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The estimate
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted peak, split by term and by phase.
+
+    ``breakdown`` has exactly the keys of ``BREAKDOWN_KEYS`` and sums to ``peak_bytes``: it is the composition of the
+    dominant phase (a term that does not exist in that phase, such as the KV cache during training, is 0 there; see
+    ``phases`` for the others). ``overhead`` is the CUDA context plus the fragmentation margin.
+    """
+
+    peak_bytes: int
+    peak_alloc_bytes: int
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    trainable_params: int
+    total_params: int
+    dominant_phase: str
+    notes: tuple[str, ...] = field(default=())
+
+    def fits(self, capacity: int) -> bool:
+        """Whether the predicted device peak fits in ``capacity`` bytes."""
+        return self.peak_bytes <= capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (sizes in bytes, plus a readable ``peak`` string)."""
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["peak"] = format_size(self.peak_bytes)
+        return d
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {format_size(v)}" for k, v in self.breakdown.items() if v)
+        return f"peak {format_size(self.peak_bytes)} in {self.dominant_phase} ({parts})"
+
+
+@dataclass(frozen=True)
+class _Regime:
+    """Byte widths and switches that follow from the knobs (see estimate())."""
+
+    b_w: int  # stored weight dtype (non-quantised tensors)
+    b_res: int  # residual stream / norms / hidden states
+    b_c: int  # matmul outputs and most saved activations
+    autocast_cast: bool  # fp32 master weights under bf16 autocast: every Linear input/weight is cast
+    simulated: bool
+    quant4: bool
+    lora: bool
+    r: int
+    targets: frozenset[str]
+    b_a: int  # LoRA adapter dtype
+
+
+def _filled(knobs: Knobs) -> Knobs:
+    return TRL_DEFAULTS.merged(knobs)
+
+
+def _dtype_name(knobs: Knobs, spec: ModelSpec) -> str:
+    d = knobs.dtype or "float32"
+    d = _DTYPE_ALIASES.get(d, d)
+    if d == "auto":  # transformers 5.x from_pretrained dtype="auto": the checkpoint's dtype
+        d = spec.checkpoint_dtype or "bfloat16"
+    if d not in _DTYPE_BYTES:
+        raise EstimateError(f"dtype must be one of {', '.join(_DTYPE_BYTES)} or auto, not {knobs.dtype!r}")
+    if knobs.load_in_4bit and d == "float32":
+        d = "bfloat16"  # oomguard's 4-bit load forces a 16-bit dtype (child/patches.py, from_pretrained patch)
+    return d
+
+
+def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
+    """Bytes autograd keeps per token for one decoder layer (T7), itemised from what each op saves.
+
+    - RMSNorm (×2, ``LlamaRMSNorm.forward``): ``pow`` saves its fp32 input (4h: the residual itself when it is fp32,
+      a copy otherwise); ``weight * x.to(dtype)`` saves the normalised x (``b_res·h``) only when the weight trains.
+    - The normed output y feeds q/k/v (and gate/up). A trainable Linear saves its input: y once when no cast happens,
+      one bf16 cast per consumer under autocast from fp32. A frozen base Linear saves nothing about its input; a LoRA
+      ``lora_A`` saves it (a copy per module when PEFT's ``_cast_input_dtype`` or autocast must cast it).
+    - SDPA saves q, the repeated k and v (``repeat_kv``, padded mask), its output and the logsumexp; ``o_proj`` saves
+      the transposed output copy when it trains or is adapted.
+    - SwiGLU MLP: gate, silu(gate), up, and their product (saved by ``down_proj`` when it trains or is adapted).
+    - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module.
+
+    bf16 full fine-tune with ``heads·head_dim = h``: ``16h + 4h + 10h + 8i = 26h + 8i`` (research §3 T7).
+    """
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+    full = not g.lora
+    b_res, b_c = g.b_res, g.b_c
+    # norms
+    norm = 4 * h + (b_res * h if full else 0)
+    total = 2 * norm
+
+    autocast = not g.simulated  # on a GPU TRL trains under bf16 autocast (bf16=True by default)
+
+    def consumers_of(width: int, modules: tuple[str, ...], b_x: int) -> int:
+        """Bytes saved for one input of ``width`` elements and ``b_x`` bytes each, read by ``modules``."""
+        if full:  # each trainable Linear saves its input; under autocast an fp32 input is cast per Linear
+            return len(modules) * 2 * width if autocast and b_x == 4 else b_x * width
+        adapted = sum(1 for m in modules if m in g.targets)
+        if not adapted:
+            return 0  # a frozen base Linear saves nothing about its input
+        if autocast:
+            # lora_A under autocast saves a bf16 copy per module when x is fp32, or when PEFT's _cast_input_dtype
+            # first upcast it to the fp32 adapter dtype; with bf16 adapters (QLoRA) x is shared
+            return adapted * 2 * width if (b_x == 4 or g.b_a == 4) else 2 * width
+        return b_x * width if g.b_a == b_x else adapted * g.b_a * width
+
+    total += consumers_of(h, ("q_proj", "k_proj", "v_proj"), b_res)
+    total += consumers_of(h, ("gate_proj", "up_proj"), b_res)
+    # attention: q, repeated k and v, output, logsumexp (fp32 per head)
+    k_saved = q if spec.num_kv_heads < spec.num_heads else kv
+    total += b_c * (q + 2 * k_saved + q) + 4 * spec.num_heads
+    total += consumers_of(q, ("o_proj",), b_c)
+    # MLP
+    total += 3 * i * b_c + consumers_of(i, ("down_proj",), b_c)
+    if g.lora:
+        total += len(g.targets) * g.r * (2 if autocast else g.b_a)
+    return total
+
+
+def _nograd_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
+    """Live bytes per token inside one decoder layer run without grad (prefill, scoring): the residual and its
+    successor, the fp32 norm temporary, then the larger of attention (q, k, v, repeated k/v, output) and the MLP
+    (silu(gate), up, product)."""
+    h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_dim
+    attn = (3 * q + 2 * spec.kv_dim + q) * g.b_c
+    mlp = 3 * i * g.b_c
+    return 2 * g.b_res * h + 4 * h + max(attn, mlp)
+
+
+def _weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora_params: int = 0,
+                  b_adapter: int = 4) -> int:
+    """T1: the stored weights. Under 4-bit NF4 with double quantisation each projection weight costs
+    ``NF4_BYTES_PER_PARAM`` and the embeddings, an untied ``lm_head``, norms and biases stay at ``b_w`` (16-bit);
+    LoRA adapters are added at ``b_adapter`` bytes."""
+    if load_in_4bit:
+        lin = spec.num_layers * spec.linear_params_per_layer()
+        base = math.ceil(lin * NF4_BYTES_PER_PARAM) + (spec.params - lin) * b_w
+    else:
+        base = spec.params * b_w
+    return base + lora_params * b_adapter
+
+
+def _kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: int = 2) -> int:
+    """T9: HF ``generate``'s DynamicCache after ``tokens`` positions: ``L·n_kv·d·tokens·rows·(b_k + b_v)``
+    (``2·L·n_kv·d·(P+C)·B_gen·b_kv`` of research §3 when ``b_k = b_v``)."""
+    return spec.num_layers * spec.kv_dim * tokens * rows * (b_k + b_v)
+
+
+def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head_trains: bool,
+                fallback: bool, k_logits: float) -> dict[str, int]:
+    """T8: TRL 1.16's chunked LM head over ``N`` scored positions (``trl/kernels/chunked_logprob.py``).
+
+    Forward (``ChunkedLogProbFunction.forward``): the hidden rows are gathered into a copy (``hidden_states[mask]`` on
+    Triton devices, ``.reshape`` of the ``[:, :-1]`` slice otherwise, ``trainer/utils.py:1642-1650``), seven fp32
+    running statistics per token, and ``mm_buf = [min(N, 4096), 32768]`` in the compute dtype, whatever ``V`` is.
+    The torch fallback (no Triton) folds each ``[n, min(V, 32768)]`` tile with about three fp32 temporaries.
+
+    Backward: fp32 ``grad_hidden [N, h]``, fp32 ``grad_weight [V, h]`` only when ``lm_head`` trains, ``mm_buf``
+    again; the fallback's ``_backward_tile`` keeps y, z, log p, p, grad and the target mask (``k_logits`` bytes per
+    tile element). The fp32 gradients are cast back to the hidden/weight dtype when those are 16-bit.
+    """
+    h, V = spec.hidden_size, spec.vocab_size
+    n = min(N, TOKEN_CHUNK_SIZE)
+    w = min(V, VOCAB_CHUNK_SIZE)
+    mm_buf = n * VOCAB_CHUNK_SIZE * b_c
+    hidden = N * h * b_res
+    casts = (n * h * b_c if b_res != b_c else 0) + (w * h * b_c if b_w != b_c else 0)
+    stats = 4 * 10 * N  # running max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit, outputs
+    tile_f = 12 * n * w if fallback else 0
+    fwd = hidden + stats + mm_buf + casts + tile_f
+    saved = hidden + 4 * 3 * N  # hidden, log_z, entropy (targets are int64 ids: 8 B)
+    grad_hidden = 4 * N * h
+    grad_weight = 4 * V * h if head_trains else 0
+    tile_b = int(k_logits * n * w) if fallback else 0
+    loop = saved + grad_hidden + grad_weight + mm_buf + casts + tile_b
+    end = saved + grad_hidden + grad_weight + (N * h * b_res if b_res != 4 else 0) + (
+        V * h * b_w if head_trains and b_w != 4 else 0)
+    return {"forward": fwd, "saved": saved, "backward": max(loop, end), "mm_buf": mm_buf,
+            "grad_weight": grad_weight}
+
+
+def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
+                     embeddings: int = 0) -> tuple[int, int, str | None]:
+    """T5: (state bytes, transient bytes of one step, note) for the trainable tensors (element counts).
+
+    The first ``embeddings`` tensors are ``nn.Embedding`` weights: transformers gives them 32-bit bitsandbytes
+    states (``transformers/trainer.py:1328-1339``).
+    """
+    o = optim.lower()
+    n = sum(tensors)
+    biggest = max(tensors, default=0)
+    if o in ("sgd", "lomo", "adalomo"):
+        return 0, 0, None
+    if "adafactor" in o:
+        # factored second moment: a row and a column vector per matrix (transformers Adafactor, no first moment)
+        return 4 * 2 * int(math.sqrt(n) * 2), 4 * biggest, "Adafactor is estimated roughly"
+    states = 1 if ("lion" in o or "rmsprop" in o) else 3 if "ademamix" in o else 2
+    paged = o.startswith("paged") and not simulated  # bnb on CPU falls back to plain buffers (optimizer.py:375)
+    note = ("paged optimizer states live in CUDA unified memory: not counted in torch's allocated bytes"
+            if paged else None)
+    bnb = ("bnb" in o or o.startswith("paged") or o in ("adamw_8bit", "lion_8bit", "ademamix_8bit"))
+    if "8bit" in o or "4bit" in o:
+        bits = 4 if "4bit" in o else 8
+        state = 0
+        for idx, t in enumerate(tensors):
+            if paged and t >= BNB_PAGED_MIN_SIZE:
+                continue  # F.get_paged: unified memory, outside torch's statistics (optimizer.py:383-390)
+            if t < BNB_MIN_8BIT_SIZE or (bnb and idx < embeddings):
+                state += states * 4 * t  # 32-bit states (optimizer.py:502; embeddings: trainer.py:1338)
+            else:
+                state += states * (t * bits // 8 + 4 * math.ceil(t / BNB_BLOCK))  # uint8 + fp32 absmax per block
+        return state, 0, note
+    if o.startswith("paged") or "32bit" in o:
+        # bitsandbytes 32-bit states are fp32 whatever the parameter dtype
+        return states * 4 * sum(t for t in tensors if not (paged and t >= BNB_PAGED_MIN_SIZE)), 0, note
+    # torch AdamW (and fused): exp_avg and exp_avg_sq in the parameter dtype
+    state = states * b_param * n
+    if "fused" in o:
+        return state, 0, None
+    if simulated:
+        # CPU has no foreach kernels: the single-tensor path makes sqrt(exp_avg_sq) and its quotient per tensor
+        return state, 2 * b_param * biggest, None
+    # CUDA foreach path: _foreach_sqrt(exp_avg_sqs) materialises one state's worth (research §3 T5)
+    return state, b_param * n, None
+
+
+def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
+             coefficients: Coefficients | None = None, simulated: bool = False,
+             capacity: int | None = None) -> Estimate:
+    """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
+
+    ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.knobs.TRL_DEFAULTS``). ``prompt_tokens``
+    is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at the worst case
+    ``C = max_completion_length``. The training micro-batch is ``per_device_train_batch_size`` and generation runs
+    ``rows_per_device()`` sequences at once. ``simulated=True`` models oomguard's simulated device on CPU: no CUDA
+    context, no autocast, the chunked head's torch fallback. ``capacity`` (device bytes) sizes a colocated vLLM.
+
+    ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
+    The optimizer state is assumed to exist in every phase (the steady state after step 1).
+    """
+    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+    k = _filled(knobs)
+    notes: list[str] = []
+    dname = _dtype_name(k, spec)
+    b_w = _DTYPE_BYTES[dname]
+    quant4 = bool(k.load_in_4bit)
+    r = int(k.lora_r or 0)
+    lora = r > 0
+    if quant4 and not lora:
+        raise EstimateError("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
+    targets = frozenset(_targets(k.lora_target_modules)) if lora else frozenset()
+    # GPU: TRL's bf16=True default means bf16 autocast; on the simulated device the script trains without autocast.
+    autocast_cast = (not simulated) and b_w == 4
+    b_c = b_w if simulated else 2
+    b_res = b_w
+    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under 4-bit
+    # (grpo_trainer.py:532-541).
+    b_a = 2 if quant4 else 4
+    gc = bool(k.gradient_checkpointing)
+    g = _Regime(b_w=b_w, b_res=b_res, b_c=b_c, autocast_cast=autocast_cast, simulated=simulated, quant4=quant4,
+                lora=lora, r=r, targets=targets, b_a=b_a)
+
+    # -- geometry ---------------------------------------------------------------------------------------------------
+    B, ga, spg = k.geometry(world_size)
+    B_gen = B * spg
+    P = prompt_tokens if prompt_tokens is not None else (k.max_prompt_tokens or DEFAULT_PROMPT_TOKENS)
+    if k.max_prompt_tokens:
+        P = min(P, k.max_prompt_tokens)
+    C = int(k.max_completion_length or 512)
+    if B <= 0 or P <= 0 or C <= 0:
+        raise EstimateError(f"batch, prompt and completion sizes must be positive (B={B}, P={P}, C={C})")
+    T = P + C
+    tokens = B * T
+    h, V, L, i = spec.hidden_size, spec.vocab_size, spec.num_layers, spec.intermediate_size
+
+    # -- T1 weights, T3 trainable -------------------------------------------------------------------------------------
+    lin = L * spec.linear_params_per_layer()
+    n_lora = lora_trainable_params(spec, r, tuple(targets)) if lora else 0
+    weights = _weight_bytes(spec, b_w, load_in_4bit=quant4, lora_params=n_lora, b_adapter=b_a)
+    total_params = spec.params + n_lora
+    if lora:
+        trainable = n_lora
+        shapes = spec.projections()
+        train_tensors = [t for m in sorted(targets) for t in (r * shapes[m][0], r * shapes[m][1])] * L
+        b_t = b_a
+    else:
+        trainable = spec.params
+        train_tensors = spec.param_tensors()
+        b_t = b_w
+    # -- T2 reference ------------------------------------------------------------------------------------------------
+    beta = float(k.beta or 0.0)
+    reference = spec.params * b_w if beta > 0 and not lora else 0
+    # -- T4 gradients, T5 optimizer --------------------------------------------------------------------------------
+    grads = trainable * b_t
+    n_emb = 0 if lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
+    opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
+                                                      simulated, embeddings=n_emb)
+    if note:
+        notes.append(note)
+    # DeepSpeed ZeRO / offload (research §3 T5, DeepSpeed estimator; rough, not validated here)
+    zs = int(k.zero_stage or 0)
+    n_dev = max(1, world_size)
+    if zs >= 1:
+        opt_state //= n_dev
+        opt_transient //= n_dev
+    if zs >= 2:
+        grads //= n_dev
+    if zs >= 3:
+        weights //= n_dev
+        reference //= n_dev
+    if k.offload_optimizer or k.fsdp_offload:
+        opt_state, opt_transient = 0, 0
+        notes.append("optimizer state offloaded to the CPU")
+    if k.offload_params or k.fsdp_offload:
+        weights = reference = 0
+        notes.append("parameters offloaded to the CPU: only the gathered layer is on the device")
+    if zs or k.fsdp_offload:
+        notes.append("sharding and offload are modelled roughly")
+    gather = (2 * b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
+              if zs >= 3 or k.offload_params or k.fsdp_offload else 0)
+
+    # -- T6 autocast copies ------------------------------------------------------------------------------------------
+    cast_all = 2 * lin if autocast_cast else 0
+    cast_layer = cast_all // max(1, L)
+    cast_head = 2 * V * h if autocast_cast else 0  # HF generate runs lm_head through F.linear under autocast
+    # 4-bit: bitsandbytes dequantises one weight at a time (forward and the input-gradient backward)
+    dequant = 2 * max(a * b for a, b in spec.projections().values()) if quant4 else 0
+    transient_w = dequant + gather
+
+    # -- T7 activations -------------------------------------------------------------------------------------------------
+    a_tok = co.c_act * _activation_bytes_per_token(spec, g)
+    A = int(tokens * a_tok)  # one layer
+    ckpt = tokens * h * b_res  # one checkpointed layer input
+    stored = L * ckpt if gc else L * A
+    mask = B * T * T  # bool SDPA mask with padding (shared by the layers)
+    # final norm: its saved fp32 input and normalised copy (when it trains); its output lives until the head has
+    # copied the rows it scores (end of the forward)
+    final_norm = tokens * h * (4 + (b_res if not lora else 0))
+    final_out = tokens * h * b_res
+    # buffered generation batch: prompt/completion ids and masks (int64), old/ref log-probs and advantages
+    batch_buf = B_gen * (32 * T + 8 * C)
+    # backward transient of one layer: its recomputed/stored activations are counted above; the gradient buffers
+    # of the MLP backward (grad of the product, silu and up) and of the residual stream
+    grad_tr = int(co.c_act * tokens * (3 * i * b_c + 2 * h * 4))
+
+    # -- T8 chunked LM head -----------------------------------------------------------------------------------------
+    def head(rows: int) -> dict[str, int]:
+        # Triton (CUDA): only completion positions are scored; the fallback scores every position
+        N = rows * (T - 1) if simulated else rows * C
+        return _head_bytes(spec, N, b_c=b_c, b_res=b_res, b_w=b_w, head_trains=not lora, fallback=simulated,
+                           k_logits=co.k_logits)
+
+    # -- phases ------------------------------------------------------------------------------------------------------
+    grads_before = grads if ga > 1 else 0  # later micro-steps of an accumulation window start with gradients
+    grads_at_gen = grads if ga > spg else 0  # generation inside an accumulation window (steps_per_generation < GA)
+
+    # generation (HF generate; GC is off while generating, trl/models/utils.py:136-154)
+    use_vllm = bool(k.use_vllm)
+    colocate = use_vllm and (k.vllm_mode or "colocate") == "colocate"
+    b_k, b_v = max(b_c, b_res), b_c  # RoPE with fp32 cos/sin promotes k to fp32 under autocast from fp32 weights
+    if use_vllm:
+        kv_cache = 0
+        gen_transient = 0
+    else:
+        kv_cache = _kv_cache_bytes(spec, B_gen, T, b_k, b_v)
+        kv_prefill = _kv_cache_bytes(spec, B_gen, P, b_k, b_v)
+        prefill = (B_gen * P * _nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
+                   + B_gen * V * (b_c + 8))
+        decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (h * 8 + V * b_c)
+        gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
+    gen_batch = B_gen * T * 16
+    p_gen_parts = {"weights": cast_all + cast_head + transient_w, "gradients": grads_at_gen,
+                   "kv_cache": kv_cache + max(0, gen_transient), "activations": gen_batch}
+
+    # scoring: old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or
+    # reference log-probs (beta > 0), no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737)
+    scoring = beta > 0 or (ga % spg != 0) or use_vllm
+    if scoring:
+        h_fwd = head(B)["forward"]
+        score_act = int(tokens * _nograd_bytes_per_token(spec, g)) + mask + tokens * h * b_res * 2
+        p_score_parts = {"weights": cast_all + transient_w, "gradients": grads_at_gen,
+                         "activations": batch_buf + score_act, "logits": h_fwd}
+    else:
+        p_score_parts = {"gradients": grads_at_gen, "activations": batch_buf}
+
+    # forward/backward of one micro-batch
+    hb = head(B)
+    h_fwd, h_bwd = hb["forward"], hb["backward"]
+    g_head = 0 if lora else V * h * b_w  # lm_head/embedding gradient once the head's backward returned
+    grads_new = 0 if ga > 1 else 1  # with GA > 1 the gradient buffers already exist (grads_before)
+    cands = {
+        # end of forward: stored activations, the final norm, the head's forward, all autocast copies cached
+        "forward": ({"activations": stored + final_norm + final_out + mask, "logits": h_fwd, "weights": cast_all}),
+        # the head's backward: grad_hidden, grad_weight (full), mm_buf and tile temporaries
+        "head_backward": ({"activations": stored + final_norm + mask, "logits": h_bwd,
+                           "weights": 0 if gc else cast_all}),
+        # backward of the last layer: its recomputed activations (GC) and gradient buffers, the head's gradient
+        "layer_backward": ({"activations": stored + (A if gc else 0) + grad_tr + mask,
+                            "gradients": grads_new * (g_head + grads // max(1, L)),
+                            "weights": cast_layer if gc else cast_all}),
+        # backward of the first layer and the embedding: every gradient exists. With checkpointing the layer's
+        # 16-bit input (B·T·h·2, under 1% here) also lives; it is left out so that checkpointing stays monotone.
+        "backward_end": ({"activations": A + grad_tr + mask,
+                          # a tied embedding's dense gradient is added into the lm_head's
+                          "gradients": grads_new * grads + (V * h * b_w if not lora and spec.tie_word_embeddings else 0),
+                          "weights": cast_layer}),
+    }
+    for c in cands.values():
+        c["weights"] = c.get("weights", 0) + transient_w
+        c["activations"] += batch_buf
+        c["gradients"] = c.get("gradients", 0) + grads_before
+    fb_parts = max(cands.values(), key=lambda c: sum(c.values()))
+
+    p_opt_parts = {"gradients": grads, "optimizer": opt_transient, "activations": batch_buf}
+
+    # -- assemble ------------------------------------------------------------------------------------------------------
+    base = {"weights": weights, "reference": reference, "optimizer": opt_state}
+    phase_parts = {"generation": p_gen_parts, "scoring": p_score_parts, "forward_backward": fb_parts,
+                   "optimizer": p_opt_parts}
+    comp: dict[str, dict[str, int]] = {}
+    for ph, parts in phase_parts.items():
+        d = dict.fromkeys(BREAKDOWN_KEYS, 0)
+        for key, v in base.items():
+            d[key] += v
+        for key, v in parts.items():
+            d[key] += int(v)
+        comp[ph] = d
+    scale = co.scale
+    phases = {ph: round(sum(d.values()) * scale) for ph, d in comp.items()}
+    peak_alloc = max(phases.values())
+
+    # -- T9 vLLM, T10 context, T11 fragmentation --------------------------------------------------------------------
+    vllm = 0
+    if colocate:
+        if capacity:
+            vllm = int(float(k.vllm_gpu_memory_utilization or 0.3) * capacity)
+        else:
+            notes.append("vLLM colocate reservation not counted: pass capacity")
+    sleep = bool(k.vllm_enable_sleep_mode)
+    frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
+    ctx = 0 if simulated else int(co.m_ctx)
+
+    def device_bytes(ph: str) -> int:
+        awake = vllm if (not sleep or ph == "generation") else 0
+        return ctx + int(phases[ph] * (1 + frag)) + awake
+
+    dominant = max(PHASES, key=lambda ph: (device_bytes(ph), phases[ph]))
+    peak_bytes = device_bytes(dominant)
+    bd = {key: round(v * scale) for key, v in comp[dominant].items()}
+    bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
+    bd["vllm"] = vllm if (not sleep or dominant == "generation") else 0
+    bd["overhead"] = peak_bytes - sum(v for key, v in bd.items() if key != "overhead")
+    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=peak_alloc, breakdown=bd, phases=phases,
+                    trainable_params=trainable, total_params=total_params, dominant_phase=dominant,
+                    notes=tuple(notes))
+
+
+def describe(e: Estimate) -> str:
+    """A few lines for people: the peak, its phase and the terms above 1 MiB."""
+    lines = [f"predicted peak {format_size(e.peak_bytes)} ({e.dominant_phase}); allocated "
+             f"{format_size(e.peak_alloc_bytes)}"]
+    for key in BREAKDOWN_KEYS:
+        v = e.breakdown[key]
+        if v >= MiB:
+            lines.append(f"  {key:<12} {format_size(v):>12}  {100 * v / max(1, e.peak_bytes):5.1f}%")
+    lines.append("  phases: " + ", ".join(f"{ph} {format_size(v)}" for ph, v in e.phases.items()))
+    lines += [f"  note: {n}" for n in e.notes]
+    return "\n".join(lines)
+

@@ -1,0 +1,154 @@
+"""Predict before running: the memory model applied to a configuration, and the cheapest rungs that make it fit.
+
+``suggest`` climbs the ladder in its own order (never reordered) with the memory model as the judge, and stops at the
+first prefix predicted to fit. `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after an OOM
+to skip rungs predicted not to be enough.
+
+>>> from oomguard.estimate import ModelSpec
+>>> from oomguard.knobs import TRL_DEFAULTS
+>>> spec = ModelSpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+...                  intermediate_size=8192, tie_word_embeddings=True)
+>>> p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)   # TRL loads a model given by name in float32
+>>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]
+(False, True, 'optimizer_8bit')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .estimate import Coefficients, Estimate, ModelSpec, estimate
+from .knobs import Knobs, RunFacts
+from .ladder import Ladder, Step, load_ladder
+from .strategies import Context
+
+
+@dataclass
+class Plan:
+    estimate: Estimate
+    capacity: int
+    knobs: Knobs
+    steps: list[Step] = field(default_factory=list)
+    after: Estimate | None = None  # the prediction with the suggested rungs
+    exhausted: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.fits(self.capacity)
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.estimate.peak_bytes
+
+    @property
+    def suggest(self) -> dict[str, Any]:
+        if not self.steps:
+            return {}
+        final = self.steps[-1].knobs
+        return {r.knob: (list(r.after) if isinstance(r.after, tuple) else r.after) for r in self.knobs.diff(final)}
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "peak_bytes": e.peak_bytes,
+            "capacity_bytes": self.capacity,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom,
+            "trainable_params": e.trainable_params,
+            "total_params": e.total_params,
+            "breakdown": dict(e.breakdown),
+            "phases": dict(e.phases),
+            "dominant_phase": e.dominant_phase,
+            "suggest": self.suggest,
+            "remedies": [s.remedy.name for s in self.steps],
+            "peak_bytes_after": self.after.peak_bytes if self.after else None,
+            "fits_after": self.after.fits(self.capacity) if self.after else None,
+        }
+
+
+def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
+              coefficients: Coefficients | None = None, simulated: bool = False) -> Any:
+    """A function Knobs -> Estimate for one model and device."""
+    def predict(k: Knobs) -> Estimate:
+        # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
+        return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
+                        simulated=simulated, capacity=capacity)
+
+    return predict
+
+
+def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
+              facts: RunFacts | None = None, prompt_tokens: int | None = None,
+              coefficients: Coefficients | None = None, simulated: bool = False) -> Plan:
+    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the ladder prefix that does."""
+    facts = facts or RunFacts()
+    predict = predictor(spec, capacity, world_size=facts.world_size, prompt_tokens=prompt_tokens,
+                        coefficients=coefficients, simulated=simulated)
+    est = predict(knobs)
+    plan = Plan(estimate=est, capacity=capacity, knobs=knobs)
+    if est.fits(capacity):
+        return plan
+    lad = ladder or load_ladder("default")
+    steps, exhausted = lad.climb(Context(knobs=knobs, facts=facts), lambda k: predict(k).fits(capacity))
+    plan.steps = steps
+    plan.exhausted = exhausted is not None
+    plan.after = predict(steps[-1].knobs) if steps else None
+    return plan
+
+
+class Guide:
+    """The memory model as the ladder's judge during a run, calibrated online by every attempt.
+
+    After a successful attempt the measured peak sets the scale (measured / predicted). After an OOM the model
+    learns a lower bound (what was allocated plus the failing request), and if it had predicted a fit, it raises its
+    scale until the configuration no longer fits. So each failure makes the next decision more conservative.
+    """
+
+    def __init__(self, capacity: int, *, simulated: bool = False) -> None:
+        self.capacity = capacity
+        self.simulated = simulated
+        self.coefficients = Coefficients.for_simulated() if simulated else Coefficients()
+
+    def spec(self, facts: RunFacts) -> ModelSpec | None:
+        if not facts.model_config:
+            return None
+        try:
+            return ModelSpec.from_config(facts.model_config)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def predict(self, facts: RunFacts, knobs: Knobs) -> Estimate | None:
+        spec = self.spec(facts)
+        if spec is None:
+            return None
+        return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                         coefficients=self.coefficients, simulated=self.simulated)(knobs)
+
+    def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None) -> None:
+        est = self.predict(facts, knobs)
+        if est is None:
+            return
+        co = self.coefficients
+        if outcome == "ok" and peak:
+            self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
+        elif outcome == "oom" and report is not None:
+            big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block
+            lower = (report.allocated or 0) + big
+            if lower > est.peak_alloc_bytes:
+                co = co.calibrated(lower, est.peak_alloc_bytes)
+            if est.fits(self.capacity):  # it predicted a fit, and memory ran out: not conservative enough
+                co = co.calibrated(int(est.peak_alloc_bytes * self.capacity / max(1, est.peak_bytes) * 1.05) + 1,
+                                   est.peak_alloc_bytes)
+            self.coefficients = co
+
+    def fits(self, facts: RunFacts) -> Any:
+        """A Knobs -> bool judge for Ladder.climb, or None when the model cannot be read."""
+        if self.spec(facts) is None:
+            return None
+
+        def judge(k: Knobs) -> bool:
+            est = self.predict(facts, k)
+            return est is not None and est.fits(self.capacity)
+
+        return judge

@@ -1,0 +1,114 @@
+"""End to end, with real TRL on CPU and the simulated device: a first attempt runs out of memory, and one rung of
+the default ladder makes the run fit. Every rung of the default ladder is covered at least once.
+
+The budgets come from `bench/min_budget.py`, which replays each configuration's allocation trace through the
+allocator model: e.g. `--max-completion-length 64` needs 106 MiB without expandable segments and 100 MiB with them,
+and just below 106 MiB its OOM is a fragmentation one. Each test starts from a config where the earlier rungs cannot
+help (a floor reached, already in force, or a diagnosis they do not address), so the rung under test is the first
+climbed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import SCRIPTS, run_oomguard
+
+pytestmark = pytest.mark.e2e
+
+FLOOR = ["--max-completion-length", "64", "--num-generations", "2", "--per-device-train-batch-size", "2"]
+
+
+def grpo(tmp: Path, model: str, budget: str, *args: str, env: dict | None = None,
+         extra: tuple = ("--no-probe", "--no-predict")):
+    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", "python", str(SCRIPTS / "grpo_tiny.py"),
+                            "--model", model, "--output-dir", str(tmp / "out"), *args, env=env)
+    assert rep is not None, out.stderr[-3000:]
+    return out, rep
+
+
+def assert_rung_fixed_it(out, rep, rung: str):
+    attempts = rep["attempts"]
+    assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
+    assert out.returncode == 0
+    assert attempts[0]["outcome"] == "oom" and attempts[0]["oom"]["is_oom"]
+    assert [a["climbed"] for a in attempts[:-1]] == [rung], [(a["climbed"], a["skipped"]) for a in attempts]
+    assert attempts[-1]["outcome"] == "ok" and rung in attempts[-1]["remedies"]
+    assert any(row["remedy"] == rung for row in rep["diff"])
+    assert "trained 2 steps" in out.stdout
+    return attempts
+
+
+def test_expandable_segments(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64")
+    a = assert_rung_fixed_it(out, rep, "expandable_segments")
+    assert a[0]["oom"]["kind"] == "fragmentation"
+    assert rep["diff"] == [{"knob": "expandable_segments", "from": False, "to": True, "remedy": "expandable_segments"}]
+    assert "What oomguard changed" in out.stderr
+
+
+def test_empty_cache_when_the_user_keeps_expandable_segments_off(tmp_path, tiny_model):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64", env=env)
+    a = assert_rung_fixed_it(out, rep, "empty_cache")
+    assert a[0]["oom"]["kind"] == "fragmentation"
+    assert "oomguard keeps it" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["expandable_segments"]
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"torch_empty_cache_steps": 1, "max_split_size_mb": 21}
+
+
+def test_shorter_sequences(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128")
+    a = assert_rung_fixed_it(out, rep, "shorter_sequences")
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"max_completion_length": 64}
+    assert a[0]["oom"]["kind"] != "fragmentation"
+
+
+def test_fewer_generations(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "84MiB", "--max-completion-length", "64")
+    a = assert_rung_fixed_it(out, rep, "fewer_generations")
+    assert "floor" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["shorter_sequences"]
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"num_generations": 2, "per_device_train_batch_size": 2}
+
+
+def test_checkpointing_when_the_script_turned_it_off(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "80MiB", *FLOOR, "--no-gradient-checkpointing")
+    assert_rung_fixed_it(out, rep, "checkpointing")
+    assert rep["diff"] == [{"knob": "gradient_checkpointing", "from": False, "to": True, "remedy": "checkpointing"}]
+
+
+def test_optimizer_8bit(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "64MiB", *FLOOR)
+    a = assert_rung_fixed_it(out, rep, "optimizer_8bit")
+    assert "already in force" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["checkpointing"]
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
+
+
+def test_lora(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "48MiB", *FLOOR, "--optim", "adamw_bnb_8bit")
+    assert_rung_fixed_it(out, rep, "lora")
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"lora_r": 16, "lora_alpha": 32,
+                                                        "lora_target_modules": "all-linear"}
+
+
+def test_load_4bit_with_the_scripts_own_lora(tmp_path, tiny_model):
+    out, rep = grpo(tmp_path, tiny_model, "36MiB", *FLOOR, "--optim", "adamw_bnb_8bit", "--lora-r", "8")
+    a = assert_rung_fixed_it(out, rep, "load_4bit")
+    assert "already in force" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["lora"]
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"load_in_4bit": True, "dtype": "bfloat16"}
+    assert rep["original"]["lora_r"] == 8  # what the script set, recorded from its peft_config
+
+
+def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
+    lock = tmp_path / "stable.lock.json"
+    lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": {"max_completion_length": 64}}))
+    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
+    assert rep["status"] == "stable" and len(rep["attempts"]) == 1
+    assert rep["attempts"][0]["knobs"]["max_completion_length"] == 64
+    assert rep["diff"] == [{"knob": "max_completion_length", "from": 128, "to": 64, "remedy": "lock"}]
+    # a lock that no longer fits is reported, not climbed
+    out, rep = grpo(tmp_path, tiny_model, "60MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
+    assert out.returncode == 75 and rep["status"] == "exhausted" and len(rep["attempts"]) == 1
+    assert "without --config" in rep["message"]
