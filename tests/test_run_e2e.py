@@ -82,7 +82,7 @@ def test_checkpointing_when_the_script_turned_it_off(tmp_path, tiny_model):
 def test_optimizer_8bit(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "64MiB", *FLOOR)
     a = assert_rung_fixed_it(out, rep, "optimizer_8bit")
-    assert "already in force" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["checkpointing"]
+    assert "checkpointing" in {s["remedy"] for s in a[0]["skipped"]}  # in force by default, or no use in this phase
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
 
 

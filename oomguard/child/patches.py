@@ -236,7 +236,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     dataset = a.get("train_dataset")
     tokenizer = a.get("processing_class")
     if dataset is not None:
-        a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model)
+        a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
     callbacks = list(a.get("callbacks") or [])
     from .callback import make_callback
 
@@ -308,7 +308,7 @@ def _tokenizer_for(tokenizer: Any, model: Any) -> Any:
         return None
 
 
-def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any) -> Any:
+def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args: Any = None) -> Any:
     """Measure prompt lengths, apply max_prompt_tokens, and for a probe keep only the longest prompts."""
     if isinstance(dataset, dict) or not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []):
         return dataset
@@ -341,14 +341,24 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any) -> An
                          f"(longest was {ordered[-1]} tokens)\n")
     rt.emit("dataset", **stats)
     if rt.plan.probe:
-        out = _longest(out, tok, rt)
+        out = _longest(out, tok, rt, args)
     return out
 
 
-def _longest(dataset: Any, tok: Any, rt: Runtime) -> Any:
+def _probe_prompts(rt: Runtime, args: Any) -> int:
+    """Distinct prompts the probe's steps consume: one generation batch of prompts per step (full groups)."""
+    steps = int(rt.plan.probe.get("steps", 2))
+    try:
+        per_round = int(args.generation_batch_size) // int(args.num_generations)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return int(rt.plan.probe.get("rows", 64))
+    return max(1, per_round * steps)
+
+
+def _longest(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -> Any:
     """The probe trains only on the longest prompts, so every generation round is the worst case."""
     lengths = prompt_lengths(list(dataset["prompt"]), tok)
-    want = int(rt.plan.probe.get("rows", 64))
+    want = _probe_prompts(rt, args)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[: max(1, want)]
     rt.emit("probe_dataset", rows=len(order), prompt_tokens=lengths[order[0]] if order else None)
     return dataset.select(order)

@@ -1,0 +1,98 @@
+"""`oomguard plan`: the JSON contract, suggestions in the ladder's order, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.estimate import ModelSpec
+from oomguard.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.oom import OOMReport
+from oomguard.plan import Guide, make_plan
+
+MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
+LLAMA = str(MODELS / "llama-3.2-1b")
+KEYS = {"peak_bytes", "capacity_bytes", "fits", "trainable_params", "breakdown", "suggest"}
+BREAKDOWN = {"weights", "reference", "gradients", "optimizer", "activations", "logits", "kv_cache", "vllm", "overhead"}
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "oomguard", "plan", *args], capture_output=True, text=True)
+
+
+def test_json_contract_for_a_config_that_does_not_fit():
+    out = plan("--model", LLAMA, "--gpu", "15.73GiB", "max_completion_length=786", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert set(d) >= KEYS and set(d["breakdown"]) == BREAKDOWN
+    assert d["capacity_bytes"] == round(15.73 * 2**30) and d["fits"] is False
+    assert d["trainable_params"] == 1_235_814_400
+    assert sum(d["breakdown"].values()) == d["peak_bytes"]
+    assert d["suggest"] and d["fits_after"] is True
+    assert d["suggest"]["max_completion_length"] == 393  # half of 786: shorter_sequences comes before LoRA
+
+
+def test_a_config_that_fits_has_no_suggestion_and_a_table():
+    out = plan("--model", LLAMA, "--gpu", "80GB", "dtype=bfloat16", "lora_r=16", "--json")
+    d = json.loads(out.stdout)
+    assert d["fits"] is True and d["suggest"] == {} and d["headroom_bytes"] > 0
+    text = plan("--model", LLAMA, "--gpu", "80GB", "dtype=bfloat16").stdout
+    assert "fits" in text and "weights" in text and "to spare" in text
+
+
+def test_lora_count_of_qwen_3b_in_plan():
+    d = json.loads(plan("--model", str(MODELS / "qwen2.5-3b" / "config.json"), "--gpu", "24GiB", "lora_r=32",
+                        "dtype=bfloat16", "--json").stdout)
+    assert d["trainable_params"] == 59_867_136
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--model", "/nonexistent/model", "--gpu", "24GiB"], "/nonexistent/model"),
+    (["--model", LLAMA, "--gpu", "lots"], "not a size"),
+    (["--model", LLAMA, "--gpu", "0"], "more than 0"),
+    (["--model", LLAMA, "--gpu", "24GiB", "max_prompt_length=512"], "unknown knob 'max_prompt_length'"),
+    (["--model", LLAMA, "--gpu", "24GiB", "num_generations"], "expected KNOB=VALUE"),
+    (["--model", LLAMA, "--gpu", "24GiB", "num_generations=many"], "takes an integer"),
+    (["--model", LLAMA, "--gpu", "24GiB", "num_generations=3"], "divisible by num_generations"),
+])
+def test_bad_inputs_get_one_line(args, problem):
+    out = plan(*args)
+    assert out.returncode == 2, out.stdout
+    assert problem in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_garbled_and_missing_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = plan("--model", str(tmp_path / "empty"), "--gpu", "24GiB")
+    assert out.returncode == 2 and "config.json" in out.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    out = plan("--model", str(bad), "--gpu", "24GiB")
+    assert out.returncode == 2 and str(bad) in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_make_plan_keeps_the_ladder_order():
+    spec = ModelSpec.from_config(json.loads((MODELS / "llama-3.2-1b" / "config.json").read_text()))
+    p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)
+    names = [s.remedy.name for s in p.steps]
+    from oomguard.ladder import load_ladder
+
+    order = [r.name for r in load_ladder("default").rungs]
+    assert names == sorted(names, key=order.index)
+
+
+def test_guide_learns_from_an_oom_it_did_not_predict():
+    spec_cfg = json.loads((MODELS / "llama-3.2-1b" / "config.json").read_text())
+    facts = RunFacts(model_config=spec_cfg)
+    g = Guide(24 * 2**30)
+    k = TRL_DEFAULTS.replace(dtype="bfloat16")
+    assert g.predict(facts, k).fits(24 * 2**30)  # about 14 GiB predicted
+    g.learn(facts, k, "oom", None, OOMReport("cuda", "allocator", "x", requested=2 * 2**30, allocated=20 * 2**30))
+    assert not g.predict(facts, k).fits(24 * 2**30)  # now more conservative
+    before = g.coefficients.scale
+    g.learn(facts, k, "ok", int(g.predict(facts, k).peak_alloc_bytes * 0.9), None)
+    assert g.coefficients.scale < before  # and a measured success pulls it back
+    assert g.fits(RunFacts()) is None  # without a model config there is nothing to judge with
