@@ -58,7 +58,8 @@ def measure(script: list[str], env: dict[str, str] | None = None, overrides: dic
             lock = Path(d) / "overrides.lock.json"
             lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": overrides}))
             replay_args = ["--config", str(lock)]
-        cmd = [sys.executable, "-m", "oomguard", "run", "--quiet", "--simulate-gpu", "64GiB", "--report", str(report),
+        cmd = [sys.executable, "-m", "oomguard", "run", "--quiet", "--no-probe", "--no-predict", "--simulate-gpu", "64GiB",
+               "--report", str(report),
                "--lock", str(Path(d) / "lock.json"), "--workdir", str(Path(d) / "wd"), *replay_args, "--",
                sys.executable, *script]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=d,

@@ -114,8 +114,13 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
 
 def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts, *, grace: float = 20.0,
                 echo: bool = True, on_stdout: Callable[[bytes], None] | None = None,
-                on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None) -> ProcessResult:
-    """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does."""
+                on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
+                on_tick: Callable[[], int | None] | None = None) -> ProcessResult:
+    """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does.
+
+    ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
+    the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang).
+    """
     start = time.monotonic()
     proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, cwd=cwd)
@@ -142,6 +147,12 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
             killed_at = killed_at or time.monotonic()
             if time.monotonic() - killed_at > grace:
                 _killpg(proc.pid, signal.SIGKILL)
+        if on_tick is not None:
+            sig = on_tick()
+            if sig is not None:
+                _killpg(proc.pid, sig)
+    if on_tick is not None:
+        on_tick()  # the last events
     # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank).
     _killpg(proc.pid, signal.SIGKILL)
     interrupts.pgid = None

@@ -285,3 +285,32 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     except OSError:
         pass
     return out
+
+
+class EventTail:
+    """Reads the events a running attempt appends, as they arrive (only whole lines)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.pos = 0
+        self.buf = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out

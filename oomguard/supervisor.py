@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,11 +34,11 @@ from .records import (
     LOCK_SCHEMA,
     Attempt,
     CrashRecord,
+    EventTail,
     RecordError,
     RunReport,
     check_schema,
     now_iso,
-    read_events,
     read_json,
     write_json_atomic,
 )
@@ -97,6 +98,8 @@ class RunOptions:
     predict: bool = True  # climb straight to the first ladder prefix the memory model predicts to fit
     probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
     minimize: bool = False  # once stable, drop the rungs a probe shows are not needed
+    checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
+    oom_grace: float = 10.0  # after a rank reports an OOM, how long the others may take to stop before we stop them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
 
 
@@ -179,6 +182,11 @@ class Supervisor:
         self.next_kind = "probe" if options.probe_steps > 0 else "run"
         self.min_queue: list[Remedy] | None = None  # rungs still to try without (--minimize)
         self.min_trial: Remedy | None = None
+        self.checkpoint: str | None = None  # the newest checkpoint the run wrote
+        self.checkpoint_rungs = 0  # how many climbed rungs were in force when it was written
+        self.output_dir: str | None = None
+        self.warned_no_checkpoints = False
+        self._oom_seen_at: float | None = None
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -229,22 +237,31 @@ class Supervisor:
         remedies = [r.name for i, (r, _) in enumerate(c.applied) if i != without]
         remedies = list(dict.fromkeys(remedies))
         probe = {"steps": self.o.probe_steps, "rows": 64} if kind in ("probe", "minimize") else None
+        resume = self._resume_for(kind, index)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
-                    remedies=remedies, probe=probe)
+                    remedies=remedies, probe=probe, resume=resume,
+                    checkpoint_every=self.o.checkpoint_every if kind == "run" else None)
         plan_path = write_json_atomic(adir / "plan.json", plan.to_dict())
         self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, kind)
+        if resume:
+            self.ui.message(f"  {resume['mode']}: {resume['why']}")
+        tail = EventTail(adir / "events.jsonl")
+        seen: list[dict[str, Any]] = []
+        self._oom_seen_at = None
+        rungs_now = len(c.applied)
         try:
             res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
-                              echo=self.o.echo)
+                              echo=self.o.echo, on_tick=lambda: self._tick(tail, seen, kind, rungs_now))
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
             raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
-        events = read_events(adir / "events.jsonl")
+        events = seen
         self._learn(events)
         attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
         attempt.kind = kind
+        attempt.resume = resume
         if kind != "run" and not any(e.get("event") == "config" for e in events):
             attempt.kind = "run"  # no GRPOConfig to shorten: the "probe" was the whole command
             attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
@@ -259,6 +276,53 @@ class Supervisor:
         self.ui.attempt_end(attempt, diag)
         self.next_kind = self._decide(attempt, diag)
         return attempt
+
+    def _tick(self, tail: EventTail, seen: list[dict[str, Any]], kind: str, rungs: int) -> int | None:
+        """While an attempt runs: take its new events; end a group whose rank died of OOM but which hangs."""
+        for ev in tail.poll():
+            seen.append(ev)
+            name = ev.get("event")
+            if name == "train_begin" and kind == "run":
+                self.output_dir = ev.get("output_dir") or self.output_dir
+                if "no" in str(ev.get("save_strategy", "")).lower().split(".")[-1:] and not self.warned_no_checkpoints:
+                    self.warned_no_checkpoints = True
+                    self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
+                                    "step 0; add --checkpoint-every N to lose at most N steps")
+            elif name == "checkpoint" and kind == "run" and ev.get("path"):
+                self.checkpoint, self.checkpoint_rungs = str(ev["path"]), rungs
+            elif name == "oom" and self._oom_seen_at is None:
+                self._oom_seen_at = time.monotonic()
+        if self._oom_seen_at is not None:
+            waited = time.monotonic() - self._oom_seen_at
+            if waited > self.o.oom_grace + self.o.grace:
+                return signal.SIGKILL
+            if waited > self.o.oom_grace:
+                return signal.SIGTERM  # a rank died of OOM; the others are stuck waiting for it
+        return None
+
+    def _resume_for(self, kind: str, index: int) -> dict[str, Any] | None:
+        """How the next real run continues from the newest checkpoint, given the rungs climbed since it was saved."""
+        if kind != "run" or not self.checkpoint or not Path(self.checkpoint).is_dir():
+            return None
+        ckpt = Path(self.checkpoint)
+        since = [r for r, _ in self.climb.applied[self.checkpoint_rungs:]]
+        new_run = sorted({r.name for r in since if r.resume == "new-run"})
+        drift = sorted({r.name for r in since if r.resume == "continue-drift"})
+        fresh_dir = str(Path(self.output_dir or ckpt.parent) / f"oomguard-attempt-{index}")
+        if new_run:
+            weights = any(ckpt.glob("model*.safetensors")) or any(ckpt.glob("pytorch_model*.bin"))
+            if not weights:
+                return {"mode": "restart", "checkpoint": str(ckpt), "output_dir": fresh_dir,
+                        "why": f"{', '.join(new_run)} changes what is trained and {ckpt.name} holds only an adapter: "
+                               f"the run starts again from step 0 in {fresh_dir} (your checkpoints stay as they are)"}
+            return {"mode": "weights", "checkpoint": str(ckpt), "output_dir": fresh_dir,
+                    "why": f"{', '.join(new_run)} changes the optimizer state, the adapters or the dtype, so "
+                           f"{ckpt.name} cannot simply continue: a new run starts from its weights (step 0, fresh "
+                           f"optimizer) and saves into {fresh_dir}"}
+        why = f"continuing from {ckpt} (resume_from_checkpoint)"
+        if drift:
+            why += f"; {', '.join(drift)} changed the batch geometry, so the data position and LR schedule drift"
+        return {"mode": "continue", "checkpoint": str(ckpt), "why": why}
 
     def _decide(self, attempt: Attempt, diag: Diagnosis | None) -> str:
         """What comes after this attempt: "probe", "minimize", "run", or "done"."""

@@ -112,3 +112,43 @@ def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "60MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
     assert out.returncode == 75 and rep["status"] == "exhausted" and len(rep["attempts"]) == 1
     assert "without --config" in rep["message"]
+
+
+def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model):
+    """Two prompts are 8x longer than the rest. The probe trains on exactly those, at full completion length, so the
+    OOM they cause comes in the first minute; the fix (dropping the prompt tail) is probed, then the real run starts.
+    The probes write no checkpoints into the script's output directory."""
+    out, rep = grpo(tmp_path, tiny_model, "100MiB", "--rows", "64", "--long-prompts", "2", "--save-steps", "1",
+                    extra=("--no-predict", "--probe-steps", "2"))
+    kinds = [(a["kind"], a["outcome"]) for a in rep["attempts"]]
+    assert kinds == [("probe", "oom"), ("probe", "ok"), ("run", "ok")], kinds
+    assert rep["status"] == "stable"
+    assert rep["attempts"][0]["climbed"] == "shorter_sequences"
+    assert "max_prompt_tokens" in {r["knob"] for r in rep["diff"]}
+    assert "dropped 2 of 66 prompts" in out.stderr
+    events = (tmp_path / "wd").glob("runs/*/attempt-1/events.jsonl")
+    probe_events = [json.loads(line) for line in next(events).read_text().splitlines()]
+    begin = next(e for e in probe_events if e["event"] == "train_begin")
+    assert begin["max_steps"] == 2 and "oomguard-probe" in begin["output_dir"]
+    saved = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved == ["checkpoint-1", "checkpoint-2"]  # from the real run only
+
+
+def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_is_needed(tmp_path, tiny_model):
+    """At 48 MiB a plain walk needs three OOMs (fewer generations, then 8-bit Adam, then LoRA). The memory model
+    climbs straight to a prefix predicted to fit, and --minimize then drops the rungs a probe shows are not needed."""
+    out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
+                    extra=("--probe-steps", "2", "--minimize"))
+    attempts = rep["attempts"]
+    assert rep["status"] == "stable", rep["message"]
+    first_ok = next(i for i, a in enumerate(attempts) if a["outcome"] == "ok")
+    assert sum(a["outcome"] == "oom" for a in attempts[:first_ok]) == 1  # one OOM, then a fitting config
+    assert attempts[0]["climbed"].count("+") >= 2  # several rungs in one go: a plain walk tries them one by one
+    assert "alone would not be enough" in out.stderr
+    assert attempts[0]["predicted_bytes"] is not None and attempts[first_ok]["predicted_bytes"] <= 48 * 2**20
+    minimized = [a for a in attempts if a["kind"] == "minimize"]
+    assert minimized and all(a["note"] for a in minimized)
+    final = attempts[-1]
+    assert final["kind"] == "run" and final["outcome"] == "ok"
+    assert "load_4bit" not in final["remedies"]  # predicted necessary, found unnecessary
+    assert {"fewer_generations", "lora"} <= set(final["remedies"])

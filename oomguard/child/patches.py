@@ -80,6 +80,9 @@ def apply_config(rt: Runtime, cfg: Any) -> None:
             cfg.activation_checkpointing = ov.gradient_checkpointing
         cfg.gradient_checkpointing = ov.gradient_checkpointing
     plan = rt.plan
+    fresh = (plan.resume or {}).get("output_dir")
+    if fresh and (plan.resume or {}).get("mode") in ("weights", "restart"):
+        cfg.output_dir = fresh  # a new run must not write over the checkpoints of the one before
     if plan.checkpoint_every:
         cfg.save_strategy = "steps"
         cfg.save_steps = int(plan.checkpoint_every)
@@ -170,7 +173,8 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
 
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         rt.trainer = self
-        resume = (rt.plan.resume or {}).get("checkpoint")
+        plan_resume = rt.plan.resume or {}
+        resume = plan_resume.get("checkpoint") if plan_resume.get("mode") == "continue" else None
         if resume and not kwargs.get("resume_from_checkpoint") and not args:
             kwargs["resume_from_checkpoint"] = resume
             rt.emit("resume", checkpoint=resume)
@@ -220,6 +224,9 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     rt.observe({"dtype": dtype, "load_in_4bit": in4, "lora_r": lora_r})
 
     # Apply what only the trainer can take.
+    weights = _weights_checkpoint(rt)
+    if isinstance(model, str) and weights:
+        a["model"] = model = weights
     if isinstance(model, str):
         mik = dict(args.model_init_kwargs or {})
         if k_over.dtype is not None:
@@ -386,6 +393,12 @@ def record_model(rt: Runtime, model: Any) -> None:
     rt.emit("model", config=rt.model_config, params=params, dtype=_dtype_name(getattr(model, "dtype", None)))
 
 
+def _weights_checkpoint(rt: Runtime) -> str | None:
+    """The checkpoint whose weights a new run starts from, after a rung that a checkpoint cannot continue."""
+    r = rt.plan.resume or {}
+    return r.get("checkpoint") if r.get("mode") == "weights" else None
+
+
 def _is_policy(cls: type) -> bool:
     return cls.__name__.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel"))
 
@@ -399,6 +412,13 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             return orig(cls, *args, **kwargs)
         import torch
 
+        weights = _weights_checkpoint(rt)
+        if weights:
+            if args:
+                args = (weights, *args[1:])
+            else:
+                kwargs["pretrained_model_name_or_path"] = weights
+            rt.emit("weights_from", checkpoint=weights)
         requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
         ov = rt.overrides
         if ov.dtype is not None and ov.dtype != "auto":

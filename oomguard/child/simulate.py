@@ -338,7 +338,8 @@ class SimulatedDevice:
         if self._trace is not None:
             import atexit
 
-            atexit.register(self.dump_trace, os.environ[TRACE_ENV])
+            rank = os.environ.get("RANK")
+            atexit.register(self.dump_trace, os.environ[TRACE_ENV] + (f".rank{rank}" if rank else ""))
 
     # -- storage tracking --------------------------------------------------------------------------------------
     def track(self, storage: Any) -> None:

@@ -5,7 +5,8 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
 
   --fail-with CODE    exit with CODE before training (non-OOM failure passthrough)
   --sleep SECONDS     sleep inside a training step (interrupt tests), spawning a grandchild that sleeps too
-  --oom-at-step N     raise a real-looking CUDA OOM from a callback at step N (late-OOM tests)
+  --oom-at-step N     raise a real-looking CUDA OOM from a callback at step N (late-OOM tests); with
+                      --oom-marker PATH only once, with --oom-rank R only on rank R
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     p.add_argument("--fail-with", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--oom-at-step", type=int, default=None)
+    p.add_argument("--oom-rank", type=int, default=None, help="only this rank raises the injected OOM")
+    p.add_argument("--oom-marker", default=None, help="raise the injected OOM only once: skip if this file exists")
     a = p.parse_args()
     if a.fail_with is not None:
         print("failing on purpose", file=sys.stderr)
@@ -97,7 +100,11 @@ def main() -> None:
                 subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({a.sleep * 10})"])
                 print(f"sleeping pid={os.getpid()}", flush=True)
                 time.sleep(a.sleep)
-            if a.oom_at_step is not None and state.global_step == a.oom_at_step and not os.environ.get("NO_OOM"):
+            rank_ok = a.oom_rank is None or int(os.environ.get("RANK", "0")) == a.oom_rank
+            once_ok = a.oom_marker is None or not os.path.exists(a.oom_marker)
+            if a.oom_at_step is not None and state.global_step == a.oom_at_step and rank_ok and once_ok:
+                if a.oom_marker:
+                    open(a.oom_marker, "w").close()
                 raise torch.OutOfMemoryError(
                     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of which "
                     "1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "
