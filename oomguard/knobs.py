@@ -310,6 +310,7 @@ class RunFacts:
     model_config: dict[str, Any] | None = None
     launcher: str | None = None
     checkpoints: bool | None = None
+    fsdp: bool = False  # the run uses FSDP (GRPOConfig.fsdp)
 
     def replace(self, **changes: Any) -> RunFacts:
         return dataclasses.replace(self, **changes)

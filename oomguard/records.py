@@ -204,6 +204,7 @@ class Attempt:
     predicted_bytes: int | None = None
     note: str | None = None
     memory: dict[str, Any] | None = None  # guard(): live bytes before the call and after releasing a failed one
+    generated: dict[str, Any] | None = None  # configs oomguard generated for this attempt (e.g. DeepSpeed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -224,6 +225,7 @@ class Attempt:
             "resume": self.resume,
             "note": self.note,
             "memory": self.memory,
+            "generated": self.generated,
         }
 
 

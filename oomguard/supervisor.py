@@ -262,6 +262,11 @@ class Supervisor:
         attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
         attempt.kind = kind
         attempt.resume = resume
+        for ev in events:
+            if ev.get("event") == "generated" and ev.get("kind"):
+                attempt.generated = {**(attempt.generated or {}),
+                                     ev["kind"]: {"path": ev.get("path"), "config": ev.get("config"),
+                                                  "replaces": ev.get("replaces")}}
         if kind != "run" and not any(e.get("event") == "config" for e in events):
             attempt.kind = "run"  # no GRPOConfig to shorten: the "probe" was the whole command
             attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
@@ -476,6 +481,12 @@ class Supervisor:
             message = f"stopped by the budget ({budget}) while the run still ran out of memory"
         report = c.report(status, message, code, command=self.argv,
                           device={"simulate_gpu": self.o.simulate_gpu, "gpu_memory": self.o.gpu_memory})
+        if last is not None and last.generated:
+            who = {r["knob"]: r["remedy"] for r in report.diff}
+            for kind, g in last.generated.items():
+                report.diff.append({"knob": f"{kind} config", "from": g.get("replaces"), "to": g.get("path"),
+                                    "remedy": who.get("zero_stage") or who.get("offload_optimizer")
+                                    or who.get("offload_params")})
         report.write(self.o.report_path)
         lock_path: Path | None = None
         if status == "stable":

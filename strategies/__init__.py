@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import adapters, allocator, batch, checkpointing, host, precision, sequences, vllm  # noqa: F401  (register)
+from . import adapters, allocator, batch, checkpointing, distributed, host, precision, sequences, vllm  # noqa: F401
 from .base import REGISTRY, Advice, Context, Remedy
 
 LADDER_DIR = Path(__file__).resolve().parent

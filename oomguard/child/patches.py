@@ -7,6 +7,7 @@ knobs. The user's code is never edited; ``remove()`` restores the originals (the
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import sys
@@ -62,10 +63,40 @@ def _dtype_name(d: Any) -> str | None:
 
 
 def observe_config(cfg: Any) -> dict[str, Any]:
+    from ..distributed import fsdp_options, load_user_deepspeed, observe_deepspeed
+
     out = {name: _plain(getattr(cfg, name)) for name in CONFIG_KNOBS if hasattr(cfg, name)}
     act = getattr(cfg, "activation_checkpointing", None)
     out["gradient_checkpointing"] = act if act is not None else getattr(cfg, "gradient_checkpointing", None)
+    out.update(observe_deepspeed(load_user_deepspeed(getattr(cfg, "deepspeed", None))))
+    out["fsdp_offload"] = "offload" in fsdp_options(getattr(cfg, "fsdp", None))
     return out
+
+
+def apply_distributed(rt: Runtime, cfg: Any) -> None:
+    """ZeRO stage and offloads through a DeepSpeed config generated from the user's; FSDP offload through fsdp."""
+    from ..distributed import deepspeed_config, fsdp_options, load_user_deepspeed
+
+    ov = rt.overrides
+    if any(v is not None for v in (ov.zero_stage, ov.offload_optimizer, ov.offload_params)):
+        user = load_user_deepspeed(getattr(cfg, "deepspeed", None))
+        generated = deepspeed_config(user, zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
+                                     offload_params=ov.offload_params)
+        target = os.path.join(rt.plan.crash_dir or tempfile.gettempdir(), f"deepspeed-attempt{rt.plan.attempt}.json")
+        try:
+            with open(target, "w", encoding="utf-8") as f:
+                json.dump(generated, f, indent=2)
+        except OSError:
+            target = None
+        if not getattr(rt, "_deepspeed_emitted", False):
+            rt.emit("generated", kind="deepspeed", path=target, config=generated,
+                    replaces=str(cfg.deepspeed) if isinstance(getattr(cfg, "deepspeed", None), str) else None)
+            rt._deepspeed_emitted = True  # type: ignore[attr-defined]
+        cfg.deepspeed = target or generated
+    if ov.fsdp_offload is not None:
+        opts = [o for o in fsdp_options(getattr(cfg, "fsdp", None)) if o != "offload"]
+        if opts:
+            cfg.fsdp = " ".join([*opts, "offload"] if ov.fsdp_offload else opts)
 
 
 def apply_config(rt: Runtime, cfg: Any) -> None:
@@ -74,6 +105,7 @@ def apply_config(rt: Runtime, cfg: Any) -> None:
         v = getattr(ov, name)
         if v is not None and hasattr(cfg, name):
             setattr(cfg, name, v)
+    apply_distributed(rt, cfg)
     if ov.gradient_checkpointing is not None:
         # transformers 5.x: activation_checkpointing is the name; gradient_checkpointing is its deprecated mirror.
         if hasattr(cfg, "activation_checkpointing"):
@@ -114,8 +146,11 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
 
     def __post_init__(self: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
+            from ..distributed import fsdp_options
+
             rt.observe(observe_config(self))
-            rt.emit("config", observed=observe_config(self), world_size=_world())
+            rt.emit("config", observed=observe_config(self), world_size=_world(),
+                    facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None)))})
         object.__setattr__(self, "_oomguard_seen", True)
         apply_config(rt, self)
         orig(self)

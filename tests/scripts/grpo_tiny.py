@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--oom-at-step", type=int, default=None)
     p.add_argument("--oom-rank", type=int, default=None, help="only this rank raises the injected OOM")
     p.add_argument("--oom-marker", default=None, help="raise the injected OOM only once: skip if this file exists")
+    p.add_argument("--kill-self-at-step", type=int, default=None,
+                   help="SIGKILL this process at step N, as the kernel's OOM killer would (once, with --oom-marker)")
+    p.add_argument("--dataloader-num-workers", type=int, default=0)
     a = p.parse_args()
     if a.fail_with is not None:
         print("failing on purpose", file=sys.stderr)
@@ -83,6 +86,7 @@ def main() -> None:
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
         generation_kwargs={"min_new_tokens": a.max_completion_length},
+        dataloader_num_workers=a.dataloader_num_workers,
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model)
@@ -102,6 +106,12 @@ def main() -> None:
                 time.sleep(a.sleep)
             rank_ok = a.oom_rank is None or int(os.environ.get("RANK", "0")) == a.oom_rank
             once_ok = a.oom_marker is None or not os.path.exists(a.oom_marker)
+            if a.kill_self_at_step is not None and state.global_step == a.kill_self_at_step and once_ok:
+                if a.oom_marker:
+                    open(a.oom_marker, "w").close()
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             if a.oom_at_step is not None and state.global_step == a.oom_at_step and rank_ok and once_ok:
                 if a.oom_marker:
                     open(a.oom_marker, "w").close()

@@ -1,0 +1,126 @@
+"""Distributed remedies: shard what every rank holds (DeepSpeed ZeRO through the training arguments, or FSDP), then
+move it to host RAM. They only apply to runs with several ranks.
+
+The DeepSpeed configuration is generated from the user's own (``GRPOConfig.deepspeed``, a path or a dict) with the
+ZeRO stage and offload settings changed, and handed to transformers through the same field; the report shows it.
+
+>>> deepspeed_config(None, zero_stage=3, offload_optimizer=True)["zero_optimization"]["offload_optimizer"]
+{'device': 'cpu', 'pin_memory': True}
+"""
+
+from __future__ import annotations
+
+from oomguard.diagnose import Diagnosis
+from oomguard.distributed import deepspeed_config, load_user_deepspeed, observe_deepspeed  # noqa: F401  (re-exported)
+from oomguard.knobs import Knobs
+
+from .base import Advice, Context, Remedy, register
+
+
+class _Sharding(Remedy):
+    trades = "speed"
+    resume = "new-run"  # DeepSpeed and FSDP checkpoints are laid out per stage: a new run from the weights
+    helps_optimizer = True
+
+    def blocked(self, ctx: Context) -> str | None:
+        if ctx.facts.world_size <= 1:
+            return "the run has one rank; sharding needs several"
+        if ctx.facts.fsdp:
+            return "the run uses FSDP, not DeepSpeed"
+        return None
+
+
+@register
+class Zero2(_Sharding):
+    name = "zero2"
+    summary = "DeepSpeed ZeRO stage 2: shard optimizer state and gradients across ranks."
+    trade_note = "more communication per step"
+    changes = ("zero_stage",)
+
+    def blocked(self, ctx: Context) -> str | None:
+        if (ctx.knobs.zero_stage or 0) >= 2:
+            return f"already in force (ZeRO stage {ctx.knobs.zero_stage})"
+        return super().blocked(ctx)
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(zero_stage=2)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "With N ranks, ZeRO-2 keeps 1/N of the optimizer state and gradients on each GPU.")
+
+
+@register
+class Zero3(_Sharding):
+    name = "zero3"
+    summary = "DeepSpeed ZeRO stage 3: shard the parameters too."
+    trade_note = "parameters are gathered for every forward and generation: slower, more communication"
+    changes = ("zero_stage",)
+    helps_at_load = True
+
+    def blocked(self, ctx: Context) -> str | None:
+        if (ctx.knobs.zero_stage or 0) >= 3:
+            return "already in force (ZeRO stage 3)"
+        return super().blocked(ctx)
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(zero_stage=3)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "ZeRO-3 also keeps 1/N of the weights on each GPU (gathered layer by layer).")
+
+
+@register
+class OffloadOptimizer(_Sharding):
+    name = "offload_optimizer"
+    summary = "Keep the optimizer state in host RAM (DeepSpeed ZeRO offload_optimizer)."
+    trade_note = "the optimizer step runs on the CPU; needs host RAM of about 12 bytes per parameter"
+    changes = ("offload_optimizer", "zero_stage")
+
+    def blocked(self, ctx: Context) -> str | None:
+        if ctx.value("offload_optimizer"):
+            return "already in force"
+        if not ctx.knobs.zero_stage:
+            return "needs DeepSpeed ZeRO (zero2 or zero3 first)"
+        return super().blocked(ctx)
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(offload_optimizer=True)
+
+
+@register
+class OffloadParams(_Sharding):
+    name = "offload_params"
+    summary = "Keep the parameters in host RAM between uses (DeepSpeed ZeRO-3 offload_param)."
+    trade_note = "every layer is fetched from host RAM: much slower"
+    changes = ("offload_params",)
+    helps_at_load = True
+
+    def blocked(self, ctx: Context) -> str | None:
+        if ctx.value("offload_params"):
+            return "already in force"
+        if (ctx.knobs.zero_stage or 0) < 3:
+            return "needs ZeRO stage 3"
+        return super().blocked(ctx)
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(offload_params=True)
+
+
+@register
+class FsdpOffload(Remedy):
+    name = "fsdp_offload"
+    summary = "FSDP with parameters and gradients offloaded to the CPU (fsdp='full_shard offload')."
+    trades = "speed"
+    trade_note = "every layer is fetched from host RAM: much slower"
+    resume = "new-run"
+    changes = ("fsdp_offload",)
+    helps_optimizer = True
+    helps_at_load = True
+
+    def blocked(self, ctx: Context) -> str | None:
+        if not ctx.facts.fsdp:
+            return "the run does not use FSDP"
+        return "already in force" if ctx.value("fsdp_offload") else None
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(fsdp_offload=True)

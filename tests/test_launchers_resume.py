@@ -1,0 +1,104 @@
+"""Long runs and many ranks: late OOMs resume from the newest checkpoint; torchrun and accelerate launch groups stop
+together and are relaunched with the next rung on every rank; a SIGKILL takes the host-RAM path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import SCRIPTS, run_oomguard
+
+pytestmark = pytest.mark.e2e
+TINY = str(SCRIPTS / "grpo_tiny.py")
+PLAIN = ("--no-probe", "--no-predict")
+
+
+def events_of(tmp: Path, attempt: int) -> list[dict]:
+    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):
+    """Checkpoints every 2 steps; an OOM at the start of step 4 (injected) loses one step, not three."""
+    out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
+                            str(tmp_path / "out"), "--max-steps", "4", "--save-steps", "2", "--oom-at-step", "3",
+                            "--oom-marker", str(tmp_path / "oomed"))
+    a1, a2 = rep["attempts"]
+    assert a1["outcome"] == "oom" and a1["step"] == 3 and a1["climbed"] == "fewer_generations"
+    ckpt2 = tmp_path / "out" / "checkpoint-2"
+    assert a2["resume"]["mode"] == "continue" and a2["resume"]["checkpoint"] == str(ckpt2)
+    assert "data position" in a2["resume"]["why"]  # fewer_generations changed the batch geometry
+    begin = next(e for e in events_of(tmp_path, 2) if e["event"] == "train_begin")
+    assert begin["step"] == 2  # resumed at checkpoint-2: the next step trained is step 3
+    assert a2["outcome"] == "ok" and a2["step"] == 4 and rep["status"] == "stable"
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert "saves no checkpoints" not in out.stderr
+
+
+def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(tmp_path, tiny_model):
+    ladder = tmp_path / "eight-bit.toml"
+    ladder.write_text("[[rung]]\nremedy = 'optimizer_8bit'\n")
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", str(ladder), "--", "python", TINY, "--model", tiny_model,
+                            "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--save-steps", "2",
+                            "--oom-at-step", "2", "--oom-marker", str(tmp_path / "oomed"))
+    ckpt2 = tmp_path / "out" / "checkpoint-2"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt2.iterdir()}
+    a1, a2 = rep["attempts"]
+    assert a1["climbed"] == "optimizer_8bit"
+    assert a2["resume"]["mode"] == "weights" and "optimizer" in a2["resume"]["why"]
+    assert any(e["event"] == "weights_from" and e["checkpoint"] == str(ckpt2) for e in events_of(tmp_path, 2))
+    fresh = Path(a2["resume"]["output_dir"])
+    assert fresh.parent == tmp_path / "out" and (fresh / "checkpoint-2").is_dir()
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt2.iterdir()} == before  # never overwritten
+    assert not (tmp_path / "out" / "checkpoint-3").exists()
+    assert rep["status"] == "stable"
+
+
+def test_a_script_that_saves_nothing_is_told_at_the_start(tmp_path, tiny_model):
+    out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
+                            str(tmp_path / "out"), "--max-steps", "1")
+    assert rep["status"] == "stable" and "--checkpoint-every" in out.stderr
+
+
+def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_model):
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
+                            str(tmp_path / "out"), "--max-steps", "2", "--dataloader-num-workers", "2",
+                            "--kill-self-at-step", "1", "--oom-marker", str(tmp_path / "killed"))
+    a1, a2 = rep["attempts"]
+    assert a1["exit_code"] == 137 and a1["oom"]["kind"] == "host-ram"
+    assert a1["climbed"] == "fewer_workers"  # not a GPU remedy
+    assert rep["diff"] == [{"knob": "dataloader_num_workers", "from": 2, "to": 1, "remedy": "fewer_workers"}]
+    assert a2["outcome"] == "ok" and rep["status"] == "stable"
+
+
+def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
+    """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
+    fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)"""
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--", "torchrun", "--nproc_per_node", "2",
+                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                            "--max-completion-length", "64")
+    a1, a2 = rep["attempts"]
+    assert a1["outcome"] == "oom" and a1["oom"]["rank"] in (0, 1)
+    assert a1["climbed"] == "fewer_generations" and rep["facts"]["world_size"] == 2
+    configs = [e for e in events_of(tmp_path, 2) if e["event"] == "config"]
+    assert sorted(e["rank"] for e in configs) == [0, 1]  # the bootstrap reached every worker, not the launcher
+    assert a2["knobs"]["num_generations"] == 2 and a2["outcome"] == "ok" and rep["status"] == "stable"
+
+
+def test_accelerate_launch_one_rank_oom_stops_the_whole_group(tmp_path, tiny_model):
+    """Only rank 1 runs out of memory; rank 0 would wait in a collective. The group stops together and both ranks
+    are relaunched with the next rung. (On a machine without GPUs, `--multi_gpu` launches CPU ranks over gloo;
+    accelerate's `--cpu --num_processes N` starts N processes only under mpirun.)"""
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--", "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                            "--oom-at-step", "1", "--oom-rank", "1", "--oom-marker", str(tmp_path / "oomed"))
+    a1, a2 = rep["attempts"]
+    assert a1["outcome"] == "oom" and a1["oom"]["rank"] == 1
+    crash = list((tmp_path / "wd").glob("runs/*/attempt-1/crash-rank*.json"))
+    assert [p.name for p in crash] == ["crash-rank1.json"]
+    assert a1["seconds"] < 120  # rank 0 did not hang in its collective
+    starts = [e for e in events_of(tmp_path, 2) if e["event"] == "start"]
+    assert sorted(e["rank"] for e in starts) == [0, 1]
+    assert a2["outcome"] == "ok" and rep["status"] == "stable"
