@@ -102,13 +102,15 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
               help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
                    "steps (oomguard continues from the newest checkpoint).")
+@click.option("--html", "html_path", default=None, metavar="PATH",
+              help="Also write a self-contained HTML report (charts of peak against capacity, breakdown, timeline).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the OOMs, the rungs climbed and the result.")
 @click.option("--json-log", is_flag=True, help="Progress as JSON lines on stderr, for CI and other programs.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, no_predict: bool, minimize: bool, checkpoint_every: int | None,
-        quiet: bool, json_log: bool) -> None:
+        html_path: str | None, quiet: bool, json_log: bool) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
 
     \b
@@ -145,7 +147,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          simulate_gpu=sim, gpu_memory=cap, report_path=Path(report_path), lock_path=Path(lock_path),
                          workdir=Path(workdir), replay=replay, predict=not no_predict,
                          probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
-                         checkpoint_every=checkpoint_every)
+                         checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet)
     try:
         code = Supervisor(argv, options, reporter).run()

@@ -76,7 +76,8 @@ class Reporter(Protocol):
     def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
                       kind: str) -> None: ...
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None: ...
-    def climb(self, step: Step | None, exhausted: Exhausted | None, changes: dict[str, Any]) -> None: ...
+    def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+              skipped: list[dict[str, str]] | None = None) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None: ...
 
@@ -101,6 +102,7 @@ class RunOptions:
     checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
     oom_grace: float = 10.0  # after a rank reports an OOM, how long the others may take to stop before we stop them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
+    html_path: Path | None = None  # also write a self-contained HTML report
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,18 +355,14 @@ class Supervisor:
         # an OOM
         if self.o.replay:
             c.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
-            self.ui.climb(None, c.exhausted, {})
+            self.ui.climb([], c.exhausted, {})
             return "done"
         fits = self.guide.fits(c.facts) if self.guide is not None else None
         steps, changes = c.climb(attempt, diag, reachable(self.reached), fits=fits)
         if isinstance(steps, Exhausted):
-            self.ui.climb(None, steps, {})
+            self.ui.climb([], steps, {})
             return "done"
-        for i, step in enumerate(steps):
-            self.ui.climb(step, None, changes if i == len(steps) - 1 else {})
-        if len(steps) > 1:
-            self.ui.message(f"  the memory model predicts that {', '.join(s.remedy.name for s in steps[:-1])} "
-                            f"alone would not be enough")
+        self.ui.climb(steps, None, changes, attempt.skipped)
         return "probe" if self.o.probe_steps > 0 else "run"
 
     def _next_minimize(self) -> str:
@@ -487,7 +485,17 @@ class Supervisor:
                 report.diff.append({"knob": f"{kind} config", "from": g.get("replaces"), "to": g.get("path"),
                                     "remedy": who.get("zero_stage") or who.get("offload_optimizer")
                                     or who.get("offload_params")})
+        if report.device is not None:
+            report.device["capacity"] = self.capacity
         report.write(self.o.report_path)
+        if self.o.html_path:
+            from .html import write_run_html
+
+            breakdown = None
+            if self.guide is not None and report.attempts:
+                est = self.guide.predict(c.facts, Knobs.from_dict(report.attempts[-1].knobs))
+                breakdown = dict(est.breakdown) if est else None
+            write_run_html(self.o.html_path, report.to_dict(), breakdown)
         lock_path: Path | None = None
         if status == "stable":
             lock_path = self.o.lock_path

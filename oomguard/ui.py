@@ -68,18 +68,23 @@ class ConsoleReporter:
         elif attempt.outcome == "interrupted":
             self._say(f"attempt {attempt.index}: interrupted")
 
-    def climb(self, step: Step | None, exhausted: Exhausted | None, changes: dict[str, Any]) -> None:
-        skipped = step.skipped if step is not None else (exhausted.skipped if exhausted else ())
+    def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+              skipped: list[dict[str, str]] | None = None) -> None:
+        reasons = skipped if skipped is not None else [
+            {"remedy": n, "reason": w} for n, w in (exhausted.skipped if exhausted else ())]
         if not self.quiet:
-            for name, why in skipped:
-                self._say(f"  [dim]skip {name}: {why}[/]")
-        if step is not None:
-            r = step.remedy
-            again = " (again)" if step.pass_no > 1 else ""
-            self._say(f"  → climbing [cyan]{r.name}[/]{again}: {_changes(changes)}  [dim](trades {r.trades}"
-                      f"{': ' + r.trade_note if r.trade_note else ''})[/]")
-        else:
+            for s in reasons:
+                self._say(f"  [dim]skip {s['remedy']}: {s['reason']}[/]")
+        if not steps:
             self._say("  → [red]no rung left that can help[/]")
+            return
+        names = " + ".join(s.remedy.name + (" (again)" if s.pass_no > 1 else "") for s in steps)
+        trades = sorted({s.remedy.trades for s in steps})
+        notes = "; ".join(dict.fromkeys(s.remedy.trade_note for s in steps if s.remedy.trade_note))
+        self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim](trades {', '.join(trades)}"
+                  f"{': ' + notes if notes else ''})[/]")
+        if len(steps) > 1:
+            self._say("  [dim]the memory model predicts that fewer rungs would not be enough[/]")
 
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None:
         from .render import diff_table
@@ -113,10 +118,11 @@ class JsonLogReporter:
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None:
         self._emit(event="attempt_end", **attempt.to_dict())
 
-    def climb(self, step: Step | None, exhausted: Exhausted | None, changes: dict[str, Any]) -> None:
-        skipped = step.skipped if step is not None else (exhausted.skipped if exhausted else ())
-        self._emit(event="climb", remedy=step.remedy.name if step else None, changes=changes,
-                   skipped=[{"remedy": n, "reason": w} for n, w in skipped])
+    def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+              skipped: list[dict[str, str]] | None = None) -> None:
+        reasons = skipped if skipped is not None else [
+            {"remedy": n, "reason": w} for n, w in (exhausted.skipped if exhausted else ())]
+        self._emit(event="climb", remedies=[s.remedy.name for s in steps], changes=changes, skipped=reasons)
 
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None:
         self._emit(event="finish", status=report.status, message=report.message, diff=report.diff,
