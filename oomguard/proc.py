@@ -105,7 +105,12 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
             on_data(b)
         if dst is not None:
             try:
-                dst.write(b)
+                # rich's live-view proxy forwards unknown attributes (.buffer) to the real stream: write str to it
+                out = None if hasattr(dst, "rich_proxied_file") else getattr(dst, "buffer", None)
+                if out is not None:
+                    out.write(b)
+                else:  # a text stream, e.g. the live view's redirect: it needs str
+                    dst.write(b.decode("utf-8", errors="replace"))
                 dst.flush()
             except (OSError, ValueError):
                 pass
@@ -126,10 +131,11 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
                             start_new_session=True, cwd=cwd)
     interrupts.pgid = proc.pid
     out_tail, err_tail = Tail(), Tail()
+    # sys.stdout/sys.stderr as they are now: under the live view they are rich's redirecting proxies.
     threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, sys.stdout.buffer if echo else None, out_tail, on_stdout),
+        threading.Thread(target=_pump, args=(proc.stdout, sys.stdout if echo else None, out_tail, on_stdout),
                          daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, sys.stderr.buffer if echo else None, err_tail, on_stderr),
+        threading.Thread(target=_pump, args=(proc.stderr, sys.stderr if echo else None, err_tail, on_stderr),
                          daemon=True),
     ]
     for t in threads:

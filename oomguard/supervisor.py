@@ -78,6 +78,8 @@ class Reporter(Protocol):
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None: ...
     def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
               skipped: list[dict[str, str]] | None = None) -> None: ...
+    def live(self) -> Any: ...
+    def progress(self, state: Any) -> None: ...
     def message(self, text: str) -> None: ...
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None: ...
 
@@ -252,9 +254,12 @@ class Supervisor:
         seen: list[dict[str, Any]] = []
         self._oom_seen_at = None
         rungs_now = len(c.applied)
+        if hasattr(self.ui, "state"):
+            self.ui.state.capacity = self.capacity
         try:
-            res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
-                              echo=self.o.echo, on_tick=lambda: self._tick(tail, seen, kind, rungs_now))
+            with self.ui.live():
+                res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
+                                  echo=self.o.echo, on_tick=lambda: self._tick(tail, seen, kind, rungs_now))
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
@@ -286,7 +291,19 @@ class Supervisor:
 
     def _tick(self, tail: EventTail, seen: list[dict[str, Any]], kind: str, rungs: int) -> int | None:
         """While an attempt runs: take its new events; end a group whose rank died of OOM but which hangs."""
-        for ev in tail.poll():
+        fresh = tail.poll()
+        state = getattr(self.ui, "state", None)
+        for ev in fresh:
+            if state is not None and ev.get("event") in ("step", "train_begin", "train_end"):
+                if ev.get("step") is not None:
+                    state.step = max(state.step or 0, int(ev["step"]))
+                if ev.get("max_steps"):
+                    state.max_steps = int(ev["max_steps"])
+                if ev.get("peak") is not None:
+                    state.peak = max(state.peak or 0, int(ev["peak"]))
+        if fresh and state is not None:
+            self.ui.progress(state)
+        for ev in fresh:
             seen.append(ev)
             name = ev.get("event")
             if name == "train_begin" and kind == "run":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,76 @@ def _changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{k}={_fmt(v)}" for k, v in changes.items())
 
 
-class ConsoleReporter:
-    """Human-readable progress, one block per attempt, and the diff table at the end."""
+@dataclass
+class Progress:
+    """What the live view shows: the attempt, the rungs in force, the child's step and peak against capacity."""
 
-    def __init__(self, quiet: bool = False) -> None:
+    index: int = 0
+    max_attempts: int = 0
+    kind: str = "run"
+    remedies: list[str] = field(default_factory=list)
+    step: int | None = None
+    max_steps: int | None = None
+    peak: int | None = None
+    capacity: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    run_started: float = field(default_factory=time.monotonic)
+
+    def elapsed(self) -> str:
+        return _clock(time.monotonic() - self.started)
+
+    def line(self) -> str:
+        """One plain line (logs without a terminal)."""
+        step = f"step {self.step}" + (f"/{self.max_steps}" if self.max_steps and self.max_steps > 0 else "") \
+            if self.step is not None else "starting"
+        peak = f", peak {format_size(self.peak)}" + (f" of {format_size(self.capacity)}" if self.capacity else "") \
+            if self.peak is not None else ""
+        return f"{self.kind} {self.index}/{self.max_attempts}: {step}{peak}, {self.elapsed()}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def status_panel(p: Progress) -> Any:
+    """The live view as a rich renderable (also used by the tests)."""
+    from rich.bar import Bar
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold magenta")
+    t.add_column()
+    t.add_row("oomguard", f"{p.kind} {p.index}/{p.max_attempts}   elapsed {p.elapsed()} "
+                          f"(run {_clock(time.monotonic() - p.run_started)})")
+    t.add_row("rungs", ", ".join(p.remedies) if p.remedies else "none: your config as it is")
+    step = "starting" if p.step is None else f"{p.step}" + (f" / {p.max_steps}" if p.max_steps and p.max_steps > 0
+                                                           else "")
+    t.add_row("step", step)
+    if p.peak is not None:
+        if p.capacity:
+            grid = Table.grid(padding=(0, 1))
+            grid.add_row(Bar(size=p.capacity, begin=0, end=min(p.peak, p.capacity), width=30,
+                             color="red" if p.peak > 0.9 * p.capacity else "green"),
+                         f"{format_size(p.peak)} of {format_size(p.capacity)} ({p.peak / p.capacity:.0%})")
+            t.add_row("peak", grid)
+        else:
+            t.add_row("peak", format_size(p.peak))
+    return t
+
+
+class ConsoleReporter:
+    """Human-readable progress, one block per attempt, a live status panel on a terminal, the diff at the end."""
+
+    def __init__(self, quiet: bool = False, live: bool | None = None) -> None:
         from rich.console import Console
 
         self.quiet = quiet
         self.out = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.live_enabled = (not quiet and self.out.is_terminal) if live is None else live
+        self._live: Any = None
+        self._last_line = 0.0
+        self.state = Progress()
 
     def _say(self, text: str) -> None:
         self.out.print(f"[bold magenta]oomguard[/] {text}")
@@ -40,15 +104,40 @@ class ConsoleReporter:
 
     def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
                       kind: str) -> None:
+        self.state = Progress(index=index, max_attempts=max_attempts, kind=kind, remedies=list(remedies),
+                              capacity=self.state.capacity, run_started=self.state.run_started)
         if self.quiet:
             return
-        what = "probe" if kind == "probe" else "attempt"
+        what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
         extra = f" with {', '.join(remedies)}" if remedies else " with your config as it is"
         self._say(f"[bold]{what} {index}/{max_attempts}[/]{extra}")
         if changes:
             self._say(f"  overrides: {_changes(changes)}")
 
+    # -- the live view ------------------------------------------------------------------------------------------
+    def live(self) -> Any:
+        """A context manager around a running attempt: the status panel stays at the bottom of the terminal while
+        the training output scrolls above it (Live redirects stdout and stderr)."""
+        import contextlib
+
+        if not self.live_enabled:
+            return contextlib.nullcontext()
+        from rich.live import Live
+
+        self._live = Live(status_panel(self.state), console=self.out, refresh_per_second=4, transient=True,
+                          redirect_stdout=True, redirect_stderr=True)
+        return self._live
+
+    def progress(self, state: Progress) -> None:
+        self.state = state
+        if self._live is not None and self._live.is_started:
+            self._live.update(status_panel(state))
+        elif not self.quiet and time.monotonic() - self._last_line >= 30:
+            self._last_line = time.monotonic()
+            self._say(f"[dim]{state.line()}[/]")
+
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None:
+        self._live = None
         peak = f", peak {format_size(attempt.peak_bytes)}" if attempt.peak_bytes else ""
         step = f" at step {attempt.step}" if attempt.step is not None else ""
         if attempt.outcome == "ok":
@@ -102,6 +191,19 @@ class JsonLogReporter:
 
     def __init__(self) -> None:
         self.stream = sys.stderr
+        self._last = 0.0
+
+    def live(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def progress(self, state: Progress) -> None:
+        if time.monotonic() - self._last >= 5:
+            self._last = time.monotonic()
+            self._emit(event="progress", attempt=state.index, kind=state.kind, step=state.step,
+                       max_steps=state.max_steps, peak_bytes=state.peak, capacity_bytes=state.capacity,
+                       remedies=state.remedies)
 
     def _emit(self, **data: Any) -> None:
         self.stream.write(json.dumps({"oomguard": data.pop("event"), **data}, default=str) + "\n")
