@@ -215,6 +215,11 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     from .render import console, plan_table
 
     plan_table(console(), p, model_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the ladders as JSON.")
 def ladders(as_json: bool) -> None:
     """List the remedy ladders shipped with oomguard and their rungs, in order."""
     from .ladder import available_ladders, describe, load_ladder

@@ -679,28 +679,32 @@ def scan_text(text: str) -> list[Hit]:
     return list(scan_lines(text.split("\n")))
 
 
-_CHEAP_PATTERN = (
-    r"out[\s_-]*of[\s_-]*memory|OutOfMemory|MemoryError|ALLOC_FAILED|AllocFailed|oom[-_]kill|\bKilled\b|KV\s*cache"
-    r"|cache\s*blocks|memory\s*utilization|OUT_OF_DEVICE_MEMORY|cudaErrorMemoryAllocation|allocate\s*memory"
-    r"|not\s*enough\s*memory"
+# The cheap filter: a line is looked at only if its lower-cased bytes match one of these. Each regex starts with a
+# literal, so the regex engine skips through a chunk at literal-search speed (GB/s) and only OOM-shaped hits come
+# back to Python; the context around the literal is checked in C by lookbehinds. Every head above contains one of
+# these phrases (with single spaces); str and bytes use the very same test, so streaming a file and scanning a string
+# always find the same messages.
+_CHEAP_REGEXES = (
+    re.compile(rb"memory(?:error|allocation| ?utilization|(?<=of memory)|(?<=ofmemory)|(?<=of-memory)|(?<=of_memory)"
+               rb"|(?<=allocate memory)|(?<=enough memory)|(?<=device_memory))"),
+    re.compile(rb"cache(?: ?blocks|(?<=kv cache)|(?<=kvcache))"),
+    re.compile(rb"alloc_?failed"),
+    re.compile(rb"kill(?:ed|(?<=oom-kill)|(?<=oom_kill))"),
 )
-# ASCII case folding in both, so that a line passes the str test exactly when its bytes pass the bytes test.
-_CHEAP = re.compile(_CHEAP_PATTERN, re.IGNORECASE | re.ASCII)
-_CHEAP_BYTES = re.compile(_CHEAP_PATTERN.encode(), re.IGNORECASE)
+
+
+def _cheap_match(folded: bytes) -> bool:
+    return any(rx.search(folded) for rx in _CHEAP_REGEXES)
 
 
 def _might_be_oom(s: str) -> bool:
-    return _CHEAP.search(s) is not None
+    return _cheap_match(s.encode("utf-8", errors="replace").lower())
 
 
-# Byte needles for streaming, searched in the lower-cased chunk: every line that a head can match contains one of
-# them (each head names "memory", ALLOC_FAILED/AllocFailed, oom-kill/oom_kill or Killed). bytes.find runs at GB/s,
-# far faster than a regex with alternatives, so streaming a large log costs little more than reading it.
-NEEDLES = (b"emory", b"alloc_failed", b"allocfailed", b"oom-kill", b"oom_kill", b"killed")
 _MAX_LINE = 1 << 20  # a "line" longer than this is cut, so one runaway line cannot hold the whole file
 
 
-def scan_stream(stream: BinaryIO, *, chunk_size: int = 4 << 20, max_bytes: int | None = None) -> Iterator[Hit]:
+def scan_stream(stream: BinaryIO, *, chunk_size: int = 8 << 20, max_bytes: int | None = None) -> Iterator[Hit]:
     """Stream a (possibly huge) binary log and yield its OOMs in order, in bounded memory.
 
     Gives the same hits as ``scan_text`` on the decoded text. Only lines that contain a needle are looked at; the
@@ -738,53 +742,44 @@ def scan_stream(stream: BinaryIO, *, chunk_size: int = 4 << 20, max_bytes: int |
                 cut = len(buf)
         if cut == 0:
             return  # end of an empty stream
-        region, rest = buf[:cut], buf[cut:]
-        n_lines = region.count(b"\n") + (0 if region.endswith(b"\n") else 1)
+        newlines = buf.count(b"\n", 0, cut)
+        n_lines = newlines + (0 if buf[cut - 1] == 10 else 1)
         limit = n_lines if eof else max(0, n_lines - (_MAX_CONTINUATION + 1))
         candidates = [
-            i for i in _candidate_lines(region)
+            i for i in _candidate_lines(buf, cut)
             if i < limit and carry_first + i >= pending and carry_first + i not in scanner.consumed
         ]
         if candidates:
-            lines = _split(region.decode("utf-8", errors="replace"))
+            lines = _split(buf[:cut].decode("utf-8", errors="replace"))
             for i in candidates:
                 yield from scanner.scan(lines, carry_first, i, i + 1)
                 pending = max(pending, carry_first + i + 1)
         pending = max(pending, carry_first + limit)
         if eof:
             return
-        keep_from = _tail_start(region, keep_lines)
-        carry_first += region.count(b"\n", 0, keep_from)
-        carry = region[keep_from:] + rest
+        keep_from = _tail_start(buf, keep_lines, cut)
+        carry_first += newlines - buf.count(b"\n", keep_from, cut)
+        carry = buf[keep_from:]
         scanner.consumed = {n for n in scanner.consumed if n >= carry_first}
 
 
-def _candidate_lines(region: bytes) -> list[int]:
-    """Sorted indices of the lines of ``region`` that pass the cheap byte test."""
-    starts: set[int] = set()
-    folded = region.lower()  # ASCII only, byte offsets unchanged
-    for nd in NEEDLES:
-        p = folded.find(nd)
-        while p != -1:
-            s = region.rfind(b"\n", 0, p) + 1
-            starts.add(s)
-            e = region.find(b"\n", p)
-            p = folded.find(nd, len(region) if e == -1 else e)
+def _candidate_lines(buf: bytes, end: int | None = None) -> list[int]:
+    """Sorted indices of the lines of ``buf[:end]`` that pass the cheap test."""
+    end = len(buf) if end is None else end
+    folded = buf.lower()  # ASCII only: byte offsets unchanged
+    starts = sorted({buf.rfind(b"\n", 0, m.start()) + 1 for rx in _CHEAP_REGEXES for m in rx.finditer(folded, 0, end)})
     out: list[int] = []
     prev_pos, prev_idx = 0, 0
-    for s in sorted(starts):
-        e = region.find(b"\n", s)
-        line = region[s: len(region) if e == -1 else e]
-        prev_idx += region.count(b"\n", prev_pos, s)
-        prev_pos = s
-        if _CHEAP_BYTES.search(line):
-            out.append(prev_idx)
+    for st in starts:
+        prev_idx += buf.count(b"\n", prev_pos, st)
+        prev_pos = st
+        out.append(prev_idx)
     return out
 
 
-def _tail_start(region: bytes, n_lines: int) -> int:
-    """Byte offset where the last ``n_lines`` lines of ``region`` (which ends with a newline) start."""
-    pos = len(region) - 1
+def _tail_start(region: bytes, n_lines: int, end: int | None = None) -> int:
+    """Byte offset where the last ``n_lines`` lines of ``region[:end]`` (which ends with a newline) start."""
+    pos = (len(region) if end is None else end) - 1
     for _ in range(n_lines):
         pos = region.rfind(b"\n", 0, pos)
         if pos == -1:

@@ -149,3 +149,18 @@ def test_custom_ladder_params(tmp_path: Path):
     p.write_text("[[rung]]\nremedy = 'shorter_sequences'\nfactor = 0.25\nmin_completion_length = 16\n")
     step = load_ladder(str(p)).next(Context(knobs=TRL_DEFAULTS, diagnosis=SHORT))
     assert step.knobs.max_completion_length == 128
+
+
+def test_ladders_command_lists_every_ladder_in_order():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "oomguard", "ladders", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    data = {lad["name"]: lad for lad in json.loads(out.stdout)}
+    assert {"default", "quality-first", "multi-gpu"} <= set(data)
+    assert [r["remedy"] for r in data["default"]["rungs"]][:2] == ["expandable_segments", "empty_cache"]
+    assert all({"remedy", "trades", "resume", "graded", "summary"} <= set(r) for r in data["default"]["rungs"])
+    text = subprocess.run([sys.executable, "-m", "oomguard", "ladders"], capture_output=True, text=True).stdout
+    assert "quality-first" in text and "host RAM: fewer_workers" in text
