@@ -197,6 +197,8 @@ class Guarded:
         climb.observe(result.get("observed") or {})
         if result.get("facts"):
             climb.facts = climb.facts.replace(**result["facts"])
+        # the knobs as the call really ran them: a GRPOConfig built inside it reports the function's own values
+        record.knobs = climb.effective()[0].to_dict()
         guide = self._guide()
         if guide is not None:
             report = result.get("report")

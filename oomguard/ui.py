@@ -138,24 +138,25 @@ class ConsoleReporter:
 
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None:
         self._live = None
+        what = {"probe": "probe", "minimize": "minimize probe"}.get(attempt.kind, "attempt")
         peak = f", peak {format_size(attempt.peak_bytes)}" if attempt.peak_bytes else ""
         step = f" at step {attempt.step}" if attempt.step is not None else ""
         if attempt.outcome == "ok":
             if not self.quiet:
-                self._say(f"attempt {attempt.index}: [green]finished[/] in {attempt.seconds:.1f}s{peak}")
+                self._say(f"{what} {attempt.index}: [green]finished[/] in {attempt.seconds:.1f}s{peak}")
             return
         if attempt.outcome == "oom" and diagnosis is not None:
             r = diagnosis.report
             req = f" ({format_size(r.requested)} requested)" if r.requested else ""
-            self._say(f"attempt {attempt.index}: [red]out of memory[/]{step}{req}: [bold]{diagnosis.kind}[/]"
+            self._say(f"{what} {attempt.index}: [red]out of memory[/]{step}{req}: [bold]{diagnosis.kind}[/]"
                       f"{' during ' + diagnosis.phase if diagnosis.phase != 'unknown' else ''}")
             for e in diagnosis.evidence[:3]:
                 self._say(f"  • {e}")
             return
         if attempt.outcome == "failed":
-            self._say(f"attempt {attempt.index}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
+            self._say(f"{what} {attempt.index}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
         elif attempt.outcome == "interrupted":
-            self._say(f"attempt {attempt.index}: interrupted")
+            self._say(f"{what} {attempt.index}: interrupted")
 
     def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
               skipped: list[dict[str, str]] | None = None) -> None:

@@ -98,7 +98,7 @@ class Remedy:
         if self.addresses == "fragmentation":
             if d.kind == "fragmentation":
                 return None
-            return f"no fragmentation: the OOM is a {d.kind}, so allocator settings cannot help"
+            return f"no fragmentation (the diagnosis is {d.kind}), and allocator settings only help fragmentation"
         if d.kind == "impossible":
             r = d.report
             limit = r.allowed or r.capacity or 0

@@ -145,3 +145,34 @@ def test_isolated_attempts_run_in_fresh_processes():
         assert r.attempts[0].oom["kind"] == "impossible"
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+@pytest.mark.e2e
+def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
+    """A function that builds its own GRPOTrainer: the run patches apply inside each call and are removed after."""
+    from oomguard.child import patches
+
+    import grpo_tiny
+
+    def build_and_train():
+        argv = sys.argv
+        sys.argv = ["grpo_tiny.py", "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                    "--max-completion-length", "64", "--max-steps", "2"]
+        try:
+            grpo_tiny.main()
+        finally:
+            sys.argv = argv
+        return "trained"
+
+    g = oomguard.guard(build_and_train, simulate_gpu="80MiB", max_attempts=4)
+    assert g() == "trained"
+    r = g.report
+    assert r.status == "stable" and r.attempts[0].outcome == "oom" and r.attempts[-1].outcome == "ok"
+    assert r.attempts[0].climbed and r.diff  # the GRPOConfig patch took the rung into the function's own config
+    assert r.original["max_completion_length"] == 64  # recorded from the function's GRPOConfig
+    live = [a.memory["live_after_release"] for a in r.attempts[:-1]]
+    assert all(x - live[0] < 64 * 1024 for x in live)  # no growth between attempts (library caches aside)
+    assert patches._UNDO == []  # every patch removed after the call
+    import trl
+
+    assert trl.GRPOConfig.__post_init__.__module__.startswith("trl")

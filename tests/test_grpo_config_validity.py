@@ -1,0 +1,86 @@
+"""Every knob combination any shipped ladder produces is accepted by TRL 1.16's real GRPOConfig.
+
+A ValueError from GRPOConfig caused by a knob combination would be a bug in oomguard, never the user's fault, so
+this builds a real GRPOConfig (with oomguard's overrides applied by the same code the training process uses) for
+every step of every ladder, from several starting geometries.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+from oomguard.child.patches import CONFIG_KNOBS
+from oomguard.diagnose import diagnose
+from oomguard.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.ladder import Exhausted, available_ladders, load_ladder
+from oomguard.oom import OOMReport
+from oomguard.strategies import Context
+
+trl = pytest.importorskip("trl")
+
+DIAGNOSES = [
+    diagnose(OOMReport("cuda", "allocator", "x", requested=4 << 30, capacity=80 << 30, free=1 << 30), phase="forward"),
+    diagnose(OOMReport("cuda", "allocator", "x", requested=1 << 30, capacity=80 << 30, free=0,
+                       reserved_unallocated=2 << 30), phase="generation"),
+]
+STARTS = [
+    TRL_DEFAULTS,
+    TRL_DEFAULTS.replace(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=16),
+    TRL_DEFAULTS.replace(per_device_train_batch_size=6, generation_batch_size=24, num_generations=6),
+    TRL_DEFAULTS.replace(per_device_train_batch_size=2, steps_per_generation=4, num_generations=8),
+    TRL_DEFAULTS.replace(per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=3),
+]
+
+
+def grpo_config(knobs, world_size):
+    kw = {name: getattr(knobs, name) for name in CONFIG_KNOBS
+          if getattr(knobs, name) is not None and name not in ("use_vllm", "vllm_mode", "dataloader_prefetch_factor")}
+    kw["activation_checkpointing"] = knobs.gradient_checkpointing
+    if knobs.optim and "bnb" not in knobs.optim and "8bit" not in knobs.optim:
+        kw["optim"] = knobs.optim
+    else:
+        kw.pop("optim", None)  # bitsandbytes names are checked by transformers at optimizer creation, not here
+    return trl.GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], **kw)
+
+
+@pytest.mark.parametrize("ladder", sorted(available_ladders()))
+def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch):
+    lad = load_ladder(ladder)
+    for world in (1, 2):
+        monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self, w=world: w))
+        facts = RunFacts(world_size=world, prompt_tokens_max=900, prompt_tokens_p95=300)
+        for diag in DIAGNOSES:
+            for start in STARTS:
+                if start.validate(world):
+                    continue  # a start the user could not have run
+                knobs, used, seen = start, {}, 0
+                grpo_config(knobs, world)
+                while seen < 40:
+                    step = lad.next(Context(knobs=knobs, facts=facts, diagnosis=diag, used=dict(used)))
+                    if isinstance(step, Exhausted):
+                        break
+                    knobs = step.knobs
+                    used[step.remedy.name] = used.get(step.remedy.name, 0) + 1
+                    seen += 1
+                    cfg = grpo_config(knobs, world)  # raises ValueError on a combination GRPO rejects
+                    assert cfg.generation_batch_size % cfg.num_generations == 0
+                    assert cfg.num_generations >= 2
+
+
+def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):
+    """The patch applies overrides before TRL's own validation; the result must still validate."""
+    from oomguard.child.patches import apply_config
+    from oomguard.child.runtime import Plan, Runtime
+
+    rt = Runtime(Plan(overrides={"num_generations": 2, "per_device_train_batch_size": 2, "max_completion_length": 64},
+                      probe={"steps": 2}))
+    cfg = SimpleNamespace(**{k: getattr(TRL_DEFAULTS, k) for k in CONFIG_KNOBS}, gradient_checkpointing=True,
+                          deepspeed=None, fsdp="", save_strategy="steps", save_steps=500, output_dir="x",
+                          generation_kwargs=None)
+    apply_config(rt, cfg)
+    assert cfg.max_steps == 2 and cfg.save_strategy == "no" and cfg.generation_kwargs == {"min_new_tokens": 64}
+    kw = {k: getattr(cfg, k) for k in ("num_generations", "per_device_train_batch_size", "max_completion_length")}
+    trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **kw)
