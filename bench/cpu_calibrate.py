@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from _phases import instrument_phases
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -175,7 +177,7 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     import random
 
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig, GRPOTrainer
 
     random.seed(0)
@@ -210,33 +212,7 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     dev.reset_peak()
 
     tracker = PhaseTracker(lambda: dev.peak, dev.reset_peak)
-    gen_and_score, generate = trainer._generate_and_score_completions, trainer._generate
-
-    def wrapped_gen_and_score(*a: Any, **kw: Any) -> Any:
-        tracker.switch("generation")
-        out = gen_and_score(*a, **kw)
-        tracker.switch("forward_backward")
-        return out
-
-    def wrapped_generate(*a: Any, **kw: Any) -> Any:
-        out = generate(*a, **kw)
-        tracker.switch("scoring")
-        return out
-
-    trainer._generate_and_score_completions = wrapped_gen_and_score
-    trainer._generate = wrapped_generate
-
-    class Phases(TrainerCallback):
-        def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
-            tracker.switch("optimizer")
-
-        def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
-            tracker.switch("optimizer")  # zero_grad and logging count as the optimizer phase
-
-        def on_step_end(self, *a: Any, **kw: Any) -> None:
-            tracker.next_step()
-
-    trainer.add_callback(Phases())
+    instrument_phases(trainer, tracker.switch, tracker.next_step)
     t0 = time.time()
     trainer.train()
     tracker.switch("end")

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from _phases import instrument_phases
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 for p in (str(ROOT), str(HERE)):
@@ -208,7 +210,7 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
     ctx_start = context_bytes(torch)
 
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig, GRPOTrainer
 
     random.seed(0)
@@ -247,35 +249,13 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
     resident = int(torch.cuda.memory_allocated())
     phases = CudaPhases(torch)
     phases.switch("setup")
-    gen_and_score, generate = trainer._generate_and_score_completions, trainer._generate
-
-    def wrapped_gen_and_score(*a: Any, **kw: Any) -> Any:
-        phases.switch("generation")
-        out = gen_and_score(*a, **kw)
-        phases.switch("forward_backward")
-        return out
-
-    def wrapped_generate(*a: Any, **kw: Any) -> Any:
-        out = generate(*a, **kw)
-        phases.switch("scoring")
-        return out
-
-    trainer._generate_and_score_completions = wrapped_gen_and_score
-    trainer._generate = wrapped_generate
     ctx_samples = [ctx_start]
 
-    class Phases(TrainerCallback):
-        def on_pre_optimizer_step(self, *a: Any, **kw: Any) -> None:
-            phases.switch("optimizer")
+    def step_end() -> None:
+        ctx_samples.append(context_bytes(torch))
+        phases.next_step()
 
-        def on_optimizer_step(self, *a: Any, **kw: Any) -> None:
-            phases.switch("optimizer")
-
-        def on_step_end(self, *a: Any, **kw: Any) -> None:
-            ctx_samples.append(context_bytes(torch))
-            phases.next_step()
-
-    trainer.add_callback(Phases())
+    instrument_phases(trainer, phases.switch, step_end)
     t0 = time.time()
     trainer.train()
     phases.switch("end")

@@ -135,6 +135,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
         args = args[1:]
     try:
         lad = load_ladder(ladder)
+        import os
+
+        simulate_gpu = simulate_gpu or os.environ.get("OOMGUARD_SIMULATE_GPU") or None
         sim = parse_size(simulate_gpu) if simulate_gpu else None
         cap = parse_size(gpu_memory) if gpu_memory else None
         if (sim is not None and sim <= 0) or (cap is not None and cap <= 0):

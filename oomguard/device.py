@@ -46,19 +46,3 @@ def gpu_total_memory(index: int | None = None) -> int | None:
             nvml.nvmlShutdown()
         except Exception:
             pass
-
-
-def gpu_name(index: int | None = None) -> str | None:
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    try:
-        name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index))
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:
-        return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass

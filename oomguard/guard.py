@@ -107,6 +107,8 @@ class Guarded:
         self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
         self.initial = knobs if isinstance(knobs, Knobs) else Knobs.from_dict(knobs or {})
         self.max_attempts = max_attempts
+        if simulate_gpu in (None, ""):
+            simulate_gpu = os.environ.get("OOMGUARD_SIMULATE_GPU") or None  # the rehearsal device, as for `run`
         self.simulate_gpu = parse_size(simulate_gpu) if simulate_gpu not in (None, "") else None
         self.report_path = Path(report) if report else None
         self.isolate = isolate

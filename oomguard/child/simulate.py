@@ -163,21 +163,21 @@ class AllocatorModel:
             self._unref_pages(b)
         # merge with free neighbours
         if b.prev is not None and b.prev.free:
-            p = b.prev
-            self._remove_free(p)
-            p.size += b.size
-            p.next = b.next
-            if b.next is not None:
-                b.next.prev = p
-            b = p
+            self._remove_free(b.prev)
+            b = self._absorb(b.prev, b)
         if b.next is not None and b.next.free:
-            n = b.next
-            self._remove_free(n)
-            b.size += n.size
-            b.next = n.next
-            if n.next is not None:
-                n.next.prev = b
+            self._remove_free(b.next)
+            self._absorb(b, b.next)
         self._add_free(b)
+
+    @staticmethod
+    def _absorb(left: _Block, right: _Block) -> _Block:
+        """Merge ``right`` (the block after ``left`` in its segment) into ``left``."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
+        return left
 
     def release_cached(self) -> None:
         """Give fully free segments (or, expandable, unused pages) back to the device, like ``empty_cache()``."""
