@@ -1,4 +1,5 @@
-"""Phase boundaries of a TRL 1.16 GRPO step, for the calibration benchmarks (shared by the CPU and GPU scripts)."""
+"""What the CPU and GPU calibration benchmarks share: the calibration trainer, and the phase boundaries of a TRL 1.16
+GRPO step."""
 
 from __future__ import annotations
 
@@ -37,3 +38,42 @@ def instrument_phases(trainer: Any, switch: Callable[[str], None], step_end: Cal
             step_end()
 
     trainer.add_callback(Phases())
+
+
+def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, rows: int,
+                  model_init_kwargs: dict[str, Any], trainer_kwargs: dict[str, Any] | None = None,
+                  **config: Any) -> Any:
+    """The calibration run: ``rows`` random prompts of exactly ``cfg.P`` words, completions forced to ``cfg.C`` tokens,
+    a random reward, two steps, LoRA on all linear layers when ``cfg.lora_r``. ``config`` adds GRPOConfig fields."""
+    import random
+
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    random.seed(0)
+    torch.manual_seed(0)
+    # not AutoTokenizer: transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which cannot read a word-level vocab
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    rng = random.Random(0)
+    data = [{"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(cfg.P))} for _ in range(rows)]
+    args = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
+        gradient_accumulation_steps=cfg.GA, max_completion_length=cfg.C, max_steps=2,
+        gradient_checkpointing=cfg.gc, optim=cfg.optim, beta=cfg.beta, model_init_kwargs=model_init_kwargs,
+        generation_kwargs={"min_new_tokens": cfg.C}, logging_steps=1, report_to="none", save_strategy="no",
+        dataloader_num_workers=0, seed=0, **config, **cfg.extra,
+    )
+    peft_config = None
+    if cfg.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
+
+    def reward(completions: list[str], **kw: Any) -> list[float]:
+        return [rng.random() for _ in completions]
+
+    return GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
+                       processing_class=tokenizer, peft_config=peft_config, **(trainer_kwargs or {}))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from _phases import instrument_phases
+from _phases import build_trainer, instrument_phases
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -126,19 +126,21 @@ def make_tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
 
 
-def build_model(path: Path, arch: str) -> None:
-    """Write a random-weight model of ``ARCHS[arch]`` and a word-level tokenizer over its whole vocabulary."""
+def build_model(path: Path, arch: dict[str, Any], dtype: str = "float32", device: str = "cpu") -> None:
+    """Write a random-weight model of the architecture ``arch`` (an ``ARCHS`` entry; initialised on ``device``,
+    saved in ``dtype``) and a word-level tokenizer over its whole vocabulary. gpu_calibrate.py builds with this too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(ARCHS[arch])
+    spec = dict(arch)
     tokenizer = make_tokenizer(spec["vocab_size"])
-    spec.update(pad_token_id=0, eos_token_id=2, bos_token_id=2, torch_dtype="float32")
+    spec.update(pad_token_id=0, eos_token_id=2, bos_token_id=2, torch_dtype=dtype)
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    path.mkdir(parents=True, exist_ok=True)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -168,45 +170,12 @@ class PhaseTracker:
 
 
 def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
-    import torch
-
     from oomguard.child import simulate
 
     dev = simulate.start(64 * 2**30, expandable=False)
 
-    import random
-
-    from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast
-    from trl import GRPOConfig, GRPOTrainer
-
-    random.seed(0)
-    torch.manual_seed(0)
-    # not AutoTokenizer: transformers 5 maps model_type qwen2 to Qwen2Tokenizer, which cannot read a word-level vocab
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    V = ARCHS[cfg.arch]["vocab_size"]
-    rng = random.Random(0)
-    rows = [{"prompt": " ".join(f"w{rng.randrange(3, V)}" for _ in range(cfg.P))} for _ in range(64)]
-    args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
-        gradient_accumulation_steps=cfg.GA, max_completion_length=cfg.C, max_steps=2,
-        gradient_checkpointing=cfg.gc, optim=cfg.optim, beta=cfg.beta, bf16=False, use_cpu=True,
-        model_init_kwargs={"dtype": cfg.dtype}, generation_kwargs={"min_new_tokens": cfg.C},
-        logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, seed=0,
-        **cfg.extra,
-    )
-    peft_config = None
-    if cfg.lora_r:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
-                                 lora_dropout=0.0, task_type="CAUSAL_LM")
-
-    def reward(completions: list[str], **kw: Any) -> list[float]:
-        return [rng.random() for _ in completions]
-
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, peft_config=peft_config)
+    trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=64,
+                            model_init_kwargs={"dtype": cfg.dtype}, bf16=False, use_cpu=True)
     dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
     resident = dev.model.allocated
     dev.reset_peak()
@@ -341,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dirs = {}
             for arch in sorted({c.arch for c in grid}):
                 model_dirs[arch] = Path(tmp) / arch
-                build_model(model_dirs[arch], arch)
+                build_model(model_dirs[arch], ARCHS[arch])
             with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
                 measured = list(pool.map(lambda c: run_one(c, model_dirs, a.timeout), grid))
     results = list(zip(grid, measured, strict=True))

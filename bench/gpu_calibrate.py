@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from _phases import instrument_phases
+from _phases import build_trainer, instrument_phases
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -156,20 +156,9 @@ def probe() -> dict[str, Any]:
 
 def build(arch: str, path: str) -> None:
     """Random weights of ``ARCHS[arch]`` (initialised on the GPU, saved in bf16) and a word-level tokenizer."""
-    import torch
-    from cpu_calibrate import make_tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from cpu_calibrate import build_model
 
-    spec = dict(ARCHS[arch])
-    tokenizer = make_tokenizer(spec["vocab_size"])
-    spec.update(pad_token_id=0, eos_token_id=2, bos_token_id=2, torch_dtype="bfloat16")
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, **spec)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    build_model(Path(path), ARCHS[arch], dtype="bfloat16", device="cuda")
 
 
 class CudaPhases:
@@ -201,50 +190,22 @@ def context_bytes(torch: Any) -> int:
 
 
 def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
-    import random
-
     import torch
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     ctx_start = context_bytes(torch)
 
-    from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast
-    from trl import GRPOConfig, GRPOTrainer
-
-    random.seed(0)
-    torch.manual_seed(0)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    V = ARCHS[cfg.arch]["vocab_size"]
-    rng = random.Random(0)
-    rows = [{"prompt": " ".join(f"w{rng.randrange(3, V)}" for _ in range(cfg.P))} for _ in range(256)]
-    args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
-        gradient_accumulation_steps=cfg.GA, max_completion_length=cfg.C, max_steps=2,
-        gradient_checkpointing=cfg.gc, optim=cfg.optim, beta=cfg.beta,
-        model_init_kwargs={"dtype": "bfloat16" if cfg.qlora else cfg.dtype},
-        generation_kwargs={"min_new_tokens": cfg.C}, logging_steps=1, report_to="none", save_strategy="no",
-        dataloader_num_workers=0, seed=0, **cfg.extra,
-    )
     kwargs: dict[str, Any] = {}
-    if cfg.lora_r:
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
-                                           lora_dropout=0.0, task_type="CAUSAL_LM")
     if cfg.qlora:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
             bnb_4bit_use_double_quant=True)
-
-    def reward(completions: list[str], **kw: Any) -> list[float]:
-        return [rng.random() for _ in completions]
-
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, **kwargs)
+    trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=256,
+                            model_init_kwargs={"dtype": "bfloat16" if cfg.qlora else cfg.dtype},
+                            trainer_kwargs=kwargs)
     torch.cuda.synchronize()
     resident = int(torch.cuda.memory_allocated())
     phases = CudaPhases(torch)

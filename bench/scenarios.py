@@ -1,8 +1,9 @@
 """Attempts and wall time to a stable config: the default ladder, quality-first, and the guided (memory-model) climb.
 
 Each scenario is a real TRL GRPO run of tests/scripts/grpo_tiny.py on the simulated device, with the budgets of the
-end-to-end tests (found with bench/min_budget.py). Probes are off so the three strategies are compared on the same
-footing (one attempt = one launch of the script).
+end-to-end tests (found with bench/min_budget.py). Probes are off for the first three strategies so they are compared
+on the same footing (one attempt = one launch of the script). The fourth, guided with `--minimize`, needs probes: its
+attempts count the probes and the minimize trials too, its OOMs only those of the climb.
 
     python bench/scenarios.py [--model DIR] [--only NAME]
 """
@@ -27,15 +28,16 @@ SCENARIOS = {
     "tight (48 MiB, C=64)": ("48MiB", ["--max-completion-length", "64"]),
 }
 STRATEGIES = {
-    "default": ["--ladder", "default", "--no-predict"],
-    "quality-first": ["--ladder", "quality-first", "--no-predict"],
-    "guided (default)": ["--ladder", "default"],
+    "default": ["--no-probe", "--ladder", "default", "--no-predict"],
+    "quality-first": ["--no-probe", "--ladder", "quality-first", "--no-predict"],
+    "guided (default)": ["--no-probe", "--ladder", "default"],
+    "guided --minimize": ["--ladder", "default", "--minimize", "--probe-steps", "1"],
 }
 
 
 def run(model: str, budget: str, args: list[str], strategy: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, "-m", "oomguard", "run", "--quiet", "--no-probe", "--simulate-gpu", budget, *strategy,
+        cmd = [sys.executable, "-m", "oomguard", "run", "--quiet", "--simulate-gpu", budget, *strategy,
                "--report", f"{d}/r.json", "--lock", f"{d}/l.json", "--workdir", f"{d}/wd", "--",
                sys.executable, TINY, "--model", model, "--output-dir", f"{d}/out", *args]
         t = time.perf_counter()
@@ -43,7 +45,7 @@ def run(model: str, budget: str, args: list[str], strategy: list[str]) -> dict:
         wall = time.perf_counter() - t
         rep = json.loads(Path(f"{d}/r.json").read_text())
     return {"status": rep["status"], "attempts": len(rep["attempts"]),
-            "ooms": sum(a["outcome"] == "oom" for a in rep["attempts"]), "wall": wall,
+            "ooms": sum(a["outcome"] == "oom" and a.get("kind") != "minimize" for a in rep["attempts"]), "wall": wall,
             "changes": ", ".join(f"{r['knob']}={r['to']}" for r in rep["diff"])}
 
 

@@ -271,21 +271,23 @@ class RunReport:
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The JSON lines a training process appended; a torn last line (a crash mid-write) is skipped."""
-    out: list[dict[str, Any]] = []
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict):
-                    out.append(rec)
+        with open(path, "rb") as f:
+            return _json_dicts(f.read().split(b"\n"))
     except OSError:
-        pass
+        return []
+
+
+def _json_dicts(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON objects among ``lines``; blank, torn or non-object lines are skipped."""
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 
@@ -307,12 +309,4 @@ class EventTail:
         self.pos += len(data)
         self.buf += data
         *lines, self.buf = self.buf.split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
+        return _json_dicts(lines)
