@@ -3,7 +3,8 @@ GRPO step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -77,3 +78,11 @@ def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, ro
 
     return GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
                        processing_class=tokenizer, peft_config=peft_config, **(trainer_kwargs or {}))
+
+
+def select_grid(grid: Sequence[Any], names: Sequence[str] | None, parser: argparse.ArgumentParser) -> list[Any]:
+    """The configurations of ``grid`` named in ``names`` (all when None); a usage error when none is left."""
+    chosen = [c for c in grid if names is None or c.name in names]
+    if not chosen:
+        parser.error("no configuration selected; names: " + ", ".join(c.name for c in grid))
+    return chosen

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from _phases import build_trainer, instrument_phases
+from _phases import build_trainer, instrument_phases, select_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -293,13 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
-    grid = GRID
-    if a.only:
-        grid = [c for c in GRID if c.name in a.only]
-    elif a.quick:
-        grid = [c for c in GRID if c.name in QUICK]
-    if not grid:
-        p.error("no configuration selected; names: " + ", ".join(c.name for c in GRID))
+    grid = select_grid(GRID, a.only or (QUICK if a.quick else None), p)
     t0 = time.time()
     if a.from_json:
         saved = {r["config"]["name"]: r for r in json.loads(Path(a.from_json).read_text())}

@@ -32,11 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from _phases import build_trainer, instrument_phases
+from _phases import build_trainer, instrument_phases, select_grid
+from cpu_calibrate import Config
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -66,32 +67,21 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class GPUConfig:
-    name: str
+class GPUConfig(Config):
+    """A CPU calibration Config with GPU-sized defaults, plus QLoRA and expandable segments."""
+
     arch: str = "q05"
     P: int = 128
     C: int = 256
     B: int = 8
     G: int = 8
-    GA: int = 1
-    gc: bool = True
     dtype: str = "bfloat16"  # "float32" is TRL's default when it loads the model (fp32 master + bf16 autocast)
-    lora_r: int = 0
-    qlora: bool = False
     optim: str = "adamw_torch_fused"
-    beta: float = 0.0
+    qlora: bool = False
     expandable: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def knobs(self) -> Any:
-        from oomguard.knobs import TRL_DEFAULTS
-
-        return TRL_DEFAULTS.replace(
-            max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
-            gradient_accumulation_steps=self.GA, gradient_checkpointing=self.gc, optim=self.optim, dtype=self.dtype,
-            lora_r=self.lora_r, lora_target_modules="all-linear" if self.lora_r else None, load_in_4bit=self.qlora,
-            beta=self.beta, expandable_segments=self.expandable,
-        )
+        return super().knobs().replace(load_in_4bit=self.qlora, expandable_segments=self.expandable)
 
     def label(self) -> str:
         kind = f"qlora{self.lora_r}" if self.qlora else f"lora{self.lora_r}" if self.lora_r else "full"
@@ -374,13 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {info['name']}, {capacity / 2**30:.1f} GiB, torch {info['torch']}, "
           f"triton {'yes' if info['triton'] else 'NO: the chunked LM head runs its torch fallback'}")
 
-    grid = GRID
-    if a.only:
-        grid = [c for c in GRID if c.name in a.only]
-    elif a.quick:
-        grid = [c for c in GRID if c.name in QUICK]
-    if not grid:
-        p.error("no configuration selected; names: " + ", ".join(c.name for c in GRID))
+    grid = select_grid(GRID, a.only or (QUICK if a.quick else None), p)
     out = Path(a.out)
     raw_path = Path(str(out) + ".jsonl")
     done: dict[str, dict[str, Any]] = {}
