@@ -1,7 +1,9 @@
 """The state of a climb up the ladder, shared by `oomguard run` and `@oomguard.guard`.
 
-It holds the three layers of knobs (TRL defaults, what the code itself set, the rungs climbed), replays the rungs
-to get the effective knobs, climbs one rung per OOM, and builds the RunReport with the diff.
+It holds the three layers of knobs (TRL defaults, what the code itself set, the rungs in force), replays the rungs
+to get the effective knobs, decides the config after each OOM (``choose_next``: climb the ladder, then keep only
+what memory demands, see ``oomguard.choose``), and builds the RunReport with the diff. Nothing outside it changes
+its state: run and guard call ``record``, ``learn``, ``choose_next``, ``drop`` and ``give_up``.
 
 >>> from oomguard.ladder import load_ladder
 >>> c = Climb(load_ladder("default"))
@@ -18,11 +20,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .choose import Choice, Rung, choose, replay
 from .diagnose import Diagnosis
 from .knobs import TRL_DEFAULTS, Knobs, RunFacts
 from .ladder import Exhausted, Ladder, Step
 from .records import Attempt, RunReport, now_iso
-from .strategies import Context, Remedy
+from .strategies import Context
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``Climb.choose_next`` decided: the rungs climbed (or Exhausted), the knobs changed for the next attempt,
+    the rungs passed over with why, and the choice below the ceiling (rungs dropped, graded knobs relaxed)."""
+
+    steps: list[Step] = field(default_factory=list)
+    exhausted: Exhausted | None = None
+    changes: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    choice: Choice | None = None
+
+    def skipped_rows(self) -> list[dict[str, str]]:
+        return [{"remedy": n, "reason": why} for n, why in self.skipped.items()]
+
+    def label(self) -> str | None:
+        """The rungs climbed, ``+``-joined (None when exhausted; ``choose`` when no new rung was needed)."""
+        if self.exhausted is not None:
+            return None
+        return "+".join(s.remedy.name for s in self.steps) or "choose"
 
 
 @dataclass
@@ -33,7 +57,10 @@ class Climb:
     env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
     facts: RunFacts = field(default_factory=RunFacts)
     observed: dict[str, Any] = field(default_factory=dict)
-    applied: list[tuple[Remedy, Diagnosis | None]] = field(default_factory=list)
+    climbed: list[Rung] = field(default_factory=list)  # every rung climbed, in order: the ceiling
+    applied: list[Rung] = field(default_factory=list)  # the rungs in force: climbed, or what choose() kept of them
+    choice: Choice | None = None  # the last choice, for the report
+    failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
     attempts: list[Attempt] = field(default_factory=list)
     exhausted: Exhausted | None = None
     started: float = field(default_factory=time.time)
@@ -50,82 +77,97 @@ class Climb:
         """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
         return TRL_DEFAULTS.merged(self.env_knobs).merged(self.observed).merged(self.base)
 
-    def effective(self, without: int | None = None) -> tuple[Knobs, dict[str, str]]:
+    def effective(self, without: str | None = None) -> tuple[Knobs, dict[str, str]]:
         """The knobs for the next attempt, replayed from the original, and which remedy set each changed knob.
 
-        Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to
-        report what the code set. ``without`` leaves out one climbed rung (by its index), to test whether it is
-        still needed.
+        ``without`` leaves out one rung in force (by remedy name, every pass of it), to test whether it is still
+        needed (``--minimize``).
         """
         original = self.original()
         knobs = original.merged(self.pinned)
         who: dict[str, str] = {r.knob: "lock" for r in original.diff(knobs)}
-        used: Counter[str] = Counter()
-        for i, (remedy, diag) in enumerate(self.applied):
-            if i == without:
-                continue
-            ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used))
-            used[remedy.name] += 1
-            if remedy.blocked(ctx):
-                continue
-            new = remedy.apply(ctx)
-            for row in knobs.diff(new):
-                who[row.knob] = remedy.name
-            knobs = new
-        return knobs, who
+        knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
+        return knobs, {**who, **changed}
 
     def overrides(self, knobs: Knobs | None = None) -> dict[str, Any]:
         """What oomguard changes relative to the original: the values a plan carries to the training code."""
         knobs = knobs if knobs is not None else self.effective()[0]
         return {r.knob: r.after for r in self.original().diff(knobs)}
 
-    def remedies_in_force(self) -> list[str]:
-        names: list[str] = []
-        for remedy, _ in self.applied:
-            if remedy.name not in names:
-                names.append(remedy.name)
-        return names
+    def remedies_in_force(self, without: str | None = None) -> list[str]:
+        return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
 
-    # -- climbing ----------------------------------------------------------------------------------------------
-    def climb(self, attempt: Attempt, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
-              subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
-              ) -> tuple[list[Step] | Exhausted, dict[str, Any]]:
-        """Take the next rung for this OOM and record it on the attempt; returns the steps and the knobs changed.
+    # -- the attempts ------------------------------------------------------------------------------------------
+    def record(self, attempt: Attempt) -> None:
+        """Add an attempt that ended; a config that ran out of memory (or was predicted to) is never chosen again."""
+        self.attempts.append(attempt)
+        if attempt.outcome in ("oom", "predicted"):
+            self.failed.append(Knobs.from_dict(attempt.knobs))
 
-        With ``fits`` (the memory model's verdict), rungs predicted not to be enough are climbed together with the
-        next ones, straight to the first prefix of the ladder predicted to fit; the ladder's order is kept. If no
-        prefix is predicted to fit, a single rung is climbed and the next attempt decides.
+    def learn(self, facts: RunFacts) -> None:
+        """Take newer facts about the run (model shape, prompt lengths, world size) from the training code."""
+        self.facts = facts
+
+    def give_up(self, reason: str, why: str) -> Exhausted:
+        """Stop climbing for a reason outside the ladder (a replayed lock, a poisoned CUDA context)."""
+        self.exhausted = Exhausted(((reason, why),))
+        return self.exhausted
+
+    # -- choosing ----------------------------------------------------------------------------------------------
+    def choose_next(self, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
+                    subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
+                    peak: Callable[[Knobs], int | None] | None = None) -> Decision:
+        """After an out-of-memory attempt (the last one recorded): the config for the next one.
+
+        Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
+        it, the ladder is climbed straight to the first prefix predicted to fit (the ceiling); then ``choose`` drops
+        the rungs the prediction says are not needed and relaxes graded knobs towards the user's values. When a
+        chosen config runs out of memory, the model has learned from it and the choice is made again below the same
+        ceiling (putting back part of what was dropped); only when nothing below it fits is the ladder climbed on.
         """
-        knobs = self.effective()[0]
-        used = Counter(r.name for r, _ in self.applied)
-        ctx = Context(knobs=knobs, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
-                      subject=subject)
+        before = self.effective()[0]
+        start = self.original().merged(self.pinned)
+        pruned = [r for r in self.applied] != [r for r in self.climbed]
         steps: list[Step] = []
-        if fits is not None:
-            steps, ran_out = self.ladder.climb(ctx, fits)
-            if ran_out is not None:
-                steps = steps[:1]
-        if not steps:
-            step = self.ladder.next(ctx)
-            if isinstance(step, Exhausted):
-                attempt.skipped = [{"remedy": n, "reason": why} for n, why in step.skipped]
-                self.exhausted = step
-                return step, {}
-            steps = [step]
         skipped: dict[str, str] = {}
-        for s in steps:
-            for n, why in s.skipped:
-                skipped.setdefault(n, why)
+        choice = None
+        if fits is not None and pruned:
+            choice = self._choose(start, fits, peak)
+        if choice is None:
+            ceiling = replay(start, self.climbed, self.facts)[0]
+            used = Counter(r.name for r in self.climbed)
+            ctx = Context(knobs=ceiling, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
+                          subject=subject)
+            if fits is not None:
+                steps, ran_out = self.ladder.climb(ctx, fits)
+                if ran_out is not None:
+                    steps = steps[:1]
+            if not steps:
+                step = self.ladder.next(ctx)
+                if isinstance(step, Exhausted):
+                    self.exhausted = step
+                    return Decision(exhausted=step, skipped=dict(step.skipped))
+                steps = [step]
+            for s in steps:
+                for n, why in s.skipped:
+                    skipped.setdefault(n, why)
+            self.climbed += [Rung(s.remedy, diag) for s in steps]
+            choice = self._choose(start, fits, peak) if fits is not None else None
+        self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
+        self.choice = choice
+        after = self.effective()[0]
         climbed = {s.remedy.name for s in steps}
-        attempt.skipped = [{"remedy": n, "reason": why} for n, why in skipped.items() if n not in climbed]
-        for s in steps:
-            self.applied.append((s.remedy, diag))
-        attempt.climbed = "+".join(s.remedy.name for s in steps)
-        return steps, {r.knob: r.after for r in knobs.diff(steps[-1].knobs)}
+        return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
+                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
 
-    def drop(self, index: int) -> Remedy:
-        """Remove a climbed rung for good (``--minimize`` found it unnecessary)."""
-        return self.applied.pop(index)[0]
+    def _choose(self, start: Knobs, fits: Callable[[Knobs], bool],
+                peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+        return choose(start, self.climbed, fits, order=[r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)], facts=self.facts,
+                      avoid=self.failed, user=self.original(), peak=peak)
+
+    def drop(self, name: str) -> None:
+        """Take a rung out of force for good (``--minimize`` showed it is not needed)."""
+        self.applied = [r for r in self.applied if r.name != name]
 
     # -- the end -----------------------------------------------------------------------------------------------
     def report(self, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:

@@ -46,7 +46,7 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 from .climb import Climb
 from .diagnose import Diagnosis, diagnose, phase_from_frames
 from .knobs import KNOB_NAMES, Knobs, reachable
-from .ladder import Exhausted, Ladder, load_ladder
+from .ladder import Ladder, load_ladder
 from .oom import Frame, is_oom, oom_in_chain, report_from_exception
 from .records import Attempt, RunReport
 from .sizes import parse_size
@@ -198,7 +198,7 @@ class Guarded:
         reads |= result.get("reads", set())  # an isolated attempt reads knobs in its own process
         climb.observe(result.get("observed") or {})
         if result.get("facts"):
-            climb.facts = climb.facts.replace(**result["facts"])
+            climb.learn(climb.facts.replace(**result["facts"]))
         # the knobs as the call really ran them: a GRPOConfig built inside it reports the function's own values
         record.knobs = climb.effective()[0].to_dict()
         guide = self._guide()
@@ -210,7 +210,7 @@ class Guarded:
         attempt = _Attempt(record)
         if "value" in result:
             attempt.value = result["value"]
-            climb.attempts.append(record)
+            climb.record(record)
             return attempt
         # An OOM: everything below works from plain data; the exception and its frames are gone.
         _release()
@@ -222,19 +222,23 @@ class Guarded:
         record.oom = finding(f"{self.fn.__name__}()", None, result["report"], d, frames=result["frames"])
         attempt.diagnosis = d
         attempt.message = result["report"].message
-        climb.attempts.append(record)
+        climb.record(record)
         if d.kind == "driver" and not self.isolate:
-            climb.exhausted = Exhausted((("fresh_process", "a CUDA runtime OOM can leave the context unusable; use "
-                                          "guard(isolate=True) or `oomguard run`"),))
-            record.skipped = [{"remedy": "fresh_process", "reason": climb.exhausted.skipped[0][1]}]
+            why = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
+            climb.give_up("fresh_process", why)
+            record.skipped = [{"remedy": "fresh_process", "reason": why}]
             return attempt
         fields = set(reads) | set(reachable(result.get("reached", set()))) if not self.takes_knobs else set(reads)
         if self.takes_knobs:
             fields |= {"expandable_segments", "max_split_size_mb"}
-        steps, _ = climb.climb(record, d, frozenset(fields), subject="the function", fits=self._fits(climb, result))
-        if isinstance(steps, Exhausted):
+        guide = self._guide() if not self.takes_knobs else None
+        decision = climb.choose_next(d, frozenset(fields), subject="the function", fits=self._fits(climb, result),
+                                     peak=guide.peak(climb.facts) if guide is not None else None)
+        record.climbed, record.skipped = decision.label(), decision.skipped_rows()
+        record.choice = decision.choice.to_dict() if decision.choice is not None else None
+        if decision.exhausted is not None:
             return attempt
-        for step in steps:
+        for step in decision.steps:
             if not _can_apply_here(step.remedy.name, self.isolate):
                 record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
         return attempt

@@ -1,7 +1,8 @@
 """Predict before running: the memory model applied to a configuration, and the cheapest rungs that make it fit.
 
-``suggest`` climbs the ladder in its own order (never reordered) with the memory model as the judge, and stops at the
-first prefix predicted to fit. `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after an OOM
+``make_plan`` climbs the ladder in its own order (never reordered) with the memory model as the judge up to the first
+prefix predicted to fit, then keeps only what memory demands (``oomguard.choose``: rungs not needed are dropped,
+graded knobs relaxed towards the user's values). `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after an OOM
 to skip rungs predicted not to be enough.
 
 >>> from oomguard.estimate import ModelSpec
@@ -15,9 +16,10 @@ to skip rungs predicted not to be enough.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .choose import Rung, choose
 from .estimate import Coefficients, Estimate, ModelSpec, estimate
 from .knobs import Knobs, RunFacts
 from .ladder import Ladder, Step, load_ladder
@@ -90,25 +92,42 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     if est.fits(capacity):
         return plan
     lad = ladder or load_ladder("default")
-    steps, exhausted = lad.climb(Context(knobs=knobs, facts=facts), lambda k: predict(k).fits(capacity))
-    plan.steps = steps
+
+    def fits(k: Knobs) -> bool:
+        return predict(k).fits(capacity)
+
+    steps, exhausted = lad.climb(Context(knobs=knobs, facts=facts), fits)
     plan.exhausted = exhausted is not None
+    if steps and not plan.exhausted:
+        # keep only what memory demands: drop rungs the prediction shows are not needed, relax graded knobs
+        choice = choose(knobs, [Rung(s.remedy) for s in steps], fits, order=[r.name for r in lad.rungs], facts=facts)
+        if choice is not None:
+            kept = {r.name for r in choice.rungs}
+            steps = [s for s in steps if s.remedy.name in kept]
+            if steps:
+                steps[-1] = replace(steps[-1], knobs=choice.knobs)
+    plan.steps = steps
     plan.after = predict(steps[-1].knobs) if steps else None
     return plan
 
 
 class Guide:
-    """The memory model as the ladder's judge during a run, calibrated online by every attempt.
+    """The memory model as the climb's judge during a run, calibrated online by every attempt.
 
     After a successful attempt the measured peak sets the scale (measured / predicted). After an OOM the model
     learns a lower bound (what was allocated plus the failing request), and if it had predicted a fit, it raises its
     scale until the configuration no longer fits. So each failure makes the next decision more conservative.
+
+    ``margin`` is kept free on top of the predicted device peak when judging a config: the model's error on real
+    GPUs (a few percent) and on the simulated device (about 1%) must not turn a predicted fit into an OOM.
     """
 
-    def __init__(self, capacity: int, *, simulated: bool = False) -> None:
+    def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
+                 coefficients: Coefficients | None = None) -> None:
         self.capacity = capacity
         self.simulated = simulated
-        self.coefficients = Coefficients.for_simulated() if simulated else Coefficients()
+        self.margin = (0.02 if simulated else 0.05) if margin is None else margin
+        self.coefficients = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
 
     def spec(self, facts: RunFacts) -> ModelSpec | None:
         if not facts.model_config:
@@ -122,8 +141,11 @@ class Guide:
         spec = self.spec(facts)
         if spec is None:
             return None
-        return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                         coefficients=self.coefficients, simulated=self.simulated)(knobs)
+        try:
+            return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                             coefficients=self.coefficients, simulated=self.simulated)(knobs)
+        except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
+            return None
 
     def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None) -> None:
         est = self.predict(facts, knobs)
@@ -137,18 +159,31 @@ class Guide:
             lower = (report.allocated or 0) + big
             if lower > est.peak_alloc_bytes:
                 co = co.calibrated(lower, est.peak_alloc_bytes)
-            if est.fits(self.capacity):  # it predicted a fit, and memory ran out: not conservative enough
-                co = co.calibrated(int(est.peak_alloc_bytes * self.capacity / max(1, est.peak_bytes) * 1.05) + 1,
+            if self.judge(est):  # it predicted a fit, and memory ran out: not conservative enough
+                limit = self.capacity / (1 + self.margin)
+                co = co.calibrated(int(est.peak_alloc_bytes * limit / max(1, est.peak_bytes) * 1.05) + 1,
                                    est.peak_alloc_bytes)
             self.coefficients = co
 
+    def judge(self, est: Estimate) -> bool:
+        """Whether a predicted peak fits the device with the margin to spare."""
+        return est.peak_bytes * (1 + self.margin) <= self.capacity
+
     def fits(self, facts: RunFacts) -> Any:
-        """A Knobs -> bool judge for Ladder.climb, or None when the model cannot be read."""
+        """A Knobs -> bool judge for the climb, or None when the model cannot be read."""
         if self.spec(facts) is None:
             return None
 
         def judge(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and est.fits(self.capacity)
+            return est is not None and self.judge(est)
 
         return judge
+
+    def peak(self, facts: RunFacts) -> Any:
+        """A Knobs -> predicted device peak (bytes or None), for the report's reasons."""
+        def predicted(k: Knobs) -> int | None:
+            est = self.predict(facts, k)
+            return est.peak_bytes if est is not None else None
+
+        return predicted

@@ -190,7 +190,7 @@ class Attempt:
     index: int
     knobs: dict[str, Any]
     remedies: list[str]
-    outcome: str  # ok | oom | failed | interrupted
+    outcome: str  # ok | oom | predicted | failed | interrupted
     exit_code: int | None
     seconds: float
     peak_bytes: int | None = None
@@ -205,6 +205,7 @@ class Attempt:
     note: str | None = None
     memory: dict[str, Any] | None = None  # guard(): live bytes before the call and after releasing a failed one
     generated: dict[str, Any] | None = None  # configs oomguard generated for this attempt (e.g. DeepSpeed)
+    choice: dict[str, Any] | None = None  # after this attempt: rungs dropped and graded knobs relaxed, by prediction
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,6 +227,7 @@ class Attempt:
             "note": self.note,
             "memory": self.memory,
             "generated": self.generated,
+            "choice": self.choice,
         }
 
 

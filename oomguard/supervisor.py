@@ -22,7 +22,7 @@ from tenacity.stop import stop_base
 
 from .analyze import finding, finding_from_crash, finding_from_hit
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
-from .climb import Climb
+from .climb import Climb, Decision
 from .device import gpu_total_memory
 from .diagnose import Diagnosis, diagnose
 from .knobs import Knobs, RunFacts, reachable
@@ -42,7 +42,7 @@ from .records import (
     read_json,
     write_json_atomic,
 )
-from .strategies import Remedy
+from .sizes import format_size
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
@@ -184,10 +184,11 @@ class Supervisor:
         self.guide = (Guide(self.capacity, simulated=bool(options.simulate_gpu))
                       if options.predict and self.capacity else None)
         self.next_kind = "probe" if options.probe_steps > 0 else "run"
-        self.min_queue: list[Remedy] | None = None  # rungs still to try without (--minimize)
-        self.min_trial: Remedy | None = None
+        self.min_queue: list[str] | None = None  # rungs still to try without (--minimize)
+        self.min_trial: str | None = None
+        self.min_tried: list[Knobs] = []  # the knobs each minimize trial ran (a trial is never repeated)
         self.checkpoint: str | None = None  # the newest checkpoint the run wrote
-        self.checkpoint_rungs = 0  # how many climbed rungs were in force when it was written
+        self.checkpoint_knobs: Knobs | None = None  # the knobs of the run that wrote it
         self.output_dir: str | None = None
         self.warned_no_checkpoints = False
         self._oom_seen_at: float | None = None
@@ -234,12 +235,11 @@ class Supervisor:
         c = self.climb
         kind = self.next_kind
         index = len(c.attempts) + 1
-        without = c.applied.index(next(x for x in c.applied if x[0] is self.min_trial)) if kind == "minimize" else None
+        without = self.min_trial if kind == "minimize" else None
         knobs = c.effective(without)[0]
         adir = self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
-        remedies = [r.name for i, (r, _) in enumerate(c.applied) if i != without]
-        remedies = list(dict.fromkeys(remedies))
+        remedies = c.remedies_in_force(without)
         probe = {"steps": self.o.probe_steps, "rows": 64} if kind in ("probe", "minimize") else None
         resume = self._resume_for(kind, index)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
@@ -253,13 +253,13 @@ class Supervisor:
         tail = EventTail(adir / "events.jsonl")
         seen: list[dict[str, Any]] = []
         self._oom_seen_at = None
-        rungs_now = len(c.applied)
+        knobs_now = knobs
         if hasattr(self.ui, "state"):
             self.ui.state.capacity = self.capacity
         try:
             with self.ui.live():
                 res = run_attempt(self.argv, self._env(plan_path, knobs), self.interrupts, grace=self.o.grace,
-                                  echo=self.o.echo, on_tick=lambda: self._tick(tail, seen, kind, rungs_now))
+                                  echo=self.o.echo, on_tick=lambda: self._tick(tail, seen, kind, knobs_now))
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
@@ -284,12 +284,12 @@ class Supervisor:
             attempt.predicted_bytes = est.peak_bytes if est else None
             self.guide.learn(c.facts, Knobs.from_dict(attempt.knobs), attempt.outcome, attempt.peak_bytes,
                              diag.report if diag is not None else None)
-        c.attempts.append(attempt)
+        c.record(attempt)
         self.ui.attempt_end(attempt, diag)
         self.next_kind = self._decide(attempt, diag)
         return attempt
 
-    def _tick(self, tail: EventTail, seen: list[dict[str, Any]], kind: str, rungs: int) -> int | None:
+    def _tick(self, tail: EventTail, seen: list[dict[str, Any]], kind: str, knobs: Knobs) -> int | None:
         """While an attempt runs: take its new events; end a group whose rank died of OOM but which hangs."""
         fresh = tail.poll()
         state = getattr(self.ui, "state", None)
@@ -313,7 +313,7 @@ class Supervisor:
                     self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
                                     "step 0; add --checkpoint-every N to lose at most N steps")
             elif name == "checkpoint" and kind == "run" and ev.get("path"):
-                self.checkpoint, self.checkpoint_rungs = str(ev["path"]), rungs
+                self.checkpoint, self.checkpoint_knobs = str(ev["path"]), knobs
             elif name == "oom" and self._oom_seen_at is None:
                 self._oom_seen_at = time.monotonic()
         if self._oom_seen_at is not None:
@@ -329,7 +329,9 @@ class Supervisor:
         if kind != "run" or not self.checkpoint or not Path(self.checkpoint).is_dir():
             return None
         ckpt = Path(self.checkpoint)
-        since = [r for r, _ in self.climb.applied[self.checkpoint_rungs:]]
+        # the rungs whose knobs differ from the checkpoint's run: climbed since, relaxed, or dropped by a choice
+        changed = {r.knob for r in (self.checkpoint_knobs or Knobs()).diff(self.climb.effective()[0])}
+        since = list({r.remedy.name: r.remedy for r in self.climb.climbed if set(r.remedy.changes) & changed}.values())
         new_run = sorted({r.name for r in since if r.resume == "new-run"})
         drift = sorted({r.name for r in since if r.resume == "continue-drift"})
         fresh_dir = str(Path(self.output_dir or ckpt.parent) / f"oomguard-attempt-{index}")
@@ -356,38 +358,68 @@ class Supervisor:
         if attempt.kind == "minimize":
             removed = self.min_trial
             if attempt.outcome == "ok" and removed is not None:
-                c.drop(next(i for i, (r, _) in enumerate(c.applied) if r is removed))
-                attempt.note = f"{removed.name} is not needed: the probe fits without it"
+                c.drop(removed)
+                attempt.note = f"{removed} is not needed: the probe fits without it"
             elif removed is not None:
-                attempt.note = f"{removed.name} is needed: without it the probe runs out of memory"
+                attempt.note = f"{removed} is needed: without it the probe runs out of memory"
             return self._next_minimize()
         if attempt.outcome == "ok":
             if attempt.kind == "run":
                 return "done"
             if self.o.minimize and self.min_queue is None and c.applied:
-                order = {"quality": 0, "speed": 1, "host": 2, "nothing": 3}
-                self.min_queue = sorted((r for r, _ in reversed(c.applied)), key=lambda r: order.get(r.trades, 9))
+                # quality trades first, the latest-listed (costliest) first, then speed, then free changes
+                rank = {"quality": 0, "speed": 1, "host": 2, "nothing": 3}
+                trades = {r.name: r.remedy.trades for r in c.applied}
+                self.min_queue = sorted(reversed(c.remedies_in_force()), key=lambda n: rank.get(trades[n], 9))
+                self.min_tried = [Knobs.from_dict(attempt.knobs)]
                 return self._next_minimize()
             return "run"
-        # an OOM
+        # out of memory, or stopped by the pre-flight check
         if self.o.replay:
-            c.exhausted = Exhausted((("lock", "a locked config is replayed without climbing"),))
-            self.ui.climb([], c.exhausted, {})
+            ex = c.give_up("lock", "a locked config is replayed without climbing")
+            self.ui.climb([], ex, {})
             return "done"
         fits = self.guide.fits(c.facts) if self.guide is not None else None
-        steps, changes = c.climb(attempt, diag, reachable(self.reached), fits=fits)
-        if isinstance(steps, Exhausted):
-            self.ui.climb([], steps, {})
+        peak = self.guide.peak(c.facts) if self.guide is not None else None
+        decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak)
+        attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
+        if decision.exhausted is not None:
+            self.ui.climb([], decision.exhausted, {})
             return "done"
-        self.ui.climb(steps, None, changes, attempt.skipped)
+        attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
+        self.ui.climb(decision.steps, None, decision.changes, attempt.skipped)
+        for line in self._explain(decision):
+            self.ui.message(line)
         return "probe" if self.o.probe_steps > 0 else "run"
 
+    def _explain(self, decision: Decision) -> list[str]:
+        """One line per rung dropped and per graded knob relaxed by the choice, with the prediction behind it."""
+        ch = decision.choice
+        if ch is None:
+            return []
+        cap = format_size(self.capacity) if self.capacity else "the device"
+        lines = []
+        if ch.dropped:
+            peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
+            why = f"predicted peak without {'it' if len(ch.dropped) == 1 else 'them'} {format_size(peak)} of {cap}" \
+                if peak else "predicted to fit without"
+            lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
+        for knob, climbed, chosen in ch.relaxed:
+            lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
+        return lines
+
     def _next_minimize(self) -> str:
+        c = self.climb
         while self.min_queue:
             candidate = self.min_queue.pop(0)
-            if any(r is candidate for r, _ in self.climb.applied):
-                self.min_trial = candidate
-                return "minimize"
+            if candidate not in c.remedies_in_force():
+                continue
+            knobs = c.effective(candidate)[0]
+            if knobs in self.min_tried:
+                continue  # the same overrides were probed already (a rung that changes nothing here)
+            self.min_tried.append(knobs)
+            self.min_trial = candidate
+            return "minimize"
         self.min_trial = None
         return "run"
 

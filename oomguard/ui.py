@@ -165,6 +165,10 @@ class ConsoleReporter:
         if not self.quiet:
             for s in reasons:
                 self._say(f"  [dim]skip {s['remedy']}: {s['reason']}[/]")
+        if not steps and exhausted is None:
+            # the memory model learned from a chosen config's OOM and chose again below the same rungs
+            self._say(f"  → choosing again with what was learned: {_changes(changes)}")
+            return
         if not steps:
             self._say("  → [red]no rung left that can help[/]")
             return

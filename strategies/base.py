@@ -121,6 +121,15 @@ class Remedy:
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, self.summary)
 
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """Knobs between the user's values and ``current`` for this rung's knobs, closest to the user's first.
+
+        Only graded rungs have such middle steps (a completion length between 256 and 512, say). The climb takes the
+        first one the memory model predicts to fit, so a graded knob stays as close to the user's value as the memory
+        allows instead of at the blind step the ladder took. Every returned Knobs passes ``validate(world_size)``.
+        """
+        return []
+
     # -- helpers -----------------------------------------------------------------------------------------------
     def unread(self, ctx: Context) -> str | None:
         """The knobs this remedy changes never reach the code that ran (a function that does not read them, or a

@@ -63,6 +63,33 @@ class FewerGenerations(Remedy):
         assert out is not None
         return out
 
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """Generation counts and rows per device between the climbed and the user's: the most generations first, then
+        the most rows, keeping the climbed steps_per_generation.
+
+        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> now = TRL_DEFAULTS.replace(num_generations=4, per_device_train_batch_size=4)
+        >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(TRL_DEFAULTS, now)]
+        [(7, 7), (6, 6), (5, 5), (4, 8)]
+        """
+        g_user, g_now = user.num_generations or 8, current.num_generations or 8
+        bs_user, _, spg_user = user.geometry(world_size)
+        bs_now, ga_now, spg_now = current.geometry(world_size)
+        rows_user, rows_now = bs_user * spg_user, bs_now * spg_now
+        out = []
+        for g in range(g_user, max(2, g_now) - 1, -1):
+            for b in range(max(bs_user, bs_now), 0, -1):
+                rows = b * spg_now
+                if not rows_now <= rows <= rows_user or (rows * world_size) % g:
+                    continue
+                if (g, rows) in ((g_user, rows_user), (g_now, rows_now)):
+                    continue
+                k = current.replace(num_generations=g).with_geometry(b, ga_now, spg_now, world_size)
+                if not k.validate(world_size):
+                    out.append(k)
+                break  # the most rows for this number of generations
+        return out
+
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "Halving the rows generated per device halves the KV cache and the scoring and "
                                  "training batches built from them.",
@@ -105,6 +132,26 @@ class MicroBatch(Remedy):
         k = ctx.knobs
         _, ga, spg = k.geometry(ctx.facts.world_size)
         return k.with_geometry(new_bs, ga * d, spg * d, ctx.facts.world_size)
+
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """Micro-batches between the climbed and the user's (largest first), with the same effective batch.
+
+        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> now = TRL_DEFAULTS.replace(per_device_train_batch_size=1, gradient_accumulation_steps=8)
+        >>> [k.per_device_train_batch_size for k in MicroBatch().relax(TRL_DEFAULTS, now)]
+        [4, 2]
+        """
+        bs_user, ga_user, spg_user = user.geometry(world_size)
+        bs_now, _, _ = current.geometry(world_size)
+        out = []
+        for b in range(bs_user - 1, bs_now, -1):
+            if bs_user % b:
+                continue
+            d = bs_user // b
+            k = current.with_geometry(b, ga_user * d, spg_user * d, world_size)
+            if not k.validate(world_size):
+                out.append(k)
+        return out
 
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "A micro-batch half as large halves the activations and log-prob passes of each "

@@ -46,7 +46,34 @@ class ShorterSequences(Remedy):
             changes["max_prompt_tokens"] = cap
         return ctx.knobs.replace(**changes)
 
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """Completion lengths on a grid between the climbed and the user's (longest first), each with the user's
+        prompt limit before the climbed one.
+
+        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> cands = ShorterSequences().relax(TRL_DEFAULTS, TRL_DEFAULTS.replace(max_completion_length=256))
+        >>> [k.max_completion_length for k in cands][:3], len(cands)
+        ([480, 448, 416], 7)
+        """
+        c_user, c_now = user.max_completion_length or 512, current.max_completion_length or 512
+        step = completion_grid(c_user)
+        lengths = [c for c in range(c_user - c_user % step, c_now, -step) if c_now < c < c_user]
+        caps = list(dict.fromkeys([user.max_prompt_tokens, current.max_prompt_tokens]))
+        out = [current.replace(max_prompt_tokens=cap) for cap in caps[:-1]]  # the climbed length, every prompt kept
+        out[:0] = [current.replace(max_completion_length=c, max_prompt_tokens=cap) for c in lengths for cap in caps]
+        return out
+
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "Halving max_completion_length halves the padded completion width, and the KV cache, "
                                  "activations and log-prob tiles scale with it.",
                       halve_request(d) if d.phase in ("generation", "scoring", "forward", "backward") else None)
+
+
+def completion_grid(length: int) -> int:
+    """The step between relaxed completion lengths: a sixteenth of the user's length as a power of two, at least 8
+    tokens (32 for 512, 64 for 1024), so a relaxed length is a round number and the search stays short.
+
+    >>> completion_grid(512), completion_grid(1024), completion_grid(64)
+    (32, 64, 8)
+    """
+    return max(8, 1 << max(0, length.bit_length() - 5))

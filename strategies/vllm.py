@@ -40,6 +40,21 @@ class VllmMemory(Remedy):
             return k.replace(vllm_enable_sleep_mode=True)
         return k.replace(vllm_gpu_memory_utilization=round(max(self.p["min_utilization"], u * self.p["factor"]), 3))
 
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """vLLM reservations between the climbed and the user's, in steps of 0.05 (largest first), sleep mode as
+        climbed. Only a lowered reservation relaxes; one raised for a full-length sequence stays as it is.
+
+        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> now = TRL_DEFAULTS.replace(vllm_gpu_memory_utilization=0.15)
+        >>> [k.vllm_gpu_memory_utilization for k in VllmMemory().relax(TRL_DEFAULTS, now)]
+        [0.25, 0.2]
+        """
+        u_user = float(user.vllm_gpu_memory_utilization or 0.3)
+        u_now = float(current.vllm_gpu_memory_utilization or 0.3)
+        steps = round((u_user - u_now) / 0.05)
+        return [current.replace(vllm_gpu_memory_utilization=round(u_user - 0.05 * i, 3)) for i in range(1, steps)
+                if u_now < u_user - 0.05 * i < u_user]
+
     def advise(self, d: Diagnosis) -> Advice:
         r = d.report
         if r.origin == "vllm-startup" and r.free and r.capacity:

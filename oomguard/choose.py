@@ -1,0 +1,181 @@
+"""Choose the best config among the climbed rungs: change no more than memory demands.
+
+The ladder walk finds *a* config that fits: the first prefix of the ladder the memory model predicts to fit. To reach
+a later rung it keeps every earlier one, so a run that needed only LoRA also gets its completions and generations
+halved. ``choose`` takes that prefix as the ceiling and picks, by prediction, the best config below it:
+
+1. **Drop** every climbed rung that is not needed. Among the subsets of the climbed rungs predicted to fit, the one
+   with the fewest quality trades wins, then the fewest speed trades, then the fewest changes of any kind; between
+   equals, the one whose rungs come earliest in the ladder (the ladder's order is the user's preference for what to
+   change first).
+2. **Relax** each graded rung kept (completion length, generations, micro-batch, vLLM reservation), latest in the
+   ladder first, to the value closest to the user's that is predicted to fit (``Remedy.relax``), e.g. 448 tokens
+   rather than a blind halving to 256.
+
+Configurations that already ran out of memory (``avoid``) are never chosen again. The result is 1-minimal under the
+model: undoing any single change of it is predicted not to fit.
+
+>>> from oomguard.knobs import TRL_DEFAULTS
+>>> from oomguard.strategies import make_remedy
+>>> climbed = [Rung(make_remedy("shorter_sequences")), Rung(make_remedy("lora"))]
+>>> fits = lambda k: bool(k.lora_r)                      # a toy model: LoRA alone is enough
+>>> c = choose(TRL_DEFAULTS, climbed, fits, order=["shorter_sequences", "lora"])
+>>> [r.remedy.name for r in c.rungs], c.dropped
+(['lora'], ('shorter_sequences',))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .diagnose import Diagnosis
+from .knobs import Knobs, RunFacts
+from .strategies import Context, Remedy
+
+# How much each kind of trade costs the user, cheapest last: quality changes what is learned.
+TRADE_COST = ("quality", "speed", "host", "nothing")
+# Exhaustive search over the subsets of at most this many distinct rungs (2^12 predictions); a greedy pass beyond.
+EXHAUSTIVE_LIMIT = 12
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung in force: the remedy, the diagnosis it was climbed for, and, for a relaxed graded rung, the exact
+    values it sets (replacing ``remedy.apply``)."""
+
+    remedy: Remedy
+    diagnosis: Diagnosis | None = None
+    values: tuple[tuple[str, Any], ...] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.remedy.name
+
+
+def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -> tuple[Knobs, dict[str, str]]:
+    """The knobs after ``rungs`` from ``start``, and which rung set each knob that changed.
+
+    Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to report what
+    the code set. A rung that is blocked at its turn (already in force) changes nothing.
+    """
+    facts = facts or RunFacts()
+    knobs, who = start, {}
+    used: Counter[str] = Counter()
+    for rung in rungs:
+        ctx = Context(knobs=knobs, facts=facts, diagnosis=rung.diagnosis, used=dict(used))
+        used[rung.name] += 1
+        if rung.values is not None:
+            new = knobs.replace(**dict(rung.values))
+        elif rung.remedy.blocked(ctx):
+            continue
+        else:
+            new = rung.remedy.apply(ctx)
+        for row in knobs.diff(new):
+            who[row.knob] = rung.name
+        knobs = new
+    return knobs, who
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose`` picked: the rungs in force, their knobs, and why (for the report)."""
+
+    rungs: tuple[Rung, ...]
+    knobs: Knobs
+    dropped: tuple[str, ...] = ()
+    relaxed: tuple[tuple[str, Any, Any], ...] = ()  # (knob, climbed value, chosen value)
+    explain: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the report: each dropped rung with the predicted peak without it, each relaxed knob."""
+        return {
+            "dropped": [{"remedy": n, **self.explain.get(n, {})} for n in self.dropped],
+            "relaxed": [{"knob": k, "climbed": _plain(a), "chosen": _plain(b)} for k, a, b in self.relaxed],
+            "rungs": [r.name for r in self.rungs],
+        }
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _rank(names: Sequence[str], trades: dict[str, str], position: dict[str, int]) -> tuple[Any, ...]:
+    """Smaller is better: fewer quality trades, then speed, host, any change; then the earliest-listed rungs."""
+    counts = Counter(trades[n] for n in names)
+    return (*(counts.get(t, 0) for t in TRADE_COST), tuple(sorted((position[n] for n in names), reverse=True)))
+
+
+def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool], *, order: Sequence[str] = (),
+           facts: RunFacts | None = None, avoid: Collection[Knobs] = (), user: Knobs | None = None,
+           peak: Callable[[Knobs], int | None] | None = None) -> Choice | None:
+    """The best config below ``climbed`` that ``fits``; None when none does (not even all of them).
+
+    ``start`` is where the rungs replay from (the user's config, with a lock's pins); ``user`` is the user's own config
+    that graded knobs relax towards (default ``start``). ``order`` lists the ladder's rung names (its preference);
+    ``peak`` (optional) gives a predicted peak, recorded for each dropped rung.
+    """
+    facts = facts or RunFacts()
+    user = user or start
+    names = list(dict.fromkeys(r.name for r in climbed))
+    by_name = {r.name: r.remedy for r in climbed}
+    trades = {n: by_name[n].trades if by_name[n].trades in TRADE_COST else "speed" for n in names}
+    position = {n: (order.index(n) if n in order else len(order) + i) for i, n in enumerate(names)}
+    avoid_set = list(avoid)
+
+    def knobs_of(keep: Collection[str], rungs: Sequence[Rung] = climbed) -> Knobs:
+        return replay(start, [r for r in rungs if r.name in keep], facts)[0]
+
+    def ok(k: Knobs) -> bool:
+        return k not in avoid_set and fits(k)
+
+    best: tuple[Any, ...] | None = None
+    keep: list[str] | None = None
+    if len(names) <= EXHAUSTIVE_LIMIT:
+        for n in range(len(names) + 1):
+            for subset in itertools.combinations(names, n):
+                key = _rank(subset, trades, position)
+                if best is not None and key >= best:
+                    continue
+                if ok(knobs_of(subset)):
+                    best, keep = key, list(subset)
+    elif ok(knobs_of(names)):
+        # Greedy: drop the costliest rungs first (quality before speed, latest-listed first) while it still fits.
+        keep = list(names)
+        for n in sorted(names, key=lambda n: (TRADE_COST.index(trades[n]), -position[n])):
+            trial = [m for m in keep if m != n]
+            if ok(knobs_of(trial)):
+                keep = trial
+    if keep is None:
+        return None
+
+    rungs = [r for r in climbed if r.name in keep]
+    knobs = replay(start, rungs, facts)[0]
+    dropped = tuple(n for n in names if n not in keep)
+    explain: dict[str, Any] = {}
+    if peak is not None:
+        p = peak(knobs)
+        explain = {n: {"predicted_bytes_without": p} for n in dropped}
+
+    # Relax the graded rungs kept, the user's least preferred (latest-listed) first.
+    relaxed: list[tuple[str, Any, Any]] = []
+    for name in sorted((n for n in keep if by_name[n].graded), key=lambda n: -position[n]):
+        remedy = by_name[name]
+        for cand in remedy.relax(user, knobs, facts.world_size):
+            values = tuple((k, getattr(cand, k)) for k in remedy.changes)
+            first = next(i for i, r in enumerate(rungs) if r.name == name)
+            diag = rungs[first].diagnosis
+            trial = [r for r in rungs[:first] if r.name != name] + [Rung(remedy, diag, values)] + [
+                r for r in rungs[first + 1:] if r.name != name]
+            new = replay(start, trial, facts)[0]
+            if new != knobs and ok(new):
+                relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
+                rungs, knobs = trial, new
+                break
+    return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=tuple(relaxed), explain=explain)
+
+
+__all__ = ["EXHAUSTIVE_LIMIT", "TRADE_COST", "Choice", "Rung", "choose", "replay"]
