@@ -6,18 +6,23 @@ trained for two GRPO steps per configuration, each configuration in a fresh proc
 worst case with ``generation_kwargs={"min_new_tokens": C}``. A wrapper on ``_generate`` /
 ``_generate_and_score_completions`` and a TrainerCallback reset the peak statistics at the generation, scoring,
 forward/backward and optimizer boundaries and record ``torch.cuda.max_memory_allocated`` and
-``max_memory_reserved`` per phase; the CUDA context is measured as device-used minus reserved
-(``torch.cuda.mem_get_info``).
+``max_memory_reserved`` per phase. The CUDA context (memory outside the caching allocator) is this process's NVML
+figure minus ``memory_reserved`` (``context_source: "process"``); where NVML cannot see the process (some
+containers) it falls back to device-used minus reserved (``"device"``), which counts every other process too.
 
-The script then fits the uncertain coefficients of ``oomguard.estimate.Coefficients`` by least squares:
-``c_act`` on the allocated peaks, ``f_frag`` / ``f_frag_expandable`` on reserved/allocated, ``m_ctx`` on the
-measured context, ``k_logits`` only if the chunked LM head ran its torch fallback (no Triton), and prints the
-table predicted vs measured. The measured table goes to ``--out`` (Markdown when it ends in ``.md``, else CSV);
-raw results go to ``--out`` + ``.jsonl`` as they arrive, so a cut-short run keeps what it measured (``--resume``).
+The script then fits the uncertain coefficients of ``oomguard.estimate.Coefficients``, each by the smallest
+worst-case relative error (ties: the smaller median): ``c_act`` on the allocated peaks, ``f_frag`` /
+``f_frag_expandable`` on the reserved peaks, ``k_logits`` only if the chunked LM head ran its torch fallback (no
+Triton), and ``m_ctx`` (median) only from ``"process"`` contexts; then prints the table predicted vs measured with
+the built-in coefficients and with the fitted ones. The measured table goes to ``--out`` (Markdown when it ends in
+``.md``, else CSV); raw results go to ``--out`` + ``.jsonl`` as they arrive, so a cut-short run keeps what it
+measured (``--resume``). ``--from-jsonl`` re-fits saved rows without a GPU.
 
     python bench/gpu_calibrate.py --out gpu-calibration.md             # the full grid (about 25-35 minutes)
     python bench/gpu_calibrate.py --quick --out quick.csv              # 4 configurations
-    python bench/gpu_calibrate.py --only q05-bf16-full --only q3b-qlora32 --out some.md
+    python bench/gpu_calibrate.py --arch q3b --jobs 4 --timeout 420 --out q3b.md   # the Qwen2.5-3B rows
+    python bench/gpu_calibrate.py --only q05-bf16-full --only q3b-qlora32-c1024 --out some.md
+    python bench/gpu_calibrate.py --from-jsonl tests/fixtures/h100/calibration.jsonl --out refit.md   # no GPU
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -173,10 +179,36 @@ class CudaPhases:
         self.records.append({})
 
 
-def context_bytes(torch: Any) -> int:
-    """Device memory this process uses outside torch's caching allocator (context, cuBLAS/cuDNN handles)."""
+def process_bytes() -> int | None:
+    """This process's device memory as NVML reports it (what torch's OOM message calls "this process has ... in
+    use"), or None where NVML does not list this pid (no NVML, or a container with its own pid namespace)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(vis) if vis.isdigit() else 0)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory:
+                    return int(proc.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    return None
+
+
+def context_bytes(torch: Any) -> tuple[int, str]:
+    """Device memory this process uses outside torch's caching allocator (CUDA context, cuDNN, NCCL), and where it
+    was read: ``"process"`` (NVML, this pid only) or ``"device"`` (device used minus reserved: every other process on
+    the GPU counts too, so it is no measure of the context on a shared GPU)."""
+    reserved = int(torch.cuda.memory_reserved())
+    own = process_bytes()
+    if own is not None:
+        return own - reserved, "process"
     free, total = torch.cuda.mem_get_info()
-    return int(total - free - torch.cuda.memory_reserved())
+    return int(total - free - reserved), "device"
 
 
 def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
@@ -184,7 +216,7 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
-    ctx_start = context_bytes(torch)
+    ctx_start, ctx_source = context_bytes(torch)
 
     kwargs: dict[str, Any] = {}
     if cfg.qlora:
@@ -203,7 +235,7 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
     ctx_samples = [ctx_start]
 
     def step_end() -> None:
-        ctx_samples.append(context_bytes(torch))
+        ctx_samples.append(context_bytes(torch)[0])
         phases.next_step()
 
     instrument_phases(trainer, phases.switch, step_end)
@@ -223,7 +255,8 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
     head_fallback = not chunked_logprob._TRITON_AVAILABLE  # the torch fallback: every position scored
     return {
         "peak_alloc": max(alloc.values()), "peak_reserved": max(reserved.values()), "phases_alloc": alloc,
-        "phases_reserved": reserved, "context": int(statistics.median(ctx_samples)), "resident": resident,
+        "phases_reserved": reserved, "context": int(statistics.median(ctx_samples)), "context_source": ctx_source,
+        "resident": resident,
         "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "head_fallback": head_fallback, "train_seconds": round(time.time() - t0, 1),
     }
@@ -256,57 +289,100 @@ def predict(cfg: GPUConfig, co: Any, capacity: int | None) -> Any:
                     capacity=capacity)
 
 
-def fit(rows: list[tuple[GPUConfig, dict[str, Any]]], capacity: int) -> Any:
-    """Least-squares fits of the uncertain coefficients on the measured rows."""
+def _minimax(errors: Any, grid: list[float]) -> tuple[float, float, float]:
+    """The grid value with the smallest worst-case |error| (ties: the smallest median), and those two figures."""
+    best = None
+    for x in grid:
+        errs = sorted(abs(e) for e in errors(x))
+        key = (round(errs[-1], 4), statistics.median(errs))
+        if best is None or key < best[0]:
+            best = (key, x)
+    assert best is not None
+    return best[1], best[0][0], best[0][1]
+
+
+def fit(rows: list[tuple[GPUConfig, dict[str, Any]]], capacity: int, base: Any = None) -> Any:
+    """Fit the uncertain coefficients on the measured rows (see the module docstring); the others keep ``base``."""
     from oomguard.estimate import Coefficients
 
-    co = Coefficients()
+    co = base or Coefficients()
     if not rows:
         return co
-    # c_act (and k_logits when the head fell back to torch): sum of squared relative errors of the allocated peak
+
+    def alloc_errors(trial: Any) -> list[float]:
+        return [(predict(c, trial, capacity).peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"] for c, r in rows]
+
     fallback = any(r.get("head_fallback") for _, r in rows)
     best = None
-    for c_act in [x / 100 for x in range(40, 161)]:
-        for k_logits in (range(8, 41) if fallback else [co.k_logits]):
-            trial = replace(co, c_act=c_act, k_logits=float(k_logits))
-            sse = sum(((predict(c, trial, capacity).peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"]) ** 2
-                      for c, r in rows)
-            if best is None or sse < best[0]:
-                best = (sse, c_act, float(k_logits))
+    for k_logits in (range(8, 41) if fallback else [co.k_logits]):
+        c_act, worst, med = _minimax(lambda x, k=float(k_logits): alloc_errors(replace(co, c_act=x, k_logits=k)),
+                                     [x / 100 for x in range(40, 161)])
+        if best is None or (worst, med) < best[0]:
+            best = ((worst, med), c_act, float(k_logits))
     assert best is not None
     co = replace(co, c_act=best[1], k_logits=best[2])
 
-    # fragmentation: reserved ≈ allocated·(1 + f), least squares through the origin
-    def frag(sel: list[dict[str, Any]], prior: float) -> float:
-        num = sum(r["peak_alloc"] * (r["peak_reserved"] - r["peak_alloc"]) for r in sel)
-        den = sum(r["peak_alloc"] ** 2 for r in sel)
-        return round(num / den, 4) if den else prior
+    # fragmentation: predicted reserved = predicted allocated peak x (1 + f), against the measured reserved peak
+    def frag(expandable: bool, prior: float) -> float:
+        sel = [(c, r) for c, r in rows if c.expandable == expandable]
+        if not sel:
+            return prior
+        alloc = [(predict(c, co, capacity).peak_alloc_bytes, r["peak_reserved"]) for c, r in sel]
+        return _minimax(lambda f: [(a * (1 + f) - res) / res for a, res in alloc], [x / 1000 for x in range(0, 501, 5)])[0]
 
-    co = replace(co, f_frag=frag([r for c, r in rows if not c.expandable], co.f_frag),
-                 f_frag_expandable=frag([r for c, r in rows if c.expandable], co.f_frag_expandable),
-                 m_ctx=int(statistics.median(r["context"] for _, r in rows)))
+    co = replace(co, f_frag=frag(False, co.f_frag), f_frag_expandable=frag(True, co.f_frag_expandable))
+    clean = [r["context"] for _, r in rows if r.get("context_source") == "process"]
+    if clean:
+        co = replace(co, m_ctx=int(statistics.median(clean)))
     return co
 
 
-def render(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int, fmt: str) -> tuple[str, list[float]]:
-    """The measured table with predictions (``fmt``: ``md``, ``csv`` or ``text``) and the allocated-peak errors."""
+def measured_device(r: dict[str, Any], co: Any) -> tuple[int, bool]:
+    """The row's device use (reserved peak + context) and whether its own context was clean: a ``"device"``-sourced
+    context counts other processes, so the model's ``m_ctx`` (fitted to clean figures) stands in for it."""
+    clean = r.get("context_source") == "process"
+    return r["peak_reserved"] + (r["context"] if clean else int(co.m_ctx)), clean
+
+
+def errors(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int) -> dict[str, list[float]]:
+    """Relative errors (%) of the allocated peak, the reserved peak (the device prediction without ``m_ctx``) and the
+    device use, row by row."""
+    out: dict[str, list[float]] = {"alloc": [], "reserved": [], "device": []}
+    for c, r in rows:
+        e = predict(c, co, capacity)
+        dev, _ = measured_device(r, co)
+        out["alloc"].append(100 * (e.peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"])
+        out["reserved"].append(100 * (e.peak_bytes - int(co.m_ctx) - r["peak_reserved"]) / r["peak_reserved"])
+        out["device"].append(100 * (e.peak_bytes - dev) / dev)
+    return out
+
+
+def summary(errs: dict[str, list[float]]) -> str:
+    """``alloc median/max |error| 0.8%/5.2%; reserved ...; device ...``."""
+    return "; ".join(f"{k} median/max |error| {statistics.median(map(abs, v)):.1f}%/{max(map(abs, v)):.1f}%"
+                     for k, v in errs.items() if v)
+
+
+def render(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int, fmt: str) -> str:
+    """The measured table with predictions (``fmt``: ``md``, ``csv`` or ``text``). A device figure marked ``*`` uses
+    the model's ``m_ctx`` for the row's context (see :func:`measured_device`)."""
     from oomguard.sizes import GiB
 
     header = ["config", "shape", "measured_alloc_GiB", "predicted_alloc_GiB", "alloc_error_%",
-              "measured_device_GiB", "predicted_device_GiB", "device_error_%", "gen_GiB", "score_GiB", "fwd_bwd_GiB",
-              "opt_GiB", "reserved_GiB", "context_GiB"]
+              "measured_reserved_GiB", "predicted_reserved_GiB", "reserved_error_%", "measured_device_GiB",
+              "predicted_device_GiB", "device_error_%", "gen_GiB", "score_GiB", "fwd_bwd_GiB", "opt_GiB",
+              "context_GiB"]
     table = []
-    errors = []
-    for c, r in rows:
+    errs = errors(rows, co, capacity)
+    for n, (c, r) in enumerate(rows):
         e = predict(c, co, capacity)
-        dev = r["peak_reserved"] + r["context"]
-        err = 100 * (e.peak_alloc_bytes - r["peak_alloc"]) / r["peak_alloc"]
-        errors.append(err)
+        dev, clean = measured_device(r, co)
         pa = r["phases_alloc"]
-        table.append([c.name, c.label(), r["peak_alloc"] / GiB, e.peak_alloc_bytes / GiB, err, dev / GiB,
-                      e.peak_bytes / GiB, 100 * (e.peak_bytes - dev) / dev,
+        table.append([c.name, c.label(), r["peak_alloc"] / GiB, e.peak_alloc_bytes / GiB, errs["alloc"][n],
+                      r["peak_reserved"] / GiB, (e.peak_bytes - int(co.m_ctx)) / GiB, errs["reserved"][n],
+                      f"{dev / GiB:.3f}" + ("" if clean else "*"), e.peak_bytes / GiB, errs["device"][n],
                       *(pa.get(ph, 0) / GiB for ph in ("generation", "scoring", "forward_backward", "optimizer")),
-                      r["peak_reserved"] / GiB, r["context"] / GiB])
+                      f"{r['context'] / GiB:.3f}" + ("" if clean else " (shared)")])
 
     def cell(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -316,24 +392,93 @@ def render(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int,
         w = csv.writer(buf)
         w.writerow(header)
         w.writerows([[cell(v) for v in row] for row in table])
-        return buf.getvalue(), errors
+        return buf.getvalue()
     if fmt == "md":
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table]
-        return "\n".join(lines) + "\n", errors
-    lines = [f"{'config':<32} {'meas alloc':>10} {'pred':>8} {'err':>7}   {'meas dev':>8} {'pred':>8} {'err':>7}"]
+        return "\n".join(lines) + "\n\n" + summary(errs) + "\n"
+    lines = [f"{'config':<32} {'alloc':>7} {'pred':>7} {'err':>6}  {'reserved':>8} {'pred':>7} {'err':>6}  "
+             f"{'device':>8} {'pred':>7} {'err':>6}"]
     for row in table:
-        lines.append(f"{row[0]:<32} {row[2]:>9.2f}G {row[3]:>7.2f}G {row[4]:>+6.1f}%   {row[5]:>7.2f}G "
-                     f"{row[6]:>7.2f}G {row[7]:>+6.1f}%")
-    return "\n".join(lines), errors
+        lines.append(f"{row[0]:<32} {row[2]:>6.2f}G {row[3]:>6.2f}G {row[4]:>+5.1f}%  {row[5]:>7.2f}G "
+                     f"{row[6]:>6.2f}G {row[7]:>+5.1f}%  {row[8]:>7}G {row[9]:>6.2f}G {row[10]:>+5.1f}%")
+    return "\n".join([*lines, summary(errs)])
+
+
+def load_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """Rows of a JSONL file written by this script, by configuration name (the last one wins)."""
+    done: dict[str, dict[str, Any]] = {}
+    known = {f.name for f in fields(GPUConfig)}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            GPUConfig(**{k: v for k, v in rec["config"].items() if k in known})
+        except (ValueError, KeyError, TypeError) as e:
+            sys.exit(f"gpu_calibrate: {path}:{n}: not a calibration row ({e})")
+        done[rec["config"]["name"]] = rec
+    return done
+
+
+def row_config(rec: dict[str, Any]) -> GPUConfig:
+    """The configuration of a saved row (rows of configurations no longer in GRID keep working)."""
+    known = {f.name for f in fields(GPUConfig)}
+    return GPUConfig(**{k: v for k, v in rec["config"].items() if k in known})
+
+
+def measure(grid: list[GPUConfig], a: argparse.Namespace, raw_path: Path,
+            done: dict[str, dict[str, Any]]) -> None:
+    """Build the random models, then train every configuration of ``grid`` not in ``done`` (``--jobs`` at once),
+    appending each result to ``raw_path`` as it arrives."""
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="oomguard-gpu-cal-"))
+    todo = [c for c in grid if c.name not in done]
+    built = set()
+    for arch in dict.fromkeys(c.arch for c in todo):
+        model_dir = work / arch
+        if not (model_dir / "config.json").exists():
+            print(f"building random {arch} in {model_dir} ...", flush=True)
+            res, why = child(["--build", arch, str(model_dir)], 1800)
+            if res is None:
+                print(f"  build failed: {why}", flush=True)
+                continue
+        built.add(arch)
+
+    def one(cfg: GPUConfig) -> tuple[GPUConfig, dict[str, Any] | None, str, float]:
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cfg.expandable else {}
+        with tempfile.TemporaryDirectory(prefix="oomguard-gpu-run-") as run_dir:
+            t1 = time.time()
+            res, why = child(["--train", json.dumps(asdict(cfg)), "--model-dir", str(work / cfg.arch), "--out-dir",
+                              run_dir], a.timeout, env)
+        return cfg, res, why, time.time() - t1
+
+    with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        for cfg, res, why, seconds in pool.map(one, [c for c in todo if c.arch in built]):
+            if res is None:
+                print(f"{cfg.name:<32} FAILED {why[:400]}", flush=True)
+                continue
+            rec = {"config": asdict(cfg), **res, "seconds": round(seconds, 1), "jobs": a.jobs}
+            done[cfg.name] = rec
+            with raw_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{cfg.name:<32} alloc {res['peak_alloc'] / 2**30:7.2f} GiB  reserved "
+                  f"{res['peak_reserved'] / 2**30:7.2f} GiB  context {res['context'] / 2**30:5.2f} GiB "
+                  f"({res.get('context_source', '?')})  ({seconds:.0f} s)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="gpu-calibration.md", help="measured table: .md for Markdown, else CSV")
+    p.add_argument("--out", default="gpu-calibration.md",
+                   help="measured table: .md for Markdown, else CSV; raw rows go to OUT.jsonl")
     p.add_argument("--quick", action="store_true", help="a 4-configuration subset")
     p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
+    p.add_argument("--arch", action="append", default=[], choices=sorted(ARCHS),
+                   help="run only the configurations of this architecture (repeatable; adds to --only)")
+    p.add_argument("--jobs", "-j", type=int, default=1,
+                   help="configurations trained at once on the GPU (allocated/reserved peaks are per process; the "
+                        "context is too where NVML sees this process)")
     p.add_argument("--resume", action="store_true", help="skip configurations already in OUT.jsonl")
+    p.add_argument("--from-jsonl", metavar="PATH", help="re-fit rows saved by an earlier run; needs no GPU")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--workdir", default=None, help="where the random models are written (default: a temp dir)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -354,76 +499,50 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(train(GPUConfig(**json.loads(a.train)), a.model_dir, a.out_dir)), flush=True)
         return 0
 
-    info, why = child(["--probe"], 300)
-    if info is None:
-        sys.exit(f"gpu_calibrate: cannot start torch to look for a GPU ({why})")
-    if not info.get("cuda"):
-        sys.exit("gpu_calibrate: no CUDA device is available; this calibration needs an NVIDIA GPU "
-                 "(use bench/cpu_calibrate.py on a CPU)")
-    capacity = int(info["total"])
-    print(f"device: {info['name']}, {capacity / 2**30:.1f} GiB, torch {info['torch']}, "
-          f"triton {'yes' if info['triton'] else 'NO: the chunked LM head runs its torch fallback'}")
-
-    grid = select_grid(GRID, a.only or (QUICK if a.quick else None), p)
+    names = list(a.only) + [c.name for c in GRID if c.arch in a.arch]
+    selected = names or (QUICK if a.quick else None)
     out = Path(a.out)
     raw_path = Path(str(out) + ".jsonl")
-    done: dict[str, dict[str, Any]] = {}
-    if a.resume and raw_path.exists():
-        for line in raw_path.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["config"]["name"]] = rec
-    elif raw_path.exists():
-        raw_path.unlink()
-
-    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="oomguard-gpu-cal-"))
+    if not a.resume:
+        for existing in (out, raw_path):
+            if existing.exists() and not (a.from_jsonl and existing == raw_path):
+                sys.exit(f"gpu_calibrate: {existing} exists; pass --resume to continue that run, or another --out")
     t0 = time.time()
-    for cfg in grid:
-        if cfg.name in done:
-            continue
-        model_dir = work / cfg.arch
-        if not (model_dir / "config.json").exists():
-            print(f"building random {cfg.arch} in {model_dir} ...", flush=True)
-            res, why = child(["--build", cfg.arch, str(model_dir)], 1800)
-            if res is None:
-                print(f"  build failed: {why}")
-                continue
-        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cfg.expandable else {}
-        with tempfile.TemporaryDirectory(prefix="oomguard-gpu-run-") as run_dir:
-            t1 = time.time()
-            res, why = child(["--train", json.dumps(asdict(cfg)), "--model-dir", str(model_dir), "--out-dir",
-                              run_dir], a.timeout, env)
-        if res is None:
-            print(f"{cfg.name:<32} FAILED {why[:400]}", flush=True)
-            continue
-        rec = {"config": asdict(cfg), **res, "seconds": round(time.time() - t1, 1)}
-        done[cfg.name] = rec
-        with raw_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(f"{cfg.name:<32} alloc {res['peak_alloc'] / 2**30:7.2f} GiB  reserved "
-              f"{res['peak_reserved'] / 2**30:7.2f} GiB  context {res['context'] / 2**30:5.2f} GiB  "
-              f"({rec['seconds']:.0f} s)", flush=True)
-
-    rows = [(c, done[c.name]) for c in grid if c.name in done]
+    if a.from_jsonl:
+        saved = load_rows(Path(a.from_jsonl))
+        rows = [(row_config(r), r) for name, r in saved.items() if selected is None or name in selected]
+        capacity = 80 * 2**30  # only a colocated vLLM depends on it, and no row uses one
+        title = f"re-fit of {a.from_jsonl}"
+    else:
+        info, why = child(["--probe"], 300)
+        if info is None:
+            sys.exit(f"gpu_calibrate: cannot start torch to look for a GPU ({why})")
+        if not info.get("cuda"):
+            sys.exit("gpu_calibrate: no CUDA device is available; this calibration needs an NVIDIA GPU "
+                     "(use bench/cpu_calibrate.py on a CPU, or --from-jsonl to re-fit saved rows)")
+        capacity = int(info["total"])
+        print(f"device: {info['name']}, {capacity / 2**30:.1f} GiB, torch {info['torch']}, "
+              f"triton {'yes' if info['triton'] else 'NO: the chunked LM head runs its torch fallback'}", flush=True)
+        grid = select_grid(GRID, selected, p)
+        done = load_rows(raw_path) if (a.resume and raw_path.exists()) else {}
+        measure(grid, a, raw_path, done)
+        rows = [(c, done[c.name]) for c in grid if c.name in done]
+        title = f"{info['name']}, torch {info['torch']}"
     if not rows:
         sys.exit("gpu_calibrate: no configuration completed")
     from oomguard.estimate import Coefficients
 
-    prior = Coefficients()
-    text, errs = render(rows, prior, capacity, "text")
-    print(f"\nwith the priors {prior}:\n{text}")
+    built_in = Coefficients()
+    print(f"\nwith the built-in coefficients {built_in}:\n{render(rows, built_in, capacity, 'text')}")
     co = fit(rows, capacity)
-    text, errs = render(rows, co, capacity, "text")
-    print(f"\nfitted: {co}\n{text}")
-    abs_err = [abs(e) for e in errs]
-    print(f"\n{len(rows)} configurations: median |error| {statistics.median(abs_err):.1f}%, "
-          f"max |error| {max(abs_err):.1f}% (allocated peak, fitted coefficients)")
+    print(f"\nfitted: {co}\n{render(rows, co, capacity, 'text')}")
     fmt = "md" if out.suffix.lower() in (".md", ".markdown") else "csv"
-    body, _ = render(rows, co, capacity, fmt)
+    body = render(rows, co, capacity, fmt)
     if fmt == "md":
-        body = (f"# GPU calibration ({info['name']}, torch {info['torch']})\n\nFitted coefficients: `{co}`\n\n"
-                + body)
+        body = (f"# GPU calibration ({title})\n\nBuilt-in coefficients: `{built_in}`\n\n"
+                f"{render(rows, built_in, capacity, 'md')}\nFitted coefficients: `{co}`\n\n{body}")
     out.write_text(body)
-    print(f"wrote {out} and {raw_path}; wall time {time.time() - t0:.0f} s")
+    print(f"wrote {out}" + ("" if a.from_jsonl else f" and {raw_path}") + f"; wall time {time.time() - t0:.0f} s")
     return 0
 
 
