@@ -209,15 +209,25 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError) as e:
         _usage(str(e))
-    p = make_plan(spec, k, capacity, ladder=lad, facts=RunFacts(world_size=world_size), prompt_tokens=prompt_tokens)
+    from .calibration import builtin_description, load_calibration, machine_key
+    from .device import gpu_name
+    from .estimate import Coefficients
+
+    # what earlier runs on this machine learned (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
+    cal = load_calibration(machine_key(gpu_name(), simulated=False))
+    calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
+                   else {"source": "built-in", "description": builtin_description()})
+    p = make_plan(spec, k, capacity, ladder=lad, facts=RunFacts(world_size=world_size), prompt_tokens=prompt_tokens,
+                  coefficients=cal.apply(Coefficients()) if cal else None)
     if as_json:
         import json
 
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        click.echo(json.dumps({**p.to_dict(), "calibration": calibration}, indent=2))
         return
     from .render import console, plan_table
 
     plan_table(console(), p, model_path)
+    click.echo(f"calibration: {calibration['description']}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ asks the driver's management library instead. Everything degrades to ``None`` wh
 
 >>> gpu_total_memory() is None or gpu_total_memory() > 0
 True
+>>> gpu_name() is None or isinstance(gpu_name(), str)
+True
 """
 
 from __future__ import annotations
@@ -39,6 +41,28 @@ def gpu_total_memory(index: int | None = None) -> int | None:
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index)
         return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def gpu_name(index: int | None = None) -> str | None:
+    """Name of the first visible GPU as NVML reports it (``"NVIDIA H100 80GB HBM3"``), or None without NVML or a GPU.
+
+    The calibration store keys what it learns by this name (``oomguard.calibration.machine_key``).
+    """
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index)
+        name = nvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)  # older pynvml returns bytes
+        return name.strip() or None
     except Exception:
         return None
     finally:
