@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -453,7 +453,9 @@ def measure(grid: list[GPUConfig], a: argparse.Namespace, raw_path: Path,
         return cfg, res, why, time.time() - t1
 
     with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-        for cfg, res, why, seconds in pool.map(one, [c for c in todo if c.arch in built]):
+        futures = [pool.submit(one, c) for c in todo if c.arch in built]
+        for fut in as_completed(futures):  # each row is saved the moment it finishes
+            cfg, res, why, seconds = fut.result()
             if res is None:
                 print(f"{cfg.name:<32} FAILED {why[:400]}", flush=True)
                 continue

@@ -351,7 +351,7 @@ class Coefficients:
     torch 2.11 + CUDA 13, TRL 1.16, 18 GRPO configurations of ``tests/fixtures/h100/calibration.jsonl`` and the run
     reports next to it) by ``python bench/gpu_calibrate.py --from-jsonl tests/fixtures/h100/calibration.jsonl``.
     With them the allocated peak is within 0.8% (median) and 4.7% (worst) of every row, the reserved peak within
-    1.5% and 6.4%.
+    1.9% and 6.4% (``tests/test_gpu_rows.py``).
 
     - ``c_act``: scale of the derived activation bytes. Fitted 0.89 (smallest worst-case error of the allocated
       peak); the research prior was 0.9.

@@ -138,3 +138,32 @@ def test_bench_from_jsonl_needs_no_gpu(tmp_path):
                             str(FIXTURES / "calibration.jsonl"), "--out", str(out)],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "exists" in again.stderr  # an earlier table is never overwritten
+
+
+def test_bench_runs_only_the_selected_architecture(tmp_path, monkeypatch):
+    """`--arch q3b --jobs 4` trains exactly the Qwen2.5-3B rows, each in its own child, and saves each row as it
+    arrives (the children are faked here: this checks the selection and bookkeeping, not a GPU)."""
+    import gpu_calibrate
+
+    calls: list[list[str]] = []
+
+    def fake_child(args: list[str], timeout: float, env: dict | None = None):
+        calls.append(args)
+        if args[0] == "--probe":
+            return {"cuda": True, "name": "fake", "total": 80 * 2**30, "triton": True, "torch": "x"}, ""
+        if args[0] == "--build":
+            (Path(args[2])).mkdir(parents=True)
+            (Path(args[2]) / "config.json").write_text("{}")
+            return {}, ""
+        cfg = json.loads(args[1])
+        return {"peak_alloc": 10 * 2**30, "peak_reserved": 11 * 2**30, "phases_alloc": {"forward_backward": 10 * 2**30},
+                "phases_reserved": {}, "context": 2**29, "context_source": "process", "resident": 1,
+                "trainable": 1, "head_fallback": False, "train_seconds": 1.0, "name": cfg["name"]}, ""
+
+    monkeypatch.setattr(gpu_calibrate, "child", fake_child)
+    out = tmp_path / "q3b.md"
+    assert gpu_calibrate.main(["--arch", "q3b", "--jobs", "4", "--timeout", "400", "--out", str(out),
+                               "--workdir", str(tmp_path / "models")]) == 0
+    names = {json.loads(line)["config"]["name"] for line in Path(str(out) + ".jsonl").read_text().splitlines()}
+    assert names == {c.name for c in gpu_calibrate.GRID if c.arch == "q3b"} and len(names) == 4
+    assert sum(1 for a in calls if a[0] == "--build") == 1 and out.exists()
