@@ -20,7 +20,7 @@ measured (``--resume``). ``--from-jsonl`` re-fits saved rows without a GPU.
 
     python bench/gpu_calibrate.py --out gpu-calibration.md             # the full grid (about 25-35 minutes)
     python bench/gpu_calibrate.py --quick --out quick.csv              # 4 configurations
-    python bench/gpu_calibrate.py --arch q3b --jobs 4 --timeout 420 --out q3b.md   # the Qwen2.5-3B rows
+    python bench/gpu_calibrate.py --arch q3b --jobs 4 --timeout 400 --out q3b.md   # the Qwen2.5-3B rows, ~7 min
     python bench/gpu_calibrate.py --only q05-bf16-full --only q3b-qlora32-c1024 --out some.md
     python bench/gpu_calibrate.py --from-jsonl tests/fixtures/h100/calibration.jsonl --out refit.md   # no GPU
 """
