@@ -7,9 +7,14 @@ from it. oomguard records which fields it reads, so only rungs that change those
 On a machine without a GPU it rehearses on the simulated device (a 128 MiB budget that raises real OOMs):
 
     python examples/custom_loop.py
+
+Each OOM and each rung climbed is one line on the ``oomguard`` logger; the RunReport goes to
+``examples/.cache/custom-loop-report.json`` (ignored by git).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,7 +62,7 @@ SIMULATE = None if torch.cuda.is_available() else "128MiB"
     simulate_gpu=SIMULATE,
     knobs={"per_device_train_batch_size": 32, "max_completion_length": 128, "gradient_checkpointing": False,
            "optim": "adamw_torch"},
-    report="custom-loop-report.json",
+    report=Path(__file__).resolve().parent / ".cache" / "custom-loop-report.json",
 )
 def train(knobs, steps: int = 3) -> float:
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,9 +10,11 @@ Offline by default, so it runs anywhere, CPU included:
 - the data is ``examples/data/gsm8k_mini.jsonl``, GSM8K-format problems made from templates.
 
 Where the hub can be reached, ``--model meta-llama/Llama-3.2-1B-Instruct --dataset openai/gsm8k`` runs the real thing.
+Checkpoints of the tiny model go to ``examples/.cache/outputs/`` (ignored by git); a real model's go to
+``outputs/grpo-gsm8k`` unless ``--output-dir`` says otherwise.
 
     python examples/grpo_gsm8k.py                                    # plain run
-    oomguard run --simulate-gpu 100MiB examples/grpo_gsm8k.py         # the CPU OOM-recovery demo
+    oomguard run --simulate-gpu 300MiB examples/grpo_gsm8k.py         # the CPU OOM-recovery demo
     oomguard run examples/grpo_gsm8k.py --model meta-llama/Llama-3.2-1B-Instruct --dataset openai/gsm8k
 """
 
@@ -24,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -152,10 +155,24 @@ def build_tiny_model(path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def example_cache() -> Path:
+    """Where the examples keep what they make (the tiny model, their outputs): ``examples/.cache``, ignored by git."""
+    return Path(os.environ.get("OOMGUARD_EXAMPLE_CACHE", HERE / ".cache"))
+
+
+def quiet_trl_deprecations() -> None:
+    """Hide the three FutureWarnings TRL 1.16 itself causes on every run: its generation helper
+    (``trl/models/utils.py``) still calls transformers 5's deprecated ``is_gradient_checkpointing``,
+    ``gradient_checkpointing_disable`` and ``gradient_checkpointing_enable``. Nothing in this script can change that;
+    the script's own arguments use the current names (``activation_checkpointing``)."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`(is_gradient_checkpointing|gradient_checkpointing_(enable|disable))` is deprecated")
+
+
 def resolve_model(name: str) -> str:
     if name != TINY:
         return name
-    cache = Path(os.environ.get("OOMGUARD_EXAMPLE_CACHE", HERE / ".cache"))
+    cache = example_cache()
     path = cache / "tiny-llama-3.2"
     if not (path / "config.json").exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -167,11 +184,41 @@ def resolve_model(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def config_kwargs(args: argparse.Namespace, cuda: bool, bf16: bool) -> dict:
+    """The seed's GRPOConfig arguments, in the names TRL 1.16 and transformers 5 use (no deprecation warnings)."""
+    tiny = args.model == TINY
+    output_dir = args.output_dir or str(example_cache() / "outputs" / "grpo-gsm8k" if tiny else "outputs/grpo-gsm8k")
+    return dict(
+        output_dir=output_dir,
+        learning_rate=5e-6,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.1,
+        warmup_steps=0.1,  # a ratio of the run (transformers 5 folded warmup_ratio into warmup_steps)
+        lr_scheduler_type="cosine",
+        logging_steps=1,
+        bf16=bf16,
+        use_cpu=not cuda,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length or (256 if tiny else 786),
+        num_train_epochs=1,
+        max_steps=args.max_steps or (2 if tiny else -1),
+        save_steps=args.save_steps,
+        max_grad_norm=0.1,
+        activation_checkpointing=not args.no_gradient_checkpointing,  # transformers 5's name for it
+        report_to=args.report_to,
+        log_on_each_node=False,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=TINY, help="a model id or path, or 'tiny-llama' (default, offline)")
     p.add_argument("--dataset", default="bundled", help="'bundled' (default, offline) or a hub id such as openai/gsm8k")
-    p.add_argument("--output-dir", default="outputs/grpo-gsm8k")
+    p.add_argument("--output-dir", default=None,
+                   help="default: examples/.cache/outputs/grpo-gsm8k for the tiny model, else outputs/grpo-gsm8k")
     p.add_argument("--max-steps", type=int, default=None, help="default: 2 for the tiny model, else one epoch")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--per-device-train-batch-size", type=int, default=8)
@@ -183,40 +230,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--use-peft", action="store_true", help="train LoRA adapters (r=16) as the seed's commented option")
     p.add_argument("--report-to", default="none")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    quiet_trl_deprecations()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    tiny = args.model == TINY
     model_name = resolve_model(args.model)
     cuda = torch.cuda.is_available()
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[args.dtype]
-    training_args = GRPOConfig(
-        output_dir=args.output_dir,
-        learning_rate=5e-6,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        weight_decay=0.1,
-        warmup_steps=0.1,  # a ratio of the run (transformers 5 folded warmup_ratio into warmup_steps)
-        lr_scheduler_type="cosine",
-        logging_steps=1,
-        bf16=cuda and torch.cuda.is_bf16_supported(),
-        use_cpu=not cuda,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length or (256 if tiny else 786),
-        num_train_epochs=1,
-        max_steps=args.max_steps or (2 if tiny else -1),
-        save_steps=args.save_steps,
-        max_grad_norm=0.1,
-        gradient_checkpointing=not args.no_gradient_checkpointing,
-        report_to=args.report_to,
-        log_on_each_node=False,
-    )
+    training_args = GRPOConfig(**config_kwargs(args, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported()))
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     if tokenizer.pad_token is None:

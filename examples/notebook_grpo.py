@@ -6,6 +6,7 @@
 # for each call and removes them afterwards, so the retry changes the config without editing the function.
 #
 # Run it as a script too: `python examples/notebook_grpo.py` (CPU, the tiny offline model, a simulated 260 MiB GPU).
+# Each OOM and each rung climbed is one line on the `oomguard` logger; what it writes goes to examples/.cache/.
 
 # %%
 import torch
@@ -14,7 +15,16 @@ from trl import GRPOConfig, GRPOTrainer
 
 import oomguard
 
-from grpo_gsm8k import correctness_reward_func, load_questions, resolve_model, soft_format_reward_func
+from grpo_gsm8k import (
+    correctness_reward_func,
+    example_cache,
+    load_questions,
+    quiet_trl_deprecations,
+    resolve_model,
+    soft_format_reward_func,
+)
+
+quiet_trl_deprecations()  # TRL 1.16's own calls of transformers 5's deprecated checkpointing methods
 
 MODEL = resolve_model("tiny-llama")  # or "meta-llama/Llama-3.2-1B-Instruct" where the hub is reachable
 dataset = load_questions("bundled")
@@ -23,7 +33,7 @@ dataset = load_questions("bundled")
 @oomguard.guard(simulate_gpu=None if torch.cuda.is_available() else "260MiB", max_attempts=6)
 def train_grpo() -> float:
     args = GRPOConfig(
-        output_dir="outputs/notebook-grpo",
+        output_dir=str(example_cache() / "outputs" / "notebook-grpo"),
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
         num_generations=8,
@@ -34,6 +44,7 @@ def train_grpo() -> float:
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
+        activation_checkpointing=True,  # TRL's default, named as transformers 5 wants (no FutureWarning)
     )
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(MODEL),

@@ -10,11 +10,28 @@ import click
 from . import __version__
 
 EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 3  # `oomguard plan`: the configuration is predicted not to fit (0 when it fits)
+
+# The exit codes of `oomguard run`: one list for `run --help`, and the README states the same (a test checks both).
+RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
+    ("N", "the command's own code when it succeeds, or when it fails for a reason other than an OOM (passed "
+          "through at once, no retry)"),
+    ("75", "the ladder or the budget (--max-attempts, --max-time) is used up"),
+    ("130/143", "interrupted (SIGINT/SIGTERM)"),
+    ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
+    ("126", "the command is not executable"),
+    ("127", "the command is not found"),
+    ("70", "an internal error (a rung produced knobs GRPO rejects): please report it"),
+)
+
+
+def _exit_codes_epilog() -> str:
+    return "\b\nExit codes:\n" + "\n".join(f"  {code:<8} {text}" for code, text in RUN_EXIT_CODES)
 
 
 class _Group(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return ["run", "analyze", "plan", "ladders"]
+        return ["run", "analyze", "plan", "knobs", "ladders"]
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -26,6 +43,7 @@ def main() -> None:
       oomguard run train.py ARGS...         run, recover from OOMs, log what changed
       oomguard analyze LOG|RECORD|SNAPSHOT  explain an OOM after the fact
       oomguard plan --model DIR --gpu 24GiB predict memory before anything runs
+      oomguard knobs                        list the knobs oomguard may change
       oomguard ladders                      list the remedy ladders
     """
 
@@ -37,9 +55,11 @@ def main() -> None:
 @click.option("--max-bytes", default="64GiB", show_default=True, metavar="SIZE",
               help="Read at most this much of each log.")
 @click.option("--html", "html_path", default=None, metavar="PATH", help="Also write a self-contained HTML report.")
-def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: str | None) -> None:
+@click.option("--all", "show_all", is_flag=True,
+              help="List every remedy for each OOM (without it, the top 3-5; --json always has them all, ranked).")
+def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: str | None, show_all: bool) -> None:
     """Explain the OOMs in logs, crash records, run reports and memory snapshots (files or directories)."""
-    from .analyze import analyze_paths
+    from .analyze import analyze_paths, for_terminal
     from .render import console, findings, note, snapshots
     from .sizes import SizeError, parse_size
 
@@ -56,9 +76,14 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         out = console()
-        if result.findings:
-            findings(out, result.findings)
-        elif result.files_read:
+        for i, f in enumerate(result.findings):
+            shown, hidden = for_terminal(f, show_all=show_all)
+            if i:
+                out.print()
+            findings(out, [shown])
+            if hidden:
+                out.print(f"   … and {hidden} more (--all lists them)", style="dim")
+        if not result.findings and result.files_read:
             out.print(f"No out-of-memory error found in {result.files_read} file(s).")
         snapshots(out, result.snapshots)
     if html_path:
@@ -70,7 +95,8 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 
 
 # ----------------------------------------------------------------------------------------------------------------
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+              epilog=_exit_codes_epilog())
 @click.option("--ladder", default="default", show_default=True, metavar="NAME|PATH",
               help="The remedy ladder: a shipped name (see `oomguard ladders`) or a TOML file.")
 @click.option("--max-attempts", default=8, show_default=True, type=click.IntRange(1, 1000),
@@ -95,10 +121,15 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
                    "no checkpoints. A config is stable once its probe passes.")
 @click.option("--no-probe", is_flag=True, help="Skip the probe (same as --probe-steps 0).")
 @click.option("--no-predict", is_flag=True,
-              help="Climb one rung per OOM instead of letting the memory model skip rungs predicted not to be enough.")
+              help="Climb one rung per OOM, keeping every rung climbed, instead of letting the memory model choose "
+                   "(skip rungs predicted not to be enough, drop those not needed, relax graded knobs).")
+@click.option("--preflight-margin", type=click.FloatRange(min=0), default=0.15, show_default=True, metavar="F",
+              help="Stop a config before it generates when the memory model predicts it F (a fraction) or more over "
+                   "the device: the attempt costs a model load instead of an OOM.")
+@click.option("--no-preflight", is_flag=True, help="Never stop a config on prediction alone; run it and see.")
 @click.option("--minimize", is_flag=True,
-              help="Once a config fits, try dropping the costliest rungs one at a time (with probes) and keep only "
-                   "those that are needed.")
+              help="After the memory model's choice, also prove it: drop each remaining rung in turn, costliest "
+                   "first, and keep it only if a probe without it runs out of memory.")
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
               help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
                    "steps (oomguard continues from the newest checkpoint).")
@@ -109,7 +140,8 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
-        probe_steps: int, no_probe: bool, no_predict: bool, minimize: bool, checkpoint_every: int | None,
+        probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float, no_preflight: bool,
+        minimize: bool, checkpoint_every: int | None,
         html_path: str | None, quiet: bool, json_log: bool) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
 
@@ -119,14 +151,11 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
       oomguard run -m mypkg.train
       oomguard run -- trl grpo --config grpo.yaml
       oomguard run --simulate-gpu 300MiB examples/grpo_gsm8k.py
-
-    Exit codes: the command's own code when it succeeds or fails for another reason; 75 when the ladder or the
-    budget is used up; 130/143 when interrupted; 2 for usage errors.
     """
     from pathlib import Path
 
     from .ladder import LadderBug, LadderError, load_ladder
-    from .sizes import SizeError, parse_size
+    from .sizes import SizeError, parse_size_arg
     from .supervisor import EXIT_BUG, RunOptions, Supervisor, UsageError, load_lock, resolve_command
     from .ui import ConsoleReporter, JsonLogReporter
 
@@ -137,11 +166,11 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
         lad = load_ladder(ladder)
         import os
 
-        simulate_gpu = simulate_gpu or os.environ.get("OOMGUARD_SIMULATE_GPU") or None
-        sim = parse_size(simulate_gpu) if simulate_gpu else None
-        cap = parse_size(gpu_memory) if gpu_memory else None
-        if (sim is not None and sim <= 0) or (cap is not None and cap <= 0):
-            raise UsageError("a memory size must be more than 0 bytes")
+        sim_option = "--simulate-gpu"
+        if not simulate_gpu and os.environ.get("OOMGUARD_SIMULATE_GPU"):
+            simulate_gpu, sim_option = os.environ["OOMGUARD_SIMULATE_GPU"], "OOMGUARD_SIMULATE_GPU"
+        sim = parse_size_arg(simulate_gpu, sim_option) if simulate_gpu else None
+        cap = parse_size_arg(gpu_memory, "--gpu-memory") if gpu_memory else None
         replay = load_lock(config_path) if config_path else None
         argv = resolve_command(args)
     except (UsageError, LadderError, SizeError) as e:
@@ -150,8 +179,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          simulate_gpu=sim, gpu_memory=cap, report_path=Path(report_path), lock_path=Path(lock_path),
                          workdir=Path(workdir), replay=replay, predict=not no_predict,
                          probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
+                         preflight_margin=None if (no_preflight or no_predict) else preflight_margin,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None)
-    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet)
+    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
     try:
         code = Supervisor(argv, options, reporter).run()
     except UsageError as e:
@@ -180,19 +210,23 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     \b
       oomguard plan --model ./Llama-3.2-1B-Instruct --gpu 16GiB dtype=bfloat16 max_completion_length=786
       oomguard plan --model config.json --gpu 24GiB lora_r=32 load_in_4bit=true --json
+      oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
 
-    Knobs are the Knobs fields (see `oomguard ladders` and the README); unset knobs take TRL 1.16's defaults.
+    KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
+    unset knobs take.
+
+    \b
+    Exit codes: 0 when the configuration is predicted to fit; 3 when it does not (also with --json); 2 for usage
+    errors (an unknown knob, a bad size or model config).
     """
     from .estimate import EstimateError, load_model_spec
-    from .knobs import TRL_DEFAULTS, RunFacts, parse_knob
+    from .knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
     from .ladder import LadderError, load_ladder
     from .plan import make_plan
-    from .sizes import SizeError, parse_size
+    from .sizes import SizeError, parse_size_arg
 
     try:
-        capacity = parse_size(gpu_size)
-        if capacity <= 0:
-            raise SizeError(f"--gpu must be more than 0 bytes, not {gpu_size!r}")
+        capacity = parse_size_arg(gpu_size, "--gpu")
         values: dict[str, Any] = {}
         for item in knobs:
             name, sep, text = item.partition("=")
@@ -200,7 +234,7 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
                 raise ValueError(f"expected KNOB=VALUE, not {item!r}")
             values[name.strip()] = parse_knob(name.strip(), text)
         k = TRL_DEFAULTS.merged(values)
-        problems = k.validate(world_size)
+        problems = check_values(values) or k.validate(world_size)
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
         spec = load_model_spec(model_path)
@@ -223,11 +257,105 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         import json
 
         click.echo(json.dumps({**p.to_dict(), "calibration": calibration}, indent=2))
-        return
-    from .render import console, plan_table
+    else:
+        from .render import console, plan_table
 
-    plan_table(console(), p, model_path)
-    click.echo(f"calibration: {calibration['description']}")
+        plan_table(console(), p, model_path)
+        click.echo(f"calibration: {calibration['description']}")
+    sys.exit(0 if p.fits else EXIT_DOES_NOT_FIT)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+_POINTS = {"env": "environment (allocator config)", "config": "GRPOConfig", "trainer": "GRPOTrainer",
+           "model": "from_pretrained"}
+
+# One line per knob for `oomguard knobs` (a test checks that every Knobs field has one).
+KNOB_MEANINGS: dict[str, str] = {
+    "expandable_segments": "PyTorch allocator: grow segments in place instead of caching new blocks (fragmentation)",
+    "max_split_size_mb": "PyTorch allocator: cached blocks larger than this are never split, so they stay whole",
+    "torch_empty_cache_steps": "empty the device cache every N steps",
+    "max_completion_length": "longest completion generated, in tokens",
+    "max_prompt_tokens": "prompts longer than this many tokens leave the dataset (oomguard's own; TRL 1.16 has none)",
+    "num_generations": "completions generated per prompt (the GRPO group)",
+    "per_device_train_batch_size": "completions per device in one micro-step",
+    "gradient_accumulation_steps": "micro-steps per optimizer step",
+    "steps_per_generation": "micro-steps served by one generation round",
+    "generation_batch_size": "completions generated per round, over all devices",
+    "gradient_checkpointing": "recompute activations in the backward instead of keeping them "
+                              "(transformers 5: activation_checkpointing)",
+    "optim": "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",
+    "dtype": "the dtype the model is loaded in: float32, bfloat16, float16 or auto",
+    "lora_r": "LoRA rank; 0 trains every weight (LoRA is injected as peft_config)",
+    "lora_alpha": "LoRA scaling alpha",
+    "lora_target_modules": "the modules LoRA adapts: names (q_proj,v_proj) or all-linear",
+    "load_in_4bit": "load the base model in NF4 4-bit (QLoRA); needs LoRA",
+    "beta": "KL coefficient; above 0 a reference model is kept in memory",
+    "use_vllm": "generate with vLLM",
+    "vllm_mode": "vLLM in the training process (colocate) or a separate server",
+    "vllm_gpu_memory_utilization": "the share of the GPU vLLM reserves in colocate mode",
+    "vllm_enable_sleep_mode": "vLLM gives its memory back between generation rounds",
+    "vllm_max_model_length": "vLLM's context length, which sizes its KV cache",
+    "dataloader_num_workers": "data-loading worker processes (host RAM)",
+    "dataloader_prefetch_factor": "batches each data-loading worker prepares ahead (host RAM)",
+    "zero_stage": "DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config",
+    "offload_optimizer": "DeepSpeed: keep the optimizer state in host RAM",
+    "offload_params": "DeepSpeed: keep the parameters in host RAM",
+    "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
+}
+
+
+def _knob_type(annotation: Any) -> str:
+    text = str(annotation).replace(" | None", "")
+    return {"tuple[str, ...] | str": "list of str, or all-linear"}.get(text, text)
+
+
+def describe_knobs() -> list[dict[str, Any]]:
+    """Every knob: name, type, TRL 1.16's default, the construction points it reaches, and what it means.
+
+    >>> row = next(r for r in describe_knobs() if r["name"] == "lora_r")
+    >>> row["type"], row["default"], row["reaches"]
+    ('int', 0, ['GRPOTrainer'])
+    """
+    from dataclasses import fields
+
+    from .knobs import REACH, TRL_DEFAULTS, Knobs
+
+    out = []
+    for f in fields(Knobs):
+        default = getattr(TRL_DEFAULTS, f.name)
+        out.append({"name": f.name, "type": _knob_type(f.type),
+                    "default": list(default) if isinstance(default, tuple) else default,
+                    "reaches": [_POINTS[p] for p in ("env", "config", "trainer", "model") if f.name in REACH[p]],
+                    "meaning": KNOB_MEANINGS.get(f.name, "")})
+    return out
+
+
+@main.command("knobs")
+@click.option("--json", "as_json", is_flag=True, help="Print the knobs as JSON.")
+def knobs_command(as_json: bool) -> None:
+    """List every knob oomguard may change: its type, TRL 1.16's default, where it reaches the training process
+    (the environment, GRPOConfig, GRPOTrainer or from_pretrained) and what it means.
+
+    Use them as KNOB=VALUE with `oomguard plan`; they are the keys of a lock file's overrides.
+    """
+    data = describe_knobs()
+    if as_json:
+        import json
+
+        click.echo(json.dumps(data, indent=2))
+        return
+    from rich.markup import escape
+
+    from .render import console
+
+    out = console()
+    out.print(f"[bold]{'knob':<28} {'type':<27} {'TRL default':<18} reaches[/]", soft_wrap=True)
+    for r in data:
+        d = r["default"]
+        default = "unset" if d is None else ",".join(map(str, d)) if isinstance(d, list) else str(d)
+        out.print(f"[cyan]{r['name']:<28}[/] {escape(r['type']):<27} {escape(default):<18} {', '.join(r['reaches'])}",
+                  soft_wrap=True)
+        out.print(f"    [dim]{escape(r['meaning'])}[/]", soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import functools
 import gc
 import importlib
 import inspect
+import logging
 import os
 import pickle
 import sys
@@ -43,13 +44,18 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 
+from . import allocconf
 from .climb import Climb
 from .diagnose import Diagnosis, diagnose, phase_from_frames
-from .knobs import KNOB_NAMES, Knobs, reachable
+from .knobs import KNOB_NAMES, Knobs, RunFacts, reachable
 from .ladder import Ladder, load_ladder
 from .oom import Frame, is_oom, oom_in_chain, report_from_exception
-from .records import Attempt, RunReport
-from .sizes import parse_size
+from .records import Attempt, RunReport, rung_label
+from .sizes import format_size, parse_size
+
+# One line per OOM and per climb, the way transformers users see library messages. No handler is added: with logging
+# unconfigured, Python's last-resort handler prints WARNING lines to stderr; configured logging takes them as usual.
+log = logging.getLogger("oomguard")
 
 
 class OOMGuardExhausted(RuntimeError):
@@ -101,7 +107,7 @@ class Guarded:
 
     def __init__(self, fn: Callable[..., Any], ladder: str | Ladder, knobs: Knobs | dict[str, Any] | None,
                  max_attempts: int, simulate_gpu: int | str | None, report: str | os.PathLike[str] | None,
-                 isolate: bool, predict: bool = True) -> None:
+                 isolate: bool, predict: bool = True, verbose: bool = True) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
@@ -113,6 +119,7 @@ class Guarded:
         self.report_path = Path(report) if report else None
         self.isolate = isolate
         self.predict = predict
+        self.verbose = verbose
         self._guide_obj: Any = None
         self.report: RunReport | None = None
         self.takes_knobs = "knobs" in inspect.signature(fn).parameters
@@ -139,7 +146,10 @@ class Guarded:
                 simulate.stop()
 
     def _climb(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        climb = Climb(self.ladder, base=self.initial)
+        user = allocconf.user_settings(os.environ)  # the allocator settings in force are the user's own
+        climb = Climb(self.ladder, base=self.initial, facts=RunFacts(alloc_conf_locked=user.locked_text()),
+                      env_knobs={"expandable_segments": bool(user.expandable_segments),
+                                 "max_split_size_mb": user.max_split_size_mb})
         reads: set[str] = set()
         retryer = Retrying(
             stop=stop_after_attempt(self.max_attempts),
@@ -151,6 +161,8 @@ class Guarded:
         last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
         if last.outcome == "ok":
             n = len(climb.attempts)
+            if n > 1:
+                self._log(logging.INFO, f"{self.fn.__name__}() is stable after {n} attempts")
             self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
                                        "the call fit on the first attempt; nothing changed", 0)
             self._write()
@@ -183,7 +195,7 @@ class Guarded:
         remedies = climb.remedies_in_force()
         record = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome="ok", exit_code=None,
                          seconds=0.0)
-        note = _apply_in_process(knobs, climb)
+        note = _apply_allocator(knobs, climb, self.isolate)
         if note:
             record.note = note
         before = _live_bytes()
@@ -223,10 +235,15 @@ class Guarded:
         attempt.diagnosis = d
         attempt.message = result["report"].message
         climb.record(record)
+        r = result["report"]
+        self._log(logging.WARNING, f"{self.fn.__name__}() attempt {index}/{self.max_attempts} ran out of memory: "
+                  f"{d.kind}{' during ' + d.phase if d.phase != 'unknown' else ''}"
+                  f"{f' ({format_size(r.requested)} requested)' if r.requested else ''}")
         if d.kind == "driver" and not self.isolate:
             why = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
             climb.give_up("fresh_process", why)
             record.skipped = [{"remedy": "fresh_process", "reason": why}]
+            self._log(logging.WARNING, f"not retrying {self.fn.__name__}(): {why}")
             return attempt
         fields = set(reads) | set(reachable(result.get("reached", set()))) if not self.takes_knobs else set(reads)
         if self.takes_knobs:
@@ -236,12 +253,33 @@ class Guarded:
                                      peak=guide.peak(climb.facts) if guide is not None else None)
         record.climbed, record.skipped = decision.label(), decision.skipped_rows()
         record.choice = decision.choice.to_dict() if decision.choice is not None else None
+        self._log_climb(decision, fields if self.takes_knobs else None)
         if decision.exhausted is not None:
             return attempt
         for step in decision.steps:
             if not _can_apply_here(step.remedy.name, self.isolate):
                 record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
         return attempt
+
+    def _log(self, level: int, message: str) -> None:
+        """One line to the ``oomguard`` logger: at ``level`` when verbose, else at DEBUG (hidden by default). With
+        logging unconfigured, Python's last-resort handler prints the bare message, so it then names oomguard."""
+        log.log(level if self.verbose else logging.DEBUG, message if log.hasHandlers() else f"oomguard: {message}")
+
+    def _log_climb(self, decision: Any, read: set[str] | None) -> None:
+        """The climb in one line; for a function that takes ``knobs``, only the changes it reads (as in the diff)."""
+        changes = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                            for k, v in decision.changes.items() if read is None or k in read)
+        if decision.exhausted is not None:
+            self._log(logging.WARNING, f"no rung left that can help {self.fn.__name__}()")
+        elif not decision.steps:
+            self._log(logging.WARNING, f"choosing again with what was learned: {changes}")
+        else:
+            steps = decision.steps
+            notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(decision.changes) for s in steps) if n))
+            trades = ", ".join(sorted({s.remedy.trades for s in steps}))
+            self._log(logging.WARNING, f"climbing {rung_label([(s.remedy.name, s.pass_no) for s in steps])}: "
+                      f"{changes or 'no knob changed'} (trades {trades}{': ' + notes if notes else ''})")
 
     def _guide(self) -> Any:
         """The memory model for this call's device, when guided climbing is possible (a GRPO model was seen)."""
@@ -283,6 +321,7 @@ def _call_with_knobs(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, ov
             oom = oom_in_chain(e) or e
             frames = tuple(Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(oom.__traceback__))
             out = {"report": report_from_exception(oom), "frames": frames, "phase": phase_from_frames(frames)[0]}
+            del oom
             _drop_traceback(e)
         else:
             out = {"value": value}
@@ -309,16 +348,30 @@ def _call_with_knobs(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, ov
             set_runtime(None)
 
 
-def _drop_traceback(exc: BaseException) -> None:
-    """Clear the frames of every traceback in the chain, so their locals (tensors) can be freed."""
+def _drop_traceback(exc: BaseException, detach: bool = True) -> None:
+    """Clear the frames of every traceback in the chain, so their locals (tensors) can be freed.
+
+    Every link is followed, as :func:`oomguard.oom.oom_in_chain` follows them to decide that this was an OOM: both
+    ``__cause__`` and ``__context__`` (``raise X from Y`` inside ``except OOM`` leaves the OOM only in the context)
+    and the members of an ``ExceptionGroup``. Clearing the frames (not only dropping our reference) matters because
+    the code may keep the exception elsewhere: a log record of ``logger.exception``, an error list. ``detach=False``
+    clears the frames but leaves each ``__traceback__`` in place (for an exception the user may still inspect).
+    """
     seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        e = e.__cause__ or e.__context__
+            if detach:
+                e.__traceback__ = None
+        stack += [e.__cause__, e.__context__]
+        members = getattr(e, "exceptions", None)
+        if isinstance(members, (list, tuple)):
+            stack += [m for m in members if isinstance(m, BaseException)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -369,13 +422,25 @@ def _reset_peak() -> None:
 def _release() -> None:
     """After leaving the except block and dropping the traceback: collect, give the cache back, reset the peak.
 
-    An OOM inside ``backward()`` leaves the autograd engine holding the failed step's gradients until the next
-    backward runs (pytorch #82218); a scalar backward flushes it, then a second collection frees them.
+    What else can keep a failed attempt's memory, and what is done about it:
+
+    - an OOM that an earlier failure left in ``sys.last_exc`` / ``sys.last_value`` (a notebook keeps the last
+      unhandled exception for ``%debug``): its frames are cleared;
+    - an OOM inside ``backward()`` leaves the autograd engine holding the failed step's gradients until the next
+      backward runs (pytorch #82218). CPU work runs on the calling thread, CUDA work on the device's own engine
+      thread, so a scalar backward is run on each (on the current CUDA device too), then a second collection;
+    - cuBLAS and cuBLASLt keep a workspace per (handle, stream), allocated through the caching allocator and never
+      freed: 32 MiB each on Hopper and Blackwell, one handle for the forward's thread and one for the backward's
+      engine thread (65 MiB live after a failed attempt in a real 4 GiB-capped run). They are cleared
+      (``torch._C._cuda_clearCublasWorkspaces``) and come back on the next matmul.
     """
+    _clear_last_oom()
     gc.collect()
     torch = _torch()
     if torch is not None:
         torch.zeros((), requires_grad=True).sum().backward()
+        if _cuda_in_use():
+            torch.zeros((), device="cuda", requires_grad=True).sum().backward()
         gc.collect()
     from .child import simulate
 
@@ -383,28 +448,54 @@ def _release() -> None:
     if dev is not None:
         dev.release_cached()
     if _cuda_in_use():
+        clear = getattr(_torch()._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            _torch().cuda.synchronize()
+            clear()
         _torch().cuda.empty_cache()
     _reset_peak()
+
+
+def _clear_last_oom() -> None:
+    """Clear the frames of an OOM that the interpreter keeps as the last unhandled exception (notebooks do, for
+    ``%debug``): their locals are the failed run's tensors. The exception and its traceback stay for the user."""
+    for name in ("last_exc", "last_value"):
+        e = getattr(sys, name, None)
+        if isinstance(e, BaseException) and is_oom(e):
+            _drop_traceback(e, detach=False)
+            tb = getattr(sys, "last_traceback", None)
+            if tb is not None:
+                traceback.clear_frames(tb)
 
 
 def _can_apply_here(remedy: str, isolate: bool) -> bool:
     if remedy != "expandable_segments" or isolate:
         return True
     torch = _torch()
-    return torch is None or not _cuda_in_use() or hasattr(torch.cuda.memory, "_set_allocator_settings")
+    return torch is None or not _cuda_in_use() or _allocator_setter(torch) is not None
 
 
-def _apply_in_process(knobs: Knobs, climb: Climb) -> str | None:
-    """Allocator settings: set in-process where torch allows it (or on the simulated device)."""
+def _alloc_options(knobs: Knobs, climb: Climb) -> dict[str, str]:
+    """The allocator options the climbed rungs add to the user's own settings."""
     original = climb.original()
     opts: dict[str, str] = {}
     if knobs.expandable_segments and not original.expandable_segments:
         opts["expandable_segments"] = "True"
     if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != original.max_split_size_mb:
         opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
+    return opts
+
+
+def _apply_allocator(knobs: Knobs, climb: Climb, isolate: bool) -> str | None:
+    """Allocator settings: merged into the variable torch reads (see :mod:`oomguard.allocconf`), never replacing
+    the user's options; set in-process where torch allows it, on the simulated device, or for an isolated attempt's
+    fresh process (:func:`_run_isolated` puts them in its environment)."""
+    opts = _alloc_options(knobs, climb)
     if not opts:
         return None
-    text = ",".join(f"{k}:{v}" for k, v in opts.items())
+    text = allocconf.format_options(opts)
+    if isolate:
+        return f"allocator settings {text} merged into {_written(opts)} of the attempt's fresh process"
     from .child import simulate
 
     dev = simulate.device()
@@ -416,15 +507,25 @@ def _apply_in_process(knobs: Knobs, climb: Climb) -> str | None:
         return f"allocator settings {text} applied in-process (simulated device)"
     torch = _torch()
     if torch is not None and _cuda_in_use():
-        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        setter = _allocator_setter(torch)
         if setter is None:
             return f"allocator settings {text} need a fresh process on this torch: use isolate=True"
-        setter(text)
+        # parseArgs resets the options it is not given (max_split_size_mb among them): pass the whole settings
+        setter(allocconf.format_options({**allocconf.in_force(os.environ), **opts}))
         return f"allocator settings {text} applied in-process"
-    current = [o for o in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
-               if o and o.split(":")[0] not in opts]
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*current, *(f"{k}:{v}" for k, v in opts.items())])
-    return f"allocator settings {text} set for CUDA's first use"
+    written = allocconf.merge(os.environ, opts)
+    return f"allocator settings {text} merged into {', '.join(written)} for CUDA's first use"
+
+
+def _written(opts: dict[str, str]) -> str:
+    """The variables :func:`allocconf.merge` writes ``opts`` into, given this process's environment."""
+    return ", ".join(allocconf.merge(dict(os.environ), opts))
+
+
+def _allocator_setter(torch: Any) -> Any:
+    """torch's in-process setter of the allocator settings (2.9+ names it in torch._C; older, in torch.cuda.memory)."""
+    return (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            or getattr(torch.cuda.memory, "_set_allocator_settings", None))
 
 
 def _start_simulation(size: int) -> bool:
@@ -508,9 +609,8 @@ def _run_isolated(g: Guarded, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> dict[str, Any]:
     import multiprocessing as mp
 
-    env: dict[str, str] = {}
-    if knobs.expandable_segments:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    merged = dict(os.environ)  # the user's allocator settings, with the rungs' options merged in
+    env = {var: merged[var] for var in allocconf.merge(merged, _alloc_options(knobs, climb))}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     payload = pickle.dumps((g, knobs, climb.overrides(knobs), args, kwargs, g.simulate_gpu))
@@ -530,18 +630,21 @@ def _run_isolated(g: Guarded, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
 
 def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "default",
           knobs: Knobs | dict[str, Any] | None = None, max_attempts: int = 8, simulate_gpu: int | str | None = None,
-          report: str | os.PathLike[str] | None = None, isolate: bool = False, predict: bool = True) -> Any:
+          report: str | os.PathLike[str] | None = None, isolate: bool = False, predict: bool = True,
+          verbose: bool = True) -> Any:
     """Retry ``fn`` on OOM, climbing the ladder between attempts. Usable bare, with options, or as a call.
 
     ``@oomguard.guard``, ``@oomguard.guard(max_attempts=4)`` and ``oomguard.guard(fn, simulate_gpu="300MiB")`` all
     work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits. With ``predict``
     (the default), once the function has built a GRPO model the memory model skips rungs predicted not to be enough.
+    With ``verbose`` (the default), each OOM and each climb is one WARNING line on the ``oomguard`` logger, shown
+    even when logging is not configured (``verbose=False`` logs them at DEBUG instead).
     """
     if max_attempts < 1:
         raise ValueError("max_attempts must be at least 1")
     if fn is None:
-        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict)
-    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict)
+        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
+    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
 
 
 __all__ = ["Guarded", "OOMGuardExhausted", "TrackedKnobs", "guard"]

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .records import climbed_labels
 from .sizes import format_size
 
-_COLOURS = {"ok": "#2e9d5b", "oom": "#d64545", "failed": "#8a8a8a", "interrupted": "#c9a227"}
+_COLOURS = {"ok": "#2e9d5b", "oom": "#d64545", "predicted": "#e08a2c", "failed": "#8a8a8a", "interrupted": "#c9a227"}
 _TERM_COLOURS = {"weights": "#4c72b0", "reference": "#8172b2", "gradients": "#dd8452", "optimizer": "#c44e52",
                  "activations": "#55a868", "logits": "#64b5cd", "kv_cache": "#937860", "vllm": "#da8bc3",
                  "overhead": "#8c8c8c"}
@@ -152,6 +153,7 @@ def timeline_chart(attempts: Sequence[dict[str, Any]], *, width: int = 860) -> s
     parts = [f'<svg id="timeline-chart" role="img" aria-label="Attempts timeline" width="{width}" height="{h}" '
              f'viewBox="0 0 {width} {h}" xmlns="http://www.w3.org/2000/svg">']
     t, scale = 0.0, (width - 260) / total
+    labels = climbed_labels([a.get("climbed") for a in attempts])
     for i, a in enumerate(attempts):
         s = float(a.get("seconds") or 0)
         colour = _COLOURS.get(str(a.get("outcome")), "#999")
@@ -159,7 +161,7 @@ def timeline_chart(attempts: Sequence[dict[str, Any]], *, width: int = 860) -> s
         parts.append(f'<rect data-bytes="0" data-label="{_e(label)}" x="{10 + t * scale:.1f}" y="{4 + i * row}" '
                      f'width="{max(2.0, s * scale):.1f}" height="{row - 6}" fill="{colour}"><title>{_e(label)}</title>'
                      f'</rect><text x="{16 + (t + s) * scale:.1f}" y="{4 + i * row + 15}">{_e(label)}'
-                     f'{" → " + _e(a.get("climbed")) if a.get("climbed") else ""}</text>')
+                     f'{" → " + _e(labels[i]) if labels[i] else ""}</text>')
         t += s
     parts.append(f'<text x="10" y="{h - 6}" class="muted">total {total:.1f}s</text></svg>')
     return "".join(parts)
@@ -255,14 +257,15 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
         body.append("<h2>Memory breakdown (memory model, final config)</h2>" + breakdown_chart(breakdown))
     body.append("<h2>Attempts</h2>" + timeline_chart(attempts))
     body.append("<h2>What changed</h2>" + _diff_table(report.get("diff") or []))
+    labels = dict(zip((id(a) for a in attempts), climbed_labels([a.get("climbed") for a in attempts]), strict=True))
     evid = [a for a in attempts if a.get("oom")]
     if evid:
         body.append("<h2>Diagnoses</h2>")
         for a in evid:
             body.append(f"<h3>Attempt {_e(a.get('index'))} ({_e(a.get('kind', 'run'))})</h3>"
                         + _finding_block(a["oom"], show_source=False) + figures_chart(a["oom"], a.get("index", 0)))
-            if a.get("climbed"):
-                body.append(f"<p>Climbed <code>{_e(a['climbed'])}</code>.</p>")
+            if labels[id(a)]:
+                body.append(f"<p>Climbed <code>{_e(labels[id(a)])}</code>.</p>")
             if a.get("skipped"):
                 items = "".join(f"<li><code>{_e(s['remedy'])}</code>: {_e(s['reason'])}</li>" for s in a["skipped"])
                 body.append(f"<details><summary>Rungs passed over</summary><ul>{items}</ul></details>")

@@ -233,6 +233,74 @@ def parse_knob(name: str, text: str) -> Any:
     return t
 
 
+# Every optimizer name transformers 5.23 accepts (``training_args.OptimizerNames``), kept here so that a lock file or
+# a plan is checked without importing transformers (the supervisor never imports torch).
+OPTIMIZER_NAMES = frozenset({
+    "adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision",
+    "adamw_torch_4bit", "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "adamw_bnb_8bit", "adamw_8bit",
+    "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit", "paged_adamw_8bit", "paged_ademamix_32bit",
+    "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit", "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw",
+    "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise",
+    "stable_adamw",
+})
+VLLM_MODES = ("colocate", "server")
+_STR_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("str")}
+_NON_NEGATIVE = {"lora_r", "dataloader_num_workers"}
+
+
+def _type_problem(name: str, v: Any) -> str | None:
+    if name in _BOOL_KNOBS and not isinstance(v, bool):
+        return f"{name} must be true or false, not {v!r}"
+    if name in _INT_KNOBS and (isinstance(v, bool) or not isinstance(v, int)):
+        return f"{name} must be an integer, not {v!r}"
+    if name in _FLOAT_KNOBS and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        return f"{name} must be a number, not {v!r}"
+    if name in _STR_KNOBS and not isinstance(v, str):
+        return f"{name} must be a string, not {v!r}"
+    if name == "lora_target_modules" and not (
+            isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))):
+        return f"lora_target_modules must be a list of module names or \"all-linear\", not {v!r}"
+    return None
+
+
+def check_values(values: Mapping[str, Any], world_size: int = 1, base: Knobs | None = None) -> list[str]:
+    """Problems with knob values read from outside (a lock file, ``plan``'s KNOB=VALUE): unknown names, wrong types,
+    out-of-range values, unknown optimizer names, then GRPO's batch rules (``Knobs.validate``) for ``base`` (TRL's
+    defaults unless given) with the values on top. An empty list means the values can be used.
+
+    >>> check_values({"num_generations": 4, "optim": "adamw_bnb_8bit"})
+    []
+    >>> check_values({"num_generations": -5, "optim": "fast"})  # doctest: +NORMALIZE_WHITESPACE
+    ["optim names no optimizer transformers knows: 'fast' (e.g. adamw_torch_fused, adamw_bnb_8bit)",
+     'num_generations must be at least 2 (got -5)']
+    """
+    unknown = sorted(set(values) - KNOB_NAMES)
+    if unknown:
+        return [f"unknown knob(s): {', '.join(unknown)}; `oomguard knobs` lists them"]
+    problems = [p for p in (_type_problem(k, v) for k, v in values.items() if v is not None) if p]
+    if problems:
+        return problems
+    for name in _NON_NEGATIVE:
+        v = values.get(name)
+        if v is not None and v < 0:
+            problems.append(f"{name} must be 0 or more, not {v}")
+    for name in ("lora_alpha", "vllm_max_model_length", "dataloader_prefetch_factor"):
+        v = values.get(name)
+        if v is not None and v < 1:
+            problems.append(f"{name} must be a positive integer, not {v}")
+    optim = values.get("optim")
+    if optim is not None and optim not in OPTIMIZER_NAMES:
+        problems.append(f"optim names no optimizer transformers knows: {optim!r} (e.g. adamw_torch_fused, "
+                        "adamw_bnb_8bit)")
+    mode = values.get("vllm_mode")
+    if mode is not None and mode not in VLLM_MODES:
+        problems.append(f"vllm_mode must be colocate or server, not {mode!r}")
+    k = (base if base is not None else TRL_DEFAULTS).merged(values)
+    return problems + [p for p in k.validate(world_size) if p not in problems]
+
+
 # TRL 1.16 GRPOConfig defaults for the knobs (research/trl-grpo-memory.md §1), plus the allocator and dtype facts:
 # no allocator config, and fp32 when TRL loads the model from a string.
 TRL_DEFAULTS = Knobs(

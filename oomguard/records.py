@@ -19,6 +19,8 @@ import os
 import socket
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,61 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
     return path
 
 
+def publish(data: dict[str, Any], kept: str | os.PathLike[str], top: str | os.PathLike[str],
+            aside_dir: str | os.PathLike[str]) -> Path | None:
+    """Write a run's record (report or lock) to its own file ``kept`` and a copy of it to ``top``; lose nothing.
+
+    ``kept`` (under the run's workdir) is never replaced; ``top`` (``oomguard-report.json``, ``oomguard.lock.json``)
+    always holds the latest run's record, with ``kept_at`` naming the kept copy. A ``top`` file that is not such a copy
+    (written by an older oomguard, or by hand, or whose kept copy is gone) is first copied into ``aside_dir``.
+    Returns the path it was kept at, or None.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_json_atomic(os.path.join(d, "top.json"), {"status": "stable", "by": "an older run"})
+    >>> aside = publish({"status": "failed"}, os.path.join(d, "runs", "2", "report.json"), os.path.join(d, "top.json"),
+    ...                 os.path.join(d, "kept"))
+    >>> read_json(aside)["by"], read_json(os.path.join(d, "top.json"))["status"]
+    ('an older run', 'failed')
+    >>> publish({"status": "stable"}, os.path.join(d, "runs", "3", "report.json"), os.path.join(d, "top.json"),
+    ...         os.path.join(d, "kept")) is None  # the top file was a copy of run 2's, which is kept
+    True
+    """
+    kept, top = Path(kept), Path(top)
+    data = {**data, "kept_at": str(kept.resolve())}
+    write_json_atomic(kept, data)
+    aside = None
+    if top.exists() and not _is_kept_copy(top):
+        aside = _keep_aside(top, Path(aside_dir))
+    write_json_atomic(top, data)
+    return aside
+
+
+def _is_kept_copy(path: Path) -> bool:
+    """True when ``path`` is a byte-for-byte copy of the record its ``kept_at`` names."""
+    try:
+        text = path.read_bytes()
+        where = json.loads(text).get("kept_at")
+        return bool(where) and Path(where).resolve() != path.resolve() and Path(where).read_bytes() == text
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _keep_aside(path: Path, aside_dir: Path) -> Path:
+    """Copy ``path`` into ``aside_dir`` under a name stamped with its modification time; never overwrite."""
+    import shutil
+
+    aside_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    dest = aside_dir / f"{path.stem}-{stamp}{path.suffix}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = aside_dir / f"{path.stem}-{stamp}-{n}{path.suffix}"
+    shutil.copy2(path, dest)
+    return dest
+
+
 def _json_default(o: Any) -> Any:
     if isinstance(o, (set, frozenset, tuple)):
         return list(o)
@@ -97,7 +154,8 @@ class CrashRecord:
     (outermost first), ``phase``, ``step`` (the trainer's global step, if training had started), ``memory_stats``
     (``torch.cuda.memory_stats()`` on a GPU, the simulated device's counters on CPU), ``knobs`` (the effective
     knobs), ``observed`` (what the script itself set), ``peak_bytes``, ``rank``/``world_size``, ``pid``, ``host``,
-    ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``.
+    ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``,
+    ``traceback`` (the full formatted traceback, chained exceptions included: the terminal shows only its last frames).
     """
 
     message: str
@@ -118,6 +176,7 @@ class CrashRecord:
     attempt: int | None = None
     model_config: dict[str, Any] | None = None
     created: str = field(default_factory=now_iso)
+    traceback: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,6 +199,7 @@ class CrashRecord:
             "device": self.device,
             "attempt": self.attempt,
             "model_config": self.model_config,
+            "traceback": self.traceback,
         }
 
     @classmethod
@@ -167,6 +227,7 @@ class CrashRecord:
                 attempt=d.get("attempt"),
                 model_config=d.get("model_config"),
                 created=str(d.get("created", "")),
+                traceback=d.get("traceback") if isinstance(d.get("traceback"), str) else None,
             )
         except (TypeError, ValueError, KeyError) as e:
             raise RecordError(f"{source}: malformed crash record ({e})") from None
@@ -269,6 +330,38 @@ class RunReport:
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         return write_json_atomic(path, self.to_dict())
+
+
+def rung_label(rungs: Sequence[tuple[str, int]]) -> str:
+    """The one way rungs climbed together are written, in the terminal and the HTML report alike.
+
+    ``rungs`` holds ``(remedy, pass)`` pairs; a graded rung on its second or later pass is marked "(again)".
+
+    >>> rung_label([("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)])
+    'shorter_sequences + fewer_generations + shorter_sequences (again)'
+    """
+    return " + ".join(name + (" (again)" if pass_no > 1 else "") for name, pass_no in rungs)
+
+
+def climbed_labels(climbed: Sequence[str | None]) -> list[str | None]:
+    """``rung_label`` for each attempt's ``climbed`` field (``"a+b+a"``, as a RunReport stores it), counting the
+    passes over the whole run, so a rung climbed again after an earlier attempt is marked as the terminal marks it.
+
+    >>> climbed_labels(["shorter_sequences", None, "fewer_generations+shorter_sequences"])
+    ['shorter_sequences', None, 'fewer_generations + shorter_sequences (again)']
+    """
+    seen: Counter[str] = Counter()
+    out: list[str | None] = []
+    for text in climbed:
+        if not text:
+            out.append(text)
+            continue
+        rungs = []
+        for name in text.split("+"):
+            seen[name] += 1
+            rungs.append((name, seen[name]))
+        out.append(rung_label(rungs))
+    return out
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -142,7 +142,8 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     out.print("[bold]cheapest rungs, in the ladder's order[/]")
     for s in p.steps:
         r = s.remedy
-        out.print(f"  [cyan]{r.name}[/]  (trades {r.trades}: {r.trade_note})", soft_wrap=True)
+        note = r.trade_for(p.suggest)
+        out.print(f"  [cyan]{r.name}[/]  (trades {r.trades}{': ' + note if note else ''})", soft_wrap=True)
     out.print("  " + " ".join(f"{k}={_v(v)}" for k, v in p.suggest.items()), soft_wrap=True)
     if p.after is not None:
         verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"

@@ -81,6 +81,32 @@ def parse_size(text: str | int, *, si_is_binary: bool = False) -> int:
     return round(value)
 
 
+def parse_size_arg(text: str, option: str) -> int:
+    """Read a SIZE given on the command line (``--gpu``, ``--simulate-gpu``, ...): a positive size of at least 1 MiB.
+
+    A bare number is bytes, so ``--gpu 8`` would plan for an 8-byte GPU: a bare number below 1 MiB is refused with
+    the size the user most likely meant (GiB for a small number, MiB for a larger one). A number with a unit is
+    taken as written.
+
+    >>> parse_size_arg("300MiB", "--simulate-gpu")
+    314572800
+    >>> parse_size_arg("8", "--gpu")
+    Traceback (most recent call last):
+    ...
+    oomguard.sizes.SizeError: --gpu 8 means 8 bytes; did you mean 8GiB? (give a unit: GiB, MiB, GB, ...)
+    """
+    value = parse_size(text)
+    if value <= 0:
+        raise SizeError(f"{option} must be more than 0 bytes, not {str(text).strip()!r}")
+    m = _SIZE_RE.match(str(text))
+    if m is not None and not m.group("unit") and value < MiB:
+        num = m.group("num")
+        unit = "GiB" if float(num) <= 256 else "MiB"  # GPUs hold up to a few hundred GiB
+        raise SizeError(f"{option} {num} means {value} bytes; did you mean {num}{unit}? "
+                        "(give a unit: GiB, MiB, GB, ...)")
+    return value
+
+
 def format_size(n: int | float | None) -> str:
     """Write bytes the way PyTorch's caching allocator does (``format_size`` in CUDACachingAllocator.cpp).
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from .diagnose import Diagnosis
 from .ladder import Exhausted, Step
-from .records import Attempt, RunReport
+from .records import Attempt, RunReport, rung_label
 from .sizes import format_size
 
 
@@ -86,10 +86,11 @@ def status_panel(p: Progress) -> Any:
 class ConsoleReporter:
     """Human-readable progress, one block per attempt, a live status panel on a terminal, the diff at the end."""
 
-    def __init__(self, quiet: bool = False, live: bool | None = None) -> None:
+    def __init__(self, quiet: bool = False, live: bool | None = None, lock: str | None = None) -> None:
         from rich.console import Console
 
         self.quiet = quiet
+        self.lock = lock  # the lock file replayed with --config, if any
         self.out = Console(stderr=True, highlight=False, soft_wrap=True)
         self.live_enabled = (not quiet and self.out.is_terminal) if live is None else live
         self._live: Any = None
@@ -109,7 +110,9 @@ class ConsoleReporter:
         if self.quiet:
             return
         what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
-        extra = f" with {', '.join(remedies)}" if remedies else " with your config as it is"
+        extra = (f" with {', '.join(remedies)}" if remedies
+                 else f" replaying the {len(changes)} override(s) of {self.lock}" if self.lock and changes
+                 else " with your config as it is")
         self._say(f"[bold]{what} {index}/{max_attempts}[/]{extra}")
         if changes:
             self._say(f"  overrides: {_changes(changes)}")
@@ -153,6 +156,10 @@ class ConsoleReporter:
             for e in diagnosis.evidence[:3]:
                 self._say(f"  • {e}")
             return
+        if attempt.outcome == "predicted":
+            self._say(f"{what} {attempt.index}: [yellow]stopped by the pre-flight check[/]: predicted "
+                      f"{format_size(attempt.predicted_bytes or 0)}, too far over the device to run")
+            return
         if attempt.outcome == "failed":
             self._say(f"{what} {attempt.index}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
         elif attempt.outcome == "interrupted":
@@ -172,9 +179,9 @@ class ConsoleReporter:
         if not steps:
             self._say("  → [red]no rung left that can help[/]")
             return
-        names = " + ".join(s.remedy.name + (" (again)" if s.pass_no > 1 else "") for s in steps)
+        names = rung_label([(s.remedy.name, s.pass_no) for s in steps])
         trades = sorted({s.remedy.trades for s in steps})
-        notes = "; ".join(dict.fromkeys(s.remedy.trade_note for s in steps if s.remedy.trade_note))
+        notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(changes) for s in steps) if n))
         self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim](trades {', '.join(trades)}"
                   f"{': ' + notes if notes else ''})[/]")
         if len(steps) > 1:

@@ -121,6 +121,15 @@ class Remedy:
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, self.summary)
 
+    def trade_for(self, changes: Mapping[str, Any]) -> str:
+        """What this rung trades, given the knobs a climb really changed (``{knob: new value}``, possibly holding
+        other rungs' knobs too). The class's ``trade_note`` unless the trade depends on what changed.
+
+        >>> Remedy().trade_for({})
+        ''
+        """
+        return self.trade_note
+
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
         """Knobs between the user's values and ``current`` for this rung's knobs, closest to the user's first.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from oomguard.diagnose import Diagnosis
 from oomguard.knobs import Knobs
 
@@ -62,6 +65,20 @@ class ShorterSequences(Remedy):
         out = [current.replace(max_prompt_tokens=cap) for cap in caps[:-1]]  # the climbed length, every prompt kept
         out[:0] = [current.replace(max_completion_length=c, max_prompt_tokens=cap) for c in lengths for cap in caps]
         return out
+
+    def trade_for(self, changes: Mapping[str, Any]) -> str:
+        """Only the trades of the knobs that changed: a prompt limit left unset drops no prompt (and nothing is
+        traded when neither changed).
+
+        >>> ShorterSequences().trade_for({"max_completion_length": 64})
+        'long reasoning is cut off'
+        >>> ShorterSequences().trade_for({"max_prompt_tokens": 300})
+        'the longest prompts leave the dataset'
+        """
+        notes = [note for knob, note in (("max_completion_length", "long reasoning is cut off"),
+                                         ("max_prompt_tokens", "the longest prompts leave the dataset"))
+                 if knob in changes]
+        return "; ".join(notes)
 
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "Halving max_completion_length halves the padded completion width, and the KV cache, "

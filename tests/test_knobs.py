@@ -70,3 +70,22 @@ def test_reach_of_construction_points():
     assert reachable(set()) == {"expandable_segments", "max_split_size_mb"}
     assert "max_completion_length" in reachable({"config"})
     assert "dtype" in reachable({"model"}) and "lora_r" not in reachable({"model"})
+
+
+def test_the_static_optimizer_list_is_transformers_own():
+    from transformers.training_args import OptimizerNames
+
+    from oomguard.knobs import OPTIMIZER_NAMES
+
+    assert {o.value for o in OptimizerNames} == OPTIMIZER_NAMES
+
+
+def test_check_values_refuses_what_a_lock_may_hold_wrongly():
+    from oomguard.knobs import check_values
+
+    assert check_values({"num_generations": 4, "per_device_train_batch_size": 4, "optim": "adamw_bnb_8bit"}) == []
+    assert check_values({"lora_target_modules": ["q_proj", "v_proj"], "dtype": "bfloat16", "beta": 0.04}) == []
+    problems = check_values({"num_generations": -5, "optim": "fast"})
+    assert any("num_generations" in p for p in problems) and any("optim" in p for p in problems)
+    assert check_values({"vllm_mode": "remote"}) == ["vllm_mode must be colocate or server, not 'remote'"]
+    assert check_values({"beta": True}) == ["beta must be a number, not True"]

@@ -24,7 +24,7 @@ def plan(*args: str) -> subprocess.CompletedProcess:
 
 def test_json_contract_for_a_config_that_does_not_fit():
     out = plan("--model", LLAMA, "--gpu", "15.73GiB", "max_completion_length=786", "--json")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 3, out.stderr  # does not fit: `oomguard plan ... && python train.py` stops here
     d = json.loads(out.stdout)
     assert set(d) >= KEYS and set(d["breakdown"]) == BREAKDOWN
     assert d["capacity_bytes"] == round(15.73 * 2**30) and d["fits"] is False
@@ -43,6 +43,7 @@ def test_a_config_that_fits_has_no_suggestion_and_a_table():
     out = plan("--model", LLAMA, "--gpu", "80GB", "dtype=bfloat16", "lora_r=16", "--json")
     d = json.loads(out.stdout)
     assert d["fits"] is True and d["suggest"] == {} and d["headroom_bytes"] > 0
+    assert out.returncode == 0
     text = plan("--model", LLAMA, "--gpu", "80GB", "dtype=bfloat16").stdout
     assert "fits" in text and "weights" in text and "to spare" in text
 
@@ -61,6 +62,8 @@ def test_lora_count_of_qwen_3b_in_plan():
     (["--model", LLAMA, "--gpu", "24GiB", "num_generations"], "expected KNOB=VALUE"),
     (["--model", LLAMA, "--gpu", "24GiB", "num_generations=many"], "takes an integer"),
     (["--model", LLAMA, "--gpu", "24GiB", "num_generations=3"], "divisible by num_generations"),
+    (["--model", LLAMA, "--gpu", "8"], "--gpu 8 means 8 bytes; did you mean 8GiB?"),
+    (["--model", LLAMA, "--gpu", "24GiB", "optim=fastest"], "optim names no optimizer"),
 ])
 def test_bad_inputs_get_one_line(args, problem):
     out = plan(*args)
@@ -101,3 +104,25 @@ def test_guide_learns_from_an_oom_it_did_not_predict():
     g.learn(facts, k, "ok", int(g.predict(facts, k).peak_alloc_bytes * 0.9), None)
     assert g.coefficients.scale < before  # and a measured success pulls it back
     assert g.fits(RunFacts()) is None  # without a model config there is nothing to judge with
+
+
+def test_a_plan_that_does_not_fit_exits_3_in_text_too():
+    out = plan("--model", LLAMA, "--gpu", "4GiB")
+    assert out.returncode == 3 and "does not fit" in out.stdout
+    assert "3 when it does not" in plan("--help").stdout
+
+
+def test_knobs_lists_every_knob_and_plan_points_at_it():
+    from oomguard.knobs import KNOB_NAMES, REACH, TRL_DEFAULTS
+
+    out = subprocess.run([sys.executable, "-m", "oomguard", "knobs", "--json"], capture_output=True, text=True)
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert out.returncode == 0 and set(rows) == KNOB_NAMES
+    assert all(r["type"] and r["meaning"] and r["reaches"] for r in rows.values())
+    assert rows["lora_r"]["reaches"] == ["GRPOTrainer"] and rows["lora_r"]["default"] == TRL_DEFAULTS.lora_r == 0
+    assert rows["dtype"]["reaches"] == ["GRPOTrainer", "from_pretrained"] and "dtype" in REACH["model"]
+    assert rows["optim"]["type"] == "str" and rows["optim"]["default"] == "adamw_torch_fused"
+    text = subprocess.run([sys.executable, "-m", "oomguard", "knobs"], capture_output=True, text=True).stdout
+    assert "max_completion_length" in text and "GRPOConfig" in text
+    helptext = plan("--help").stdout
+    assert "oomguard knobs" in helptext and "oomguard ladders" not in helptext

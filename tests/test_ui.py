@@ -54,3 +54,57 @@ def test_quiet_and_plain_text_without_a_terminal(tmp_path):
     assert "skip " in loud.stderr and "skip " not in quiet.stderr
     assert "\x1b[" not in loud.stderr  # no terminal, no escape codes
     assert "no rung left" in quiet.stderr and "exhausted" in quiet.stderr
+
+
+# -- what the climb line and the attempt line say (issue 12 §4) ---------------------------------------------------
+def _console_reporter(**kw):
+    from oomguard.ui import ConsoleReporter
+
+    rep = ConsoleReporter(live=False, **kw)
+    rep.out = Console(file=io.StringIO(), width=200, color_system=None, highlight=False, soft_wrap=True)
+    return rep
+
+
+def _steps(*names_passes):
+    from oomguard.knobs import TRL_DEFAULTS
+    from oomguard.ladder import Step
+    from oomguard.strategies import make_remedy
+
+    return [Step(make_remedy(n), TRL_DEFAULTS, p) for n, p in names_passes]
+
+
+def test_trade_note_names_only_what_changed():
+    rep = _console_reporter()
+    rep.climb(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64})
+    line = rep.out.file.getvalue()
+    assert "long reasoning is cut off" in line and "prompts" not in line  # max_prompt_tokens stayed unset
+    rep = _console_reporter()
+    rep.climb(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64, "max_prompt_tokens": 300})
+    assert "the longest prompts leave the dataset" in rep.out.file.getvalue()
+
+
+def test_a_repeated_rung_reads_the_same_in_the_terminal_and_the_html():
+    from oomguard.html import run_html
+
+    rep = _console_reporter()
+    rep.climb(_steps(("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)), None,
+              {"max_completion_length": 64})
+    label = "shorter_sequences + fewer_generations + shorter_sequences (again)"
+    assert label in rep.out.file.getvalue()
+    page = run_html({"status": "stable", "message": "", "diff": [], "original": {}, "attempts": [
+        {"index": 1, "kind": "probe", "outcome": "oom", "seconds": 1.0, "peak_bytes": MiB,
+         "climbed": "shorter_sequences+fewer_generations+shorter_sequences",
+         "oom": {"kind": "impossible", "phase": "forward", "backend": "cuda", "evidence": []}},
+        {"index": 2, "kind": "run", "outcome": "ok", "seconds": 1.0, "peak_bytes": MiB}]})
+    assert label in page and "shorter_sequences+fewer" not in page.split('id="raw-json"')[0]
+
+
+def test_replaying_a_lock_says_what_was_done(tmp_path):
+    lock = {"schema": "oomguard.lock/1", "overrides": {"max_completion_length": 64, "num_generations": 4,
+                                                       "per_device_train_batch_size": 4}}
+    (tmp_path / "in.lock.json").write_text(json.dumps(lock))
+    out, rep = run_oomguard(tmp_path, "--config", str(tmp_path / "in.lock.json"), "--", sys.executable, "-c", "pass")
+    assert out.returncode == 0, out.stderr
+    assert "as it is" not in out.stderr and "nothing changed" not in out.stderr
+    assert "replaying the 3 override(s) of" in out.stderr
+    assert "replayed the lock's 3 override(s)" in out.stderr and rep["message"].startswith("the locked config fit")

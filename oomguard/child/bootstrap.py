@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import traceback
 from typing import Any
 
 from .hooks import when_imported
@@ -92,6 +93,18 @@ def on_torch(rt: Runtime, torch: Any) -> None:
         torch.cuda._lazy_call(cap)
 
 
+def _add_traceback(path: Any, text: str) -> None:
+    """Put the full traceback into the CrashRecord just written (its ``traceback`` field)."""
+    from ..records import read_json, write_json_atomic
+
+    try:
+        data = read_json(path)
+        data["traceback"] = text
+        write_json_atomic(path, data)
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"oomguard: could not add the traceback to {path}: {e}\n")
+
+
 def _sim_clear_cache(module: Any, rt: Runtime) -> None:
     inner = getattr(module, "clear_device_cache", None)
     if inner is None:
@@ -104,8 +117,47 @@ def _sim_clear_cache(module: Any, rt: Runtime) -> None:
     module.clear_device_cache = clear_device_cache
 
 
+KEEP_FRAMES = 6  # frames of an OOM's traceback shown on the terminal; the CrashRecord keeps all of them
+
+
+def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -> str:
+    """The traceback of an OOM as the terminal shows it: the last ``keep`` frames of each exception in the chain and
+    the messages, with one line saying how many frames were hidden and which crash record keeps them all.
+
+    A TRL OOM is about 40 frames deep and every attempt prints one, so the full form would bury the run's output.
+
+    >>> def f(n):
+    ...     if n == 0:
+    ...         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    ...     f(n - 1)
+    >>> try:
+    ...     f(20)
+    ... except RuntimeError as e:
+    ...     text = format_trimmed(e, "crash-1.json")
+    >>> print(text.splitlines()[0])
+    oomguard: out of memory; the last 6 of 22 frames follow (crash-1.json keeps the full traceback)
+    >>> text.count('File "') <= 6, text.splitlines()[-1]
+    (True, 'RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB.')
+    """
+    te = traceback.TracebackException.from_exception(value)
+    total, seen, todo = 0, set(), [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total = max(total, len(t.stack))
+        if len(t.stack) > keep:
+            t.stack = traceback.StackSummary.from_list(list(t.stack)[-keep:])
+        todo += [x for x in (t.__cause__, t.__context__) if x is not None]
+    head = (f"oomguard: out of memory; the last {min(keep, total)} of {total} frames follow ({record} keeps the full "
+            "traceback)\n")
+    return head + "".join(te.format(chain=True))
+
+
 def install_excepthooks(rt: Runtime) -> None:
-    """An uncaught OOM writes the CrashRecord, prints the traceback as usual, and exits with EXIT_OOM."""
+    """An uncaught OOM writes the CrashRecord (with the full traceback), prints the last frames of the traceback,
+    and exits with EXIT_OOM. A traceback handler of the script's own (rich, IPython) is left to print as it does."""
     from ..oom import is_oom
 
     prev = sys.excepthook
@@ -114,8 +166,14 @@ def install_excepthooks(rt: Runtime) -> None:
         if not is_oom(value):
             prev(tp, value, tb)
             return
-        rt.record_crash(value)
-        prev(tp, value, tb)
+        path = rt.record_crash(value)
+        full = "".join(traceback.format_exception(tp, value, tb))
+        if path is not None:
+            _add_traceback(path, full)
+        if path is not None and prev is sys.__excepthook__:
+            sys.stderr.write(format_trimmed(value, path))
+        else:
+            prev(tp, value, tb)
         try:
             sys.stdout.flush()
             sys.stderr.flush()
