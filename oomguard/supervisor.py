@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_none
 from tenacity.stop import stop_base
 
+from . import allocconf
 from .analyze import finding, finding_from_crash, finding_from_hit
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
 from .climb import Climb, Decision
@@ -49,7 +50,6 @@ EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
-ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 BOOT_DIR = Path(__file__).resolve().parent / "child" / "_boot"
 
 
@@ -133,33 +133,6 @@ def resolve_command(args: list[str]) -> list[str]:
     return list(args)
 
 
-def merge_alloc_conf(env: dict[str, str], key: str, value: str) -> str:
-    """Set one allocator option in the variable torch reads (the first one set wins; no merging across them)."""
-    var = next((v for v in ALLOC_VARS if v in env), "PYTORCH_CUDA_ALLOC_CONF")
-    opts = [o for o in env.get(var, "").split(",") if o.strip() and not o.strip().startswith(key + ":")]
-    opts.append(f"{key}:{value}")
-    env[var] = ",".join(opts)
-    return var
-
-
-def user_alloc_conf(env: dict[str, str]) -> tuple[bool | None, str | None, int | None]:
-    """(expandable_segments as the user set it or None; 'VAR=value' when they set it; their max_split_size_mb)."""
-    for var in ALLOC_VARS:
-        if var in env:
-            es, text, ms = None, None, None
-            for opt in env[var].split(","):
-                k, _, v = opt.strip().partition(":")
-                if k == "expandable_segments":
-                    es, text = v.strip().lower() == "true", f"{var}={env[var]}"
-                elif k == "max_split_size_mb":
-                    try:
-                        ms = int(float(v))
-                    except ValueError:
-                        ms = None
-            return es, text, ms
-    return None, None, None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -171,14 +144,14 @@ class Supervisor:
         self.run_dir = options.workdir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.interrupts = Interrupts()
         self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
-        user_es, text, user_ms = user_alloc_conf(dict(os.environ))
-        self.user_expandable = bool(user_es)
-        self.user_max_split = user_ms
+        user = allocconf.user_settings(os.environ)  # read from the variable torch reads
+        self.user_expandable = bool(user.expandable_segments)
+        self.user_max_split = user.max_split_size_mb
         self.climb = Climb(
             options.ladder,
             pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
-            env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": user_ms},
-            facts=RunFacts(alloc_conf_locked=text if user_es is False else None),
+            env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": self.user_max_split},
+            facts=RunFacts(alloc_conf_locked=user.locked_text()),
         )
         self.capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
         self.guide = (Guide(self.capacity, simulated=bool(options.simulate_gpu))
@@ -225,10 +198,12 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.o.simulate_gpu:
             env[SIMULATE_ENV] = str(self.o.simulate_gpu)
+        opts: dict[str, str] = {}
         if knobs.expandable_segments and not self.user_expandable:
-            merge_alloc_conf(env, "expandable_segments", "True")
+            opts["expandable_segments"] = "True"
         if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != self.user_max_split:
-            merge_alloc_conf(env, "max_split_size_mb", str(knobs.max_split_size_mb))
+            opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
+        allocconf.merge(env, opts)  # into the variable torch reads, keeping the user's other options
         return env
 
     def _attempt(self) -> Attempt:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from oomguard.supervisor import UsageError, merge_alloc_conf, resolve_command, user_alloc_conf
+from oomguard.supervisor import UsageError, resolve_command
 
 from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
 
@@ -26,18 +26,6 @@ def test_command_forms(tmp_path):
         resolve_command(["definitely-not-a-command"])
     with pytest.raises(UsageError, match="no command given"):
         resolve_command([])
-
-
-def test_allocator_config_merge_respects_precedence():
-    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "x:y"}
-    assert merge_alloc_conf(env, "expandable_segments", "True") == "PYTORCH_ALLOC_CONF"
-    assert env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
-    env = {}
-    merge_alloc_conf(env, "expandable_segments", "True")
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert user_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})[0] is False
-    assert user_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})[2] == 128
-    assert user_alloc_conf({})[0] is None
 
 
 def test_success_passes_output_through_and_writes_a_report(tmp_path):

@@ -1,8 +1,21 @@
 """The simulated device's allocator model (pure bookkeeping) and the device on real tensors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from oomguard.child.simulate import LARGE_BUFFER, PAGE, SMALL_BUFFER, AllocatorModel, expandable_from_env, segment_size
+from oomguard import allocconf
+from oomguard.child.simulate import (
+    LARGE_BUFFER,
+    PAGE,
+    SMALL_BUFFER,
+    AllocatorModel,
+    expandable_from_env,
+    max_split_from_env,
+    segment_size,
+)
 
 MiB = 2**20
 
@@ -47,11 +60,32 @@ def test_expandable_segments_reuse_freed_granules():
     assert small is not None and m.reserved % PAGE == 0
 
 
-def test_alloc_conf_from_environment_first_variable_wins():
+def test_alloc_conf_from_environment_reads_the_variable_torch_reads():
+    """torch 2.12+ reads PYTORCH_CUDA_ALLOC_CONF, then PYTORCH_HIP_ALLOC_CONF, then PYTORCH_ALLOC_CONF: the first set."""
     assert expandable_from_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
-    assert not expandable_from_env({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
-                                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable_from_env({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+                                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert not expandable_from_env({"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                                    "PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:64"})
+    assert max_split_from_env({"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:[256:1,>:4],max_split_size_mb:64"}) \
+        == 64 << 20
     assert not expandable_from_env({})
+
+
+def test_alloc_conf_precedence_matches_the_installed_torch():
+    """The order oomguard assumes is the one this torch really uses (it parses the variable at start-up)."""
+    pytest.importorskip("torch")
+    probe = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    for env, read in [({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+                       "PYTORCH_CUDA_ALLOC_CONF"),
+                      ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_HIP_ALLOC_CONF": "max_split_size_mb:32"},
+                       "PYTORCH_HIP_ALLOC_CONF"),
+                      ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}, "PYTORCH_ALLOC_CONF")]:
+        clean = {k: v for k, v in os.environ.items() if k not in allocconf.VARS}
+        out = subprocess.run([sys.executable, "-c", probe], env={**clean, **env}, capture_output=True, text=True)
+        if out.returncode != 0:
+            pytest.skip(f"this torch cannot report its allocator settings: {out.stderr[-200:]}")
+        assert out.stdout.strip() == env[read] == env[allocconf.variable_read(env)]
 
 
 def test_device_counts_real_tensors_and_raises_real_ooms():

@@ -11,7 +11,7 @@ allocator rounds it, and "reserved" follows the caching allocator's segment rule
   neighbours and stay cached;
 - when a new segment does not fit, all fully free segments are released and the request is tried again, and only
   then is an OOM raised, with the allocator's exact message format;
-- with ``expandable_segments:True`` (read from ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF``) each pool is one
+- with ``expandable_segments:True`` (read from the allocator variable torch reads) each pool is one
   virtual segment mapped in granules (2 MiB for the small pool, 20 MiB for the large one, as in
   ``get_expandable_segment``), so freed granules can always be reused and fragmentation is limited to partly used
   granules.
@@ -26,9 +26,11 @@ import bisect
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import allocconf
 from ..sizes import format_size
 
 MIN_BLOCK = 512
@@ -286,33 +288,14 @@ class AllocatorModel:
                 self._page_refs[k] = n
 
 
-def alloc_conf_from_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The allocator options in force: the first of PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF
-    that is set wins, with no merging (as in torch)."""
-    env = dict(os.environ if env is None else env)
-    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
-        if var in env:
-            out = {}
-            for opt in env[var].split(","):
-                k, _, v = opt.strip().partition(":")
-                if k:
-                    out[k.strip()] = v.strip()
-            return out
-    return {}
+def expandable_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the allocator settings torch reads turn expandable segments on (see :mod:`oomguard.allocconf`)."""
+    return allocconf.expandable(os.environ if env is None else env)
 
 
-def expandable_from_env(env: dict[str, str] | None = None) -> bool:
-    """Whether the allocator config in force enables expandable segments."""
-    return alloc_conf_from_env(env).get("expandable_segments", "").lower() == "true"
-
-
-def max_split_from_env(env: dict[str, str] | None = None) -> int | None:
-    """``max_split_size_mb`` in bytes, if the allocator config in force sets it."""
-    v = alloc_conf_from_env(env).get("max_split_size_mb")
-    try:
-        return int(float(v)) << 20 if v else None
-    except ValueError:
-        return None
+def max_split_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """``max_split_size_mb`` in bytes, if the allocator settings torch reads set it."""
+    return allocconf.max_split_bytes(os.environ if env is None else env)
 
 
 class SimulatedDevice:
