@@ -1,6 +1,12 @@
 """Build the tests' local model: a small Llama with random weights and a BPE tokenizer trained on the spot.
 
     python tests/scripts/build_tiny_model.py DIR [--hidden 256 --layers 4 --intermediate 1024 --vocab 1024]
+    python tests/scripts/build_tiny_model.py DIR --variant wide
+
+Variants (``VARIANTS``, ``build(path, **VARIANTS[name])``): ``tiny`` is the tests' default model (4 layers, hidden
+256, ~4M parameters, activations a large share of its GRPO peak); ``wide`` is 1 layer of hidden 1024 with a 4096
+MLP (~16M parameters), so weights, gradients and AdamW state are ~95% of its peak: bench/scenarios.py's
+weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do.
 """
 
 from __future__ import annotations
@@ -10,6 +16,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+VARIANTS: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "wide": {"hidden": 1024, "layers": 1, "intermediate": 4096},
+}
 
 
 def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 1024, vocab: int = 1024,
@@ -55,5 +66,10 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--variant", choices=sorted(VARIANTS), default=None,
+                   help="a named shape (overrides --hidden/--layers/--intermediate)")
     a = p.parse_args()
-    print(build(Path(a.dir), a.hidden, a.layers, a.intermediate, a.vocab))
+    shape = {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate, "vocab": a.vocab}
+    if a.variant:
+        shape.update(VARIANTS[a.variant])
+    print(build(Path(a.dir), **shape))
