@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .diagnose import Diagnosis, diagnose
-from .oom import Frame, Hit, OOMReport, scan_stream
-from .recommend import recommend
+from .oom import Frame, Hit, OOMReport, parse_oom, scan_stream
+from .recommend import ranked
 from .records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
 from .sizes import GiB, format_size
 from .snapshot import SnapshotError, load_snapshot_bytes, looks_like_pickle, oom_reports, summarize
@@ -46,8 +46,16 @@ class AnalyzeResult:
 
 
 def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, rank: int | None = None,
-            frames: Sequence[Frame] = (), extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON contract of one finding (see README, "analyze --json")."""
+            frames: Sequence[Frame] = (), extra: dict[str, Any] | None = None,
+            knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON contract of one finding (see README, "analyze --json").
+
+    The figures are the report as diagnosed: a process that NVML listed as another one but that is this process
+    (containers) is counted as this process, never as both. Remedies are all there, ranked; ``top`` marks those the
+    terminal shows without ``--all``, and ``paste`` holds ready-to-paste lines, computed from ``knobs`` (the run's
+    effective knobs, where a crash record or run report holds them) or TRL's defaults.
+    """
+    report = d.report
     out: dict[str, Any] = {
         "source": source,
         "line": line,
@@ -63,7 +71,7 @@ def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, r
         "kind": d.kind,
         "phase": d.phase,
         "evidence": list(d.evidence),
-        "remedies": [a.to_dict() for a in recommend(d)],
+        "remedies": [r.to_dict() for r in ranked(d, knobs)],
         "origin": report.origin,
         "device": report.device,
         "allowed_bytes": report.allowed,
@@ -72,6 +80,10 @@ def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, r
         "message": report.message,
         "frames": [f.to_dict() for f in frames[-8:]],
     }
+    for key, value in (("allowed_min_bytes", report.allowed_min), ("max_seq_len", report.max_seq_len),
+                       ("kv_cache_tokens", report.kv_cache_tokens)):
+        if value is not None:
+            out[key] = value
     if extra:
         out.update(extra)
     return out
@@ -82,9 +94,59 @@ def finding_from_hit(source: str, hit: Hit) -> dict[str, Any]:
 
 
 def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> dict[str, Any]:
-    d = diagnose(rec.report, rec.frames, phase=rec.phase)
-    return finding(source, line, rec.report, d, rank=rec.rank, frames=rec.frames,
+    """A crash record's OOM, its message parsed again (so an older record gains what the parser learned since),
+    diagnosed with the phase the training process recorded, remedies pasted against the knobs it ran with."""
+    report = _reparsed(rec.message, rec.report)
+    d = diagnose(report, rec.frames, phase=rec.phase)
+    return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
+
+
+def _reparsed(message: str | None, stored: OOMReport | None) -> OOMReport | None:
+    fresh = parse_oom(message) if message else None
+    if fresh is None or (stored is not None and fresh.origin != stored.origin):
+        return stored
+    return fresh
+
+
+def finding_from_attempt(source: str, att: dict[str, Any]) -> dict[str, Any] | None:
+    """A run report's attempt that ended in an OOM, diagnosed again from its message: the verdict stored at run
+    time came from the oomguard of that day. The stored finding is kept as it is when its message cannot be read."""
+    oom = att.get("oom")
+    if not isinstance(oom, dict) or not oom.get("is_oom"):
+        return None
+    extra = {"attempt": att.get("index"), "input": "run-report"}
+    report = parse_oom(str(oom.get("message") or ""))
+    if report is None:
+        return {**oom, "source": source, **extra}
+    frames = [Frame.from_dict(f) for f in oom.get("frames") or [] if isinstance(f, dict)]
+    knobs = att.get("knobs") if isinstance(att.get("knobs"), dict) else None
+    d = diagnose(report, frames, phase=str(oom.get("phase") or "unknown"))
+    return finding(source, oom.get("line"), report, d, rank=oom.get("rank"), frames=frames, knobs=knobs, extra=extra)
+
+
+def for_terminal(f: dict[str, Any], *, show_all: bool = False) -> tuple[dict[str, Any], int]:
+    """A copy of finding ``f`` for the terminal: only the top remedies unless ``show_all``, each reason followed by
+    the bytes it frees and its paste lines on lines of their own. Returns the copy and how many remedies it leaves
+    out.
+
+    >>> f = {"remedies": [{"name": "a", "reason": "Why.", "frees_bytes": 2 << 30, "paste": ["X=1"], "top": True},
+    ...                   {"name": "b", "reason": "Why not.", "frees_bytes": None, "paste": [], "top": False}]}
+    >>> shown, hidden = for_terminal(f)
+    >>> shown["remedies"][0]["reason"], hidden
+    ('Why. (frees ~2.00 GiB)\\n      X=1', 1)
+    """
+    remedies = f.get("remedies") or []
+    shown = remedies if show_all else [r for r in remedies if r.get("top", True)]
+    out = []
+    for r in shown:
+        reason = str(r.get("reason") or "")
+        if r.get("frees_bytes"):
+            reason += f" (frees ~{format_size(r['frees_bytes'])})"
+        for line in r.get("paste") or []:
+            reason += f"\n      {line}"
+        out.append({**r, "reason": reason, "frees_bytes": None})
+    return {**f, "remedies": out}, len(remedies) - len(shown)
 
 
 def iter_files(paths: Sequence[str], notes: list[str]) -> Iterator[Path]:
@@ -186,8 +248,7 @@ def _snapshot(src: str, f: BinaryIO, size: int, result: AnalyzeResult) -> None:
     result.snapshots.append({"source": src, **summary.to_dict()})
     for i, (report, frames) in enumerate(oom_reports(summary)):
         d = diagnose(report, frames)
-        result.findings.append(finding(src, None, report, d, frames=frames,
-                                       extra={"input": "snapshot", "event": i}))
+        result.findings.append(finding(src, None, report, d, frames=frames, extra={"input": "snapshot", "event": i}))
 
 
 def _record(src: str, f: BinaryIO, result: AnalyzeResult) -> None:
@@ -205,9 +266,9 @@ def _record(src: str, f: BinaryIO, result: AnalyzeResult) -> None:
             result.findings.append(finding_from_crash(src, rec, line))
         elif schema.startswith(REPORT_SCHEMA.split("/")[0] + "/"):
             for att in data.get("attempts") or []:
-                oom = att.get("oom") if isinstance(att, dict) else None
-                if isinstance(oom, dict) and oom.get("is_oom"):
-                    result.findings.append({**oom, "source": src, "attempt": att.get("index")})
+                found = finding_from_attempt(src, att) if isinstance(att, dict) else None
+                if found is not None:
+                    result.findings.append(found)
         else:
             result.notes.append(f"{src}: an oomguard file of kind {schema!r}, which holds no OOM")
             return

@@ -65,10 +65,17 @@ class OtherProcess:
 class OOMReport:
     """The facts in one out-of-memory message. A figure is ``None`` where the text does not give it.
 
-    ``origin`` says which layer reported it: ``allocator`` (a caching allocator), ``mps``, ``cpu-allocator``,
-    ``runtime`` / ``driver`` (CUDA or HIP outside the allocator), ``library`` (cuBLAS, cuDNN, ...), ``nccl``,
-    ``level-zero``, ``vllm-startup``, ``vllm-kv``, ``vllm-cumem``, ``python`` (MemoryError), ``oom-killer``,
-    ``slurm``, ``shell``.
+    ``origin`` says which layer reported it: ``allocator`` (a caching allocator), ``async-allocator`` (PyTorch's
+    ``backend:cudaMallocAsync``), ``mps``, ``cpu-allocator``, ``runtime`` / ``driver`` (CUDA or HIP outside the
+    allocator, THC's ``THCudaCheck FAIL`` included), ``library`` (cuBLAS, cuDNN, ...), ``nccl``, ``level-zero``,
+    ``vllm-startup``, ``vllm-kv``, ``vllm-cumem``, ``python`` (MemoryError), ``oom-killer``, ``slurm``, ``shell``,
+    ``ray`` (Ray's memory monitor killed a worker).
+
+    ``allowed`` is a per-process allowance (``torch.cuda.set_per_process_memory_fraction``, which oomguard's
+    ``--gpu-memory`` sets): the process may not reserve more, however much of the device is free. Where the
+    allowance is inferred rather than printed (a memory snapshot records none), it lies between ``allowed_min`` and
+    ``allowed``. For Ray it is the node's kill threshold times its memory. For vLLM's KV-cache refusals, ``max_seq_len`` and ``kv_cache_tokens``
+    are token counts: the longest sequence the model was configured for, and what the KV cache can hold.
 
     For MPS, ``allowed`` is the high-watermark limit ("max allowed"), ``allocated`` PyTorch's share ("MPS
     allocated"), ``process`` all Metal memory of the process (allocated + "other allocations", or the oldest builds'
@@ -90,6 +97,9 @@ class OOMReport:
     private_pools: int | None = None
     device: int | None = None
     pid: int | None = None
+    max_seq_len: int | None = None
+    kv_cache_tokens: int | None = None
+    allowed_min: int | None = None
 
     @property
     def others_total(self) -> int:
@@ -147,6 +157,13 @@ class _Head:
     backend: str | None = None  # None: taken from the `dev` group
     complete: re.Pattern[str] | None = None  # None: one line is the whole message
     requires: re.Pattern[str] | None = None  # checked on the joined message, from the head on
+    # A line a few lines further on (blank lines between) that belongs to the message: NCCL reports the size it failed
+    # to allocate in its next WARN line.
+    follow: re.Pattern[str] | None = None
+    # A first report of a failure whose proper message follows: THC printed "THCudaCheck FAIL" before raising the
+    # RuntimeError that carries the traceback. When the same origin and backend are recognised within
+    # _MAX_CONTINUATION lines, the later message is the finding.
+    precursor: bool = False
 
 
 _HEADS: tuple[_Head, ...] = (
@@ -180,6 +197,27 @@ _HEADS: tuple[_Head, ...] = (
     _Head("runtime", re.compile(r"\b(?P<dev>CUDA|HIP)" + _W + _words("error: out of memory")), backend=None),
     _Head("driver", re.compile(r"\b(?P<dev>CUDA|HIP)" + _W + _words("driver error: out of memory")), backend=None),
     _Head("runtime", re.compile(r"\b(?P<dev>cuda)" + _W + _words("runtime error (2) : out of memory"), re.IGNORECASE)),
+    # torch <= 0.4 (THC): "THCudaCheck FAIL file=.../THCStorage.cu line=58 error=2 : out of memory".
+    _Head("runtime", re.compile(r"THCudaCheck" + _W + r"FAIL\b.{0,400}?error" + _W + "=" + _W + "2" + _W + ":" + _W
+                                + _words("out of memory")), backend="cuda", precursor=True),
+    # PyTorch's cudaMallocAsync backend. Builds that print the device index as a raw byte (a NUL for device 0) cut the
+    # message short after "Allocation on device"; the full form lists its figures on the following lines. Error
+    # reports (ComfyUI's) print the type and the message on separate lines.
+    _Head(
+        "async-allocator",
+        re.compile(r"OutOfMemoryError:" + _W + _words("Allocation on device") + r"|" + _words("Allocation on device")
+                   + _W + r"\d+" + _W + _words("would exceed allowed memory")),
+        backend="cuda",
+        complete=re.compile(r"memory" + _W + r"fraction" + _W + r"\)" + _W + r":?" + _W + SIZE
+                            + r"|" + _words("Allocation on device") + r"[\s\x00]*$", re.IGNORECASE),
+    ),
+    _Head(
+        "async-allocator",
+        re.compile(_words("Exception Type") + r"\W{0,8}(?:torch\.(?:cuda\.)?)?OutOfMemoryError\b"),
+        backend="cuda",
+        complete=re.compile(_words("Allocation on device")),
+        requires=re.compile(r"Exception" + _W + r"Message\W{0,8}" + _words("Allocation on device")),
+    ),
     _Head("runtime", re.compile(r"\bcudaErrorMemoryAllocation\b"), backend="cuda"),
     _Head("runtime", re.compile(r"\bhipErrorOutOfMemory\b"), backend="hip"),
     _Head(
@@ -189,7 +227,9 @@ _HEADS: tuple[_Head, ...] = (
     ),
     _Head("library", re.compile(r"\bmiopenStatusAllocFailed\b"), backend="hip"),
     _Head("nccl", re.compile(r"\b(?P<dev>Cuda|HIP)" + _W + r"failure" + _W + r"(?:\d+" + _W + r")?'out of memory'",
-                             re.IGNORECASE)),
+                             re.IGNORECASE),
+          follow=re.compile(_words("Failed to") + _W + r"(?:CUDA|HIP)" + _W + r"(?:calloc|malloc|host" + _W
+                            + r"alloc)" + _W + r"\d+" + _W + r"bytes", re.IGNORECASE)),
     _Head("level-zero", re.compile(r"\b(?:UR|ZE)_RESULT_ERROR_OUT_OF_DEVICE_MEMORY\b"), backend="xpu"),
     _Head(
         "vllm-startup",
@@ -204,6 +244,11 @@ _HEADS: tuple[_Head, ...] = (
     ),
     _Head("vllm-kv", re.compile(_words("No available memory for the cache blocks"), re.IGNORECASE), backend="vllm"),
     _Head("vllm-kv", re.compile(_words("larger than the available KV cache memory"), re.IGNORECASE), backend="vllm"),
+    # vLLM before 0.6: "The model's max seq len (29000) is larger than the maximum number of tokens that can be stored
+    # in KV cache (23648)."
+    _Head("vllm-kv", re.compile(_words("max seq len") + _W + r"\(" + _W + r"\d+" + _W + r"\)" + _W
+                                + _words("is larger than the maximum number of tokens that can be stored in KV cache"),
+                                re.IGNORECASE), backend="vllm"),
     _Head(
         "oom-killer",
         re.compile(r"(?:Memory" + _W + r"cgroup" + _W + r")?" + _words("out of memory:") + _W + r"Kill(?:ed)?" + _W
@@ -214,6 +259,15 @@ _HEADS: tuple[_Head, ...] = (
           backend="host"),
     _Head("slurm", re.compile(_words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
     _Head("shell", re.compile(r"\bline\s+\d+:\s+(?P<pid>\d+)\s+Killed\s+\S"), backend="host"),
+    # Ray's memory monitor kills workers when the node's RAM passes its threshold: "Task was killed due to the node
+    # running low on memory." (Ray <= 2.54), "N worker(s) were killed due to ..." (2.55+).
+    _Head(
+        "ray",
+        re.compile(r"(?:\b(?:Task|Actor)" + _W + r"was|worker\(s\)" + _W + r"were)" + _W
+                   + _words("killed due to the node running low on memory")),
+        backend="host",
+        complete=re.compile(_words("memory usage threshold of") + _W + r"\d", re.IGNORECASE),
+    ),
     _Head("python", re.compile(r"^(?:[\w.]+\.)?(?:_Array)?MemoryError(?::|\s*$)"), backend="host"),
 )
 
@@ -354,6 +408,26 @@ _P_VLLM_FREE = re.compile(
 _P_VLLM_KV = re.compile(
     r"\(" + _W + SIZE + _W + _words("KV cache is needed") + r".*?" + _words("KV cache memory") + _W + r"\(" + _W + SIZE, _F
 )
+_P_VLLM_SEQ = re.compile(_words("max seq len") + _W + r"\(" + _W + r"(\d+)" + _W + r"\)", _F)
+_P_VLLM_KV_TOKENS = re.compile(_words("stored in KV cache") + _W + r"\(" + _W + r"(\d+)" + _W + r"\)" + r"|"
+                               + _words("estimated maximum model length is") + _W + r"(\d+)", _F)
+_P_NCCL_REQ = re.compile(_words("Failed to") + _W + r"(?:CUDA|HIP)" + _W + r"(?:calloc|malloc|host" + _W + r"alloc)"
+                         + _W + r"(\d+)" + _W + r"bytes", _F)
+# cudaMallocAsync: "Currently allocated     : 54.14 GiB", "Requested : ...", "Device limit : ...",
+# "Free (according to CUDA): ...", "PyTorch limit (set by user-supplied memory fraction)\n : ..."
+_P_ASYNC_DEVICE = re.compile(_words("Allocation on device") + _W + r"(\d+)", _F)
+_P_ASYNC_ALLOC = re.compile(_words("Currently allocated") + _W + r":" + _W + SIZE, _F)
+_P_ASYNC_REQ = re.compile(r"Requested" + _W + r":" + _W + SIZE, _F)
+_P_ASYNC_TOTAL = re.compile(_words("Device limit") + _W + r":" + _W + SIZE, _F)
+_P_ASYNC_FREE = re.compile(r"Free" + _W + r"\(" + _W + r"according" + _W + r"to" + _W + r"\w+" + _W + r"\)" + _W + r":"
+                           + _W + SIZE, _F)
+_P_ASYNC_LIMIT = re.compile(r"memory" + _W + r"fraction" + _W + r"\)" + _W + r":?" + _W + SIZE, _F)
+# Ray: "... pid=548, memory used=12.18GB) was running was 21.91GB / 33.28GB (0.658192), which exceeds the memory usage
+# threshold of 0.65." (Ray writes decimal GB.)
+_P_RAY_NODE = re.compile(r"was" + _W + SIZE + _W + r"/" + _W + SIZE + _W + r"\(" + _W + r"[\d.]+" + _W + r"\)", _F)
+_P_RAY_THRESHOLD = re.compile(_words("memory usage threshold of") + _W + r"(\d+(?:\.\d+)?)", _F)
+_P_RAY_TASK = re.compile(r"\bpid" + _W + r"=" + _W + r"(\d+)" + _W + r"," + _W + r"(?:actual" + _W + r")?"
+                         + _words("memory used") + _W + r"=" + _W + SIZE, _F)
 _P_RSS = re.compile(r"anon-rss:" + _W + r"(\d[\d,]*)" + _W + r"kB", _F)
 _P_NP_REQ = re.compile(_words("Unable to allocate") + _W + SIZE, _F)
 
@@ -428,6 +502,36 @@ def _parse_figures(report: OOMReport, core: str) -> OOMReport:
         if m:
             kw["requested"] = _size(m.group(1), m.group(2))
             kw["free"] = _size(m.group(3), m.group(4))
+        m = _P_VLLM_SEQ.search(text)
+        kw["max_seq_len"] = int(m.group(1)) if m else None
+        m = _P_VLLM_KV_TOKENS.search(text)
+        kw["kv_cache_tokens"] = int(m.group(1) or m.group(2)) if m else None
+    elif o == "async-allocator":
+        m = _P_ASYNC_DEVICE.search(core)
+        kw["device"] = int(m.group(1)) if m else None
+        kw["allocated"] = _first(_P_ASYNC_ALLOC, core)
+        kw["requested"] = _first(_P_ASYNC_REQ, core)
+        kw["capacity"] = _first(_P_ASYNC_TOTAL, core)
+        kw["free"] = _first(_P_ASYNC_FREE, core)
+        limit = _first(_P_ASYNC_LIMIT, core)  # 2^64 (NVML-garbage sized, so None) when no fraction is set
+        kw["allowed"] = limit if limit is None or kw["capacity"] is None or limit < kw["capacity"] else None
+    elif o == "nccl":
+        m = _P_NCCL_REQ.search(core)
+        kw["requested"] = int(m.group(1)) if m else None
+    elif o == "ray":
+        m = _P_RAY_NODE.search(core)
+        if m:
+            used, total = _size(m.group(1), m.group(2)), _size(m.group(3), m.group(4))
+            kw["capacity"] = total
+            if used is not None and total is not None:
+                kw["free"] = max(0, total - used)
+            t = _P_RAY_THRESHOLD.search(core)
+            if t and total is not None and 0 < float(t.group(1)) <= 1:
+                kw["allowed"] = round(float(t.group(1)) * total)
+        m = _P_RAY_TASK.search(core)
+        if m:
+            kw["pid"] = int(m.group(1))
+            kw["process"] = _size(m.group(2), m.group(3))
     elif o in ("oom-killer", "shell"):
         m = _P_RSS.search(text)
         kw["process"] = int(m.group(1).replace(",", "")) * 1024 if m else None
@@ -585,6 +689,39 @@ def _assemble(lines: list[str], index: int, head: _Head, rank: int | None) -> tu
     return text, used
 
 
+_HOST_KILLS = ("oom-killer", "shell", "slurm")
+_FOLLOW_LINES = 4  # blank lines and NCCL INFO lines may sit between a NCCL WARN and the size it could not allocate
+
+
+def _with_follow(lines: list[str], index: int, follow: re.Pattern[str], rank: int | None, text: str) -> str:
+    """``text`` with the part of a nearby line that ``follow`` matches appended (NCCL's "Failed to CUDA calloc N
+    bytes" after its "Cuda failure 'out of memory'")."""
+    for j in range(index + 1, min(len(lines), index + 1 + _FOLLOW_LINES)):
+        raw = lines[j]
+        if rank_of(raw) not in (rank, None):
+            continue
+        m = follow.search(raw)
+        if m:
+            return f"{text.rstrip()} {raw[m.start():].strip()}"
+    return text
+
+
+def _followed_by_same(lines: list[str], index: int, head: _Head, backend: str, rank: int | None) -> bool:
+    """Whether a message of the same origin and backend starts within the next _MAX_CONTINUATION lines (the limit
+    keeps streaming and whole-text scanning in agreement: a streamed chunk always holds that many lines more)."""
+    for j in range(index + 1, min(len(lines), index + 1 + _MAX_CONTINUATION)):
+        raw = lines[j]
+        if rank_of(raw) not in (rank, None):
+            continue
+        s = strip_prefix(raw)
+        if not _might_be_oom(s):
+            continue
+        for h, m in _recognitions(s):
+            if h is not head and h.origin == head.origin and _backend_for(h, m) == backend:
+                return True
+    return False
+
+
 def _same_message(a: str, b: str) -> bool:
     """Equal, or one is the other cut short with an ellipsis (pytest's summary line, a terminal-width log)."""
     if a == b:
@@ -611,6 +748,7 @@ class _Scanner:
     def __init__(self) -> None:
         self.recent: dict[tuple[Any, ...], list[tuple[int, int | None, str]]] = {}
         self.consumed: set[int] = set()  # absolute line numbers used as continuation lines
+        self.kills: list[list[Any]] = []  # host OOM kills: [last line, rank, pids, reported by Slurm]
 
     def _is_repeat(self, key: tuple[Any, ...], line_no: int, rank: int | None, core: str) -> bool:
         window = self._WINDOW_ALLOCATOR if key[0] == "allocator" else self._WINDOW
@@ -645,22 +783,52 @@ class _Scanner:
             if _is_source_line(lines, i, stripped, m, rank):
                 return None
             text, used = _assemble(lines, i, head, rank)
+            if head.follow is not None:
+                text = _with_follow(lines, i, head.follow, rank, text)
             core = text[m.start():]
             if head.requires is not None and not head.requires.search(core):
                 continue
             if _VETO.search(text):
                 return None
+            backend = _backend_for(head, m)
+            if head.precursor and _followed_by_same(lines, i, head, backend, rank):
+                return None
             first = line_no - i
             self.consumed.update(first + j for j in used)
             message = " ".join(text.split())
             report = _parse_figures(
-                OOMReport(backend=_backend_for(head, m), origin=head.origin, message=message, pid=_pid_of(m)), core
+                OOMReport(backend=backend, origin=head.origin, message=message, pid=_pid_of(m)), core
             )
-            key = (head.origin, report.backend, report.pid if head.origin in ("oom-killer", "shell") else None)
-            if self._is_repeat(key, line_no, rank, " ".join(core.split())):
+            if head.origin in _HOST_KILLS:
+                if self._is_host_kill_repeat(head.origin, report.pid, line_no, rank):
+                    return None
+            elif self._is_repeat((head.origin, report.backend, None), line_no, rank, " ".join(core.split())):
                 return None
             return Hit(line_no, report, _frames_before(lines, i, rank), rank)
         return None
+
+    def _is_host_kill_repeat(self, origin: str, pid: int | None, line_no: int, rank: int | None) -> bool:
+        """One kill of the host's OOM killer is often reported twice: the kernel's or the shell's "Killed" line names
+        the process, and Slurm's step report ("Detected 1 oom-kill event(s)") follows or precedes it. A Slurm report
+        joins a recent kill, a kill joins a recent Slurm report that names no process yet, and a process killed
+        again within the window is the same kill. Kills of two different processes stay two findings."""
+        events = [e for e in self.kills if line_no - e[0] <= self._WINDOW]
+        for e in events:
+            if not _same_rank(e[1], rank):
+                continue
+            pids, slurm = e[2], e[3]
+            same = (origin == "slurm" or (pid is not None and pid in pids) or (slurm and not pids))
+            if same:
+                e[0] = line_no
+                if origin == "slurm":
+                    e[3] = True
+                elif pid is not None:
+                    pids.add(pid)
+                self.kills = events
+                return True
+        events.append([line_no, rank, {pid} if pid is not None else set(), origin == "slurm"])
+        self.kills = events
+        return False
 
 
 def scan_lines(lines: Iterable[str], *, first_line: int = 1) -> Iterator[Hit]:
@@ -686,7 +854,7 @@ def scan_text(text: str) -> list[Hit]:
 # always find the same messages.
 _CHEAP_REGEXES = (
     re.compile(rb"memory(?:error|allocation| ?utilization|(?<=of memory)|(?<=ofmemory)|(?<=of-memory)|(?<=of_memory)"
-               rb"|(?<=allocate memory)|(?<=enough memory)|(?<=device_memory))"),
+               rb"|(?<=allocate memory)|(?<=enough memory)|(?<=device_memory)|(?<=low on memory))"),
     re.compile(rb"cache(?: ?blocks|(?<=kv cache)|(?<=kvcache))"),
     re.compile(rb"alloc_?failed"),
     re.compile(rb"kill(?:ed|(?<=oom-kill)|(?<=oom_kill))"),
@@ -862,6 +1030,10 @@ def report_from_exception(exc: BaseException) -> OOMReport:
     oom = oom_in_chain(exc) or exc
     text = _exception_text(oom) or ""
     report = parse_oom(text) if text else None
+    if report is None and text:
+        # Some messages are recognised only with their exception type in front, as a traceback prints them
+        # (cudaMallocAsync's "Allocation on device", Ray's OutOfMemoryError).
+        report = parse_oom(f"{type(oom).__name__}: {text}")
     if report is None:
         name = type(oom).__name__
         backend = "host" if name in ("MemoryError", "_ArrayMemoryError") else "cuda"

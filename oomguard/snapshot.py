@@ -102,6 +102,26 @@ class SnapshotSummary:
     def reserved_unallocated(self) -> int:
         return max(0, self.reserved - self.allocated)
 
+    def allowance(self, ev: OOMEvent) -> tuple[int, int] | None:
+        """The per-process allowance an OOM event ran into, as a range ``(at least, below)``, or ``None`` when the
+        device itself was full.
+
+        A snapshot records no allowance (``set_per_process_memory_fraction``, oomguard's ``--gpu-memory``), but the
+        trace entry does record the device's free memory. When that was more than the request, the allocator refused
+        it for its own limit: the limit was at least what the process had reserved (it got that much) and below
+        reserved + request (or the request would have been served). Reserved is read from the snapshot, taken after
+        the allocator released what it could before giving up.
+
+        >>> s = SnapshotSummary(4 << 30, 3 << 30, 0, {}, [], [], [0])
+        >>> s.allowance(OOMEvent(0, 300 << 20, 70 << 30, (), None)) == (4 << 30, (4 << 30) + (300 << 20))
+        True
+        >>> s.allowance(OOMEvent(0, 300 << 20, 10 << 20, (), None)) is None
+        True
+        """
+        if ev.device_free is None or ev.size <= 0 or ev.device_free < ev.size or self.reserved <= 0:
+            return None
+        return self.reserved, self.reserved + ev.size
+
     @property
     def fragmentation(self) -> float:
         """Share of reserved-but-unallocated memory that is NOT in the largest free block (0 = one clean hole)."""
@@ -123,6 +143,9 @@ class SnapshotSummary:
             ],
             "oom_events": [
                 {"device": e.device, "size": e.size, "device_free": e.device_free,
+                 "limited_by": "allowance" if self.allowance(e) else "device",
+                 "allowed_min_bytes": (self.allowance(e) or (None, None))[0],
+                 "allowed_max_bytes": (self.allowance(e) or (None, None))[1],
                  "frames": [f.to_dict() for f in e.frames[-5:]]}
                 for e in self.oom_events
             ],
@@ -224,12 +247,15 @@ def oom_reports(summary: SnapshotSummary) -> list[tuple[OOMReport, tuple[Frame, 
     out = []
     expandable = bool(summary.settings.get("expandable_segments"))
     for ev in summary.oom_events:
+        bounds = summary.allowance(ev)
         msg = (f"CUDA out of memory (snapshot trace): tried to allocate {ev.size} bytes on device {ev.device}; "
-               f"{ev.device_free} bytes free" + ("; expandable segments on" if expandable else ""))
+               f"{ev.device_free} bytes free" + ("; expandable segments on" if expandable else "")
+               + (f"; refused by a per-process allowance of at least {bounds[0]} and below {bounds[1]} bytes "
+                  "(inferred: the device had room)" if bounds else ""))
         report = OOMReport(
             backend="cuda", origin="allocator", message=msg, requested=ev.size, free=ev.device_free,
             allocated=summary.allocated, reserved_unallocated=summary.reserved_unallocated, device=ev.device,
-            process=None,
+            process=None, allowed=bounds[1] if bounds else None, allowed_min=bounds[0] if bounds else None,
         )
         out.append((report, tuple(reversed(ev.frames))))
     return out

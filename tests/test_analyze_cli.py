@@ -34,8 +34,10 @@ def test_seed_oom_json_contract():
     assert f["requested_bytes"] == round(1.90 * 2**30) and f["reserved_unallocated_bytes"] == round(2.41 * 2**30)
     assert f["kind"] == "fragmentation" and f["evidence"][0].startswith("2.41 GiB was reserved")
     assert f["remedies"][0] == {"name": "expandable_segments", "reason": f["remedies"][0]["reason"],
-                                "frees_bytes": round(2.41 * 2**30)}
-    assert all(set(r) == {"name", "reason", "frees_bytes"} for r in f["remedies"])
+                                "frees_bytes": round(2.41 * 2**30), "rank": 1,
+                                "paste": ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"], "top": True}
+    assert all(set(r) == {"name", "reason", "frees_bytes", "rank", "paste", "top"} for r in f["remedies"])
+    assert [r["rank"] for r in f["remedies"]] == list(range(1, len(f["remedies"]) + 1))
 
 
 def test_terminal_report_is_readable():
@@ -125,3 +127,75 @@ def test_huge_log_is_read_up_to_the_limit_with_a_note(tmp_path):
 def test_bad_max_bytes_is_a_usage_error():
     out = cli("--max-bytes", "lots", str(LOGS))
     assert out.returncode == 2 and "not a size" in out.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 12 §4: headings that do not contradict the evidence, and a short list of remedies with lines to paste.
+
+H100 = ROOT / "tests" / "fixtures" / "h100"
+OOM_FIXTURES = ROOT / "tests" / "fixtures" / "oom"
+
+
+def test_a_process_is_never_both_other_and_this():
+    out = cli(str(LOGS / "torchrun_4gpu.log"))
+    assert out.returncode == 0
+    assert "others pid 51882" not in out.stdout
+    assert "this process 77.02 GiB" in out.stdout and "it is this process" in out.stdout
+    (f,) = json.loads(cli("--json", str(LOGS / "torchrun_4gpu.log")).stdout)["findings"]
+    assert f["other_processes"] == [] and f["process_bytes"] == round(77.02 * 2**30)
+    assert "Process 51882 has 77.02 GiB" in f["message"]  # the raw text keeps what NVML said
+
+
+def _numbered(text: str) -> list[str]:
+    return [ln.split(".", 1)[1].split(":", 1)[0].strip() for ln in text.splitlines()
+            if ln.startswith("   ") and ln.strip()[:1].isdigit() and ". " in ln]
+
+
+def test_terminal_shows_the_top_remedies_with_lines_to_paste_and_all_with_all():
+    short = cli(str(LOGS / "grpo_rtx3080.log")).stdout
+    names = _numbered(short)
+    assert 3 <= len(names) <= 5 and names[0] == "expandable_segments"
+    assert "      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in short
+    assert "GRPOConfig(max_completion_length=256)" in short
+    assert "more (--all lists them)" in short
+    every = cli("--all", str(LOGS / "grpo_rtx3080.log")).stdout
+    (f,) = json.loads(cli("--json", str(LOGS / "grpo_rtx3080.log")).stdout)["findings"]
+    assert _numbered(every) == [r["name"] for r in f["remedies"]] and len(f["remedies"]) > len(names)
+    assert "--all lists them" not in every
+    assert [r["name"] for r in f["remedies"] if r["top"]] == names
+
+
+def test_real_crash_record_under_an_allowance():
+    (f,) = analyze_paths([str(H100 / "crashrecord-qwen3b-24GiB.json")]).findings
+    assert (f["kind"], f["phase"], f["input"]) == ("shortfall", "backward", "crash-record")
+    assert f["requested_bytes"] == 88 * 2**20 and f["allowed_bytes"] == 24 * 2**30
+    assert f["capacity_bytes"] == round(79.18 * 2**30) and f["free_bytes"] == round(44.24 * 2**30)
+    assert f["allocated_bytes"] == round(23.33 * 2**30) and f["reserved_unallocated_bytes"] == round(636.31 * 2**20)
+    assert f["process_bytes"] == round(24.74 * 2**30)
+    assert f["other_processes"] == [{"pid": 568, "bytes": round(10.18 * 2**30)}]
+    # The request is a sliver of 23.33 GiB of live state: shrink the state first. LoRA alone fitted in the real run.
+    top = [r for r in f["remedies"] if r["top"]]
+    assert top[0]["name"] == "lora" and top[0]["paste"][0].startswith("GRPOTrainer(..., peft_config=LoraConfig(r=16")
+    # gradient checkpointing was already on in that run: last, saying why
+    assert f["remedies"][-1]["name"] == "checkpointing" and "already in force" in f["remedies"][-1]["reason"]
+
+
+def test_run_report_attempts_are_diagnosed_again_from_their_message(tmp_path):
+    message = (OOM_FIXTURES / "cuda_h100_allowance_minimize_attempt3.txt").read_text().splitlines()[-1]
+    message = message.split("torch.OutOfMemoryError: ", 1)[1]
+    stored = {"is_oom": True, "kind": "neighbour", "phase": "backward", "message": message, "evidence": ["old"]}
+    report = {"schema": "oomguard.report/1", "attempts": [
+        {"index": 3, "kind": "minimize", "knobs": {"max_completion_length": 256}, "oom": stored}]}
+    p = tmp_path / "report.json"
+    p.write_text(json.dumps(report))
+    (f,) = analyze_paths([str(p)]).findings
+    assert f["kind"] == "shortfall" and f["attempt"] == 3 and f["input"] == "run-report"
+    assert f["phase"] == "backward" and f["free_bytes"] == round(52.77 * 2**30)
+    shorter = next(r for r in f["remedies"] if r["name"] == "shorter_sequences")
+    assert shorter["paste"] == ["GRPOConfig(max_completion_length=128)"]  # from the attempt's own knobs
+
+
+def test_real_h100_messages_through_analyze():
+    result = analyze_paths([str(p) for p in sorted(OOM_FIXTURES.glob("cuda_h100_*.txt"))])
+    assert [f["kind"] for f in result.findings] == ["shortfall"] * 5
+    assert all(f["allowed_bytes"] in (24 * 2**30, 4 * 2**30) for f in result.findings)

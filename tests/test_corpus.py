@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from oomguard.diagnose import diagnose
 from oomguard.oom import (
     Hit,
     OOMReport,
@@ -31,7 +32,7 @@ _DOC = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))
 EXPECTED: dict[str, list[dict[str, Any]]] = {k: v for k, v in _DOC.items() if not k.startswith("_")}
 NAMES = sorted(EXPECTED)
 FIGURES = ("requested", "capacity", "free", "allocated", "reserved_unallocated", "process", "allowed", "private_pools")
-OPTIONAL = ("device", "pid", "rank", "last_frame")
+OPTIONAL = ("device", "pid", "rank", "last_frame", "kind", "max_seq_len", "kv_cache_tokens")
 
 
 def _bytes(name: str) -> bytes:
@@ -49,14 +50,17 @@ def summarise(hit: Hit, like: dict[str, Any] | None = None) -> dict[str, Any]:
     out.update({f: getattr(r, f) for f in FIGURES})
     out["other_processes"] = [[p.pid, p.bytes] for p in r.other_processes]
     optional = {
-        "device": r.device,
-        "pid": r.pid,
-        "rank": hit.rank,
-        "last_frame": hit.frames[-1].name if hit.frames else None,
+        "device": lambda: r.device,
+        "pid": lambda: r.pid,
+        "rank": lambda: hit.rank,
+        "last_frame": lambda: hit.frames[-1].name if hit.frames else None,
+        "kind": lambda: diagnose(r, hit.frames).kind,
+        "max_seq_len": lambda: r.max_seq_len,
+        "kv_cache_tokens": lambda: r.kv_cache_tokens,
     }
     for key in OPTIONAL:
         if like is not None and key in like:
-            out[key] = optional[key]
+            out[key] = optional[key]()
     return out
 
 
@@ -350,3 +354,43 @@ def test_is_oom_inside_exception_group() -> None:
 def test_strip_prefix(line: str, stripped: str) -> None:
     assert strip_prefix(line) == stripped
 
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 12 §3: forms seen in public logs.
+
+
+def test_one_host_kill_reported_twice_is_one_finding_two_kills_are_two() -> None:
+    shell = "/var/spool/slurmd/job00191/slurm_script: line 28:  {pid} Killed                  python3 main.py"
+    kernel = "kernel: Memory cgroup out of memory: Killed process {pid} (python3) total-vm:1kB, anon-rss:2048kB"
+    step = ("slurmstepd: error: Detected 1 oom-kill event(s) in StepId=191.batch cgroup. Some of your processes may "
+            "have been killed by the cgroup out-of-memory handler.")
+    for lines in ([shell.format(pid=8156), step], [step, shell.format(pid=8156)], [kernel.format(pid=8156), step],
+                  [kernel.format(pid=8156), shell.format(pid=8156), step]):
+        assert len(scan_text("\n".join(lines))) == 1, lines
+    two = scan_text("\n".join([kernel.format(pid=1), kernel.format(pid=2), step]))
+    assert [h.report.pid for h in two] == [1, 2]
+
+
+def test_thc_precursor_yields_to_the_runtime_error_that_follows() -> None:
+    thc = "THCudaCheck FAIL file=/pytorch/torch/lib/THC/generic/THCStorage.cu line=58 error=2 : out of memory"
+    err = "RuntimeError: cuda runtime error (2) : out of memory at /pytorch/torch/lib/THC/generic/THCStorage.cu:58"
+    assert [h.line for h in scan_text("\n".join([thc, "Traceback (most recent call last):", err]))] == [3]
+    assert [h.line for h in scan_text(thc)] == [1]
+
+
+def test_live_exceptions_of_the_new_forms() -> None:
+    async_oom = OutOfMemoryError("Allocation on device ")
+    assert is_oom(async_oom)
+    r = report_from_exception(async_oom)
+    assert (r.backend, r.origin) == ("cuda", "async-allocator")
+    ray = RuntimeError("Task was killed due to the node running low on memory.\nMemory on the node (IP: 1.2.3.4, ID: "
+                       "ab) where the task (task ID: cd, name=f, pid=548, memory used=12.18GB) was running was "
+                       "21.91GB / 33.28GB (0.658192), which exceeds the memory usage threshold of 0.65.")
+    assert is_oom(ray)
+    r = report_from_exception(ray)
+    assert (r.backend, r.origin, r.pid, r.process) == ("host", "ray", 548, 12_180_000_000)
+    assert (r.capacity, r.free, r.allowed) == (33_280_000_000, 11_370_000_000, 21_632_000_000)
+    assert is_oom(RuntimeError("The model's max seq len (4096) is larger than the maximum number of tokens that can "
+                               "be stored in KV cache (3664)."))
+    assert not is_oom(RuntimeError("Allocation on device 0 launch on device 1"))

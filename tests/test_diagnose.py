@@ -106,3 +106,131 @@ def test_phase_override_and_evidence_sentence():
     assert any("during generation" in e for e in d.evidence)
     assert diagnose(parse_oom(SEED), phase="optimizer").phase == "optimizer"
     assert isinstance(d, Diagnosis) and d.to_dict()["kind"] == "fragmentation"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A per-process allowance (set_per_process_memory_fraction, oomguard's --gpu-memory): real H100 runs, 2026-11-22.
+
+from pathlib import Path  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from oomguard.diagnose import FRAGMENTATION_HEADROOM  # noqa: E402
+from oomguard.oom import scan_text  # noqa: E402
+
+OOM_FIXTURES = Path(__file__).parent / "fixtures" / "oom"
+
+
+def h100(name: str):
+    (hit,) = scan_text((OOM_FIXTURES / name).read_text(encoding="utf-8"))
+    return hit.report, diagnose(hit.report, hit.frames)
+
+
+def test_live_tensors_filling_the_allowance_are_a_shortfall_not_fragmentation():
+    # 636 MiB cached > the 88 MiB request, but 23.33 GiB of 24 GiB are live tensors: no real headroom.
+    r, d = h100("cuda_h100_allowance_default.txt")
+    assert (r.allowed, r.capacity) == (24 * GiB, round(79.18 * GiB))
+    assert d.kind == "shortfall" and d.phase == "backward"
+    text = " ".join(d.evidence)
+    assert "hit its own allowance of 24.00 GiB" in text and "44.24 GiB free" in text
+    assert "yet this is not fragmentation" in text and "23.33 GiB" in text and "of the 24.00 GiB allowance" in text
+    assert "598.08 MiB (2.4%)" in text and f"at least {FRAGMENTATION_HEADROOM:.0%}" in text
+
+
+def test_hitting_its_own_cap_with_the_device_half_free_is_not_a_neighbour():
+    # minimize probe 3 shared the GPU with a calibration sweep (Process 844, 2.14 GiB), yet 52.77 GiB were free.
+    r, d = h100("cuda_h100_allowance_minimize_attempt3.txt")
+    assert r.other_processes[0].pid == 844 and r.free == round(52.77 * GiB)
+    assert d.kind == "shortfall"
+    assert "52.77 GiB free" in d.evidence[0] and "225.28 MiB more than the allowance" in d.evidence[0]
+
+
+def test_every_real_h100_oom_is_a_shortfall():
+    for name in ("cuda_h100_allowance_default.txt", "cuda_h100_allowance_minimize_attempt1.txt",
+                 "cuda_h100_allowance_minimize_attempt3.txt", "cuda_h100_allowance_quality_first_attempt1.txt",
+                 "cuda_h100_snapshot_4GiB_allowance.txt"):
+        assert h100(name)[1].kind == "shortfall", name
+
+
+def test_the_allowance_not_the_card_is_the_capacity():
+    # On the 80 GiB card this much cache would be fragmentation; in a 24 GiB allowance it is not.
+    kw = dict(requested=512 * MiB, capacity=80 * GiB, free=50 * GiB, allocated=22 * GiB, reserved_unallocated=1 * GiB)
+    assert diagnose(report(**{**kw, "free": 256 * MiB})).kind == "fragmentation"  # the card as the capacity
+    d = diagnose(report(**kw, allowed=24 * GiB))
+    assert d.kind == "shortfall"
+    assert "of the 24.00 GiB allowance" in " ".join(d.evidence)
+
+
+def test_fragmentation_inside_an_allowance_with_real_headroom():
+    d = diagnose(report(requested=1 * GiB, capacity=80 * GiB, free=50 * GiB, allocated=10 * GiB,
+                        reserved_unallocated=2 * GiB, allowed=24 * GiB))
+    assert d.kind == "fragmentation"
+    assert d.evidence[1].startswith("Live tensors (10.00 GiB) plus the request need 11.00 GiB of the 24.00 GiB "
+                                    "allowance, leaving 13.00 GiB (54%)")
+
+
+def test_a_full_device_is_still_the_neighbours_doing_under_an_allowance():
+    d = diagnose(report(requested=1 * GiB, capacity=80 * GiB, free=512 * MiB, allocated=10 * GiB, process=11 * GiB,
+                        reserved_unallocated=0, allowed=24 * GiB, other_processes=(OtherProcess(9, 60 * GiB),)))
+    assert d.kind == "neighbour"
+
+
+def test_this_process_listed_as_another_is_not_both():
+    d = diagnose(report(requested=3 * GiB, capacity=80 * GiB, free=2 * GiB, allocated=70 * GiB,
+                        reserved_unallocated=5 * GiB, other_processes=(OtherProcess(51882, 77 * GiB),)))
+    assert d.report.other_processes == () and d.report.process == 77 * GiB
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(8, 96), allowed_share=st.floats(0.1, 0.95), free_share=st.floats(0.0, 1.0),
+       alloc_share=st.floats(0.0, 1.0), ru_share=st.floats(0.0, 0.3), req_mib=st.integers(1, 8192),
+       others=st.integers(0, 64))
+def test_diagnosis_rules_hold_for_any_figures(capacity, allowed_share, free_share, alloc_share, ru_share, req_mib,
+                                              others):
+    cap = capacity * GiB
+    allowed = int(cap * allowed_share)
+    alloc = int(allowed * alloc_share)
+    ru = int(allowed * ru_share)
+    req = req_mib * MiB
+    free = int(cap * free_share)
+    r = report(requested=req, capacity=cap, free=free, allocated=alloc, reserved_unallocated=ru, allowed=allowed,
+               other_processes=(OtherProcess(7, others * GiB),) if others else ())
+    d = diagnose(r)
+    if free >= req:  # the device had room: the allowance refused it, whoever else is on the card
+        assert d.kind != "neighbour"
+    if d.kind == "fragmentation":  # fragmentation only with real headroom left in the allowance
+        assert allowed - alloc - req >= FRAGMENTATION_HEADROOM * allowed - 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forms added with issue 12: Ray, cudaMallocAsync, THC, vLLM's max seq len, NCCL's size.
+
+
+def test_ray_kill_is_host_ram_with_the_node_figures():
+    (hit,) = scan_text((OOM_FIXTURES / "host_ray_task_killed_node_low_memory.txt").read_text(encoding="utf-8"))
+    d = diagnose(hit.report, hit.frames)
+    assert d.kind == "host-ram"
+    assert "Ray's memory monitor killed the task (pid 4331" in d.evidence[0]
+    assert "threshold of 95%" in d.evidence[0] and "not the GPU" in d.evidence[0]
+
+
+def test_cuda_malloc_async_short_form_names_the_backend():
+    d = diagnose(parse_oom("torch.OutOfMemoryError: Allocation on device "))
+    assert d.kind == "unknown" and "cudaMallocAsync" in d.evidence[0]
+    full = diagnose(parse_oom((OOM_FIXTURES / "cuda_async_full_figures.txt").read_text(encoding="utf-8")))
+    assert full.kind == "shortfall" and any("25.18 GiB of the device is neither" in e for e in full.evidence)
+
+
+def test_vllm_max_seq_len_refusal_names_the_token_counts():
+    d = diagnose(parse_oom("ValueError: The model's max seq len (29000) is larger than the maximum number of tokens "
+                           "that can be stored in KV cache (23648). Try increasing `gpu_memory_utilization`."))
+    assert d.kind == "vllm-reservation"
+    assert "23,648 tokens" in d.evidence[0] and "29,000" in d.evidence[0] and "vllm_max_model_length" in d.evidence[0]
+
+
+def test_nccl_and_thc_are_driver_failures_with_the_size_when_known():
+    d = diagnose(scan_text((OOM_FIXTURES / "nccl_cuda_failure_oom.txt").read_text(encoding="utf-8"))[0].report)
+    assert d.kind == "driver" and "NCCL" in d.evidence[0] and "(6.00 MiB requested)" in d.evidence[0]
+    thc = parse_oom("THCudaCheck FAIL file=/pytorch/torch/lib/THC/generic/THCStorage.cu line=58 error=2 : out of memory")
+    assert diagnose(thc).kind == "driver"

@@ -52,3 +52,82 @@ def test_every_ladder_remedy_can_advise():
     for cls in REGISTRY.values():
         a = cls().advise(d)
         assert a.name == cls.name and a.reason
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Ranked, a short list first, each with a line to paste.
+
+from oomguard.knobs import TRL_DEFAULTS  # noqa: E402
+from oomguard.recommend import TOP_MAX, TOP_MIN, paste_lines, ranked  # noqa: E402
+
+
+def frag(phase="forward"):
+    return diagnose(OOMReport("cuda", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=0, allocated=8 * GiB,
+                              reserved_unallocated=2 * GiB), phase=phase)
+
+
+def test_ranks_are_one_to_n_and_the_top_is_three_to_five():
+    for d in (frag(), frag("generation"), frag("optimizer"),
+              diagnose(OOMReport("cuda", "allocator", "x", requested=4 * GiB, capacity=16 * GiB, free=1 * GiB))):
+        recs = ranked(d)
+        assert [r.rank for r in recs] == list(range(1, len(recs) + 1))
+        shown = [r for r in recs if r.top]
+        assert shown == recs[:len(shown)]
+        assert min(TOP_MIN, len(recs)) <= len(shown) <= TOP_MAX
+
+
+def test_the_top_extends_past_three_only_within_the_same_tier():
+    recs = ranked(frag())  # allocator tier (2), then checkpointing/micro-batch/shapes, then state
+    assert [r.name for r in recs if r.top] == ["expandable_segments", "empty_cache", "micro_batch",
+                                               "shorter_sequences", "fewer_generations"]
+    assert all(r.tier == recs[2].tier for r in recs[2:5])
+
+
+def test_within_a_tier_more_bytes_freed_ranks_higher():
+    recs = ranked(frag())
+    tier = [r for r in recs if r.tier == recs[2].tier]
+    frees = [r.advice.frees_bytes or 0 for r in tier]
+    assert frees == sorted(frees, reverse=True)
+
+
+def test_paste_lines_are_the_environment_or_the_grpo_config():
+    d = frag()
+    assert paste_lines("expandable_segments", d) == ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",)
+    assert paste_lines("shorter_sequences", d) == ("GRPOConfig(max_completion_length=256)",)
+    assert paste_lines("micro_batch", d) == ("GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2)",)
+    assert paste_lines("empty_cache", d) == ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512",
+                                             "GRPOConfig(torch_empty_cache_steps=1)")
+    assert paste_lines("bf16_load", d) == ('GRPOConfig(model_init_kwargs={"dtype": "bfloat16"})',)
+    hip = diagnose(OOMReport("hip", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=0, allocated=8 * GiB,
+                             reserved_unallocated=2 * GiB))
+    assert paste_lines("expandable_segments", hip) == ("PYTORCH_HIP_ALLOC_CONF=expandable_segments:True",)
+
+
+def test_paste_lines_follow_the_runs_own_knobs():
+    d = frag()
+    knobs = TRL_DEFAULTS.replace(max_completion_length=1024, per_device_train_batch_size=2)
+    assert paste_lines("shorter_sequences", d, knobs) == ("GRPOConfig(max_completion_length=512)",)
+    by_name = {r.name: r for r in ranked(d, {"max_completion_length": 1024, "unknown_future_knob": 1})}
+    assert by_name["shorter_sequences"].paste == ("GRPOConfig(max_completion_length=512)",)
+
+
+def test_remedies_that_cannot_apply_to_the_run_go_last_saying_why():
+    d = frag("generation")
+    recs = ranked(d, {"use_vllm": False})
+    assert recs[-1].name == "vllm_memory" and "the run does not use vLLM" in recs[-1].advice.reason
+    assert [r.name for r in ranked(d)][:3] == ["expandable_segments", "empty_cache", "shorter_sequences"]
+
+
+def test_state_first_when_the_request_is_a_sliver_of_the_live_tensors():
+    d = diagnose(OOMReport("cuda", "allocator", "x", requested=88 * MiB, capacity=80 * GiB, free=44 * GiB,
+                           allocated=23 * GiB, reserved_unallocated=600 * MiB, allowed=24 * GiB), phase="backward")
+    assert d.kind == "shortfall"
+    assert names(d)[:2] == ["lora", "optimizer_8bit"]
+    assert names(d)[-1] == "expandable_segments"  # the cache did exceed the request: a last resort
+
+
+def test_json_dict_keeps_every_remedy_with_rank_and_paste():
+    recs = ranked(frag())
+    assert recs[0].to_dict() == {"name": "expandable_segments", "reason": recs[0].advice.reason,
+                                 "frees_bytes": 2 * GiB, "rank": 1,
+                                 "paste": ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"], "top": True}

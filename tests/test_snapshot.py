@@ -98,3 +98,50 @@ def test_truncated_and_non_snapshot_pickles(tmp_path):
         load_snapshot_bytes(pickle.dumps(snapshot())[:50])
     with pytest.raises(SnapshotError, match="not a memory snapshot"):
         load_snapshot_bytes(pickle.dumps({"weights": [1, 2]}))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A real snapshot (H100, torch 2.11): a process capped at 4 GiB allocating 300 MiB blocks until one failed.
+
+from pathlib import Path  # noqa: E402
+
+GiB = 2**30
+REAL = Path(__file__).parent / "fixtures" / "h100" / "snapshot-real-oom.pickle"
+
+
+def test_real_snapshot_figures_and_the_inferred_allowance():
+    s = summarize(load_snapshot_bytes(REAL.read_bytes()))
+    # the message's figures, to its two decimals: "3.54 GiB is allocated ... 311.88 MiB is reserved ... unallocated"
+    assert round(s.allocated / GiB, 2) == 3.54 and round(s.reserved_unallocated / MiB, 2) == 311.88
+    (ev,) = s.oom_events
+    assert ev.size == 300 * MiB and round(ev.device_free / GiB, 2) == 74.82
+    low, high = s.allowance(ev)
+    assert low <= 4 * GiB < high  # the real allowance was 4.00 GiB
+    event = s.to_dict()["oom_events"][0]
+    assert event["limited_by"] == "allowance"
+    assert (event["allowed_min_bytes"], event["allowed_max_bytes"]) == (low, high)
+
+
+def test_real_snapshot_is_a_shortfall_under_its_allowance_not_fragmentation():
+    (f,) = analyze_paths([str(REAL)]).findings
+    assert f["kind"] == "shortfall"
+    assert f["allowed_min_bytes"] <= 4 * GiB < f["allowed_bytes"]
+    text = " ".join(f["evidence"])
+    assert "hit its own allowance of at least 3.85 GiB and below 4.14 GiB (inferred)" in text
+    assert "74.82 GiB free" in text and "yet this is not fragmentation" in text
+
+
+def test_a_full_device_infers_no_allowance():
+    s = summarize(load_snapshot_bytes(pickle.dumps(snapshot())))  # 3 MiB free for a 30 MiB request
+    assert s.allowance(s.oom_events[0]) is None
+    assert s.to_dict()["oom_events"][0]["limited_by"] == "device"
+    (f,) = analyze_paths([_write(snapshot())]).findings
+    assert f["allowed_bytes"] is None and "allowed_min_bytes" not in f
+
+
+def _write(snap) -> str:
+    import tempfile
+
+    p = Path(tempfile.mkdtemp()) / "snap.pickle"
+    p.write_bytes(pickle.dumps(snap))
+    return str(p)
