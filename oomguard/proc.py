@@ -1,7 +1,9 @@
 """Launch one attempt: a fresh process group, output streamed live with a tail kept, signals forwarded.
 
 SIGINT and SIGTERM go to the whole process group of the child, grandchildren included. After the child exits, the
-group is killed, so nothing the attempt started outlives it.
+group is killed and waited for (bounded) until none of its processes is left, so nothing the attempt started outlives
+it or still holds memory when the next attempt starts. While it runs, :class:`~oomguard.hostmem.HostOOMWatch` gathers
+the evidence that tells a kernel OOM kill from any other SIGKILL.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
+from .hostmem import HostOOMWatch
+
 TAIL_BYTES = 256 * 1024
+GROUP_GONE_TIMEOUT = 15.0  # how long to wait for a SIGKILLed group to be gone (a large process takes time to die)
 
 
 class Tail:
@@ -49,6 +55,9 @@ class ProcessResult:
     stderr_tail: str
     interrupted: int | None  # the signal the supervisor received and forwarded, if any
     seconds: float
+    host_oom: list[str] = field(default_factory=list)  # evidence that the kernel's OOM killer ended it (SIGKILL only)
+    host_checked: str = ""  # what was looked at when a SIGKILL showed no such evidence
+    survivors: list[int] = field(default_factory=list)  # processes of the group still alive after the bounded wait
 
     @property
     def exit_code(self) -> int:
@@ -91,6 +100,46 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
+def group_alive(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """The processes of group ``pgid`` that are still alive; zombies (dead, waiting to be reaped) do not count.
+
+    >>> group_alive(os.getpgrp()) != []
+    True
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
+    alive = []
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            stat = (proc / name / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            alive.append(int(name))
+    return alive
+
+
+def wait_group_gone(pgid: int, timeout: float = GROUP_GONE_TIMEOUT, poll: float = 0.05) -> list[int]:
+    """Wait until group ``pgid`` has no living process; returns those still alive when ``timeout`` ran out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = group_alive(pgid)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(poll)
+
+
 def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None) -> None:
     fd = src.fileno()
     while True:
@@ -127,6 +176,8 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang).
     """
     start = time.monotonic()
+    watch = HostOOMWatch()
+    watch.start()
     proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, cwd=cwd)
     interrupts.pgid = proc.pid
@@ -157,11 +208,21 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
             sig = on_tick()
             if sig is not None:
                 _killpg(proc.pid, sig)
+        watch.sample(proc.pid)
     if on_tick is not None:
         on_tick()  # the last events
-    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank).
+    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank): kill the group
+    # and wait until it is gone, since a killed process still holds its memory until it has finished dying.
     _killpg(proc.pid, signal.SIGKILL)
+    survivors = wait_group_gone(proc.pid)
     interrupts.pgid = None
     for t in threads:
         t.join(timeout=5)
-    return ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start)
+    res = ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start,
+                        survivors=survivors)
+    if rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and not interrupts.signum:
+        res.host_oom = watch.evidence({proc.pid})
+        res.host_checked = "" if res.host_oom else watch.describe_absence()
+    else:
+        watch.close()
+    return res

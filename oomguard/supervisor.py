@@ -8,6 +8,7 @@ events file, the CrashRecord, the exit status and the tail of the output.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -429,6 +430,9 @@ class Supervisor:
                           exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
                           step=max(steps) if steps else None,
                           peak_reserved_bytes=max(reserved) if reserved else None)
+        if res.survivors:
+            self.ui.message(f"{len(res.survivors)} process(es) of attempt {index} still alive after SIGKILL (pids "
+                            f"{', '.join(map(str, res.survivors[:8]))}): the next attempt may find their memory in use")
         if res.interrupted:
             attempt.outcome = "interrupted"
             return attempt, None
@@ -444,11 +448,13 @@ class Supervisor:
             if crash.step is not None:
                 attempt.step = crash.step
             return attempt, d
-        if res.returncode in (-9, 137):
+        sigkill = res.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+        if sigkill and res.host_oom:  # a host-RAM OOM only with evidence (proc.py, hostmem.py)
             report = OOMReport(backend="host", origin="oom-killer",
-                               message=f"the training process was killed by SIGKILL (exit {res.exit_code}); the "
-                                       "kernel's OOM killer is the usual cause")
+                               message=f"the training process was killed by SIGKILL (exit {res.exit_code}): "
+                                       + "; ".join(res.host_oom))
             d = diagnose(report)
+            d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
             attempt.outcome = "oom"
             attempt.oom = finding("exit status", None, report, d)
             return attempt, d
@@ -458,6 +464,10 @@ class Supervisor:
             attempt.outcome = "oom"
             attempt.oom = finding_from_hit("stderr", hit)
             return attempt, diagnose(hit.report, hit.frames)
+        if sigkill:  # a kill -9, `timeout -s KILL`, a preemption: not ours to retry
+            attempt.note = (f"killed by SIGKILL (exit {res.exit_code}) with no sign of the kernel's OOM killer "
+                            f"({res.host_checked}): passed through as a failure, not retried")
+            self.ui.message(f"attempt {index} was {attempt.note}")
         return attempt, None
 
     def _crash_record(self, adir: Path) -> CrashRecord | None:
