@@ -269,15 +269,27 @@ class Supervisor:
         """While an attempt runs: take its new events; end a group whose rank died of OOM but which hangs."""
         fresh = tail.poll()
         state = getattr(self.ui, "state", None)
+        if state is None:  # a reporter without a live view (--json-log): the progress state is kept here
+            mine = getattr(self, "_progress", None)
+            if mine is None or mine[0] is not seen:  # a new attempt
+                from .ui import Progress
+
+                without = self.min_trial if kind == "minimize" else None
+                mine = (seen, Progress(index=len(self.climb.attempts) + 1, max_attempts=self.o.max_attempts,
+                                       kind=kind, remedies=self.climb.remedies_in_force(without),
+                                       capacity=self.capacity))
+                self._progress = mine
+            state = mine[1]
         for ev in fresh:
-            if state is not None and ev.get("event") in ("step", "train_begin", "train_end"):
-                if ev.get("step") is not None:
-                    state.step = max(state.step or 0, int(ev["step"]))
-                if ev.get("max_steps"):
-                    state.max_steps = int(ev["max_steps"])
-                if ev.get("peak") is not None:
-                    state.peak = max(state.peak or 0, int(ev["peak"]))
-        if fresh and state is not None:
+            name = ev.get("event")
+            if name == "train_begin":  # a new trainer (a script may build several): its own counter and length
+                state.step = int(ev.get("step") or 0)
+                state.max_steps = int(ev["max_steps"]) if ev.get("max_steps") else None
+            elif name in ("step", "train_end") and ev.get("step") is not None:
+                state.step = int(ev["step"])
+            if ev.get("peak") is not None:
+                state.peak = max(state.peak or 0, int(ev["peak"]))
+        if fresh:
             self.ui.progress(state)
         for ev in fresh:
             seen.append(ev)

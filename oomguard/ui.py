@@ -211,8 +211,10 @@ class JsonLogReporter:
         return contextlib.nullcontext()
 
     def progress(self, state: Progress) -> None:
-        if time.monotonic() - self._last >= 5:
-            self._last = time.monotonic()
+        """At most one line every 5 s, and one at once when a new attempt or trainer starts (its length changes)."""
+        key = (state.index, state.kind, state.max_steps)
+        if time.monotonic() - self._last >= 5 or key != getattr(self, "_last_key", None):
+            self._last, self._last_key = time.monotonic(), key
             self._emit(event="progress", attempt=state.index, kind=state.kind, step=state.step,
                        max_steps=state.max_steps, peak_bytes=state.peak, capacity_bytes=state.capacity,
                        remedies=state.remedies)
