@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import oomguard
+from oomguard.records import climbed_labels
 
 
 class Block(nn.Module):
@@ -86,8 +87,9 @@ if __name__ == "__main__":
     print(f"mean loss {train():.4f}")
     report = train.report
     print(f"{report.status} after {len(report.attempts)} attempt(s)")
-    for a in report.attempts:
+    for a, climbed in zip(report.attempts, climbed_labels([a.climbed for a in report.attempts]), strict=True):
         print(f"  attempt {a.index}: {a.outcome:4} batch {a.knobs['per_device_train_batch_size']:>3} x "
-              f"{a.knobs['gradient_accumulation_steps']} accumulation" + (f", then {a.climbed}" if a.climbed else ""))
+              f"{a.knobs['gradient_accumulation_steps']} accumulation" + (f", then {climbed}" if climbed else ""))
+    print(f"report: {train.report_path}")
     for row in report.diff:
         print(f"  {row['knob']}: {row['from']} -> {row['to']} ({row['remedy']})")

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 import oomguard
+from oomguard.records import climbed_labels  # the rungs as the log lines write them: "x + y (again)"
 
 from grpo_gsm8k import (
     correctness_reward_func,
@@ -57,8 +58,9 @@ loss = train_grpo()
 print("training loss", loss)
 
 # %%
-for a in train_grpo.report.attempts:
+attempts = train_grpo.report.attempts
+for a, climbed in zip(attempts, climbed_labels([a.climbed for a in attempts]), strict=True):
     oom = f" ({a.oom['kind']} during {a.oom['phase']})" if a.oom else ""
-    print(f"attempt {a.index}: {a.outcome}{oom}" + (f" -> {a.climbed}" if a.climbed else ""))
+    print(f"attempt {a.index}: {a.outcome}{oom}" + (f" -> {climbed}" if climbed else ""))
 for row in train_grpo.report.diff:
     print(f"{row['knob']}: {row['from']} -> {row['to']}  [{row['remedy']}]")

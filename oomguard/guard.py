@@ -276,8 +276,10 @@ class Guarded:
             self._log(logging.WARNING, f"choosing again with what was learned: {changes}")
         else:
             steps = decision.steps
-            notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(decision.changes) for s in steps) if n))
-            trades = ", ".join(sorted({s.remedy.trades for s in steps}))
+            acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(decision.changes)]
+            acting = acting or steps  # what is traded: the rungs whose knobs changed
+            notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(decision.changes) for s in acting) if n))
+            trades = ", ".join(sorted({s.remedy.trades for s in acting}))
             self._log(logging.WARNING, f"climbing {rung_label([(s.remedy.name, s.pass_no) for s in steps])}: "
                       f"{changes or 'no knob changed'} (trades {trades}{': ' + notes if notes else ''})")
 

@@ -180,8 +180,10 @@ class ConsoleReporter:
             self._say("  → [red]no rung left that can help[/]")
             return
         names = rung_label([(s.remedy.name, s.pass_no) for s in steps])
-        trades = sorted({s.remedy.trades for s in steps})
-        notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(changes) for s in steps) if n))
+        # what is traded: only the rungs whose knobs changed (the memory model may find a climbed rung not needed)
+        acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(changes)] or steps
+        trades = sorted({s.remedy.trades for s in acting})
+        notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(changes) for s in acting) if n))
         self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim](trades {', '.join(trades)}"
                   f"{': ' + notes if notes else ''})[/]")
         if len(steps) > 1:

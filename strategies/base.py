@@ -123,11 +123,17 @@ class Remedy:
 
     def trade_for(self, changes: Mapping[str, Any]) -> str:
         """What this rung trades, given the knobs a climb really changed (``{knob: new value}``, possibly holding
-        other rungs' knobs too). The class's ``trade_note`` unless the trade depends on what changed.
+        other rungs' knobs too): the class's ``trade_note``, or nothing when none of the knobs it writes changed (a
+        rung the memory model found not needed). Overridden where the trade depends on which of its knobs changed.
 
-        >>> Remedy().trade_for({})
+        >>> from oomguard.strategies import make_remedy
+        >>> make_remedy("checkpointing").trade_for({"gradient_checkpointing": True})
+        "about 20-30% slower: each layer's forward runs twice"
+        >>> make_remedy("checkpointing").trade_for({"max_completion_length": 64})
         ''
         """
+        if self.changes and not set(self.changes) & set(changes):
+            return ""
         return self.trade_note
 
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:

@@ -81,6 +81,11 @@ def test_trade_note_names_only_what_changed():
     rep = _console_reporter()
     rep.climb(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64, "max_prompt_tokens": 300})
     assert "the longest prompts leave the dataset" in rep.out.file.getvalue()
+    # a climbed rung the memory model then found not needed (its knobs unchanged) trades nothing
+    rep = _console_reporter()
+    rep.climb(_steps(("empty_cache", 1), ("shorter_sequences", 1)), None, {"max_completion_length": 160})
+    line = rep.out.file.getvalue()
+    assert "empty_cache + shorter_sequences" in line and "(trades quality: long reasoning is cut off)" in line
 
 
 def test_a_repeated_rung_reads_the_same_in_the_terminal_and_the_html():
