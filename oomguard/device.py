@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 
@@ -34,20 +35,71 @@ def _nvml() -> Any:
 
 
 def gpu_total_memory(index: int | None = None) -> int | None:
-    """Total memory of the first visible GPU in bytes, or None without NVML or a GPU."""
+    """Total memory of the first visible GPU in bytes, or None without NVML or a GPU.
+
+    A machine without NVIDIA's driver (a CPU machine) gets None quietly. A machine that has an NVIDIA GPU but where
+    NVML fails (the library not mounted into the container, no permission, a lost GPU) gets one warning line: the
+    memory model's predictions are off there, and the user can give the size instead.
+    """
     nvml = _nvml()
     if nvml is None:
+        if _gpu_present():
+            _warn_once(f"this machine has an NVIDIA GPU but NVML cannot be used ({_nvml_error()}), so the memory "
+                       "model does not know the device's size and its predictions are off; pass --gpu-memory SIZE "
+                       "(the card's size) to turn them on")
         return None
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index)
         return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
-    except Exception:
+    except Exception as e:
+        _warn_once(f"NVML could not read the GPU's memory ({type(e).__name__}: {str(e).splitlines()[0][:200]}), "
+                   "so the memory model's predictions are off; pass --gpu-memory SIZE (the card's size) to turn "
+                   "them on")
         return None
     finally:
         try:
             nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+_warned = False
+
+
+def _warn_once(text: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        sys.stderr.write(f"oomguard: warning: {text}\n")
+
+
+def _gpu_present() -> bool:
+    """The NVIDIA driver's device files: this machine has a GPU, whatever NVML says."""
+    return os.path.exists("/dev/nvidiactl") or bool(_listdir("/proc/driver/nvidia/gpus"))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _nvml_error() -> str:
+    """Why NVML cannot be used, in a few words."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ")
+    try:
+        pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    return "it failed once and then worked"
 
 
 def gpu_name(index: int | None = None) -> str | None:

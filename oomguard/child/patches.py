@@ -341,13 +341,24 @@ def _tokenizer_for(tokenizer: Any, model: Any) -> Any:
         return tokenizer
     if tokenizer is not None and hasattr(tokenizer, "tokenizer"):
         return tokenizer.tokenizer  # a processor
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     try:
         from transformers import AutoTokenizer
 
-        name = model if isinstance(model, str) else model.config._name_or_path
         return AutoTokenizer.from_pretrained(name)
-    except Exception:
+    except Exception as e:
+        global _TOKENIZER_WARNED
+        if not _TOKENIZER_WARNED:
+            _TOKENIZER_WARNED = True
+            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            sys.stderr.write(f"oomguard: warning: could not load the tokenizer of {name!r} ({type(e).__name__}"
+                             f"{': ' + why if why else ''}), so prompt lengths are counted in words, not tokens: "
+                             "max_prompt_tokens and the memory model's prompt lengths are approximate; pass "
+                             "processing_class= to GRPOTrainer\n")
         return None
+
+
+_TOKENIZER_WARNED = False
 
 
 def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args: Any = None) -> Any:

@@ -67,6 +67,7 @@ class Runtime:
         self.reached: set[str] = set()  # construction points passed: config, trainer, model
         self._facts: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._events_warned = False
 
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any]) -> None:
@@ -108,8 +109,12 @@ class Runtime:
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
-        except OSError:
-            pass
+        except OSError as e:  # training goes on, but the supervisor learns nothing more from this process
+            if not self._events_warned:
+                self._events_warned = True
+                sys.stderr.write(f"oomguard: warning: cannot write events to {path} ({e.strerror or e}): oomguard "
+                                 "will not see your config, progress or checkpoints from this process (the diff "
+                                 "starts from TRL's defaults); check the space and permissions of --workdir\n")
 
     # -- memory ------------------------------------------------------------------------------------------------
     def peak_bytes(self) -> int | None:
