@@ -27,7 +27,7 @@ from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
 from .climb import Climb, Decision
 from .device import gpu_total_memory
 from .diagnose import Diagnosis, diagnose
-from .knobs import Knobs, RunFacts, reachable
+from .knobs import TRL_DEFAULTS, Knobs, RunFacts, check_values, reachable
 from .ladder import Exhausted, Ladder, Step
 from .oom import OOMReport, scan_text
 from .plan import Guide
@@ -41,6 +41,7 @@ from .records import (
     RunReport,
     check_schema,
     now_iso,
+    publish,
     read_json,
     write_json_atomic,
 )
@@ -500,8 +501,13 @@ class Supervisor:
         elif last.outcome == "ok" and last.kind == "run":
             status, code = "stable", 0
             ooms = sum(1 for a in c.attempts if a.outcome == "oom" and a.kind != "minimize")
-            message = (f"stable after {ooms} out-of-memory attempt(s)" if ooms
-                       else "the command fit on the first attempt; nothing changed")
+            if ooms:
+                message = f"stable after {ooms} out-of-memory attempt(s)"
+            elif self.o.replay:
+                message = (f"the locked config fit: replayed the lock's {len(self.o.replay.get('overrides') or {})} "
+                           "override(s), no rung climbed")
+            else:
+                message = "the command fit on the first attempt; nothing changed"
         elif last.outcome == "ok":
             status, code = "exhausted", EXIT_EXHAUSTED
             message = f"the probe fits, but the budget (--max-attempts {self.o.max_attempts}) ran out before the run"
@@ -533,7 +539,9 @@ class Supervisor:
                                     or who.get("offload_params")})
         if report.device is not None:
             report.device["capacity"] = self.capacity
-        report.write(self.o.report_path)
+        # each run keeps its own report; the top-level file is a copy of the latest, and an older one is kept aside
+        kept = self.o.workdir / "kept"
+        aside = publish(report.to_dict(), self.run_dir / "report.json", self.o.report_path, kept)
         if self.o.html_path:
             from .html import write_run_html
 
@@ -546,11 +554,15 @@ class Supervisor:
         if status == "stable":
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
-            write_json_atomic(lock_path, {
+            lock_aside = publish({
                 "schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
                 "overrides": c.overrides(final), "original": report.original, "stable": report.stable,
-                "diff": report.diff,
-            })
+                "world_size": c.facts.world_size, "diff": report.diff,
+            }, self.run_dir / "lock.json", lock_path, kept)
+            aside = aside or lock_aside
+        if aside is not None:
+            self.ui.message(f"an older report or lock (not kept by any run) was kept aside in {kept}/ before the new "
+                            "one replaced it")
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
 
@@ -564,9 +576,26 @@ def load_lock(path: str) -> dict[str, Any]:
         raise UsageError(f"cannot read the lock file {path}: {e}") from None
     try:
         check_schema(data, LOCK_SCHEMA, path)
-        Knobs.from_dict(data.get("overrides") or {})
-    except (RecordError, KeyError) as e:
-        raise UsageError(str(e.args[0] if e.args else e)) from None
+    except RecordError as e:
+        raise UsageError(str(e)) from None
+    # A lock is read back as Knobs are checked (types, ranges, optimizer names, GRPO's batch rules), before anything
+    # runs: a hand-edited or corrupted lock is refused, never replayed or reported as a stable config.
+    overrides = data.get("overrides")
+    if overrides is None:
+        overrides = data["overrides"] = {}
+    if not isinstance(overrides, dict):
+        raise UsageError(f"{path}: \"overrides\" must be an object of knob values; re-create the lock with "
+                         "`oomguard run` (without --config)")
+    world = data.get("world_size")
+    world = world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else 1
+    stable = data.get("stable")
+    problems = check_values(stable, world) if isinstance(stable, dict) else []
+    if not problems:
+        base = TRL_DEFAULTS.merged(stable) if isinstance(stable, dict) else TRL_DEFAULTS
+        problems = check_values(overrides, world, base=base)
+    if problems:
+        raise UsageError(f"{path}: not a usable lock: {'; '.join(problems)}; fix it or re-create it with "
+                         "`oomguard run` (without --config)")
     return data
 
 

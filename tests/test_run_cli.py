@@ -1,0 +1,110 @@
+"""`oomguard run` as a user meets it before and after the command: sizes, exit codes, lock files, kept reports."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, run_oomguard
+
+STABLE_LOCK = {"schema": "oomguard.lock/1", "overrides": {"num_generations": 4, "per_device_train_batch_size": 4}}
+
+
+def _marker_command(tmp_path):
+    """A command that leaves a file behind when it runs, to show that a refused call ran nothing."""
+    return ["--", sys.executable, "-c", f"open({str(tmp_path / 'ran')!r}, 'w')"]
+
+
+@pytest.mark.parametrize("flags, hint", [
+    (["--simulate-gpu", "300"], "did you mean 300MiB?"),
+    (["--gpu-memory", "16"], "did you mean 16GiB?"),
+])
+def test_a_bare_small_size_is_refused_with_a_hint(tmp_path, flags, hint):
+    out, _ = run_oomguard(tmp_path, *flags, *_marker_command(tmp_path))
+    assert out.returncode == 2 and hint in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_bare_small_size_in_the_environment_is_refused_too(tmp_path):
+    out, _ = run_oomguard(tmp_path, *_marker_command(tmp_path), env={"OOMGUARD_SIMULATE_GPU": "300"})
+    assert out.returncode == 2 and "OOMGUARD_SIMULATE_GPU 300" in out.stderr and "300MiB" in out.stderr
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"num_generations": -5}, "num_generations must be at least 2"),
+    ({"optim": "fastest"}, "optim names no optimizer"),
+    ({"per_device_train_batch_size": "8"}, "must be an integer"),
+    ({"load_in_4bit": "yes"}, "must be true or false"),
+    ({"num_generations": 3, "per_device_train_batch_size": 4}, "divisible by num_generations"),
+    ({"lora_target_modules": [1, 2]}, "lora_target_modules"),
+    ({"no_such_knob": 1}, "unknown knob"),
+])
+def test_a_bad_lock_is_refused_before_anything_runs(tmp_path, overrides, problem):
+    lock = tmp_path / "bad.lock.json"
+    lock.write_text(json.dumps({**STABLE_LOCK, "overrides": overrides}))
+    out, rep = run_oomguard(tmp_path, "--config", str(lock), *_marker_command(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert problem in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert not (tmp_path / "ran").exists() and rep is None
+
+
+def test_a_lock_whose_stable_config_is_corrupt_is_refused(tmp_path):
+    lock = tmp_path / "bad.lock.json"
+    lock.write_text(json.dumps({**STABLE_LOCK, "stable": {"optim": "adamw_torch", "num_generations": 0}}))
+    out, _ = run_oomguard(tmp_path, "--config", str(lock), *_marker_command(tmp_path))
+    assert out.returncode == 2 and "num_generations must be at least 2" in out.stderr
+
+
+def test_every_run_keeps_its_report_and_nothing_earlier_is_lost(tmp_path):
+    top, lock = tmp_path / "report.json", tmp_path / "lock.json"
+    top.write_text('{"schema": "oomguard.report/1", "status": "stable", "by": "an older oomguard"}\n')
+    lock.write_text('{"schema": "oomguard.lock/1", "overrides": {}, "by": "an older oomguard"}\n')
+    ok, first = run_oomguard(tmp_path, "--", sys.executable, "-c", "pass")
+    assert ok.returncode == 0 and first["status"] == "stable"
+    kept = sorted((tmp_path / "wd" / "kept").iterdir())
+    assert sorted(json.loads(p.read_text())["by"] for p in kept) == ["an older oomguard"] * 2  # the old report, lock
+    failed, second = run_oomguard(tmp_path, "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert failed.returncode == 3 and second["status"] == "failed"  # the top-level file is the latest run's
+    runs = sorted((tmp_path / "wd" / "runs").iterdir())
+    reports = [json.loads((r / "report.json").read_text()) for r in runs]
+    assert [r["status"] for r in reports] == ["stable", "failed"]  # the stable run's report is still there
+    assert second["kept_at"] == str((runs[1] / "report.json").resolve())
+    assert json.loads(lock.read_text())["kept_at"] == str((runs[0] / "lock.json").resolve())  # the lock stays
+    assert sorted((tmp_path / "wd" / "kept").iterdir()) == kept  # a copy of a kept record is simply replaced
+
+
+def test_run_help_and_the_readme_list_the_same_exit_codes():
+    from oomguard import supervisor
+    from oomguard.cli import RUN_EXIT_CODES
+
+    codes = {c for code, _ in RUN_EXIT_CODES for c in code.split("/") if c.isdigit()}
+    assert {str(supervisor.EXIT_EXHAUSTED), str(supervisor.EXIT_BUG), str(supervisor.EXIT_NOT_FOUND),
+            str(supervisor.EXIT_NOT_EXECUTABLE), "2", "130", "143"} == codes
+    helptext = subprocess.run([sys.executable, "-m", "oomguard", "run", "--help"], capture_output=True,
+                              text=True).stdout
+    assert all(code in helptext for code in codes)
+    readme = (ROOT / "README.md").read_text()
+    para = readme[readme.index("**Exit codes:**"):].split("\n\n")[0]
+    assert set(re.findall(r"\*\*(\d+)\*\*", para)) == codes
+
+
+def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_record(tmp_path):
+    # forty distinct frames, like TRL's, then an OOM the bootstrap recognises
+    body = "".join(f"def frame_{i}():\n    return frame_{i + 1}()\n" for i in range(40))
+    body += ("def frame_40():\n    raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+             "total capacity of 8.00 GiB of which 1.00 GiB is free.')\nframe_0()\n")
+    script = tmp_path / "deep.py"
+    script.write_text(body)
+    out, rep = run_oomguard(tmp_path, "--max-attempts", "1", "--no-probe", str(script))
+    assert rep["attempts"][0]["outcome"] == "oom"
+    shown = re.findall(r"in frame_(\d+)", out.stderr)
+    assert shown and len(shown) <= 6 and "40" in shown and "0" not in shown  # the last frames only
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in out.stderr and "frames follow" in out.stderr
+    crash = next((tmp_path / "wd").rglob("crash-*.json"))
+    record = json.loads(crash.read_text())
+    assert all(f"in frame_{i}" in record["traceback"] for i in range(41))  # the record keeps everything
+    assert len(record["frames"]) >= 41 and str(crash) in out.stderr
