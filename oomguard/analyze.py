@@ -50,8 +50,8 @@ def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, r
             knobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON contract of one finding (see README, "analyze --json").
 
-    The figures are the report as diagnosed: a process that NVML listed as another one but that is this process
-    (containers) is counted as this process, never as both. Remedies are all there, ranked; ``top`` marks those the
+    The figures are ``d.report``, the report as diagnosed (``report`` is the one ``d`` was made from): a process
+    that NVML listed as another one but that is this process (containers) is counted as this process, never as both. Remedies are all there, ranked; ``top`` marks those the
     terminal shows without ``--all``, and ``paste`` holds ready-to-paste lines, computed from ``knobs`` (the run's
     effective knobs, where a crash record or run report holds them) or TRL's defaults.
     """
