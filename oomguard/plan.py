@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .calibration import builtin_description, load_calibration, machine_key, record_run
 from .choose import Rung, choose
 from .estimate import Coefficients, Estimate, ModelSpec, estimate
 from .knobs import Knobs, RunFacts
@@ -123,11 +124,42 @@ class Guide:
     """
 
     def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
-                 coefficients: Coefficients | None = None) -> None:
+                 coefficients: Coefficients | None = None, capped: bool = False, device_name: str | None = None,
+                 warn: Any = None) -> None:
         self.capacity = capacity
         self.simulated = simulated
         self.margin = (0.02 if simulated else 0.05) if margin is None else margin
-        self.coefficients = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+        base = Coefficients.for_simulated() if simulated else Coefficients()
+        if capped:  # a per-process cap (--gpu-memory) bounds the allocator; the CUDA context lies outside it
+            base = replace(base, m_ctx=0)
+        self.base = base
+        # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
+        self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
+        self.warn = warn
+        kw = {"warn": warn} if warn else {}
+        self.calibration = load_calibration(self.key, **kw) if self.key else None
+        self.coefficients = coefficients or (self.calibration.apply(base) if self.calibration else base)
+
+    def describe(self) -> str:
+        """Which calibration the predictions use, for the report and `oomguard plan`."""
+        if self.calibration is not None:
+            return self.calibration.describe()
+        return builtin_description(simulated=self.simulated)
+
+    def record(self, facts: RunFacts, knobs: Knobs, peak: int | None, reserved: int | None) -> None:
+        """Keep a completed run's measured peaks in this machine's calibration (``oomguard.calibration``)."""
+        if self.key is None or not peak:
+            return
+        spec = self.spec(facts)
+        if spec is None:
+            return
+        try:
+            est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity)
+        except ValueError:
+            return
+        kw = {"warn": self.warn} if self.warn else {}
+        record_run(self.key, est.peak_alloc_bytes, peak, reserved, expandable=bool(knobs.expandable_segments), **kw)
 
     def spec(self, facts: RunFacts) -> ModelSpec | None:
         if not facts.model_config:

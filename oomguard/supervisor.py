@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,9 +24,9 @@ from tenacity.stop import stop_base
 
 from . import allocconf
 from .analyze import finding, finding_from_crash, finding_from_hit
-from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .child.runtime import EXIT_OOM, EXIT_PREDICTED, PLAN_ENV, SIMULATE_ENV, Plan
 from .climb import Climb, Decision
-from .device import gpu_total_memory
+from .device import gpu_name, gpu_total_memory
 from .diagnose import Diagnosis, diagnose
 from .knobs import TRL_DEFAULTS, Knobs, RunFacts, check_values, reachable
 from .ladder import Exhausted, Ladder, Step
@@ -107,6 +108,7 @@ class RunOptions:
     oom_grace: float = 10.0  # after a rank reports an OOM, how long the others may take to stop before we stop them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report
+    preflight_margin: float | None = 0.15  # stop a config predicted this far over capacity before it runs (None: off)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,7 +158,9 @@ class Supervisor:
             facts=RunFacts(alloc_conf_locked=user.locked_text()),
         )
         self.capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
-        self.guide = (Guide(self.capacity, simulated=bool(options.simulate_gpu))
+        simulated = bool(options.simulate_gpu)
+        self.guide = (Guide(self.capacity, simulated=simulated, capped=bool(options.gpu_memory) and not simulated,
+                            device_name=None if simulated else gpu_name(), warn=reporter.message)
                       if options.predict and self.capacity else None)
         self.next_kind = "probe" if options.probe_steps > 0 else "run"
         self.min_queue: list[str] | None = None  # rungs still to try without (--minimize)
@@ -221,7 +225,7 @@ class Supervisor:
         resume = self._resume_for(kind, index)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
-                    remedies=remedies, probe=probe, resume=resume,
+                    remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self.o.checkpoint_every if kind == "run" else None)
         plan_path = write_json_atomic(adir / "plan.json", plan.to_dict())
         self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, kind)
@@ -259,12 +263,25 @@ class Supervisor:
         if self.guide is not None:
             est = self.guide.predict(c.facts, Knobs.from_dict(attempt.knobs))
             attempt.predicted_bytes = est.peak_bytes if est else None
-            self.guide.learn(c.facts, Knobs.from_dict(attempt.knobs), attempt.outcome, attempt.peak_bytes,
-                             diag.report if diag is not None else None)
+            # a success teaches the steady state only once an optimizer step has run with its state in place
+            steady = attempt.outcome != "ok" or (attempt.step or 0) >= 2
+            if steady:
+                self.guide.learn(c.facts, Knobs.from_dict(attempt.knobs), attempt.outcome, attempt.peak_bytes,
+                                 diag.report if diag is not None else None)
+            if steady and attempt.outcome == "ok" and kind == "run":  # what this machine teaches later runs
+                self.guide.record(c.facts, Knobs.from_dict(attempt.knobs), attempt.peak_bytes,
+                                  attempt.peak_reserved_bytes)
         c.record(attempt)
         self.ui.attempt_end(attempt, diag)
         self.next_kind = self._decide(attempt, diag)
         return attempt
+
+    def _preflight(self) -> dict[str, Any] | None:
+        """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
+        if self.guide is None or self.o.preflight_margin is None or self.o.replay:
+            return None
+        return {"capacity": self.capacity, "margin": self.o.preflight_margin, "simulated": self.guide.simulated,
+                "coefficients": dataclasses.asdict(self.guide.coefficients)}
 
     def _tick(self, tail: EventTail, seen: list[dict[str, Any]], kind: str, knobs: Knobs) -> int | None:
         """While an attempt runs: take its new events; end a group whose rank died of OOM but which hangs."""
@@ -323,7 +340,16 @@ class Supervisor:
         since = list({r.remedy.name: r.remedy for r in self.climb.climbed if set(r.remedy.changes) & changed}.values())
         new_run = sorted({r.name for r in since if r.resume == "new-run"})
         drift = sorted({r.name for r in since if r.resume == "continue-drift"})
-        fresh_dir = str(Path(self.output_dir or ckpt.parent) / f"oomguard-attempt-{index}")
+        # flat under the user's own output dir, also when the run that saved the checkpoint already wrote into an
+        # oomguard-attempt-N dir; never a dir that exists (a previous oomguard run's checkpoints stay untouched)
+        base = Path(self.output_dir or ckpt.parent)
+        while re.fullmatch(r"oomguard-attempt-\d+(-\d+)?", base.name):
+            base = base.parent
+        fresh = base / f"oomguard-attempt-{index}"
+        n = 2
+        while fresh.exists():
+            fresh, n = base / f"oomguard-attempt-{index}-{n}", n + 1
+        fresh_dir = str(fresh)
         if new_run:
             weights = any(ckpt.glob("model*.safetensors")) or any(ckpt.glob("pytorch_model*.bin"))
             if not weights:
@@ -452,6 +478,13 @@ class Supervisor:
         if res.returncode == 0:
             attempt.outcome = "ok"
             return attempt, None
+        predicted = next((e for e in events if e.get("event") == "predicted"), None)
+        if predicted is not None and res.returncode == EXIT_PREDICTED:
+            attempt.outcome = "predicted"
+            attempt.predicted_bytes = predicted.get("predicted_bytes")
+            attempt.note = (f"stopped before generating: predicted {format_size(attempt.predicted_bytes or 0)}, "
+                            f"more than {100 * float(predicted.get('margin') or 0):.0f}% over the capacity")
+            return attempt, None
         crash = self._crash_record(adir)
         if crash is not None:
             d = diagnose(crash.report, crash.frames, phase=crash.phase)
@@ -501,8 +534,11 @@ class Supervisor:
         elif last.outcome == "ok" and last.kind == "run":
             status, code = "stable", 0
             ooms = sum(1 for a in c.attempts if a.outcome == "oom" and a.kind != "minimize")
-            if ooms:
-                message = f"stable after {ooms} out-of-memory attempt(s)"
+            stops = sum(1 for a in c.attempts if a.outcome == "predicted")
+            if ooms or stops:
+                message = f"stable after {ooms} out-of-memory attempt(s)" + (
+                    f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before generating)" if stops
+                    else "")
             elif self.o.replay:
                 message = (f"the locked config fit: replayed the lock's {len(self.o.replay.get('overrides') or {})} "
                            "override(s), no rung climbed")
@@ -539,6 +575,8 @@ class Supervisor:
                                     or who.get("offload_params")})
         if report.device is not None:
             report.device["capacity"] = self.capacity
+            if self.guide is not None:
+                report.device["calibration"] = self.guide.describe()
         # each run keeps its own report; the top-level file is a copy of the latest, and an older one is kept aside
         kept = self.o.workdir / "kept"
         aside = publish(report.to_dict(), self.run_dir / "report.json", self.o.report_path, kept)

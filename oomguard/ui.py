@@ -107,13 +107,16 @@ class ConsoleReporter:
                       kind: str) -> None:
         self.state = Progress(index=index, max_attempts=max_attempts, kind=kind, remedies=list(remedies),
                               capacity=self.state.capacity, run_started=self.state.run_started)
+        # minimize trials do not count against --max-attempts: they are numbered apart, the others without them
+        self._trials = trials = getattr(self, "_trials", 0) + (kind == "minimize")
         if self.quiet:
             return
         what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
         extra = (f" with {', '.join(remedies)}" if remedies
                  else f" replaying the {len(changes)} override(s) of {self.lock}" if self.lock and changes
                  else " with your config as it is")
-        self._say(f"[bold]{what} {index}/{max_attempts}[/]{extra}")
+        label = f"minimize trial {trials}" if kind == "minimize" else f"{what} {index - trials}/{max_attempts}"
+        self._say(f"[bold]{label}[/]{extra}")
         if changes:
             self._say(f"  overrides: {_changes(changes)}")
 

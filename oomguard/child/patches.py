@@ -310,6 +310,9 @@ def _after_init(rt: Runtime, trainer: Any) -> None:
         from .callback import wrap_log
 
         wrap_log(rt, trainer)
+    from . import preflight
+
+    preflight.check(rt)  # last: the model, the knobs and the prompt lengths are all known now
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ PLAN_ENV = "OOMGUARD_PLAN"
 SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
 # Exit code of a training process that died of OOM after writing its CrashRecord.
 EXIT_OOM = 86
+# Exit code of a training process that the pre-flight check stopped: the memory model is sure it cannot fit.
+EXIT_PREDICTED = 87
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Plan:
     checkpoint_every: int | None = None
     remedies: list[str] = field(default_factory=list)
     log_to_trainer: bool = True
+    preflight: dict[str, Any] | None = None  # capacity, margin, coefficients, simulated: see child/preflight.py
 
     @classmethod
     def load(cls, path: str) -> Plan:

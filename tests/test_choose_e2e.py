@@ -1,0 +1,94 @@
+"""End to end, real TRL on CPU with the simulated device: the climb chooses the best config by prediction.
+
+- pre-flight: a config the memory model is sure cannot fit stops before it generates (outcome ``predicted``);
+- pruning: rungs of the ladder prefix that memory does not demand are dropped, and the report says why;
+- relaxing: a graded knob ends at the value closest to the user's predicted to fit, not at the blind halving;
+- fall-back: when a chosen config's probe runs out of memory, the model learns and a bigger config is chosen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import SCRIPTS, run_oomguard
+
+pytestmark = pytest.mark.e2e
+
+
+def grpo(tmp: Path, model: str, budget: str, *args: str, extra: tuple = ()):
+    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", "python", str(SCRIPTS / "grpo_tiny.py"),
+                            "--model", model, "--output-dir", str(tmp / "out"), *args)
+    assert rep is not None, out.stderr[-3000:]
+    return out, rep
+
+
+def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_needed(tmp_path, tiny_model):
+    """At 48 MiB the user's config is predicted at more than twice the device: it stops before generating, with no
+    real OOM. The ladder prefix predicted to fit has five rungs; the choice keeps three and says why the others go."""
+    out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64")
+    attempts = rep["attempts"]
+    assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
+    assert attempts[0]["outcome"] == "predicted" and attempts[0]["kind"] == "probe"
+    assert "pre-flight" in out.stderr and "stopped by the pre-flight check" in out.stderr
+    assert not any(a["outcome"] == "oom" for a in attempts)  # zero real OOMs: the model was sure
+    assert len(attempts) <= 3  # the stop, one probe, the run
+    assert "pre-flight stop" in rep["message"]
+    choice = attempts[0]["choice"]
+    assert choice["dropped"] and all(d["predicted_bytes_without"] <= 48 * 2**20 for d in choice["dropped"])
+    assert "not needed:" in out.stderr
+    final = attempts[-1]
+    assert final["kind"] == "run" and final["outcome"] == "ok"
+    assert set(final["remedies"]) == set(choice["rungs"])
+    assert not set(final["remedies"]) & {d["remedy"] for d in choice["dropped"]}
+
+
+def test_a_graded_knob_is_relaxed_instead_of_halved(tmp_path, tiny_model):
+    """Completions of 128 tokens do not fit 118 MiB; halving to 64 would. The choice keeps the longest length on the
+    grid that is predicted to fit, and the probe and the run confirm it."""
+    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128")
+    assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
+    final = {r["knob"]: r["to"] for r in rep["diff"]}
+    assert 64 < final["max_completion_length"] < 128, rep["diff"]
+    relaxed = [r for a in rep["attempts"] if a.get("choice") for r in a["choice"]["relaxed"]]
+    assert {"knob": "max_completion_length", "climbed": 64, "chosen": final["max_completion_length"]} in relaxed
+    assert "relaxed max_completion_length: 64 →" in out.stderr
+
+
+def test_when_a_chosen_config_runs_out_of_memory_the_climb_learns_and_puts_something_back(tmp_path, tiny_model):
+    """The memory model is told the device is 40% larger than the simulated one, so its first choice is too small
+    for the real budget: that probe runs out of memory, the model learns, and the next choice fits. No config is
+    tried twice."""
+    from oomguard.ladder import load_ladder
+    from oomguard.supervisor import RunOptions, Supervisor
+    from oomguard.ui import ConsoleReporter
+
+    budget = 118 * 2**20
+    opts = RunOptions(ladder=load_ladder("default"), simulate_gpu=budget, capacity=int(budget * 1.4), probe_steps=2,
+                      preflight_margin=None, report_path=tmp_path / "r.json", lock_path=tmp_path / "l.json",
+                      workdir=tmp_path / "wd", echo=False)
+    import json
+    import os
+    import sys
+
+    argv = [sys.executable, str(SCRIPTS / "grpo_tiny.py"), "--model", tiny_model, "--output-dir", str(tmp_path / "o"),
+            "--max-completion-length", "128"]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = Supervisor(argv, opts, ConsoleReporter(quiet=True)).run()
+    finally:
+        os.chdir(cwd)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    kinds = [(a["kind"], a["outcome"]) for a in rep["attempts"]]
+    assert code == 0 and rep["status"] == "stable", kinds
+    assert kinds[0] == ("probe", "oom")
+    assert ("probe", "oom") in kinds[1:], kinds  # the chosen config's probe ran out of memory...
+    assert kinds[-2:] == [("probe", "ok"), ("run", "ok")], kinds  # ...and the next choice held
+    tried = [json.dumps(a["knobs"], sort_keys=True) for a in rep["attempts"] if a["kind"] == "probe"]
+    assert len(tried) == len(set(tried))  # never the same config twice
+    first_choice = next(a for a in rep["attempts"][1:] if a["outcome"] == "oom")
+    last = rep["attempts"][-1]["knobs"]
+    assert last["max_completion_length"] < first_choice["knobs"]["max_completion_length"] or (
+        len(rep["attempts"][-1]["remedies"]) > len(first_choice["remedies"]))
