@@ -1,0 +1,57 @@
+"""Attempt labels never read "9/8" (minimize trials are numbered apart), and a resumed run's fresh directory stays
+flat under the user's output dir, never nested in the previous oomguard-attempt-N and never an existing dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from oomguard.choose import Rung
+from oomguard.ladder import load_ladder
+from oomguard.strategies import make_remedy
+from oomguard.supervisor import RunOptions, Supervisor
+from oomguard.ui import ConsoleReporter
+
+
+def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
+    ui = ConsoleReporter(live=False)
+    for index, kind in enumerate(["probe", "run", "probe", "minimize", "minimize", "minimize", "run"], start=1):
+        ui.attempt_start(index, 4, ["lora"], {}, kind)
+    labels = [line.split(" with ")[0].removeprefix("oomguard ") for line in capsys.readouterr().err.splitlines()]
+    assert labels == ["probe 1/4", "attempt 2/4", "probe 3/4", "minimize trial 1", "minimize trial 2",
+                      "minimize trial 3", "attempt 4/4"]
+
+
+def _after_a_new_run_rung(tmp_path: Path) -> Supervisor:
+    """A supervisor whose climb took optimizer_8bit (a rung a checkpoint cannot continue) since the checkpoint."""
+    sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", predict=False),
+                     ConsoleReporter(quiet=True, live=False))
+    sup.checkpoint_knobs = sup.climb.effective()[0]
+    rung = Rung(make_remedy("optimizer_8bit"))
+    sup.climb.climbed, sup.climb.applied = [rung], [rung]
+    return sup
+
+
+def _checkpoint(d: Path) -> Path:
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"weights")
+    return d
+
+
+def test_a_resumed_run_writes_flat_under_the_users_output_dir(tmp_path):
+    out = tmp_path / "out"
+    sup = _after_a_new_run_rung(tmp_path)
+    sup.checkpoint = str(_checkpoint(out / "oomguard-attempt-6" / "checkpoint-4"))
+    sup.output_dir = str(out / "oomguard-attempt-6")  # the previous resumed run already wrote there
+    resume = sup._resume_for("run", 8)
+    assert resume["mode"] == "weights" and resume["output_dir"] == str(out / "oomguard-attempt-8")
+
+
+def test_a_fresh_dir_is_never_one_that_exists(tmp_path):
+    out = tmp_path / "out"
+    sup = _after_a_new_run_rung(tmp_path)
+    sup.checkpoint = str(_checkpoint(out / "checkpoint-2"))
+    sup.output_dir = str(out)
+    (out / "oomguard-attempt-3" / "checkpoint-2").mkdir(parents=True)  # an earlier oomguard run's checkpoints
+    resume = sup._resume_for("run", 3)
+    assert resume["output_dir"] == str(out / "oomguard-attempt-3-2")
+    assert sup._resume_for("run", 4)["output_dir"] == str(out / "oomguard-attempt-4")
