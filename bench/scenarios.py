@@ -498,6 +498,8 @@ def main() -> None:
                   f"{row.get('launches')} launches, {row.get('ooms')} OOMs, {row.get('wall')} s, {row.get('diff')}"
                   + (f"; undo {checks}" if checks else ""), file=sys.stderr, flush=True)
     done = [r for r in rows if r is not None]
+    checks = sum(c.get("seconds") or 0 for r in done for c in r.get("checks") or [] if not c.get("cached"))
+    print(f"bench: {time.perf_counter() - started:.0f} s in all, {checks:.0f} s of it undo probes", file=sys.stderr)
     print(format_table(done))
     print(f"\nShort names: {LEGEND}.")
     if a.json_path:
