@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 from .knobs import Knobs
 from .strategies import LADDER_DIR, Context, Remedy, make_remedy
