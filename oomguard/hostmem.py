@@ -226,11 +226,15 @@ class HostOOMWatch:
             if hwm is not None:
                 self.rss[p] = max(self.rss.get(p, 0), hwm)
 
-    def close(self) -> list[str]:
-        """Stop watching; returns the kernel-log records written since :meth:`start` (empty when unreadable)."""
+    def close(self, read: bool = True) -> list[str]:
+        """Stop watching; returns the kernel-log records written since :meth:`start` (none when unreadable, or
+        when ``read`` is False: an attempt that did not end by SIGKILL needs no evidence)."""
         records: list[str] = []
         fd, self._kmsg_fd = self._kmsg_fd, None
         if fd is None:
+            return records
+        if not read:
+            os.close(fd)
             return records
         try:
             while True:

@@ -224,5 +224,5 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
         res.host_oom = watch.evidence({proc.pid})
         res.host_checked = "" if res.host_oom else watch.describe_absence()
     else:
-        watch.close()
+        watch.close(read=False)
     return res
