@@ -19,7 +19,7 @@ the stable config without it and ran out of memory (``--minimize`` trials count)
 stable lock without each remedy still unproven (one 1-step probe each) while the time budget lasts.
 
     python3 bench/gpu_quickstart.py --out $OUT                      # build + default strategy: ~5 minutes on an H100
-    python3 bench/gpu_quickstart.py --out $OUT --skip-build --minimize --strategy none   # --minimize only, model reused
+    python3 bench/gpu_quickstart.py --out $OUT --skip-build --strategy minimize --timeout 540   # model reused
     python3 bench/gpu_quickstart.py --from-report tests/fixtures/h100/report-qwen3b-quickstart-24GiB-default.json
 
 Writes OUT/quickstart-<strategy>.json (the RunReport), OUT/quickstart-<strategy>.log (the run's output) and
@@ -167,6 +167,14 @@ def final_knobs(report: Mapping[str, Any]) -> dict[str, Any]:
     return dict(attempts[-1].get("knobs") or {}) if attempts else {}
 
 
+def stable_attempt(report: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The attempt that measured the final config: see :func:`stable_peak`."""
+    final = final_knobs(report)
+    ok = [a for a in _attempts(report) if a.get("outcome") == "ok" and isinstance(a.get("peak_bytes"), int)]
+    same = [a for a in ok if dict(a.get("knobs") or {}) == final]
+    return (same or ok)[-1] if (same or ok) else None
+
+
 def stable_peak(report: Mapping[str, Any]) -> tuple[int | None, str | None]:
     """The allocated peak of the final config and the kind of attempt that measured it: the last successful attempt
     with exactly the final knobs (the real run when it finished; a probe or minimize trial when the run was cut
@@ -179,10 +187,7 @@ def stable_peak(report: Mapping[str, Any]) -> tuple[int | None, str | None]:
     ...              {"outcome": "interrupted", "knobs": {"C": 2}, "peak_bytes": None, "kind": "run"}]})
     (5, 'minimize')
     """
-    final = final_knobs(report)
-    ok = [a for a in _attempts(report) if a.get("outcome") == "ok" and isinstance(a.get("peak_bytes"), int)]
-    same = [a for a in ok if dict(a.get("knobs") or {}) == final]
-    pick = (same or ok)[-1] if (same or ok) else None
+    pick = stable_attempt(report)
     return (pick["peak_bytes"], pick.get("kind")) if pick else (None, None)
 
 
@@ -301,6 +306,7 @@ def summarise_run(report: Mapping[str, Any] | None, capacity: int, *, strategy: 
         "diff": compact_diff(rep.get("diff") or []) if rep else None,
         "peak_bytes": peak,
         "peak_kind": peak_kind,
+        "peak_reserved_bytes": (stable_attempt(rep) or {}).get("peak_reserved_bytes") if rep else None,
         "peak_fraction": round(peak / capacity, 3) if peak and capacity else None,
         "kept": kept_cell(rep) if rep else None,
         "checks": merged,
@@ -466,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model, the client script, locks and attempt records (default: .oomguard/gpu-quickstart "
                         "in the repository, ignored by git)")
     p.add_argument("--skip-build", action="store_true", help="reuse the model already built in the work dir")
-    p.add_argument("--strategy", action="append", choices=[*STRATEGIES, "none"],
-                   help="repeatable (default: default); 'none' with --minimize runs only --minimize")
+    p.add_argument("--strategy", action="append", choices=list(STRATEGIES),
+                   help="the strategies to run, repeatable (default: default)")
     p.add_argument("--minimize", action="store_true", help="also run `oomguard run --minimize` (about 5 more minutes)")
     p.add_argument("--check-minimal", action="store_true",
                    help="replay the stable lock without each remedy the run did not prove needed (1 probe each)")
@@ -497,11 +503,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     deadline = start + a.deadline
-    strategies = [s for s in (a.strategy or ["default"]) if s != "none"]
+    strategies = list(dict.fromkeys(a.strategy or ["default"]))
     if a.minimize and "minimize" not in strategies:
         strategies.append("minimize")
-    if not strategies:
-        return _fail("gpu_quickstart: no strategy left to run (--strategy none without --minimize)")
 
     import gpu_calibrate
 
