@@ -61,6 +61,7 @@ class Climb:
     applied: list[Rung] = field(default_factory=list)  # the rungs in force: climbed, or what choose() kept of them
     choice: Choice | None = None  # the last choice, for the report
     failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
+    refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
     attempts: list[Attempt] = field(default_factory=list)
     exhausted: Exhausted | None = None
     started: float = field(default_factory=time.time)
@@ -137,7 +138,7 @@ class Climb:
             ceiling = replay(start, self.climbed, self.facts)[0]
             used = Counter(r.name for r in self.climbed)
             ctx = Context(knobs=ceiling, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
-                          subject=subject)
+                          subject=subject, refused=self.refused)
             if fits is not None:
                 steps, ran_out = self.ladder.climb(ctx, fits)
                 if ran_out is not None:
@@ -164,6 +165,14 @@ class Climb:
                 peak: Callable[[Knobs], int | None] | None) -> Choice | None:
         return choose(start, self.climbed, fits, order=[r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)], facts=self.facts,
                       avoid=self.failed, user=self.original(), peak=peak)
+
+    def take_back(self, names: list[str], why: str) -> None:
+        """Take rungs out for good because applying them broke the launch (an error in oomguard's own overrides, not
+        the user's failure): they leave the ceiling and the ladder passes over them from now on, saying why."""
+        for n in names:
+            self.refused[n] = why
+        self.climbed = [r for r in self.climbed if r.name not in names]
+        self.applied = [r for r in self.applied if r.name not in names]
 
     def drop(self, name: str) -> None:
         """Take a rung out of force for good (``--minimize`` showed it is not needed)."""

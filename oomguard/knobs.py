@@ -379,6 +379,11 @@ class RunFacts:
     launcher: str | None = None
     checkpoints: bool | None = None
     fsdp: bool = False  # the run uses FSDP (GRPOConfig.fsdp)
+    missing_packages: tuple[str, ...] = ()  # optional packages the training process cannot import (peft, ...)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.missing_packages, tuple):  # JSON gives a list
+            object.__setattr__(self, "missing_packages", tuple(self.missing_packages or ()))
 
     def replace(self, **changes: Any) -> RunFacts:
         return dataclasses.replace(self, **changes)

@@ -78,7 +78,8 @@ class Ladder:
                     continue
                 if pass_no > 1 and not r.graded:
                     continue
-                reason = r.helps(ctx.diagnosis) or r.unread(ctx) or r.blocked(ctx)
+                reason = (ctx.refused.get(r.name) or r.helps(ctx.diagnosis) or r.unread(ctx) or r.missing(ctx)
+                          or r.blocked(ctx))
                 if reason is None:
                     new = r.apply(ctx)
                     if new == ctx.knobs:
@@ -107,7 +108,7 @@ class Ladder:
             steps.append(step)
             used[step.remedy.name] = used.get(step.remedy.name, 0) + 1
             cur = Context(knobs=step.knobs, facts=cur.facts, diagnosis=cur.diagnosis, used=used,
-                          read_fields=cur.read_fields, subject=cur.subject)
+                          read_fields=cur.read_fields, subject=cur.subject, refused=cur.refused)
             if fits(step.knobs):
                 return steps, None
 

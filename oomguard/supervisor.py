@@ -166,6 +166,9 @@ class Supervisor:
         self.min_queue: list[str] | None = None  # rungs still to try without (--minimize)
         self.min_trial: str | None = None
         self.min_tried: list[Knobs] = []  # the knobs each minimize trial ran (a trial is never repeated)
+        self.newly: list[str] = []  # rungs the last choice put in force (taken back if their overrides break)
+        self.last_diag: Diagnosis | None = None
+        self.override_error: dict[str, Any] | None = None
         self.checkpoint: str | None = None  # the newest checkpoint the run wrote
         self.checkpoint_knobs: Knobs | None = None  # the knobs of the run that wrote it
         self.output_dir: str | None = None
@@ -249,6 +252,8 @@ class Supervisor:
         self._learn(events)
         attempt, diag = self._classify(index, res, adir, events, knobs, remedies)
         attempt.kind = kind
+        broke = next((e for e in events if e.get("event") == "override_error"), None)
+        self.override_error = broke if attempt.outcome == "failed" else None
         attempt.resume = resume
         for ev in events:
             if ev.get("event") == "generated" and ev.get("kind"):
@@ -368,6 +373,16 @@ class Supervisor:
     def _decide(self, attempt: Attempt, diag: Diagnosis | None) -> str:
         """What comes after this attempt: "probe", "minimize", "run", or "done"."""
         c = self.climb
+        if (attempt.outcome == "failed" and self.override_error and self.newly and not self.interrupts.signum
+                and not self.o.replay):
+            # oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on
+            err = self.override_error
+            why = f"applying it failed in {err.get('where')}: {err.get('error')}"
+            names, self.newly = self.newly, []
+            c.take_back(names, why)
+            attempt.note = f"oomguard's overrides broke the launch, not the script: took back {', '.join(names)}"
+            self.ui.message(f"  took back {', '.join(names)}: {why}")
+            return self._choose_after(attempt, self.last_diag)
         if self.interrupts.signum or attempt.outcome in ("failed", "interrupted"):
             return "done"
         if attempt.kind == "minimize":
@@ -394,6 +409,13 @@ class Supervisor:
             ex = c.give_up("lock", "a locked config is replayed without climbing")
             self.ui.climb([], ex, {})
             return "done"
+        self.last_diag = diag
+        return self._choose_after(attempt, diag)
+
+    def _choose_after(self, attempt: Attempt, diag: Diagnosis | None) -> str:
+        """Let the climb choose the next config after an OOM (or a pre-flight stop, or a rung taken back)."""
+        c = self.climb
+        before = set(c.remedies_in_force())
         fits = self.guide.fits(c.facts) if self.guide is not None else None
         peak = self.guide.peak(c.facts) if self.guide is not None else None
         decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak)
@@ -402,6 +424,7 @@ class Supervisor:
             self.ui.climb([], decision.exhausted, {})
             return "done"
         attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
+        self.newly = [n for n in c.remedies_in_force() if n not in before]
         self.ui.climb(decision.steps, None, decision.changes, attempt.skipped)
         for line in self._explain(decision):
             self.ui.message(line)

@@ -17,6 +17,7 @@ class Lora(Remedy):
     resume = "new-run"
     changes = ("lora_r", "lora_alpha", "lora_target_modules")
     helps_optimizer = True
+    requires = ("peft",)
     params = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
 
     def blocked(self, ctx: Context) -> str | None:

@@ -34,6 +34,7 @@ class Context:
     used: Mapping[str, int] = field(default_factory=dict)
     read_fields: frozenset[str] | None = None  # the knobs that reach the training code; None = all
     subject: str = "the command"  # who reads the knobs, for messages ("the function" under guard())
+    refused: Mapping[str, str] = field(default_factory=dict)  # rungs taken back after they broke a launch, with why
 
     def value(self, name: str) -> Any:
         v = getattr(self.knobs, name)
@@ -69,6 +70,7 @@ class Remedy:
     helps_at_load: ClassVar[bool] = False  # reduces what model loading itself needs
     helps_optimizer: ClassVar[bool] = False  # reduces persistent state (weights, grads, optimizer states)
     params: ClassVar[Mapping[str, Any]] = {}
+    requires: ClassVar[tuple[str, ...]] = ()  # packages the training environment must import for this remedy
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.params)
@@ -146,6 +148,15 @@ class Remedy:
         return []
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    def missing(self, ctx: Context) -> str | None:
+        """A package this remedy needs that the training environment cannot import (the training process reports
+        which; the supervisor's own environment may differ)."""
+        lacking = [p for p in self.requires if p in ctx.facts.missing_packages]
+        if lacking:
+            return (f"it needs {' and '.join(lacking)}, which the training environment cannot import "
+                    f"(pip install {' '.join(lacking)} to let oomguard use it)")
+        return None
+
     def unread(self, ctx: Context) -> str | None:
         """The knobs this remedy changes never reach the code that ran (a function that does not read them, or a
         command that built no GRPOConfig), so changing them cannot help."""

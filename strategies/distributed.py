@@ -36,6 +36,7 @@ class Zero2(_Sharding):
     summary = "DeepSpeed ZeRO stage 2: shard optimizer state and gradients across ranks."
     trade_note = "more communication per step"
     changes = ("zero_stage",)
+    requires = ("deepspeed",)
 
     def blocked(self, ctx: Context) -> str | None:
         if (ctx.knobs.zero_stage or 0) >= 2:
@@ -55,6 +56,7 @@ class Zero3(_Sharding):
     summary = "DeepSpeed ZeRO stage 3: shard the parameters too."
     trade_note = "parameters are gathered for every forward and generation: slower, more communication"
     changes = ("zero_stage",)
+    requires = ("deepspeed",)
     helps_at_load = True
 
     def blocked(self, ctx: Context) -> str | None:
@@ -75,6 +77,7 @@ class OffloadOptimizer(_Sharding):
     summary = "Keep the optimizer state in host RAM (DeepSpeed ZeRO offload_optimizer)."
     trade_note = "the optimizer step runs on the CPU; needs host RAM of about 12 bytes per parameter"
     changes = ("offload_optimizer", "zero_stage")
+    requires = ("deepspeed",)
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("offload_optimizer"):
@@ -93,6 +96,7 @@ class OffloadParams(_Sharding):
     summary = "Keep the parameters in host RAM between uses (DeepSpeed ZeRO-3 offload_param)."
     trade_note = "every layer is fetched from host RAM: much slower"
     changes = ("offload_params",)
+    requires = ("deepspeed",)
     helps_at_load = True
 
     def blocked(self, ctx: Context) -> str | None:

@@ -65,6 +65,7 @@ class Optimizer8bit(Remedy):
     resume = "new-run"
     changes = ("optim",)
     helps_optimizer = True
+    requires = ("bitsandbytes",)
 
     def blocked(self, ctx: Context) -> str | None:
         optim = str(ctx.value("optim"))
@@ -93,6 +94,7 @@ class Load4bit(Remedy):
     changes = ("load_in_4bit", "lora_r", "dtype")
     helps_at_load = True
     helps_optimizer = True
+    requires = ("bitsandbytes", "peft")
     params = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
 
     def blocked(self, ctx: Context) -> str | None:

@@ -6,13 +6,16 @@ knobs. The user's code is never edited; ``remove()`` restores the originals (the
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import inspect
 import json
 import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from importlib import metadata
 from typing import Any
 
 from .runtime import Runtime
@@ -150,12 +153,48 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
 
             rt.observe(observe_config(self))
             rt.emit("config", observed=observe_config(self), world_size=_world(),
-                    facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None)))})
+                    facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None))),
+                           "missing_packages": missing_packages()})
         object.__setattr__(self, "_oomguard_seen", True)
-        apply_config(rt, self)
-        orig(self)
+        with overrides_reported(rt, "GRPOConfig"):
+            apply_config(rt, self)
+            orig(self)
 
     _set(cls, "__post_init__", __post_init__)
+
+
+# Packages some rungs need (LoRA: peft; 8-bit and 4-bit: bitsandbytes; ZeRO: deepspeed), checked where they are used.
+OPTIONAL_PACKAGES = ("peft", "bitsandbytes", "deepspeed")
+
+
+def missing_packages() -> list[str]:
+    """The optional packages this training environment lacks: installed (a distribution, as transformers checks for
+    DeepSpeed) and findable, without importing them."""
+    out = []
+    for name in OPTIONAL_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None and bool(metadata.version(name))
+        except (ImportError, ValueError, metadata.PackageNotFoundError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+@contextlib.contextmanager
+def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
+    """An error raised while oomguard's overrides are applied is reported (event ``override_error``) before it
+    propagates: the supervisor then takes back the rung that set them instead of passing the failure through."""
+    try:
+        yield
+    except Exception as e:
+        if rt.overrides.to_dict(only_set=True) and not rt.crashed:
+            from ..oom import is_oom
+
+            if not is_oom(e):
+                rt.emit("override_error", where=where, error=f"{type(e).__name__}: {e}"[:2000],
+                        overrides=sorted(rt.overrides.to_dict(only_set=True)))
+        raise
 
 
 def _world() -> int:
@@ -195,8 +234,9 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = sig.bind(self, *args, **kwargs)
         a = bound.arguments
-        prepare_trainer_args(rt, a, module)
-        orig_init(*bound.args, **bound.kwargs)
+        with overrides_reported(rt, "GRPOTrainer"):
+            prepare_trainer_args(rt, a, module)
+            orig_init(*bound.args, **bound.kwargs)
         rt.trainer = self
         _after_init(rt, self)
 
@@ -284,7 +324,8 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
 
     callbacks.append(make_callback(rt))
     a["callbacks"] = callbacks
-    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world()},
+    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world(),
+                              "missing_packages": missing_packages()},
             observed=dict(rt.observed))
 
 
