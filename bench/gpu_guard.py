@@ -25,6 +25,7 @@ OUT/guard-report.json (guard's RunReport) and OUT/guard-summary.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import sys
@@ -35,8 +36,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The installed oomguard wins over the checkout (which has no oomguard.strategies: setup maps it from strategies/).
+if importlib.util.find_spec("oomguard") is None:
+    sys.path.append(str(ROOT))
 
 MiB = 1024**2
 GiB = 1024**3

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ast
 import calendar
+import importlib.util
 import json
 import os
 import shutil
@@ -47,11 +48,16 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(HERE), str(ROOT)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+# The installed oomguard wins over the checkout: the checkout alone has no oomguard.strategies (setup maps it from
+# strategies/), so the repository root goes last, only for a checkout that nothing installed. oomguard is imported
+# here, before gpu_calibrate (which puts the root first on sys.path) is.
+if importlib.util.find_spec("oomguard") is None:
+    sys.path.append(str(ROOT))
 from scenarios import compact_diff, minimal_verdict, missed_targets, undo_groups, undo_lock  # noqa: E402
+
+import oomguard  # noqa: E402, F401
 
 GiB = 1024**3
 ARCH = "q3b"
@@ -374,14 +380,18 @@ def oomguard_command(strategy: str, client: Path, out: Path, work: Path, gpu_mem
 # Running (needs the GPU)
 
 
-def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int | None, float, bool]:
-    """Run ``cmd``, all its output into ``log`` and oomguard's own lines echoed; past ``timeout``, SIGINT (oomguard
-    stops the attempt's process group and writes its report), then SIGTERM, then SIGKILL. Returns (exit code, wall
-    seconds, whether it was cut short)."""
+def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float,
+               cwd: Path | None = None) -> tuple[int | None, float, bool]:
+    """Run ``cmd`` in ``cwd``, all its output into ``log`` and oomguard's own lines echoed; past ``timeout``, SIGINT
+    (oomguard stops the attempt's process group and writes its report), then SIGTERM, then SIGKILL. Returns (exit
+    code, wall seconds, whether it was cut short).
+
+    ``python -m oomguard`` puts its working directory first on sys.path, so it must not run in the repository root:
+    the checkout's oomguard (without oomguard.strategies) would shadow the installed one."""
     t0 = time.monotonic()
     with log.open("w", encoding="utf-8", errors="replace") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                errors="replace", bufsize=1)
+                                errors="replace", bufsize=1, cwd=cwd)
 
         def pump() -> None:
             assert proc.stdout is not None
@@ -452,7 +462,7 @@ def check_minimal(strategy: str, lock: Mapping[str, Any], checks: list[dict[str,
                "--report", str(d / "report.json"), "--lock", str(d / "lock.json"), "--workdir", str(d / "runs"),
                "--", sys.executable, str(client)]
         print(f"check: is {c['remedy']} needed? replaying the lock without it (1-step probe)", flush=True)
-        rc, wall, _ = run_logged(cmd, _env(d / "cache"), d / "log.txt", left - 30)
+        rc, wall, _ = run_logged(cmd, _env(d / "cache"), d / "log.txt", left - 30, cwd=d)
         rep = _read_json(d / "report.json") or {}
         attempts = _attempts(rep)
         outcome = attempts[-1].get("outcome") if attempts else None
@@ -546,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         report_path = out / f"quickstart-{strategy}.json"
         cmd = oomguard_command(strategy, client, out, work, a.gpu_memory, max_time=max(60.0, budget - 90))
         print(f"{strategy}: {' '.join(cmd)}", flush=True)
-        rc, wall, cut = run_logged(cmd, _env(cache), out / f"quickstart-{strategy}.log", budget)
+        rc, wall, cut = run_logged(cmd, _env(cache), out / f"quickstart-{strategy}.log", budget, cwd=work)
         report = _read_json(report_path)
         lock = _read_json(work / strategy / "oomguard.lock.json")
         checks: list[dict[str, Any]] = []

@@ -226,3 +226,27 @@ def test_guard_script_recovers_from_an_oom_on_the_simulated_device(tmp_path):
     summary = json.loads((tmp_path / "guard-summary.json").read_text())
     assert summary["status"] == "stable" and summary["rows"][0]["after_release"] == "0.0 MiB"
     assert "| 1 | oom | 16 x 1 | 256 |" in out.stdout and "per_device_train_batch_size: 16 -> 8" in out.stdout
+
+
+def test_quickstart_main_runs_oomguard_and_writes_report_log_and_summary(tmp_path, monkeypatch, capsys):
+    """The orchestration end to end, on CPU: a faked GPU probe, a model dir that --skip-build accepts, and a client
+    that only prints (the real one needs CUDA: GRPOConfig's bf16 default)."""
+    import gpu_calibrate
+
+    monkeypatch.setattr(gpu_calibrate, "child", lambda args, timeout, env=None: (
+        {"cuda": True, "name": "FakeGPU", "total": 80 * GiB, "triton": True, "torch": "x"}, ""))
+    monkeypatch.setattr(qs, "client_source", lambda model, output_dir: f"print('trained {model}')\n")
+    work = tmp_path / "work"
+    (work / "q3b").mkdir(parents=True)
+    (work / "q3b" / "config.json").write_text("{}")
+    rc = qs.main(["--out", str(tmp_path / "out"), "--workdir", str(work), "--skip-build", "--timeout", "120"])
+    shown = capsys.readouterr().out
+    assert rc == 0, shown
+    out = tmp_path / "out"
+    report = json.loads((out / "quickstart-default.json").read_text())
+    assert report["status"] == "stable" and report["device"]["gpu_memory"] == 24 * GiB
+    assert f"trained {work / 'q3b'}" in (out / "quickstart-default.log").read_text()
+    summary = json.loads((out / "quickstart-summary.json").read_text())
+    assert summary["rows"][0]["launches"] == 1 and summary["rows"][0]["diff"] == ""
+    assert "| default | stable | 1 | 0 | 0 |" in shown
+    assert (work / "default" / "oomguard.lock.json").exists()
