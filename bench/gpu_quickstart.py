@@ -7,8 +7,8 @@ max_steps=3, logging_steps=1, report_to=[], save_strategy="no"))``, everything e
 given by name is loaded in float32, 8 prompts x 8 generations per step, 512-token completions, gradient
 checkpointing, fused AdamW. The one addition is ``processing_class=PreTrainedTokenizerFast.from_pretrained(path)``:
 transformers 5 maps ``model_type: qwen2`` to ``Qwen2Tokenizer``, which cannot read a word-level vocabulary and turns
-every prompt into zero tokens (the 2026-11-22 quickstart reports saw 2-token prompts for that reason). It changes no
-memory figure other than the prompt length it makes real.
+every prompt into zero tokens (checked on CPU; the 2026-11-22 quickstart reports recorded 2-token prompts, which fits).
+It changes no memory figure other than the prompt length it makes real.
 
 Each strategy is one `oomguard run --gpu-memory 24GiB` (default: oomguard's own defaults; ``--minimize`` adds a run
 with ``--minimize``; ``--strategy quality-first`` one with that ladder), with a fresh calibration store so every run
@@ -19,7 +19,8 @@ the stable config without it and ran out of memory (``--minimize`` trials count)
 stable lock without each remedy still unproven (one 1-step probe each) while the time budget lasts.
 
     python3 bench/gpu_quickstart.py --out $OUT                      # build + default strategy: ~5 minutes on an H100
-    python3 bench/gpu_quickstart.py --out $OUT --skip-build --strategy minimize --timeout 540   # model reused
+    python3 bench/gpu_quickstart.py --out $OUT --skip-build --strategy minimize --timeout 540   # model reused (the
+                                                           # machine must still be warm; else drop --skip-build)
     python3 bench/gpu_quickstart.py --from-report tests/fixtures/h100/report-qwen3b-quickstart-24GiB-default.json
 
 Writes OUT/quickstart-<strategy>.json (the RunReport), OUT/quickstart-<strategy>.log (the run's output) and
@@ -408,7 +409,7 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float,
         except subprocess.TimeoutExpired:
             cut = True
             print(f"  timed out after {timeout:.0f} s: interrupting oomguard (it writes its report)", flush=True)
-            for sig, grace in ((signal.SIGINT, 45), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
                 proc.send_signal(sig)
                 try:
                     proc.wait(timeout=grace)
@@ -462,7 +463,7 @@ def check_minimal(strategy: str, lock: Mapping[str, Any], checks: list[dict[str,
                "--report", str(d / "report.json"), "--lock", str(d / "lock.json"), "--workdir", str(d / "runs"),
                "--", sys.executable, str(client)]
         print(f"check: is {c['remedy']} needed? replaying the lock without it (1-step probe)", flush=True)
-        rc, wall, _ = run_logged(cmd, _env(d / "cache"), d / "log.txt", left - 30, cwd=d)
+        rc, wall, _ = run_logged(cmd, _env(d / "cache"), d / "log.txt", left - 50, cwd=d)
         rep = _read_json(d / "report.json") or {}
         attempts = _attempts(rep)
         outcome = attempts[-1].get("outcome") if attempts else None
@@ -550,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{strategy}: skipped, {left:.0f} s left of --deadline", flush=True)
             rows.append({"strategy": strategy, "status": "skipped (deadline)"})
             continue
-        budget = min(a.timeout, left - 20)
+        budget = min(a.timeout, left - 50)  # an interrupted run takes up to 45 s more to stop
         cache = work / strategy / "cache"
         shutil.rmtree(cache, ignore_errors=True)  # a first run on this machine: the built-in calibration
         report_path = out / f"quickstart-{strategy}.json"
