@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from oomguard.child.simulate import min_capacity, read_trace, replay  # noqa: E402
+from _trace import min_capacity, read_trace, replay  # noqa: E402  (bench/_trace.py: the allocator-model replay)
+
 from oomguard.sizes import MiB  # noqa: E402
 
 

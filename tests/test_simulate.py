@@ -1,4 +1,5 @@
-"""The simulated device's allocator model (pure bookkeeping) and the device on real tensors."""
+"""The simulated device on real tensors, and the allocator settings it reads (its allocator model is pure:
+tests/test_allocmodel.py)."""
 
 import os
 import subprocess
@@ -7,57 +8,10 @@ import sys
 import pytest
 
 from oomguard import allocconf
-from oomguard.child.simulate import (
-    LARGE_BUFFER,
-    PAGE,
-    SMALL_BUFFER,
-    AllocatorModel,
-    expandable_from_env,
-    max_split_from_env,
-    segment_size,
-)
+from oomguard.allocmodel import AllocatorModel
+from oomguard.child.simulate import expandable_from_env, max_split_from_env
 
 MiB = 2**20
-
-
-def test_segment_sizes_follow_the_cuda_allocator():
-    assert segment_size(1000) == SMALL_BUFFER
-    assert segment_size(3 * MiB) == LARGE_BUFFER
-    assert segment_size(11 * MiB) == 12 * MiB
-
-
-def test_blocks_split_merge_and_cache():
-    m = AllocatorModel(100 * MiB)
-    a = m.malloc(3 * MiB)
-    b = m.malloc(3 * MiB)
-    assert m.reserved == 20 * MiB and m.allocated == 6 * MiB  # one 20 MiB segment, split
-    m.free(a)
-    m.free(b)
-    assert m.allocated == 0 and m.reserved == 20 * MiB  # cached, not returned
-    m.release_cached()
-    assert m.reserved == 0
-
-
-def test_fragmentation_raises_with_reserved_but_unallocated_memory():
-    m = AllocatorModel(60 * MiB)
-    blocks = [m.malloc(3 * MiB) for _ in range(18)]  # three 20 MiB segments
-    for b in blocks[::2]:
-        m.free(b)
-    with pytest.raises(MemoryError) as e:
-        m.malloc(12 * MiB)  # no free run is that long and no segment is entirely free
-    assert e.value.args[0] == 12 * MiB
-    assert m.reserved - m.allocated >= 12 * MiB
-
-
-def test_expandable_segments_reuse_freed_granules():
-    m = AllocatorModel(64 * MiB, expandable=True)
-    blocks = [m.malloc(3 * MiB) for _ in range(18)]  # 54 MiB over three 20 MiB granules
-    for b in blocks[:7]:
-        m.free(b)  # the first granule (and a bit) is free again
-    m.malloc(12 * MiB)  # its granule is unmapped and mapped again where the new block goes
-    assert m.reserved == 60 * MiB
-    small = m.malloc(1000)
-    assert small is not None and m.reserved % PAGE == 0
 
 
 def test_alloc_conf_from_environment_reads_the_variable_torch_reads():
@@ -94,6 +48,7 @@ def test_device_counts_real_tensors_and_raises_real_ooms():
 
     dev = simulate.start(64 * MiB)
     try:
+        assert isinstance(dev.model, AllocatorModel)  # the pure model places the blocks
         x = torch.zeros(4 * MiB // 4)
         assert dev.model.allocated >= 4 * MiB
         with pytest.raises(torch.OutOfMemoryError) as e:
