@@ -20,7 +20,8 @@ _LAZY = {
     "diagnose": ("oomguard.diagnose", "diagnose"),
     "Diagnosis": ("oomguard.diagnose", "Diagnosis"),
     "Knobs": ("oomguard.knobs", "Knobs"),
-    "guard": ("oomguard.guard", "guard"),
+    "guard": ("oomguard.guarded", "guard"),  # no submodule is named guard: this name is only the function
+    "OOMGuardExhausted": ("oomguard.guarded", "OOMGuardExhausted"),
     "estimate": ("oomguard.estimate", "estimate"),
     "analyze_paths": ("oomguard.analyze", "analyze_paths"),
 }
@@ -28,6 +29,7 @@ _LAZY = {
 __all__ = [
     "Diagnosis",
     "Knobs",
+    "OOMGuardExhausted",
     "OOMReport",
     "__version__",
     "analyze_paths",
@@ -42,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .analyze import analyze_paths
     from .diagnose import Diagnosis, diagnose
     from .estimate import estimate
-    from .guard import guard
+    from .guarded import OOMGuardExhausted, guard
     from .knobs import Knobs
     from .oom import OOMReport, is_oom, parse_oom
 

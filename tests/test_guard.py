@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import oomguard
-from oomguard.guard import OOMGuardExhausted
+from oomguard import OOMGuardExhausted
 
 from helpers import SCRIPTS
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import oomguard
-from oomguard import allocconf
-from oomguard.guard import OOMGuardExhausted
+from oomguard import OOMGuardExhausted, allocconf
 
 from helpers import SCRIPTS
 
@@ -123,7 +122,7 @@ def test_release_clears_the_frames_of_an_oom_a_notebook_kept(monkeypatch):
     failed run's tensors until something clears them."""
     import weakref
 
-    from oomguard.guard import _release
+    from oomguard.release import release
 
     class Weights:  # stands in for the model and its gradients
         pass
@@ -146,6 +145,6 @@ def test_release_clears_the_frames_of_an_oom_a_notebook_kept(monkeypatch):
     monkeypatch.setattr(sys, "last_traceback", tb, raising=False)
     del exc, tb
     assert held() is not None
-    _release()
+    release()
     assert held() is None
     assert sys.last_exc.__traceback__ is not None  # the exception stays for %debug, without its tensors
