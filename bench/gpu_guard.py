@@ -164,12 +164,31 @@ def format_diff(report: Mapping[str, Any]) -> str:
     return "\n".join(f"{r.get('knob')}: {r.get('from')} -> {r.get('to')} ({r.get('remedy')})" for r in rows)
 
 
+def guard_function() -> Any:
+    """``oomguard.guard``, the function (an older oomguard bound the name to a callable submodule of that name)."""
+    import oomguard
+
+    fn = oomguard.guard
+    return getattr(fn, "guard", fn)
+
+
+def exhausted_type() -> type[BaseException]:
+    """``OOMGuardExhausted``, wherever this oomguard defines it.
+
+    >>> exhausted_type().__name__
+    'OOMGuardExhausted'
+    """
+    return importlib.import_module(guard_function().__module__).OOMGuardExhausted
+
+
 def guard_takes_gpu_memory() -> bool:
     """Whether ``oomguard.guard`` can cap a real GPU itself (a ``gpu_memory`` parameter); it could not when this
-    script was written, so the script caps the process."""
-    from oomguard.guard import guard
+    script was written, so the script caps the process.
 
-    return "gpu_memory" in inspect.signature(guard).parameters
+    >>> guard_takes_gpu_memory() in (True, False)
+    True
+    """
+    return "gpu_memory" in inspect.signature(guard_function()).parameters
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     if not a.simulate_gpu and not torch.cuda.is_available():
         print(no_cuda_message(torch.__version__), file=sys.stderr)
         return 2
-    import oomguard
-
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report_path = out / "guard-report.json"
@@ -283,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.batch} (cap {cap / GiB:.2f} GiB); {need_bytes(a.dim, a.depth, max(1, a.batch // 2), a.seq) / GiB:.2f} "
           "GiB at half the batch", flush=True)
     entry: list[dict[str, Any]] = []
-    guarded = oomguard.guard(make_train(torch, device, entry), ladder=a.ladder, knobs=knobs,
-                             max_attempts=a.max_attempts, report=report_path, predict=True, **kwargs)
+    guarded = guard_function()(make_train(torch, device, entry), ladder=a.ladder, knobs=knobs,
+                               max_attempts=a.max_attempts, report=report_path, predict=True, **kwargs)
     t0 = time.monotonic()
     error = None
     try:
         loss = guarded(dim=a.dim, depth=a.depth, steps=a.steps)
         print(f"returned: mean loss {loss:.4f}", flush=True)
-    except oomguard.OOMGuardExhausted as e:
+    except exhausted_type() as e:
         error = str(e).splitlines()[0][:300]
         print(f"exhausted: {error}", flush=True)
     wall = time.monotonic() - t0
