@@ -447,7 +447,7 @@ class Estimate:
 
 @dataclass(frozen=True)
 class _Regime:
-    """Byte widths and switches that follow from the knobs (see estimate())."""
+    """Byte widths and switches that follow from the knobs (see :func:`_regime`)."""
 
     b_w: int  # stored weight dtype (non-quantised tensors)
     b_res: int  # residual stream / norms / hidden states
@@ -634,82 +634,111 @@ def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bo
     return state, b_param * n, None
 
 
-def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
-             coefficients: Coefficients | None = None, simulated: bool = False,
-             capacity: int | None = None) -> Estimate:
-    """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
+# -------------------------------------------------------------------------------------------------------------------
+# One GRPO step, phase by phase. estimate() reads the knobs into a _Step (the regime, the batch geometry, the
+# persistent state and the terms several phases share); each phase function returns what that phase adds on top of
+# the persistent state, by breakdown key; _composition() adds the persistent state and _assemble() turns the phases
+# into the Estimate.
 
-    ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.knobs.TRL_DEFAULTS``). ``prompt_tokens``
-    is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at the worst case
-    ``C = max_completion_length``. The training micro-batch is ``per_device_train_batch_size`` and generation runs
-    ``rows_per_device()`` sequences at once. ``simulated=True`` models oomguard's simulated device on CPU: no CUDA
-    context, no autocast, the chunked head's torch fallback. ``capacity`` (device bytes) sizes a colocated vLLM.
 
-    ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
-    The optimizer state is assumed to exist in every phase (the steady state after step 1).
-    """
-    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
-    k = _filled(knobs)
-    notes: list[str] = []
-    dname = _dtype_name(k, spec)
-    b_w = _DTYPE_BYTES[dname]
+def _regime(spec: ModelSpec, k: Knobs, simulated: bool) -> _Regime:
+    """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error."""
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
     quant4 = bool(k.load_in_4bit)
     r = int(k.lora_r or 0)
     lora = r > 0
     if quant4 and not lora:
         raise EstimateError("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
-    targets = frozenset(_targets(k.lora_target_modules)) if lora else frozenset()
     # GPU: TRL's bf16=True default means bf16 autocast; on the simulated device the script trains without autocast.
-    autocast_cast = (not simulated) and b_w == 4
-    b_c = b_w if simulated else 2
-    b_res = b_w
     # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under 4-bit
     # (grpo_trainer.py:532-541).
-    b_a = 2 if quant4 else 4
-    gc = bool(k.gradient_checkpointing)
-    g = _Regime(b_w=b_w, b_res=b_res, b_c=b_c, autocast_cast=autocast_cast, simulated=simulated, quant4=quant4,
-                lora=lora, r=r, targets=targets, b_a=b_a)
+    return _Regime(b_w=b_w, b_res=b_w, b_c=b_w if simulated else 2, autocast_cast=(not simulated) and b_w == 4,
+                   simulated=simulated, quant4=quant4, lora=lora, r=r,
+                   targets=frozenset(_targets(k.lora_target_modules)) if lora else frozenset(),
+                   b_a=2 if quant4 else 4)
 
-    # -- geometry ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The shapes of one step: micro-batch ``B`` rows of ``T = P + C`` tokens, ``B_gen`` rows per generation."""
+
+    B: int  # per_device_train_batch_size
+    ga: int  # gradient_accumulation_steps
+    spg: int  # steps_per_generation
+    P: int  # padded prompt tokens
+    C: int  # completion tokens (the worst case, max_completion_length)
+
+    @property
+    def B_gen(self) -> int:
+        return self.B * self.spg
+
+    @property
+    def T(self) -> int:
+        return self.P + self.C
+
+    @property
+    def tokens(self) -> int:
+        return self.B * self.T
+
+
+def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None) -> _Geometry:
+    """The batch geometry as TRL resolves it; P defaults to ``max_prompt_tokens`` or 256 and never exceeds it."""
     B, ga, spg = k.geometry(world_size)
-    B_gen = B * spg
     P = prompt_tokens if prompt_tokens is not None else (k.max_prompt_tokens or DEFAULT_PROMPT_TOKENS)
     if k.max_prompt_tokens:
         P = min(P, k.max_prompt_tokens)
     C = int(k.max_completion_length or 512)
     if B <= 0 or P <= 0 or C <= 0:
         raise EstimateError(f"batch, prompt and completion sizes must be positive (B={B}, P={P}, C={C})")
-    T = P + C
-    tokens = B * T
-    h, V, L, i = spec.hidden_size, spec.vocab_size, spec.num_layers, spec.intermediate_size
+    return _Geometry(B=B, ga=ga, spg=spg, P=P, C=C)
 
-    # -- T1 weights, T3 trainable -------------------------------------------------------------------------------------
-    lin = L * spec.linear_params_per_layer()
-    n_lora = lora_trainable_params(spec, r, tuple(targets)) if lora else 0
-    weights = _weight_bytes(spec, b_w, load_in_4bit=quant4, lora_params=n_lora, b_adapter=b_a)
-    total_params = spec.params + n_lora
-    if lora:
-        trainable = n_lora
-        shapes = spec.projections()
-        train_tensors = [t for m in sorted(targets) for t in (r * shapes[m][0], r * shapes[m][1])] * L
-        b_t = b_a
-    else:
-        trainable = spec.params
-        train_tensors = spec.param_tensors()
-        b_t = b_w
-    # -- T2 reference ------------------------------------------------------------------------------------------------
-    beta = float(k.beta or 0.0)
-    reference = spec.params * b_w if beta > 0 and not lora else 0
-    # -- T4 gradients, T5 optimizer --------------------------------------------------------------------------------
-    grads = trainable * b_t
-    n_emb = 0 if lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
+
+@dataclass(frozen=True)
+class _Persistent:
+    """T1-T5: what lives on the device across the step (per device once :func:`_sharded`), and the counts."""
+
+    weights: int
+    reference: int
+    grads: int  # from the first backward to zero_grad
+    opt_state: int
+    opt_transient: int  # one optimizer step's temporaries
+    gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
+    trainable: int
+    total_params: int
+    notes: tuple[str, ...]
+
+
+def _trainable(spec: ModelSpec, g: _Regime) -> tuple[int, list[int], int]:
+    """T3: (trainable parameters, element counts of the trainable tensors, their bytes per element)."""
+    if not g.lora:
+        return spec.params, spec.param_tensors(), g.b_w
+    shapes = spec.projections()
+    tensors = [t for m in sorted(g.targets) for t in (g.r * shapes[m][0], g.r * shapes[m][1])] * spec.num_layers
+    return lora_trainable_params(spec, g.r, tuple(g.targets)), tensors, g.b_a
+
+
+def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
+    """T1 weights, T2 reference, T4 gradients and T5 optimizer on one device, before any sharding."""
+    trainable, train_tensors, b_t = _trainable(spec, g)
+    n_lora = trainable if g.lora else 0
+    n_emb = 0 if g.lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
     opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
-                                                      simulated, embeddings=n_emb)
-    if note:
-        notes.append(note)
-    # DeepSpeed ZeRO / offload (research §3 T5, DeepSpeed estimator; rough, not validated here)
+                                                      g.simulated, embeddings=n_emb)
+    return _Persistent(
+        weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
+        reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
+        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, trainable=trainable,
+        total_params=spec.params + n_lora, notes=(note,) if note else ())
+
+
+def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: int) -> _Persistent:
+    """DeepSpeed ZeRO stages and CPU offload (research §3 T5, after DeepSpeed's estimator; rough, not validated
+    here): each stage divides one more term by the number of devices; offloaded parameters leave one gathered
+    layer on the device."""
     zs = int(k.zero_stage or 0)
     n_dev = max(1, world_size)
+    weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
+    notes = list(p.notes)
     if zs >= 1:
         opt_state //= n_dev
         opt_transient //= n_dev
@@ -726,127 +755,204 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
         notes.append("parameters offloaded to the CPU: only the gathered layer is on the device")
     if zs or k.fsdp_offload:
         notes.append("sharding and offload are modelled roughly")
-    gather = (2 * b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
+    gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
               if zs >= 3 or k.offload_params or k.fsdp_offload else 0)
+    return replace(p, weights=weights, reference=reference, grads=grads, opt_state=opt_state,
+                   opt_transient=opt_transient, gather=gather, notes=tuple(notes))
 
-    # -- T6 autocast copies ------------------------------------------------------------------------------------------
-    # torch keeps a bf16 cast in the autocast cache only for an fp32 leaf that requires grad
-    # (aten/src/ATen/autocast_mode.cpp, cached_cast: ``arg.requires_grad() && arg.is_leaf() && !arg.is_view()``),
-    # until the outermost autocast exits. Full fine-tune: every Linear weight trains, so all the copies stay for the
-    # whole forward (and in no-grad generation/scoring forwards too). LoRA: the base weights are frozen
-    # (requires_grad=False), so each use casts afresh and the copy dies with the op unless autograd saves it: the
-    # input of a frozen base Linear requires grad (the adapters upstream train), so mm saves the bf16 weight copy
-    # for the input gradient (derivatives.yaml, mm: ``self: mm_mat1_backward(grad, mat2, ...)``). Without
-    # checkpointing that is every layer's copy until its backward, as in the full case; with checkpointing the
-    # forward keeps nothing and only the recomputed layer holds its copies in backward. Measured on an H100:
-    # q3b-fp32-lora32 (GC) peaks at 13.87 GiB; counting the full 5.2 GiB of copies had predicted 18.5 GiB.
-    cached = autocast_cast and not lora
-    cast_all = 2 * lin if autocast_cast else 0
-    cast_layer = cast_all // max(1, L)
-    cast_one = 2 * max(a * b for a, b in spec.projections().values()) if autocast_cast else 0  # one op's copy
-    cast_head = 2 * V * h if autocast_cast else 0  # HF generate runs lm_head through F.linear under autocast
-    cast_nograd = cast_all if cached else cast_one  # generation and scoring forwards
-    cast_fwd = cast_all if (cached or not gc) else cast_one  # the end of the training forward
+
+@dataclass(frozen=True)
+class _Casts:
+    """T6 autocast copies, and the one-weight transients (4-bit dequantisation, a gathered layer)."""
+
+    cached: bool  # the copies stay in the autocast cache for the whole forward
+    all: int  # every Linear weight's bf16 copy
+    layer: int  # one layer's copies
+    one: int  # one op's copy
+    head: int  # lm_head's copy during generation
+    nograd: int  # at the end of a generation or scoring forward
+    fwd: int  # at the end of the training forward
+    transient_w: int  # dequantised weight + gathered layer
+
+
+def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
+    """T6: the bf16 copies of fp32 master weights under autocast.
+
+    torch keeps a bf16 cast in the autocast cache only for an fp32 leaf that requires grad
+    (aten/src/ATen/autocast_mode.cpp, cached_cast: ``arg.requires_grad() && arg.is_leaf() && !arg.is_view()``),
+    until the outermost autocast exits. Full fine-tune: every Linear weight trains, so all the copies stay for the
+    whole forward (and in no-grad generation/scoring forwards too). LoRA: the base weights are frozen
+    (requires_grad=False), so each use casts afresh and the copy dies with the op unless autograd saves it: the
+    input of a frozen base Linear requires grad (the adapters upstream train), so mm saves the bf16 weight copy
+    for the input gradient (derivatives.yaml, mm: ``self: mm_mat1_backward(grad, mat2, ...)``). Without
+    checkpointing that is every layer's copy until its backward, as in the full case; with checkpointing the
+    forward keeps nothing and only the recomputed layer holds its copies in backward. Measured on an H100:
+    q3b-fp32-lora32 (GC) peaks at 13.87 GiB; counting the full 5.2 GiB of copies had predicted 18.5 GiB.
+    """
+    L = spec.num_layers
+    biggest = max(a * b for a, b in spec.projections().values())
+    cached = g.autocast_cast and not g.lora
+    cast_all = 2 * L * spec.linear_params_per_layer() if g.autocast_cast else 0
+    cast_one = 2 * biggest if g.autocast_cast else 0
     # 4-bit: bitsandbytes dequantises one weight at a time (forward and the input-gradient backward)
-    dequant = 2 * max(a * b for a, b in spec.projections().values()) if quant4 else 0
-    transient_w = dequant + gather
+    dequant = 2 * biggest if g.quant4 else 0
+    return _Casts(cached=cached, all=cast_all, layer=cast_all // max(1, L), one=cast_one,
+                  head=2 * spec.vocab_size * spec.hidden_size if g.autocast_cast else 0,  # generate's lm_head
+                  nograd=cast_all if cached else cast_one, fwd=cast_all if (cached or not gc) else cast_one,
+                  transient_w=dequant + gather)
 
-    # -- T7 activations -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Activations:
+    """T7 and the batch buffers: the activation terms the training phases share."""
+
+    A: int  # one layer's saved activations
+    stored: int  # every layer's (or, checkpointed, every layer input)
+    mask: int  # bool SDPA mask with padding (shared by the layers)
+    final_norm: int  # the final norm's saved fp32 input and normalised copy (when it trains)
+    final_out: int  # its output, until the head has copied the rows it scores
+    batch_buf: int  # the buffered generation batch
+    grad_tr: int  # one layer's backward gradient buffers
+
+
+def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, gc: bool) -> _Activations:
+    """T7 for one micro-batch, with checkpointing keeping only the layer inputs ``L·B·T·h·b_res``."""
+    h, L, tokens = spec.hidden_size, spec.num_layers, geo.tokens
     a_tok = co.c_act * _activation_bytes_per_token(spec, g)
-    A = int(tokens * a_tok)  # one layer
-    ckpt = tokens * h * b_res  # one checkpointed layer input
-    stored = L * ckpt if gc else L * A
-    mask = B * T * T  # bool SDPA mask with padding (shared by the layers)
-    # final norm: its saved fp32 input and normalised copy (when it trains); its output lives until the head has
-    # copied the rows it scores (end of the forward)
-    final_norm = tokens * h * (4 + (b_res if not lora else 0))
-    final_out = tokens * h * b_res
-    # buffered generation batch: prompt/completion ids and masks (int64), old/ref log-probs and advantages
-    batch_buf = B_gen * (32 * T + 8 * C)
-    # backward transient of one layer: its recomputed/stored activations are counted above; the gradient buffers
-    # of the MLP backward (grad of the product, silu and up) and of the residual stream
-    grad_tr = int(co.c_act * tokens * (3 * i * b_c + 2 * h * 4))
+    A = int(tokens * a_tok)
+    ckpt = tokens * h * g.b_res  # one checkpointed layer input
+    return _Activations(
+        A=A, stored=L * ckpt if gc else L * A, mask=geo.B * geo.T * geo.T,
+        final_norm=tokens * h * (4 + (g.b_res if not g.lora else 0)), final_out=tokens * h * g.b_res,
+        # prompt/completion ids and masks (int64), old/ref log-probs and advantages
+        batch_buf=geo.B_gen * (32 * geo.T + 8 * geo.C),
+        # the gradient buffers of the MLP backward (grad of the product, silu and up) and of the residual stream
+        grad_tr=int(co.c_act * tokens * (3 * spec.intermediate_size * g.b_c + 2 * h * 4)))
 
-    # -- T8 chunked LM head -----------------------------------------------------------------------------------------
-    def head(rows: int) -> dict[str, int]:
-        # Triton (CUDA): only completion positions are scored; the fallback scores every position
-        N = rows * (T - 1) if simulated else rows * C
-        return _head_bytes(spec, N, b_c=b_c, b_res=b_res, b_w=b_w, head_trains=not lora, fallback=simulated,
-                           k_logits=co.k_logits)
 
-    # -- phases ------------------------------------------------------------------------------------------------------
-    grads_before = grads if ga > 1 else 0  # later micro-steps of an accumulation window start with gradients
-    grads_at_gen = grads if ga > spg else 0  # generation inside an accumulation window (steps_per_generation < GA)
+@dataclass(frozen=True)
+class _Step:
+    """Everything the phase functions read."""
 
-    # generation (HF generate; GC is off while generating, trl/models/utils.py:136-154)
-    use_vllm = bool(k.use_vllm)
-    colocate = use_vllm and (k.vllm_mode or "colocate") == "colocate"
-    b_k, b_v = max(b_c, b_res), b_c  # RoPE with fp32 cos/sin promotes k to fp32 under autocast from fp32 weights
-    if use_vllm:
-        kv_cache = 0
-        gen_transient = 0
+    spec: ModelSpec
+    k: Knobs
+    co: Coefficients
+    g: _Regime
+    geo: _Geometry
+    p: _Persistent
+    casts: _Casts
+    acts: _Activations
+
+    def head(self) -> dict[str, int]:
+        """T8 over the training micro-batch: Triton (CUDA) scores only completion positions, the fallback every one."""
+        geo, g = self.geo, self.g
+        N = geo.B * (geo.T - 1) if g.simulated else geo.B * geo.C
+        return _head_bytes(self.spec, N, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
+                           fallback=g.simulated, k_logits=self.co.k_logits)
+
+    @property
+    def grads_at_gen(self) -> int:
+        """Gradients alive while generating: generation inside an accumulation window (steps_per_generation < GA)."""
+        return self.p.grads if self.geo.ga > self.geo.spg else 0
+
+
+def _generation(s: _Step) -> dict[str, int]:
+    """HF ``generate`` (GC is off while generating, trl/models/utils.py:136-154): T9's KV cache and the larger of
+    the prefill and the decode-step transients; nothing with vLLM, whose memory is outside torch's allocator."""
+    spec, g, geo, c = s.spec, s.g, s.geo, s.casts
+    if s.k.use_vllm:
+        kv_cache = gen_transient = 0
     else:
-        kv_cache = _kv_cache_bytes(spec, B_gen, T, b_k, b_v)
+        B_gen, P, V, L = geo.B_gen, geo.P, spec.vocab_size, spec.num_layers
+        b_k, b_v = max(g.b_c, g.b_res), g.b_c  # RoPE with fp32 cos/sin promotes k to fp32 under autocast from fp32
+        kv_cache = _kv_cache_bytes(spec, B_gen, geo.T, b_k, b_v)
         kv_prefill = _kv_cache_bytes(spec, B_gen, P, b_k, b_v)
         prefill = (B_gen * P * _nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
-                   + B_gen * V * (b_c + 8))
-        decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (h * 8 + V * b_c)
+                   + B_gen * V * (g.b_c + 8))
+        decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
         gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
-    gen_batch = B_gen * T * 16
-    p_gen_parts = {"weights": (cast_all + cast_head if cached else max(cast_head, cast_one)) + transient_w, "gradients": grads_at_gen,
-                   "kv_cache": kv_cache + max(0, gen_transient), "activations": gen_batch}
+    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + c.transient_w,
+            "gradients": s.grads_at_gen, "kv_cache": kv_cache + max(0, gen_transient),
+            "activations": geo.B_gen * geo.T * 16}
 
-    # scoring: old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or
-    # reference log-probs (beta > 0), no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737)
-    scoring = beta > 0 or (ga % spg != 0) or use_vllm
-    if scoring:
-        h_fwd = head(B)["forward"]
-        score_act = int(tokens * _nograd_bytes_per_token(spec, g)) + mask + tokens * h * b_res * 2
-        p_score_parts = {"weights": cast_nograd + transient_w, "gradients": grads_at_gen,
-                         "activations": batch_buf + score_act, "logits": h_fwd}
-    else:
-        p_score_parts = {"gradients": grads_at_gen, "activations": batch_buf}
 
-    # forward/backward of one micro-batch
-    hb = head(B)
-    h_fwd, h_bwd = hb["forward"], hb["backward"]
-    g_head = 0 if lora else V * h * b_w  # lm_head/embedding gradient once the head's backward returned
+def _scoring(s: _Step) -> dict[str, int]:
+    """Old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or reference
+    log-probs (beta > 0): no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737). Without
+    either, only the buffered batch."""
+    geo, a = s.geo, s.acts
+    if not (float(s.k.beta or 0.0) > 0 or (geo.ga % geo.spg != 0) or bool(s.k.use_vllm)):
+        return {"gradients": s.grads_at_gen, "activations": a.batch_buf}
+    score_act = (int(geo.tokens * _nograd_bytes_per_token(s.spec, s.g)) + a.mask
+                 + geo.tokens * s.spec.hidden_size * s.g.b_res * 2)
+    return {"weights": s.casts.nograd + s.casts.transient_w, "gradients": s.grads_at_gen,
+            "activations": a.batch_buf + score_act, "logits": s.head()["forward"]}
+
+
+def _forward_backward(s: _Step) -> dict[str, int]:
+    """One micro-batch's forward and backward: the largest of five moments (the end of the forward, the head's
+    backward, the last layer's backward, the first layer's, the embedding's)."""
+    spec, g, a, c, gc = s.spec, s.g, s.acts, s.casts, bool(s.k.gradient_checkpointing)
+    hb = s.head()
+    grads, ga = s.p.grads, s.geo.ga
+    V, h = spec.vocab_size, spec.hidden_size
+    g_head = 0 if g.lora else V * h * g.b_w  # lm_head/embedding gradient once the head's backward returned
     grads_new = 0 if ga > 1 else 1  # with GA > 1 the gradient buffers already exist (grads_before)
+    grads_before = grads if ga > 1 else 0  # later micro-steps of an accumulation window start with gradients
     cands = {
         # end of forward: stored activations, the final norm, the head's forward, all autocast copies cached
-        "forward": ({"activations": stored + final_norm + final_out + mask, "logits": h_fwd, "weights": cast_fwd}),
+        "forward": ({"activations": a.stored + a.final_norm + a.final_out + a.mask, "logits": hb["forward"],
+                     "weights": c.fwd}),
         # the head's backward: grad_hidden, grad_weight (full), mm_buf and tile temporaries
-        "head_backward": ({"activations": stored + final_norm + mask, "logits": h_bwd,
-                           "weights": 0 if gc else cast_all}),
+        "head_backward": ({"activations": a.stored + a.final_norm + a.mask, "logits": hb["backward"],
+                           "weights": 0 if gc else c.all}),
         # backward of the last layer: its recomputed activations (GC) and gradient buffers, the head's gradient
-        "layer_backward": ({"activations": stored + (A if gc else 0) + grad_tr + mask,
-                            "gradients": grads_new * (g_head + grads // max(1, L)),
-                            "weights": cast_layer if gc else cast_all}),
+        "layer_backward": ({"activations": a.stored + (a.A if gc else 0) + a.grad_tr + a.mask,
+                            "gradients": grads_new * (g_head + grads // max(1, spec.num_layers)),
+                            "weights": c.layer if gc else c.all}),
         # backward of the first layer and the embedding: every gradient exists. With checkpointing the layer's
         # 16-bit input (B·T·h·2, under 1% here) also lives; it is left out so that checkpointing stays monotone.
-        "backward_end": ({"activations": A + grad_tr + mask, "gradients": grads_new * grads,
-                          "weights": cast_layer}),
+        "backward_end": ({"activations": a.A + a.grad_tr + a.mask, "gradients": grads_new * grads,
+                          "weights": c.layer}),
         # the embedding's backward, after the first layer's has freed its activations: a tied embedding's dense
         # gradient [V, h] is a temporary that AccumulateGrad adds into the lm_head's in place
         "embedding_backward": ({"activations": 0,
-                                "gradients": grads_new * grads + (V * h * b_w if not lora and spec.tie_word_embeddings
-                                                                  else 0)}),
+                                "gradients": grads_new * grads + (V * h * g.b_w if not g.lora
+                                                                  and spec.tie_word_embeddings else 0)}),
     }
-    for c in cands.values():
-        c["weights"] = c.get("weights", 0) + transient_w
-        c["activations"] += batch_buf
-        c["gradients"] = c.get("gradients", 0) + grads_before
-    fb_parts = max(cands.values(), key=lambda c: sum(c.values()))
+    for cand in cands.values():
+        cand["weights"] = cand.get("weights", 0) + c.transient_w
+        cand["activations"] += a.batch_buf
+        cand["gradients"] = cand.get("gradients", 0) + grads_before
+    return max(cands.values(), key=lambda cand: sum(cand.values()))
 
-    p_opt_parts = {"gradients": grads, "optimizer": opt_transient, "activations": batch_buf}
 
-    # -- assemble ------------------------------------------------------------------------------------------------------
+def _optimizer_step(s: _Step) -> dict[str, int]:
+    """``optimizer.step()``: every gradient, the step's temporaries and the buffered batch."""
+    return {"gradients": s.p.grads, "optimizer": s.p.opt_transient, "activations": s.acts.batch_buf}
+
+
+_PHASE_TERMS = {"generation": _generation, "scoring": _scoring, "forward_backward": _forward_backward,
+                "optimizer": _optimizer_step}
+
+
+def _vllm_bytes(k: Knobs, capacity: int | None, notes: list[str]) -> int:
+    """T9: a colocated vLLM reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator."""
+    if not (k.use_vllm and (k.vllm_mode or "colocate") == "colocate"):
+        return 0
+    if capacity:
+        return int(float(k.vllm_gpu_memory_utilization or 0.3) * capacity)
+    notes.append("vLLM colocate reservation not counted: pass capacity")
+    return 0
+
+
+def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Each phase's allocated bytes by breakdown key: the persistent state plus what the phase adds (unscaled)."""
+    p = s.p
     # cuBLAS workspaces come from the caching allocator, one per (handle, stream), and handles are per thread: the
     # forward (main thread) and the backward (autograd's device thread) each hold one (T10, ``m_workspace``)
-    base = {"weights": weights, "reference": reference, "optimizer": opt_state,
-            "overhead": 0 if simulated else int(co.m_workspace)}
-    phase_parts = {"generation": p_gen_parts, "scoring": p_score_parts, "forward_backward": fb_parts,
-                   "optimizer": p_opt_parts}
+    base = {"weights": p.weights, "reference": p.reference, "optimizer": p.opt_state,
+            "overhead": 0 if s.g.simulated else int(s.co.m_workspace)}
     comp: dict[str, dict[str, int]] = {}
     for ph, parts in phase_parts.items():
         d = dict.fromkeys(BREAKDOWN_KEYS, 0)
@@ -855,17 +961,17 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
         for key, v in parts.items():
             d[key] += int(v)
         comp[ph] = d
+    return comp
+
+
+def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -> Estimate:
+    """Scale each phase, add T9 vLLM, T10 context and T11 fragmentation, and pick the dominant phase. The breakdown
+    is that phase's composition, so that it sums to the peak."""
+    co, k, simulated = s.co, s.k, s.g.simulated
+    notes = list(s.p.notes)
     scale = co.scale
     phases = {ph: round(sum(d.values()) * scale) for ph, d in comp.items()}
-    peak_alloc = max(phases.values())
-
-    # -- T9 vLLM, T10 context, T11 fragmentation --------------------------------------------------------------------
-    vllm = 0
-    if colocate:
-        if capacity:
-            vllm = int(float(k.vllm_gpu_memory_utilization or 0.3) * capacity)
-        else:
-            notes.append("vLLM colocate reservation not counted: pass capacity")
+    vllm = _vllm_bytes(k, capacity, notes)
     sleep = bool(k.vllm_enable_sleep_mode)
     frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
     ctx = 0 if simulated else int(co.m_ctx)
@@ -880,9 +986,40 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
     bd["vllm"] = vllm if (not sleep or dominant == "generation") else 0
     bd["overhead"] = peak_bytes - sum(v for key, v in bd.items() if key != "overhead")
-    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=peak_alloc, breakdown=bd, phases=phases,
-                    trainable_params=trainable, total_params=total_params, dominant_phase=dominant,
+    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()), breakdown=bd, phases=phases,
+                    trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
                     notes=tuple(notes))
+
+
+def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
+             coefficients: Coefficients | None = None, simulated: bool = False,
+             capacity: int | None = None) -> Estimate:
+    """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
+
+    ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.knobs.TRL_DEFAULTS``). ``prompt_tokens``
+    is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at the worst case
+    ``C = max_completion_length``. The training micro-batch is ``per_device_train_batch_size`` and generation runs
+    ``rows_per_device()`` sequences at once. ``simulated=True`` models oomguard's simulated device on CPU: no CUDA
+    context, no autocast, the chunked head's torch fallback. ``capacity`` (device bytes) sizes a colocated vLLM.
+
+    ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
+    The optimizer state is assumed to exist in every phase (the steady state after step 1).
+
+    >>> tiny = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
+    >>> e = estimate(tiny, Knobs(per_device_train_batch_size=4, max_completion_length=128), prompt_tokens=32,
+    ...              simulated=True)
+    >>> e.dominant_phase, sorted(e.phases) == sorted(PHASES), sum(e.breakdown.values()) == e.peak_bytes
+    ('forward_backward', True, True)
+    """
+    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+    k = _filled(knobs)
+    g = _regime(spec, k, simulated)
+    geo = _geometry(k, world_size, prompt_tokens)
+    gc = bool(k.gradient_checkpointing)
+    p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
+    s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
+              acts=_activations(spec, g, geo, co, gc))
+    return _assemble(s, _composition(s, {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}), capacity)
 
 
 def describe(e: Estimate) -> str:

@@ -336,6 +336,14 @@ def test_simulated_device_calibration(spec, changes, measured):
     assert e.peak_alloc_bytes == pytest.approx(measured, rel=0.02)
 
 
+def test_doctests():
+    import doctest
+
+    import oomguard.estimate
+
+    assert doctest.testmod(oomguard.estimate).failed == 0
+
+
 def test_no_torch_import():
     code = "import oomguard.estimate, sys; assert not {'torch', 'transformers', 'trl'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
