@@ -154,9 +154,10 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     """
     from pathlib import Path
 
+    from .command import EXIT_BUG, UsageError, load_lock, resolve_command
     from .ladder import LadderBug, LadderError, load_ladder
     from .sizes import SizeError, parse_size_arg
-    from .supervisor import EXIT_BUG, RunOptions, Supervisor, UsageError, load_lock, resolve_command
+    from .supervisor import RunOptions, Supervisor
     from .ui import ConsoleReporter, JsonLogReporter
 
     args = list(command)

@@ -140,7 +140,7 @@ class Climb:
             ctx = Context(knobs=ceiling, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
                           subject=subject, refused=self.refused)
             if fits is not None:
-                steps, ran_out = self.ladder.climb(ctx, fits)
+                steps, ran_out = self.ladder.climb_to_fit(ctx, fits)
                 if ran_out is not None:
                     steps = steps[:1]
             if not steps:

@@ -294,10 +294,17 @@ class Guarded:
             from .plan import Guide
 
             cap = self.simulate_gpu
+            capped = False
             torch = loaded_torch()
             if cap is None and torch is not None and torch.cuda.is_available():
-                cap = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu)) if cap else None
+                dev = torch.cuda.current_device()
+                cap = int(torch.cuda.get_device_properties(dev).total_memory)
+                # a per-process cap the caller set (torch.cuda.set_per_process_memory_fraction) is the capacity
+                getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+                fraction = float(getter(dev)) if getter is not None else 1.0
+                if 0 < fraction < 1:
+                    cap, capped = int(cap * fraction), True
+            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), capped=capped) if cap else None
         return self._guide_obj
 
     def _fits(self, climb: Climb) -> Any:

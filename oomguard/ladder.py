@@ -92,7 +92,7 @@ class Ladder:
                 skipped.setdefault(r.name, reason)
         return Exhausted(tuple(skipped.items()))
 
-    def climb(self, ctx: Context, fits: Callable[[Knobs], bool]) -> tuple[list[Step], Exhausted | None]:
+    def climb_to_fit(self, ctx: Context, fits: Callable[[Knobs], bool]) -> tuple[list[Step], Exhausted | None]:
         """Climb rung after rung from ``ctx`` (same diagnosis) until ``fits(knobs)`` holds.
 
         Used by the memory model to go straight to the first prefix of the ladder predicted to fit. Returns the steps

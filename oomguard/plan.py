@@ -97,7 +97,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     def fits(k: Knobs) -> bool:
         return predict(k).fits(capacity)
 
-    steps, exhausted = lad.climb(Context(knobs=knobs, facts=facts), fits)
+    steps, exhausted = lad.climb_to_fit(Context(knobs=knobs, facts=facts), fits)
     plan.exhausted = exhausted is not None
     if steps and not plan.exhausted:
         # keep only what memory demands: drop rungs the prediction shows are not needed, relax graded knobs

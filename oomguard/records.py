@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,32 @@ class CrashRecord:
         return cls.from_dict(data, str(path))
 
 
+class AttemptKind(str, Enum):
+    """What an attempt is for: a short worst-case ``probe``, the real ``run``, or a ``minimize`` trial (a probe
+    without one rung). A str, so reports and comparisons read the plain value."""
+
+    PROBE = "probe"
+    RUN = "run"
+    MINIMIZE = "minimize"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Outcome(str, Enum):
+    """How an attempt ended: ``ok``; ``oom``; ``predicted`` (the pre-flight check stopped it); ``failed`` (not an
+    OOM: passed through); ``interrupted`` (a signal to oomguard)."""
+
+    OK = "ok"
+    OOM = "oom"
+    PREDICTED = "predicted"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Attempt:
     """One launch (or one in-process call, for the decorator) and how it ended."""
@@ -251,14 +278,14 @@ class Attempt:
     index: int
     knobs: dict[str, Any]
     remedies: list[str]
-    outcome: str  # ok | oom | predicted | failed | interrupted
+    outcome: str  # an Outcome
     exit_code: int | None
     seconds: float
     peak_bytes: int | None = None
     oom: dict[str, Any] | None = None
     step: int | None = None
     peak_reserved_bytes: int | None = None
-    kind: str = "run"  # run | probe | minimize
+    kind: str = AttemptKind.RUN  # an AttemptKind
     skipped: list[dict[str, str]] = field(default_factory=list)  # rungs passed over after this attempt, with why
     climbed: str | None = None  # the rung climbed after this attempt
     resume: dict[str, Any] | None = None  # how this attempt continued from a checkpoint, if it did
@@ -267,6 +294,7 @@ class Attempt:
     memory: dict[str, Any] | None = None  # guard(): live bytes before the call and after releasing a failed one
     generated: dict[str, Any] | None = None  # configs oomguard generated for this attempt (e.g. DeepSpeed)
     choice: dict[str, Any] | None = None  # after this attempt: rungs dropped and graded knobs relaxed, by prediction
+    override_error: dict[str, Any] | None = None  # applying oomguard's overrides failed: where, error
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -289,6 +317,7 @@ class Attempt:
             "memory": self.memory,
             "generated": self.generated,
             "choice": self.choice,
+            "override_error": self.override_error,
         }
 
 
@@ -364,11 +393,162 @@ def climbed_labels(climbed: Sequence[str | None]) -> list[str | None]:
     return out
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The JSON lines a training process appended; a torn last line (a crash mid-write) is skipped."""
+# ----------------------------------------------------------------------------------------------------------------
+# Events: what the training process reports while it runs, one JSON line each, parsed once into these types.
+
+
+@dataclass(frozen=True)
+class CodeSeen:
+    """``config`` (GRPOConfig built) or ``trainer`` (GRPOTrainer built): the script's own values and run facts."""
+
+    point: str
+    observed: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSeen:
+    """``model``: the shape of the model the script loaded (``config.json`` fields)."""
+
+    config: dict[str, Any] | None = None
+    params: int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class DatasetSeen:
+    """``dataset``: prompt lengths in tokens, and what ``max_prompt_tokens`` dropped."""
+
+    rows: int | None = None
+    prompt_tokens_max: int | None = None
+    prompt_tokens_p95: int | None = None
+    dropped: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainBegin:
+    """``train_begin``: a trainer starts (a process may build several)."""
+
+    step: int = 0
+    max_steps: int | None = None
+    save_strategy: str = ""
+    output_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """``step`` (an optimizer step ended) or ``train_end`` (``final``), with the peaks so far."""
+
+    step: int | None = None
+    peak: int | None = None
+    reserved: int | None = None
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    step: int | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class OOMRaised:
+    """``oom``: a rank died of OOM (its CrashRecord is at ``path``)."""
+
+    step: int | None = None
+    phase: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class ConfigGenerated:
+    """``generated``: a config oomguard wrote for this attempt (a DeepSpeed JSON)."""
+
+    kind: str
+    path: str | None = None
+    config: Any = None
+    replaces: Any = None
+
+
+@dataclass(frozen=True)
+class PreflightStop:
+    """``predicted``: the pre-flight check stopped the process before it generated."""
+
+    predicted_bytes: int | None = None
+    capacity: int | None = None
+    margin: float = 0.0
+
+
+@dataclass(frozen=True)
+class OverrideFailed:
+    """``override_error``: applying oomguard's overrides raised (in ``where``)."""
+
+    where: str = ""
+    error: str = ""
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OtherEvent:
+    """Any other event (start, resume, probe_dataset, ...): kept whole, read by nobody in particular."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
+              | PreflightStop | OverrideFailed | OtherEvent)
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return None if v is None or isinstance(v, bool) else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_event(d: dict[str, Any]) -> ChildEvent:
+    """One event line, typed. Missing or malformed fields read as None, never an exception.
+
+    >>> parse_event({"event": "step", "step": 3, "peak": 100})
+    StepDone(step=3, peak=100, reserved=None, final=False)
+    >>> parse_event({"event": "start", "argv": ["x"]}).name
+    'start'
+    """
+    name = d.get("event")
+    dict_or = lambda v: v if isinstance(v, dict) else {}  # noqa: E731
+    if name in ("config", "trainer"):
+        return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")))
+    if name == "model":
+        return ModelSeen(d.get("config") if isinstance(d.get("config"), dict) else None, _int(d.get("params")),
+                         d.get("dtype"))
+    if name == "dataset":
+        return DatasetSeen(_int(d.get("rows")), _int(d.get("prompt_tokens_max")), _int(d.get("prompt_tokens_p95")),
+                           _int(d.get("dropped")))
+    if name == "train_begin":
+        return TrainBegin(_int(d.get("step")) or 0, _int(d.get("max_steps")) or None, str(d.get("save_strategy") or ""),
+                          d.get("output_dir"))
+    if name in ("step", "train_end"):
+        return StepDone(_int(d.get("step")), _int(d.get("peak")), _int(d.get("reserved")), name == "train_end")
+    if name == "checkpoint":
+        return CheckpointSaved(_int(d.get("step")), d.get("path"))
+    if name == "oom":
+        return OOMRaised(_int(d.get("step")), d.get("phase"), d.get("path"))
+    if name == "generated" and d.get("kind"):
+        return ConfigGenerated(str(d["kind"]), d.get("path"), d.get("config"), d.get("replaces"))
+    if name == "predicted":
+        return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0))
+    if name == "override_error":
+        return OverrideFailed(str(d.get("where") or ""), str(d.get("error") or ""), tuple(d.get("overrides") or ()))
+    return OtherEvent(str(name), dict(d))
+
+
+def read_events(path: str | os.PathLike[str]) -> list[ChildEvent]:
+    """The events a training process appended, typed; a torn last line (a crash mid-write) is skipped."""
     try:
         with open(path, "rb") as f:
-            return _json_dicts(f.read().split(b"\n"))
+            return [parse_event(d) for d in _json_dicts(f.read().split(b"\n"))]
     except OSError:
         return []
 
@@ -394,7 +574,7 @@ class EventTail:
         self.pos = 0
         self.buf = b""
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[ChildEvent]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
@@ -404,4 +584,4 @@ class EventTail:
         self.pos += len(data)
         self.buf += data
         *lines, self.buf = self.buf.split(b"\n")
-        return _json_dicts(lines)
+        return [parse_event(d) for d in _json_dicts(lines)]

@@ -40,6 +40,18 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     run_started: float = field(default_factory=time.monotonic)
 
+    def update(self, ev: Any) -> None:
+        """Follow one event of the training process (a process may build several trainers: each has its own count)."""
+        from .records import StepDone, TrainBegin
+
+        if isinstance(ev, TrainBegin):
+            self.step, self.max_steps = ev.step, ev.max_steps
+        elif isinstance(ev, StepDone):
+            if ev.step is not None:
+                self.step = ev.step
+            if ev.peak is not None:
+                self.peak = max(self.peak or 0, ev.peak)
+
     def elapsed(self) -> str:
         return _clock(time.monotonic() - self.started)
 
@@ -168,7 +180,7 @@ class ConsoleReporter:
         elif attempt.outcome == "interrupted":
             self._say(f"{what} {attempt.index}: interrupted")
 
-    def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+    def decision(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
               skipped: list[dict[str, str]] | None = None) -> None:
         reasons = skipped if skipped is not None else [
             {"remedy": n, "reason": w} for n, w in (exhausted.skipped if exhausted else ())]
@@ -239,7 +251,7 @@ class JsonLogReporter:
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None:
         self._emit(event="attempt_end", **attempt.to_dict())
 
-    def climb(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+    def decision(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
               skipped: list[dict[str, str]] | None = None) -> None:
         reasons = skipped if skipped is not None else [
             {"remedy": n, "reason": w} for n, w in (exhausted.skipped if exhausted else ())]

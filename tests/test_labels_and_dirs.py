@@ -7,6 +7,7 @@ from pathlib import Path
 
 from oomguard.choose import Rung
 from oomguard.ladder import load_ladder
+from oomguard.resume import resume_plan
 from oomguard.strategies import make_remedy
 from oomguard.supervisor import RunOptions, Supervisor
 from oomguard.ui import ConsoleReporter
@@ -31,6 +32,12 @@ def _after_a_new_run_rung(tmp_path: Path) -> Supervisor:
     return sup
 
 
+def _resume(sup: Supervisor, index: int) -> dict:
+    """The resume plan the supervisor builds for real run ``index``."""
+    return resume_plan(sup.checkpoint, sup.checkpoint_knobs, sup.climb.effective()[0], sup.climb.climbed,
+                       sup.output_dir, index)
+
+
 def _checkpoint(d: Path) -> Path:
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"weights")
@@ -42,7 +49,7 @@ def test_a_resumed_run_writes_flat_under_the_users_output_dir(tmp_path):
     sup = _after_a_new_run_rung(tmp_path)
     sup.checkpoint = str(_checkpoint(out / "oomguard-attempt-6" / "checkpoint-4"))
     sup.output_dir = str(out / "oomguard-attempt-6")  # the previous resumed run already wrote there
-    resume = sup._resume_for("run", 8)
+    resume = _resume(sup, 8)
     assert resume["mode"] == "weights" and resume["output_dir"] == str(out / "oomguard-attempt-8")
 
 
@@ -52,6 +59,6 @@ def test_a_fresh_dir_is_never_one_that_exists(tmp_path):
     sup.checkpoint = str(_checkpoint(out / "checkpoint-2"))
     sup.output_dir = str(out)
     (out / "oomguard-attempt-3" / "checkpoint-2").mkdir(parents=True)  # an earlier oomguard run's checkpoints
-    resume = sup._resume_for("run", 3)
+    resume = _resume(sup, 3)
     assert resume["output_dir"] == str(out / "oomguard-attempt-3-2")
-    assert sup._resume_for("run", 4)["output_dir"] == str(out / "oomguard-attempt-4")
+    assert _resume(sup, 4)["output_dir"] == str(out / "oomguard-attempt-4")

@@ -38,19 +38,20 @@ def test_json_log_reports_progress_and_each_trainer_has_its_own_step_counter(tmp
 def test_the_live_view_follows_the_second_trainer(tmp_path):
     from oomguard.knobs import Knobs
     from oomguard.ladder import load_ladder
-    from oomguard.records import EventTail
-    from oomguard.supervisor import RunOptions, Supervisor
+    from oomguard.records import AttemptKind, EventTail
+    from oomguard.supervisor import RunOptions, Supervisor, _Watch
     from oomguard.ui import ConsoleReporter
 
     ui = ConsoleReporter(quiet=True, live=False)
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd"), ui)
     events = tmp_path / "events.jsonl"
-    tail, seen = EventTail(events), []
+    ui.attempt_start(1, 8, [], {}, "run")
+    watch = _Watch(AttemptKind.RUN, Knobs(), EventTail(events), sup._progress_state(1, AttemptKind.RUN, []))
 
     def emit(*evs):
         with events.open("a") as f:
             f.writelines(json.dumps(e) + "\n" for e in evs)
-        sup._tick(tail, seen, "run", Knobs())
+        sup._watch(watch)
 
     emit({"event": "train_begin", "step": 0, "max_steps": 36}, {"event": "step", "step": 36, "peak": 10})
     assert (ui.state.step, ui.state.max_steps) == (36, 36)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SCRIPTS, run_oomguard
+from helpers import grpo_tiny, run_oomguard
 
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +24,8 @@ FLOOR = ["--max-completion-length", "64", "--num-generations", "2", "--per-devic
 
 def grpo(tmp: Path, model: str, budget: str, *args: str, env: dict | None = None,
          extra: tuple = ("--no-probe", "--no-predict")):
-    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", "python", str(SCRIPTS / "grpo_tiny.py"),
-                            "--model", model, "--output-dir", str(tmp / "out"), *args, env=env)
+    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", *grpo_tiny(model, tmp / "out", *args),
+                            env=env)
     assert rep is not None, out.stderr[-3000:]
     return out, rep
 
@@ -136,13 +136,14 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
 
 def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_is_needed(tmp_path, tiny_model):
     """At 48 MiB a plain walk needs three OOMs (fewer generations, then 8-bit Adam, then LoRA). The memory model
-    climbs straight to a prefix predicted to fit, and --minimize then drops the rungs a probe shows are not needed."""
+    stops the user's config before it generates, chooses below the ladder prefix predicted to fit, and --minimize
+    then proves with probes that each rung left is needed."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
                     extra=("--probe-steps", "2", "--minimize"))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", rep["message"]
     first_ok = next(i for i, a in enumerate(attempts) if a["outcome"] == "ok")
-    assert sum(a["outcome"] == "oom" for a in attempts[:first_ok]) == 1  # one OOM, then a fitting config
+    assert [a["outcome"] for a in attempts[:first_ok]] == ["predicted"]  # one pre-flight stop, then a fitting config
     assert attempts[0]["climbed"].count("+") >= 2  # several rungs in one go: a plain walk tries them one by one
     assert "fewer rungs would not be enough" in out.stderr
     assert attempts[0]["predicted_bytes"] is not None and attempts[first_ok]["predicted_bytes"] <= 48 * 2**20

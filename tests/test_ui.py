@@ -75,15 +75,15 @@ def _steps(*names_passes):
 
 def test_trade_note_names_only_what_changed():
     rep = _console_reporter()
-    rep.climb(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64})
+    rep.decision(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64})
     line = rep.out.file.getvalue()
     assert "long reasoning is cut off" in line and "prompts" not in line  # max_prompt_tokens stayed unset
     rep = _console_reporter()
-    rep.climb(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64, "max_prompt_tokens": 300})
+    rep.decision(_steps(("shorter_sequences", 1)), None, {"max_completion_length": 64, "max_prompt_tokens": 300})
     assert "the longest prompts leave the dataset" in rep.out.file.getvalue()
     # a climbed rung the memory model then found not needed (its knobs unchanged) trades nothing
     rep = _console_reporter()
-    rep.climb(_steps(("empty_cache", 1), ("shorter_sequences", 1)), None, {"max_completion_length": 160})
+    rep.decision(_steps(("empty_cache", 1), ("shorter_sequences", 1)), None, {"max_completion_length": 160})
     line = rep.out.file.getvalue()
     assert "empty_cache + shorter_sequences" in line and "(trades quality: long reasoning is cut off)" in line
 
@@ -92,7 +92,7 @@ def test_a_repeated_rung_reads_the_same_in_the_terminal_and_the_html():
     from oomguard.html import run_html
 
     rep = _console_reporter()
-    rep.climb(_steps(("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)), None,
+    rep.decision(_steps(("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)), None,
               {"max_completion_length": 64})
     label = "shorter_sequences + fewer_generations + shorter_sequences (again)"
     assert label in rep.out.file.getvalue()

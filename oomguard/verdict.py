@@ -1,0 +1,54 @@
+"""How a run ended, in one place: its status, its exit code and the one-line message the user reads.
+
+>>> from oomguard.climb import Climb
+>>> from oomguard.ladder import load_ladder
+>>> conclude(None, Climb(load_ladder("default")), signum=2)
+('interrupted', 130, 'interrupted; no retry')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .climb import Climb
+from .command import EXIT_EXHAUSTED
+from .records import Attempt, AttemptKind, Outcome
+
+
+def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: dict[str, Any] | None = None,
+             reached: bool = True, max_attempts: int = 8, max_time: float | None = None) -> tuple[str, int, str]:
+    """``(status, exit code, message)`` after the last attempt; ``reached``: the command passed through a
+    construction point (GRPOConfig, GRPOTrainer or from_pretrained), so rungs could reach it."""
+    if signum or last is None or last.outcome == Outcome.INTERRUPTED:
+        return "interrupted", 128 + (signum or 2), "interrupted; no retry"
+    if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
+        ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind != AttemptKind.MINIMIZE)
+        stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED)
+        if ooms or stops:
+            return "stable", 0, f"stable after {ooms} out-of-memory attempt(s)" + (
+                f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before generating)" if stops else "")
+        if replay:
+            return "stable", 0, (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} "
+                                 "override(s), no rung climbed")
+        return "stable", 0, "the command fit on the first attempt; nothing changed"
+    if last.outcome == Outcome.OK:
+        return "exhausted", EXIT_EXHAUSTED, (f"the probe fits, but the budget (--max-attempts {max_attempts}) ran out "
+                                             "before the run")
+    if last.outcome == Outcome.FAILED:
+        code = last.exit_code if last.exit_code is not None else 1
+        return "failed", code, f"the command failed with exit code {code} (not an OOM); passed through without retrying"
+    if climb.exhausted is not None:
+        if replay:
+            return "exhausted", EXIT_EXHAUSTED, "the locked config ran out of memory; run without --config to climb again"
+        if not reached:
+            return "exhausted", EXIT_EXHAUSTED, (
+                "no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no model with "
+                "from_pretrained before running out of memory, so only allocator settings apply")
+        return "exhausted", EXIT_EXHAUSTED, "the ladder is used up: no rung left that can help"
+    budget = (f"--max-time {max_time:g}s" if max_time and time.time() - climb.started >= max_time
+              else f"--max-attempts {max_attempts}")
+    return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
+
+
+__all__ = ["conclude"]
