@@ -280,7 +280,7 @@ def test_estimate_shape_and_sums():
     ex = estimate(LLAMA1B, Knobs(expandable_segments=True), prompt_tokens=208)
     assert ex.peak_alloc_bytes == e.peak_alloc_bytes and ex.peak_bytes < e.peak_bytes
     sim = estimate(LLAMA1B, Knobs(), prompt_tokens=208, simulated=True, coefficients=Coefficients.for_simulated())
-    assert sim.breakdown["overhead"] == int(sim.phases[sim.dominant_phase] * 0.25)
+    assert sim.breakdown["overhead"] == int(sim.phases[sim.dominant_phase] * Coefficients.for_simulated().f_frag)
 
 
 def test_dtype_auto_and_4bit():
