@@ -4,12 +4,44 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
+TINY = str(SCRIPTS / "grpo_tiny.py")
+
+# The interpreter running the tests, never whatever `python`, `torchrun` or `accelerate` comes first on PATH (a
+# system Python without TRL, another venv's launcher).
+PYTHON = sys.executable
+TORCHRUN = (PYTHON, "-m", "torch.distributed.run")
+ACCELERATE_LAUNCH = (PYTHON, "-m", "accelerate.commands.launch")
+
+
+def free_port() -> int:
+    """A TCP port free right now: concurrent test runs on one machine must not meet on torch's default 29500."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpo_tiny(model: str, output_dir: Path | str, *args: str) -> list[str]:
+    """The command that runs tests/scripts/grpo_tiny.py on ``model`` with this interpreter."""
+    return [PYTHON, TINY, "--model", model, "--output-dir", str(output_dir), *args]
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """``torchrun --nproc_per_node N ARGS`` through this interpreter, on a free port."""
+    return [*TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *args]
+
+
+def accelerate_launch(nproc: int, *args: str) -> list[str]:
+    """``accelerate launch --multi_gpu --num_processes N ARGS`` through this interpreter, on a free port (without
+    GPUs, ``--multi_gpu`` starts CPU ranks over gloo)."""
+    return [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", str(nproc), "--main_process_port", str(free_port()),
+            *args]
 
 
 def run_oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600,

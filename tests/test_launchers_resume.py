@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SCRIPTS, run_oomguard
+from helpers import TINY, accelerate_launch, grpo_tiny, run_oomguard, torchrun
 
 pytestmark = pytest.mark.e2e
-TINY = str(SCRIPTS / "grpo_tiny.py")
 PLAIN = ("--no-probe", "--no-predict")
 
 
@@ -22,9 +21,9 @@ def events_of(tmp: Path, attempt: int) -> list[dict]:
 
 def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):
     """Checkpoints every 2 steps; an OOM at the start of step 4 (injected) loses one step, not three."""
-    out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
-                            str(tmp_path / "out"), "--max-steps", "4", "--save-steps", "2", "--oom-at-step", "3",
-                            "--oom-marker", str(tmp_path / "oomed"))
+    out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(
+        tiny_model, tmp_path / "out", "--max-steps", "4", "--save-steps", "2", "--oom-at-step", "3",
+        "--oom-marker", str(tmp_path / "oomed")))
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["step"] == 3 and a1["climbed"] == "fewer_generations"
     ckpt2 = tmp_path / "out" / "checkpoint-2"
@@ -40,9 +39,9 @@ def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):
 def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(tmp_path, tiny_model):
     ladder = tmp_path / "eight-bit.toml"
     ladder.write_text("[[rung]]\nremedy = 'optimizer_8bit'\n")
-    _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", str(ladder), "--", "python", TINY, "--model", tiny_model,
-                            "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--save-steps", "2",
-                            "--oom-at-step", "2", "--oom-marker", str(tmp_path / "oomed"))
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", str(ladder), "--", *grpo_tiny(
+        tiny_model, tmp_path / "out", "--max-steps", "3", "--save-steps", "2", "--oom-at-step", "2",
+        "--oom-marker", str(tmp_path / "oomed")))
     ckpt2 = tmp_path / "out" / "checkpoint-2"
     before = {p.name: p.stat().st_mtime_ns for p in ckpt2.iterdir()}
     a1, a2 = rep["attempts"]
@@ -57,15 +56,21 @@ def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(t
 
 
 def test_a_script_that_saves_nothing_is_told_at_the_start(tmp_path, tiny_model):
-    out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
-                            str(tmp_path / "out"), "--max-steps", "1")
+    out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "1"))
     assert rep["status"] == "stable" and "--checkpoint-every" in out.stderr
 
 
 def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_model):
-    _out, rep = run_oomguard(tmp_path, *PLAIN, "--", "python", TINY, "--model", tiny_model, "--output-dir",
-                            str(tmp_path / "out"), "--max-steps", "2", "--dataloader-num-workers", "2",
-                            "--kill-self-at-step", "1", "--oom-marker", str(tmp_path / "killed"))
+    """The kernel's OOM killer SIGKILLs the trainer and counts it in the cgroup (a stand-in cgroup here): host RAM,
+    so the host rungs are climbed, not the GPU ones."""
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n")
+    (cgroup / "memory.max").write_text("max\n")
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(
+        tiny_model, tmp_path / "out", "--max-steps", "2", "--dataloader-num-workers", "2", "--kill-self-at-step", "1",
+        "--oom-marker", str(tmp_path / "killed"), "--oom-kill-counter", str(cgroup / "memory.events")),
+        env={"OOMGUARD_CGROUP": str(cgroup)})
     a1, a2 = rep["attempts"]
     assert a1["exit_code"] == 137 and a1["oom"]["kind"] == "host-ram"
     assert a1["climbed"] == "fewer_workers"  # not a GPU remedy
@@ -76,9 +81,9 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
 def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
     fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)"""
-    _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--", "torchrun", "--nproc_per_node", "2",
-                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
-                            "--max-completion-length", "64")
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--",
+                            *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                      "--max-completion-length", "64"))
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["oom"]["rank"] in (0, 1)
     assert a1["climbed"] == "fewer_generations" and rep["facts"]["world_size"] == 2
@@ -91,9 +96,10 @@ def test_accelerate_launch_one_rank_oom_stops_the_whole_group(tmp_path, tiny_mod
     """Only rank 1 runs out of memory; rank 0 would wait in a collective. The group stops together and both ranks
     are relaunched with the next rung. (On a machine without GPUs, `--multi_gpu` launches CPU ranks over gloo;
     accelerate's `--cpu --num_processes N` starts N processes only under mpirun.)"""
-    _out, rep = run_oomguard(tmp_path, *PLAIN, "--", "accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
-                            "--oom-at-step", "1", "--oom-rank", "1", "--oom-marker", str(tmp_path / "oomed"))
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--",
+                            *accelerate_launch(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                               "--oom-at-step", "1", "--oom-rank", "1", "--oom-marker",
+                                               str(tmp_path / "oomed")))
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["oom"]["rank"] == 1
     crash = list((tmp_path / "wd").glob("runs/*/attempt-1/crash-rank*.json"))

@@ -12,9 +12,14 @@ weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter se
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
+import json
 import os
 import shutil
+import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 VARIANTS: dict[str, dict[str, int]] = {
@@ -22,11 +27,69 @@ VARIANTS: dict[str, dict[str, int]] = {
     "wide": {"hidden": 1024, "layers": 1, "intermediate": 4096},
 }
 
+# Written last into a finished build: what it was built from. A directory whose stamp differs is not reused.
+STAMP = "oomguard-build.json"
+
+
+class ForeignModelDir(RuntimeError):
+    """The target directory holds something this builder did not make; it is never reused nor overwritten."""
+
+
+def build_key(**params: int) -> str:
+    """What a build is made from: this file's content, the shape, and the versions that write and initialise it.
+
+    The end-to-end tests' memory budgets are byte-exact for one model, so a cached build is reused only when this
+    key matches the one stamped next to it.
+
+    >>> build_key(hidden=256) == build_key(hidden=256) != build_key(hidden=512)
+    True
+    """
+    versions = {}
+    for dist in ("torch", "transformers", "tokenizers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    blob = json.dumps({"params": params, "versions": versions}, sort_keys=True).encode() + Path(__file__).read_bytes()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def key_of(**shape: int) -> str:
+    """``build_key`` of what ``build(path, **shape)`` builds (the defaults filled in): names a cache directory.
+
+    >>> key_of(**VARIANTS["tiny"]) == key_of(hidden=256, heads=8) != key_of(**VARIANTS["wide"])
+    True
+    """
+    defaults = {k: p.default for k, p in inspect.signature(build).parameters.items() if k != "path"}
+    return build_key(**{**defaults, **shape})
+
+
+def stamp_of(path: Path) -> dict | None:
+    """The stamp of a finished build in ``path``, or None (no build, or a directory this builder did not make)."""
+    try:
+        data = json.loads((path / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
 
 def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 1024, vocab: int = 1024,
           heads: int = 8, kv_heads: int = 2) -> Path:
-    if (path / "config.json").exists():
+    """Build the model in ``path``, or reuse the build there if its stamp matches these parameters exactly.
+
+    A build of ours with another key (older builder, other shape or versions) is replaced; a directory without our
+    stamp is left alone and ``ForeignModelDir`` is raised.
+    """
+    path = Path(path)
+    params = {"hidden": hidden, "layers": layers, "intermediate": intermediate, "vocab": vocab, "heads": heads,
+              "kv_heads": kv_heads}
+    key = build_key(**params)
+    found = stamp_of(path)
+    if found is not None and found.get("key") == key:
         return path
+    if found is None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ForeignModelDir(f"{path} holds something build_tiny_model.py did not build (no {STAMP}): "
+                              "choose an empty or new directory")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -52,10 +115,22 @@ def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 10
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / STAMP).write_text(json.dumps({"key": key, "params": params}, indent=1))
+    old = None
+    if found is not None:  # an outdated build of ours: moved aside, then removed once the new one is in place
+        old = Path(tempfile.mkdtemp(prefix=".old-", dir=path.parent)) / "model"
+        try:
+            os.rename(path, old)
+        except OSError:
+            old = None
     try:
         os.rename(tmp, path)
-    except OSError:
+    except OSError:  # another process finished the same build first
         shutil.rmtree(tmp, ignore_errors=True)
+        if (stamp_of(path) or {}).get("key") != key:
+            raise
+    if old is not None:
+        shutil.rmtree(old.parent, ignore_errors=True)
     return path
 
 
@@ -72,4 +147,7 @@ if __name__ == "__main__":
     shape = {"hidden": a.hidden, "layers": a.layers, "intermediate": a.intermediate, "vocab": a.vocab}
     if a.variant:
         shape.update(VARIANTS[a.variant])
-    print(build(Path(a.dir), **shape))
+    try:
+        print(build(Path(a.dir), **shape))
+    except ForeignModelDir as e:
+        sys.exit(f"build_tiny_model: {e}")

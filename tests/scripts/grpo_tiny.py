@@ -7,6 +7,8 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
   --sleep SECONDS     sleep inside a training step (interrupt tests), spawning a grandchild that sleeps too
   --oom-at-step N     raise a real-looking CUDA OOM from a callback at step N (late-OOM tests); with
                       --oom-marker PATH only once, with --oom-rank R only on rank R
+  --kill-self-at-step N  SIGKILL itself at step N; with --oom-kill-counter PATH after counting it in a cgroup's
+                      memory.events, as the kernel's OOM killer would
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def main() -> None:
     p.add_argument("--oom-marker", default=None, help="raise the injected OOM only once: skip if this file exists")
     p.add_argument("--kill-self-at-step", type=int, default=None,
                    help="SIGKILL this process at step N, as the kernel's OOM killer would (once, with --oom-marker)")
+    p.add_argument("--oom-kill-counter", default=None,
+                   help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
+                        "kernel's OOM killer does")
     p.add_argument("--dataloader-num-workers", type=int, default=0)
     a = p.parse_args()
     if a.fail_with is not None:
@@ -109,6 +114,13 @@ def main() -> None:
             if a.kill_self_at_step is not None and state.global_step == a.kill_self_at_step and once_ok:
                 if a.oom_marker:
                     open(a.oom_marker, "w").close()
+                if a.oom_kill_counter:
+                    import re
+                    from pathlib import Path
+
+                    events = Path(a.oom_kill_counter)
+                    events.write_text(re.sub(r"^oom_kill (\d+)$", lambda m: f"oom_kill {int(m[1]) + 1}",
+                                             events.read_text(), flags=re.M))
                 import signal
 
                 os.kill(os.getpid(), signal.SIGKILL)
