@@ -49,18 +49,12 @@ def gpu_total_memory(index: int | None = None) -> int | None:
                        "(the card's size) to turn them on")
         return None
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index)
-        return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        return int(_ask(nvml, index, nvml.nvmlDeviceGetMemoryInfo).total)
     except Exception as e:
         _warn_once(f"NVML could not read the GPU's memory ({type(e).__name__}: {str(e).splitlines()[0][:200]}), "
                    "so the memory model's predictions are off; pass --gpu-memory SIZE (the card's size) to turn "
                    "them on")
         return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 _warned = False
@@ -111,12 +105,17 @@ def gpu_name(index: int | None = None) -> str | None:
     if nvml is None:
         return None
     try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index)
-        name = nvml.nvmlDeviceGetName(handle)
-        name = name.decode() if isinstance(name, bytes) else str(name)  # older pynvml returns bytes
-        return name.strip() or None
+        name = _ask(nvml, index, nvml.nvmlDeviceGetName)
     except Exception:
         return None
+    name = name.decode() if isinstance(name, bytes) else str(name)  # older pynvml returns bytes
+    return name.strip() or None
+
+
+def _ask(nvml: Any, index: int | None, query: Any) -> Any:
+    """One NVML query about the visible GPU (``index`` or the first one CUDA sees), shutting NVML down after."""
+    try:
+        return query(nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index))
     finally:
         try:
             nvml.nvmlShutdown()
