@@ -42,6 +42,7 @@ import argparse
 import concurrent.futures
 import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "scripts" / "grpo_tiny.py")
 MiB = 1024 * 1024
+# One intra-op thread per training process: the models are tiny, and on a shared 2-core machine torch's default of
+# one thread per core mostly waits (tests/conftest.py measured 4x slower under load). Thread counts do not change
+# which tensors are created, so the simulated device's figures are the same; set OMP_NUM_THREADS to override.
+ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+       "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass(frozen=True)
@@ -374,7 +381,7 @@ class Bench:
             t = time.perf_counter()
             try:
                 out = subprocess.run(self.command(s, d, *STRATEGIES[strategy]), cwd=d, capture_output=True, text=True,
-                                     timeout=self.timeout)
+                                     timeout=self.timeout, env=ENV)
                 row["exit_code"] = out.returncode
             except subprocess.TimeoutExpired:
                 row["exit_code"] = None
@@ -412,7 +419,7 @@ class Bench:
             try:
                 out = subprocess.run(self.command(s, d, "--config", str(d / "undo.lock.json"), "--probe-steps", "1",
                                                   "--max-attempts", "1", "--no-predict"),
-                                     cwd=d, capture_output=True, text=True, timeout=self.timeout)
+                                     cwd=d, capture_output=True, text=True, timeout=self.timeout, env=ENV)
                 rc: int | None = out.returncode
                 tail = (out.stderr or out.stdout).strip().splitlines()[-1:]
             except subprocess.TimeoutExpired:
@@ -462,7 +469,10 @@ def build_models(variants: set[str], where: str | None, tiny: str | None) -> dic
         if v == "tiny" and tiny:
             models[v] = tiny
         else:
-            models[v] = str(build(base / f"{v}-llama", **VARIANTS[v]))
+            try:
+                models[v] = str(build(base / f"{v}-llama", **VARIANTS[v]))
+            except Exception as e:  # e.g. a directory the builder did not make: it is never overwritten
+                raise SystemExit(f"cannot build the {v} model in {base / f'{v}-llama'}: {e}") from None
     return models
 
 
