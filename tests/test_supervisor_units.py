@@ -77,3 +77,27 @@ def test_a_failure_right_after_a_rung_whose_overrides_broke_it_takes_the_rung_ba
     assert sup._decide(broke, None) is AttemptKind.PROBE
     assert "took back expandable_segments" in broke.note
     assert "expandable_segments" in sup.climb.refused and "expandable_segments" not in sup.climb.remedies_in_force()
+
+
+def test_minimize_never_probes_the_same_overrides_twice():
+    """A graded rung climbed twice is one trial (every pass of it leaves together), and a rung whose removal changes
+    nothing (blocked by a later rung) is no trial at all."""
+    from oomguard.choose import Rung
+    from oomguard.climb import Climb
+    from oomguard.minimize import Minimizer
+    from oomguard.strategies import make_remedy
+
+    c = Climb(load_ladder("default"))
+    seq, lora, q4 = make_remedy("shorter_sequences"), make_remedy("lora"), make_remedy("load_4bit")
+    c.climbed = c.applied = [Rung(seq), Rung(lora), Rung(seq), Rung(q4)]
+    m = Minimizer()
+    m.start(c)
+    trials = []
+    while (name := m.next_trial(c)) is not None:
+        trials.append((name, c.effective(name)[0]))
+    names = [n for n, _ in trials]
+    assert sorted(names) == sorted(set(names))  # no rung twice
+    assert len({k for _, k in trials}) == len(trials)  # no overrides twice
+    assert "shorter_sequences" in names
+    # without lora, load_4bit brings its own LoRA r=16: the same knobs as with it, so that trial is skipped
+    assert "lora" not in names
