@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +37,47 @@ except ImportError:  # pragma: no cover
     pass
 
 STALE_AFTER_S = 86400.0  # cached builds of other keys older than this are removed
+MAX_WORKERS = 4  # an end-to-end test is one single-threaded training process at a time (two with torchrun)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a run runs, and where: `python -m pytest -q` runs the whole suite but the `slow` tests, on up to MAX_WORKERS
+# cores (pyproject's addopts say `-n auto`); a narrower run (paths, node ids, -k) stays in one process.
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for `-n auto`: one per core for a run of the whole suite (or of a marker: `-m slow`), none otherwise.
+
+    A run of one file or test pays no worker start-up; the whole suite, mostly subprocesses each on one thread,
+    takes half the time on two cores. OOMGUARD_TEST_WORKERS=N decides instead (0: in this process).
+    """
+    chosen = os.environ.get("OOMGUARD_TEST_WORKERS") or os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        try:
+            return max(0, int(chosen))
+        except ValueError:
+            raise pytest.UsageError(f"OOMGUARD_TEST_WORKERS={chosen!r} is not a number: use e.g. 2, or 0 for no "
+                                    "workers") from None
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(cores, MAX_WORKERS) if whole else 0
+    return workers if workers > 1 else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave out the `slow` tests unless chosen (`-m slow`, any -m, or a node id); on workers, end-to-end tests first.
+
+    A `slow` test repeats, at full cost, what a faster test of the default run already proves; CI runs them too
+    (`python -m pytest -q -m slow`). The longest tests first keep both workers busy to the end.
+    """
+    named = any("::" in str(a) for a in config.args)
+    if not config.option.markexpr and not named:
+        slow = [i for i in items if i.get_closest_marker("slow")]
+        if slow:
+            items[:] = [i for i in items if not i.get_closest_marker("slow")]
+            config.hook.pytest_deselected(items=slow)
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda i: i.get_closest_marker("e2e") is None)  # stable: the same order on every worker
 
 
 def _cache_root(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -87,15 +127,9 @@ def tiny_model(build_model) -> str:
 
     OOMGUARD_TEST_MODEL=DIR keeps it in DIR instead: reused only if its stamp matches the builder, rebuilt if it is
     an outdated build of ours; a directory the builder did not make is left alone and the cached build used."""
-    from build_tiny_model import ForeignModelDir, build
+    from helpers import model_from_env
 
-    chosen = os.environ.get("OOMGUARD_TEST_MODEL")
-    if chosen:
-        try:
-            return str(build(Path(chosen)))
-        except ForeignModelDir as e:
-            warnings.warn(f"OOMGUARD_TEST_MODEL ignored: {e}", stacklevel=1)
-    return build_model("tiny")
+    return model_from_env(os.environ.get("OOMGUARD_TEST_MODEL"), lambda: build_model("tiny"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +27,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def env_without_launchers() -> dict[str, str]:
+    """``PATH`` without any directory that holds a ``python``, ``torchrun`` or ``accelerate``: a test run with it
+    shows its commands reach this interpreter and its launchers by themselves, not through PATH."""
+    bare = ("python", "torchrun", "accelerate")
+    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d and not any(os.access(os.path.join(d, name), os.X_OK) for name in bare)]
+    return {"PATH": os.pathsep.join(keep)}
 
 
 def grpo_tiny(model: str, output_dir: Path | str, *args: str) -> list[str]:
@@ -67,3 +78,19 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def model_from_env(chosen: str | None, fallback: Callable[[], str]) -> str:
+    """OOMGUARD_TEST_MODEL's directory (``chosen``) if it holds, or may take, the tests' model; else ``fallback()``.
+
+    The end-to-end budgets are byte-exact for the builder's model: a build there is reused only if its stamp matches
+    the builder, an outdated build of ours is rebuilt, and anything else is left alone with a warning.
+    """
+    if chosen:
+        from build_tiny_model import ForeignModelDir, build
+
+        try:
+            return str(build(Path(chosen)))
+        except ForeignModelDir as e:
+            warnings.warn(f"OOMGUARD_TEST_MODEL ignored: {e}", stacklevel=2)
+    return fallback()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, accelerate_launch, grpo_tiny, run_oomguard, torchrun
+from helpers import TINY, accelerate_launch, env_without_launchers, grpo_tiny, run_oomguard, torchrun
 
 pytestmark = pytest.mark.e2e
 PLAIN = ("--no-probe", "--no-predict")
@@ -56,7 +56,8 @@ def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(t
 
 
 def test_a_script_that_saves_nothing_is_told_at_the_start(tmp_path, tiny_model):
-    out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "1"))
+    out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "1"),
+                            env=env_without_launchers())  # and the trainer is found without PATH
     assert rep["status"] == "stable" and "--checkpoint-every" in out.stderr
 
 
@@ -68,7 +69,7 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
     (cgroup / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n")
     (cgroup / "memory.max").write_text("max\n")
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(
-        tiny_model, tmp_path / "out", "--max-steps", "2", "--dataloader-num-workers", "2", "--kill-self-at-step", "1",
+        tiny_model, tmp_path / "out", "--max-steps", "1", "--dataloader-num-workers", "2", "--kill-self-at-step", "0",
         "--oom-marker", str(tmp_path / "killed"), "--oom-kill-counter", str(cgroup / "memory.events")),
         env={"OOMGUARD_CGROUP": str(cgroup)})
     a1, a2 = rep["attempts"]
@@ -80,10 +81,11 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
 
 def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
-    fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)"""
+    fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)
+    torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
-                                      "--max-completion-length", "64"))
+                                      "--max-completion-length", "64"), env=env_without_launchers())
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["oom"]["rank"] in (0, 1)
     assert a1["climbed"] == "fewer_generations" and rep["facts"]["world_size"] == 2
@@ -95,11 +97,12 @@ def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
 def test_accelerate_launch_one_rank_oom_stops_the_whole_group(tmp_path, tiny_model):
     """Only rank 1 runs out of memory; rank 0 would wait in a collective. The group stops together and both ranks
     are relaunched with the next rung. (On a machine without GPUs, `--multi_gpu` launches CPU ranks over gloo;
-    accelerate's `--cpu --num_processes N` starts N processes only under mpirun.)"""
+    accelerate's `--cpu --num_processes N` starts N processes only under mpirun.) No launcher or python on PATH."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--",
                             *accelerate_launch(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
-                                               "--oom-at-step", "1", "--oom-rank", "1", "--oom-marker",
-                                               str(tmp_path / "oomed")))
+                                               "--max-steps", "1", "--oom-at-step", "0", "--oom-rank", "1",
+                                               "--oom-marker", str(tmp_path / "oomed")),
+                             env=env_without_launchers())
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["oom"]["rank"] == 1
     crash = list((tmp_path / "wd").glob("runs/*/attempt-1/crash-rank*.json"))

@@ -11,6 +11,7 @@ climbed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,14 +102,36 @@ def test_load_4bit_with_the_scripts_own_lora(tmp_path, tiny_model):
     assert rep["original"]["lora_r"] == 8  # what the script set, recorded from its peft_config
 
 
+def write_lock(tmp: Path, **overrides) -> Path:
+    lock = tmp / "stable.lock.json"
+    lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": overrides}))
+    return lock
+
+
 def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
-    lock = tmp_path / "stable.lock.json"
-    lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": {"max_completion_length": 64}}))
-    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
+    lock = write_lock(tmp_path, max_completion_length=64)
+    _out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
     assert rep["status"] == "stable" and len(rep["attempts"]) == 1
     assert rep["attempts"][0]["knobs"]["max_completion_length"] == 64
     assert rep["diff"] == [{"knob": "max_completion_length", "from": 128, "to": 64, "remedy": "lock"}]
-    # a lock that no longer fits is reported, not climbed
+
+
+def test_a_lock_that_no_longer_fits_is_reported_not_climbed(tmp_path):
+    """The supervisor's side of a lock that stopped fitting: one attempt, exit 75, the way out. (The same with real
+    TRL is the slow test below; that a lock reaches GRPOConfig is shown by the replay test above.)"""
+    lock = write_lock(tmp_path, max_completion_length=64)
+    alloc = "import torch; x = torch.empty(100 * 2**20, dtype=torch.uint8)"  # 100 MiB on a 60 MiB device
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "60MiB", "--no-probe", "--config", str(lock), "--",
+                            sys.executable, "-c", alloc)
+    assert out.returncode == 75 and rep["status"] == "exhausted" and len(rep["attempts"]) == 1, out.stderr[-3000:]
+    assert rep["attempts"][0]["outcome"] == "oom" and "without --config" in rep["message"]
+
+
+@pytest.mark.slow
+def test_a_lock_that_no_longer_fits_a_real_grpo_run_is_reported_not_climbed(tmp_path, tiny_model):
+    """Slow: the test above shows the same on the supervisor's side in 3 s, the replay test that a lock reaches
+    TRL's GRPOConfig."""
+    lock = write_lock(tmp_path, max_completion_length=64)
     out, rep = grpo(tmp_path, tiny_model, "60MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
     assert out.returncode == 75 and rep["status"] == "exhausted" and len(rep["attempts"]) == 1
     assert "without --config" in rep["message"]
@@ -134,10 +157,15 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     assert saved == ["checkpoint-1", "checkpoint-2"]  # from the real run only
 
 
+@pytest.mark.slow
 def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_is_needed(tmp_path, tiny_model):
     """At 48 MiB a plain walk needs three OOMs (fewer generations, then 8-bit Adam, then LoRA). The memory model
     stops the user's config before it generates, chooses below the ladder prefix predicted to fit, and --minimize
-    then proves with probes that each rung left is needed."""
+    then proves with probes that each rung left is needed.
+
+    Slow: the default run's test_choose_e2e.py takes the same configuration (48 MiB, completions of 64) through the
+    pre-flight stop and the guided choice and checks the choice keeps only what is needed; what this adds is
+    --minimize's undo probes (five launches more)."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
                     extra=("--probe-steps", "2", "--minimize"))
     attempts = rep["attempts"]
