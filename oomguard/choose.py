@@ -4,13 +4,14 @@ The ladder walk finds *a* config that fits: the first prefix of the ladder the m
 a later rung it keeps every earlier one, so a run that needed only LoRA also gets its completions and generations
 halved. ``choose`` takes that prefix as the ceiling and picks, by prediction, the best config below it:
 
-1. **Drop** every climbed rung that is not needed. Among the subsets of the climbed rungs predicted to fit, the one
-   with the fewest quality trades wins, then the fewest speed trades, then the fewest changes of any kind; between
-   equals, the one whose rungs come earliest in the ladder (the ladder's order is the user's preference for what to
-   change first).
+1. **Drop** every climbed rung that is not needed. Among the subsets of the climbed rungs predicted to fit, those
+   with the fewest quality trades go on, then the fewest speed trades; between equals, those whose costly rungs come
+   earliest in the ladder (the ladder's order is the user's preference for what to change first).
 2. **Relax** each graded rung kept (completion length, generations, micro-batch, vLLM reservation), latest in the
    ladder first, to the value closest to the user's that is predicted to fit (``Remedy.relax``), e.g. 448 tokens
-   rather than a blind halving to 256.
+   rather than a blind halving to 256. Of the subsets still in the running (they differ only in free rungs such as
+   allocator settings), the one whose graded knobs end closest to the user's wins, then the one with fewer changes:
+   a free rung stays exactly when it lets a graded knob stay closer to the user's value.
 
 Configurations that already ran out of memory (``avoid``) are never chosen again. The result is 1-minimal under the
 model: undoing any single change of it is predicted not to fit.
@@ -103,10 +104,32 @@ def _plain(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
+# The graded knobs a relaxation moves, for how far a config is from the user's (relative change, summed).
+GRADED_KNOBS = ("max_completion_length", "num_generations", "per_device_train_batch_size",
+                "vllm_gpu_memory_utilization")
+
+
 def _rank(names: Sequence[str], trades: dict[str, str], position: dict[str, int]) -> tuple[Any, ...]:
-    """Smaller is better: fewer quality trades, then speed, host, any change; then the earliest-listed rungs."""
+    """Smaller is better: fewer quality trades, then speed, then host; then the earliest-listed such rungs. Rungs that
+    trade nothing (allocator settings) are left to the second round, where relaxing decides them."""
     counts = Counter(trades[n] for n in names)
-    return (*(counts.get(t, 0) for t in TRADE_COST), tuple(sorted((position[n] for n in names), reverse=True)))
+    costly = [position[n] for n in names if trades[n] != "nothing"]
+    return (*(counts.get(t, 0) for t in TRADE_COST[:-1]), tuple(sorted(costly, reverse=True)))
+
+
+def distance(user: Knobs, knobs: Knobs) -> float:
+    """How far the graded knobs are from the user's: the sum of their relative changes.
+
+    >>> from oomguard.knobs import TRL_DEFAULTS
+    >>> distance(TRL_DEFAULTS, TRL_DEFAULTS.replace(max_completion_length=384, per_device_train_batch_size=4))
+    0.75
+    """
+    total = 0.0
+    for k in GRADED_KNOBS:
+        u, v = getattr(user, k), getattr(knobs, k)
+        if isinstance(u, (int, float)) and isinstance(v, (int, float)) and u:
+            total += abs(v - u) / abs(u)
+    return round(total, 9)
 
 
 def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool], *, order: Sequence[str] = (),
@@ -117,6 +140,11 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     ``start`` is where the rungs replay from (the user's config, with a lock's pins); ``user`` is the user's own config
     that graded knobs relax towards (default ``start``). ``order`` lists the ladder's rung names (its preference);
     ``peak`` (optional) gives a predicted peak, recorded for each dropped rung.
+
+    Two rounds: the subsets predicted to fit with the fewest costly trades (quality, then speed, then host; between
+    equals, the earliest-listed) go on; each is relaxed, and the one whose graded knobs end closest to the user's
+    wins, then the one with fewer free changes. So a free rung (expandable segments) is kept exactly when it lets a
+    graded knob stay closer to the user's value.
     """
     facts = facts or RunFacts()
     user = user or start
@@ -126,22 +154,44 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     position = {n: (order.index(n) if n in order else len(order) + i) for i, n in enumerate(names)}
     avoid_set = list(avoid)
 
-    def knobs_of(keep: Collection[str], rungs: Sequence[Rung] = climbed) -> Knobs:
-        return replay(start, [r for r in rungs if r.name in keep], facts)[0]
+    def knobs_of(keep: Collection[str]) -> Knobs:
+        return replay(start, [r for r in climbed if r.name in keep], facts)[0]
 
     def ok(k: Knobs) -> bool:
         return k not in avoid_set and fits(k)
 
-    best: tuple[Any, ...] | None = None
-    keep: list[str] | None = None
+    def relax(keep: Collection[str]) -> tuple[list[Rung], Knobs, list[tuple[str, Any, Any]]]:
+        """The graded rungs kept, the user's least preferred (latest-listed) first, each at the value closest to
+        the user's that still fits."""
+        rungs = [r for r in climbed if r.name in keep]
+        knobs = replay(start, rungs, facts)[0]
+        relaxed: list[tuple[str, Any, Any]] = []
+        for name in sorted((n for n in keep if by_name[n].graded), key=lambda n: -position[n]):
+            remedy = by_name[name]
+            first = next(i for i, r in enumerate(rungs) if r.name == name)
+            for cand in remedy.relax(user, knobs, facts.world_size):
+                values = tuple((k, getattr(cand, k)) for k in remedy.changes)
+                trial = [r for r in rungs[:first] if r.name != name] + [
+                    Rung(remedy, rungs[first].diagnosis, values)] + [r for r in rungs[first + 1:] if r.name != name]
+                new = replay(start, trial, facts)[0]
+                if new != knobs and ok(new):
+                    relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
+                    rungs, knobs = trial, new
+                    break
+        return rungs, knobs, relaxed
+
+    finalists: list[list[str]] = []
     if len(names) <= EXHAUSTIVE_LIMIT:
+        best: tuple[Any, ...] | None = None
         for n in range(len(names) + 1):
             for subset in itertools.combinations(names, n):
                 key = _rank(subset, trades, position)
-                if best is not None and key >= best:
+                if best is not None and key > best:
                     continue
                 if ok(knobs_of(subset)):
-                    best, keep = key, list(subset)
+                    if best is None or key < best:
+                        best, finalists = key, []
+                    finalists.append(list(subset))
     elif ok(knobs_of(names)):
         # Greedy: drop the costliest rungs first (quality before speed, latest-listed first) while it still fits.
         keep = list(names)
@@ -149,33 +199,23 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
             trial = [m for m in keep if m != n]
             if ok(knobs_of(trial)):
                 keep = trial
-    if keep is None:
+        finalists = [keep]
+    if not finalists:
         return None
 
-    rungs = [r for r in climbed if r.name in keep]
-    knobs = replay(start, rungs, facts)[0]
+    def second_round(keep: list[str]) -> tuple[Any, ...]:
+        free = [position[n] for n in keep if trades[n] == "nothing"]
+        return (distance(user, relaxed_of[tuple(keep)][1]), len(free), tuple(sorted(free, reverse=True)))
+
+    relaxed_of = {tuple(k): relax(k) for k in finalists}
+    keep = min(finalists, key=second_round)
+    rungs, knobs, relaxed = relaxed_of[tuple(keep)]
     dropped = tuple(n for n in names if n not in keep)
     explain: dict[str, Any] = {}
-    if peak is not None:
-        p = peak(knobs)
+    if peak is not None and dropped:
+        p = peak(knobs_of(keep))
         explain = {n: {"predicted_bytes_without": p} for n in dropped}
-
-    # Relax the graded rungs kept, the user's least preferred (latest-listed) first.
-    relaxed: list[tuple[str, Any, Any]] = []
-    for name in sorted((n for n in keep if by_name[n].graded), key=lambda n: -position[n]):
-        remedy = by_name[name]
-        for cand in remedy.relax(user, knobs, facts.world_size):
-            values = tuple((k, getattr(cand, k)) for k in remedy.changes)
-            first = next(i for i, r in enumerate(rungs) if r.name == name)
-            diag = rungs[first].diagnosis
-            trial = [r for r in rungs[:first] if r.name != name] + [Rung(remedy, diag, values)] + [
-                r for r in rungs[first + 1:] if r.name != name]
-            new = replay(start, trial, facts)[0]
-            if new != knobs and ok(new):
-                relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
-                rungs, knobs = trial, new
-                break
     return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=tuple(relaxed), explain=explain)
 
 
-__all__ = ["EXHAUSTIVE_LIMIT", "TRADE_COST", "Choice", "Rung", "choose", "replay"]
+__all__ = ["EXHAUSTIVE_LIMIT", "GRADED_KNOBS", "TRADE_COST", "Choice", "Rung", "choose", "distance", "replay"]

@@ -60,6 +60,19 @@ def test_a_graded_knob_is_relaxed_to_the_closest_value_that_fits():
     assert replay(TRL_DEFAULTS, c.rungs)[0] == c.knobs
 
 
+def test_a_free_rung_stays_when_it_lets_a_graded_knob_stay_closer_to_yours():
+    """Allocator settings trade nothing: with them, completions relax to 288 tokens; without, only 256 fit. The run
+    that keeps more of the user's completions wins over the one with one change fewer."""
+    climbed = rungs("expandable_segments", "shorter_sequences")
+    c = choose(TRL_DEFAULTS, climbed, lambda k: memory(k) <= 19.5, order=ORDER)
+    assert c is not None and [r.name for r in c.rungs] == ["expandable_segments", "shorter_sequences"]
+    assert c.knobs.max_completion_length == 288
+    # when the free rung buys nothing (LoRA alone leaves room for every token), it goes
+    c = choose(TRL_DEFAULTS, rungs("expandable_segments", "shorter_sequences", "lora"), lambda k: memory(k) <= 11,
+               order=ORDER)
+    assert c is not None and [r.name for r in c.rungs] == ["lora"]
+
+
 def test_a_rung_climbed_twice_relaxes_between_both_steps():
     climbed = rungs("shorter_sequences", "shorter_sequences")  # 512 -> 256 -> 128
     c = choose(TRL_DEFAULTS, climbed, lambda k: k.max_completion_length <= 200, order=ORDER)
