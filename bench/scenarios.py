@@ -116,6 +116,8 @@ def summarise(report: Mapping[str, Any] | None, budget_bytes: int | None) -> dic
     >>> s = summarise(rep, 100 * MiB)
     >>> s["launches"], s["ooms"], s["predicted"], s["peak_fraction"], s["diff"], s["first_predicted"]
     (3, 1, 1, 0.5, 'optim=adamw_bnb_8bit', True)
+    >>> s["trail"]
+    '?:predicted → ?:oom → ?:ok'
     """
     rep = report if isinstance(report, Mapping) else {}
     attempts = [a for a in rep.get("attempts") or [] if isinstance(a, Mapping)]
@@ -134,7 +136,14 @@ def summarise(report: Mapping[str, Any] | None, budget_bytes: int | None) -> dic
         "peak_bytes": peak if isinstance(peak, int) else None,
         "peak_fraction": round(peak / capacity, 3) if isinstance(peak, int) and capacity else None,
         "diff": compact_diff(diff) if isinstance(diff, list) else None,
+        "trail": " → ".join(_step(a) for a in attempts),
     }
+
+
+def _step(a: Mapping[str, Any]) -> str:
+    """One attempt as ``kind:outcome``, with the rungs climbed after it (``+a+b``): the row's story in the JSON."""
+    climbed = a.get("climbed")
+    return f"{a.get('kind') or '?'}:{a.get('outcome') or '?'}" + (f" +{climbed}" if climbed else "")
 
 
 def _value(v: Any) -> str:

@@ -97,6 +97,7 @@ def test_report_counts_launches_real_ooms_and_predicted_stops_apart():
     s = sc.summarise(rep, None)
     assert (s["launches"], s["ooms"], s["predicted"], s["peak_fraction"]) == (5, 2, 1, 0.75)
     assert s["diff"] == "optim=adamw_bnb_8bit"
+    assert s["trail"] == "probe:predicted → probe:oom → probe:ok → minimize:oom → run:ok"
 
 
 def test_a_report_missing_fields_gives_blanks_not_a_crash():
