@@ -55,7 +55,10 @@ def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(t
     assert rep["status"] == "stable"
 
 
+@pytest.mark.slow
 def test_a_script_that_saves_nothing_is_told_at_the_start(tmp_path, tiny_model):
+    """Slow: the default run's lock replay test (tests/test_run_e2e.py) runs the same kind of script, which saves
+    nothing, and checks the same hint, also without python on PATH."""
     out, rep = run_oomguard(tmp_path, *PLAIN, "--", *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "1"),
                             env=env_without_launchers())  # and the trainer is found without PATH
     assert rep["status"] == "stable" and "--checkpoint-every" in out.stderr
@@ -82,13 +85,17 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
 def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
     fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)
-    torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH."""
+    torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH. This is the default
+    run's end-to-end test of the fewer_generations rung on a real (simulated) OOM; test_fewer_generations, one rank,
+    is `slow`."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                       "--max-completion-length", "64"), env=env_without_launchers())
     a1, a2 = rep["attempts"]
     assert a1["outcome"] == "oom" and a1["oom"]["rank"] in (0, 1)
     assert a1["climbed"] == "fewer_generations" and rep["facts"]["world_size"] == 2
+    assert "floor" in {s["remedy"]: s["reason"] for s in a1["skipped"]}["shorter_sequences"]  # 64 tokens: its floor
+    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"num_generations": 2, "per_device_train_batch_size": 2}
     configs = [e for e in events_of(tmp_path, 2) if e["event"] == "config"]
     assert sorted(e["rank"] for e in configs) == [0, 1]  # the bootstrap reached every worker, not the launcher
     assert a2["knobs"]["num_generations"] == 2 and a2["outcome"] == "ok" and rep["status"] == "stable"

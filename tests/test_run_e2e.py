@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import grpo_tiny, run_oomguard
+from helpers import env_without_launchers, grpo_tiny, run_oomguard
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,10 @@ def test_shorter_sequences(tmp_path, tiny_model):
     assert a[0]["oom"]["kind"] != "fragmentation"
 
 
+@pytest.mark.slow
 def test_fewer_generations(tmp_path, tiny_model):
+    """Slow: test_torchrun_two_ranks_on_the_simulated_device (tests/test_launchers_resume.py) climbs the same rung on
+    a real OOM from the same start (completions of 64, at their floor) and checks the same skip and diff."""
     out, rep = grpo(tmp_path, tiny_model, "84MiB", "--max-completion-length", "64")
     a = assert_rung_fixed_it(out, rep, "fewer_generations")
     assert "floor" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["shorter_sequences"]
@@ -109,11 +112,15 @@ def write_lock(tmp: Path, **overrides) -> Path:
 
 
 def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
+    """Also: a script that saves no checkpoints is told how to lose fewer steps, and the trainer is found by its
+    interpreter's path with no python on PATH."""
     lock = write_lock(tmp_path, max_completion_length=64)
-    _out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", extra=("--no-probe", "--config", str(lock)))
+    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", env=env_without_launchers(),
+                    extra=("--no-probe", "--config", str(lock)))
     assert rep["status"] == "stable" and len(rep["attempts"]) == 1
     assert rep["attempts"][0]["knobs"]["max_completion_length"] == 64
     assert rep["diff"] == [{"knob": "max_completion_length", "from": 128, "to": 64, "remedy": "lock"}]
+    assert "saves no checkpoints" in out.stderr and "--checkpoint-every" in out.stderr
 
 
 def test_a_lock_that_no_longer_fits_is_reported_not_climbed(tmp_path):
