@@ -40,3 +40,11 @@ def test_the_session_model_is_the_builders(tiny_model):
     from pathlib import Path
 
     assert json.loads((Path(tiny_model) / STAMP).read_text())["key"] == key_of()
+
+
+def test_doctests():
+    import doctest
+
+    import build_tiny_model
+
+    assert doctest.testmod(build_tiny_model).failed == 0
