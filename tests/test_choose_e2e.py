@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SCRIPTS, run_oomguard
+from helpers import PYTHON, SCRIPTS, run_oomguard
 
 pytestmark = pytest.mark.e2e
 
 
 def grpo(tmp: Path, model: str, budget: str, *args: str, extra: tuple = ()):
-    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", "python", str(SCRIPTS / "grpo_tiny.py"),
+    out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", PYTHON, str(SCRIPTS / "grpo_tiny.py"),
                             "--model", model, "--output-dir", str(tmp / "out"), *args)
     assert rep is not None, out.stderr[-3000:]
     return out, rep

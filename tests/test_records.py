@@ -6,7 +6,15 @@ import os
 import pytest
 
 from oomguard.oom import Frame, parse_oom
-from oomguard.records import CRASH_SCHEMA, CrashRecord, RecordError, read_events, write_json_atomic
+from oomguard.records import (
+    CRASH_SCHEMA,
+    CodeSeen,
+    CrashRecord,
+    RecordError,
+    StepDone,
+    read_events,
+    write_json_atomic,
+)
 
 
 def test_crash_record_round_trip(tmp_path):
@@ -46,6 +54,6 @@ def test_atomic_write_never_leaves_a_partial_file(tmp_path):
 
 def test_events_reader_skips_a_torn_line(tmp_path):
     p = tmp_path / "events.jsonl"
-    p.write_text('{"event": "config"}\n{"event": "st')
-    assert read_events(p) == [{"event": "config"}]
+    p.write_text('{"event": "config"}\n{"event": "step", "step": 2, "peak": 5}\n{"event": "st')
+    assert read_events(p) == [CodeSeen("config"), StepDone(step=2, peak=5)]
     assert read_events(tmp_path / "missing.jsonl") == []

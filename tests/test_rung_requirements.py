@@ -12,7 +12,7 @@ from oomguard.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.ladder import Exhausted, load_ladder
 from oomguard.strategies import Context
 
-from helpers import SCRIPTS, run_oomguard
+from helpers import PYTHON, SCRIPTS, run_oomguard
 
 
 def test_the_training_process_reports_what_it_cannot_import():
@@ -58,7 +58,7 @@ def test_a_rung_whose_overrides_break_the_launch_is_taken_back(tmp_path, tiny_mo
     ladder.write_text('[[rung]]\nremedy = "lora"\ntarget_modules = ["no_such_module"]\n\n'
                       '[[rung]]\nremedy = "load_4bit"\n')
     out, rep = run_oomguard(tmp_path, "--simulate-gpu", "48MiB", "--no-probe", "--no-predict", "--ladder", str(ladder),
-                            "--", "python", str(SCRIPTS / "grpo_tiny.py"), "--model", tiny_model, "--output-dir",
+                            "--", PYTHON, str(SCRIPTS / "grpo_tiny.py"), "--model", tiny_model, "--output-dir",
                             str(tmp_path / "out"), "--max-completion-length", "64", "--num-generations", "2",
                             "--per-device-train-batch-size", "2", "--optim", "adamw_bnb_8bit")
     assert rep is not None, out.stderr[-3000:]
