@@ -30,7 +30,8 @@ What each row measures (read from the RunReport; a field the report lacks is lef
   targets     what the row misses of: at most one real OOM (none when the first attempt was a pre-flight stop: the
               memory model was sure from the start), a minimal diff, stable within two launches after the first
 
-Run it (about 10 minutes per scenario on 2 cores; the checks add a probe per remedy in each final diff):
+Run it (all 16 rows: about 20 minutes on 2 shared cores, a quarter of it the checks' undo probes, one per remedy
+in each final diff; the same undo is probed once per bench run):
 
     python bench/scenarios.py [--only KEY]... [--strategy NAME]... [--jobs 1] [--json rows.json] [--no-check]
                               [--models DIR]
