@@ -128,7 +128,7 @@ class Climb:
         """
         before = self.effective()[0]
         start = self.original().merged(self.pinned)
-        pruned = [r for r in self.applied] != [r for r in self.climbed]
+        pruned = self.applied != self.climbed  # the config in force is a choice below the ceiling
         steps: list[Step] = []
         skipped: dict[str, str] = {}
         choice = None
@@ -163,8 +163,9 @@ class Climb:
 
     def _choose(self, start: Knobs, fits: Callable[[Knobs], bool],
                 peak: Callable[[Knobs], int | None] | None) -> Choice | None:
-        return choose(start, self.climbed, fits, order=[r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)], facts=self.facts,
-                      avoid=self.failed, user=self.original(), peak=peak)
+        order = [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
+        return choose(start, self.climbed, fits, order=order, facts=self.facts, avoid=self.failed,
+                      user=self.original(), peak=peak)
 
     def take_back(self, names: list[str], why: str) -> None:
         """Take rungs out for good because applying them broke the launch (an error in oomguard's own overrides, not
