@@ -36,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# The installed oomguard wins over the checkout (which has no oomguard.strategies: setup maps it from strategies/).
+# The installed oomguard (the wheel carried to the GPU machine) wins over the checkout.
 if importlib.util.find_spec("oomguard") is None:
     sys.path.append(str(ROOT))
 

@@ -51,14 +51,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-# The installed oomguard wins over the checkout: the checkout alone has no oomguard.strategies (setup maps it from
-# strategies/), so the repository root goes last, only for a checkout that nothing installed. oomguard is imported
-# here, before gpu_calibrate (which puts the root first on sys.path) is.
+# The installed oomguard (the wheel carried to the GPU machine) wins over the checkout, so the repository root goes
+# last, only for a checkout that nothing installed. oomguard is imported here, before gpu_calibrate (which puts the
+# root first on sys.path) is.
 if importlib.util.find_spec("oomguard") is None:
     sys.path.append(str(ROOT))
 from scenarios import compact_diff, minimal_verdict, missed_targets, undo_groups, undo_lock  # noqa: E402
 
 import oomguard  # noqa: E402, F401
+from oomguard.records import read_json_object  # noqa: E402
 
 GiB = 1024**3
 ARCH = "q3b"
@@ -387,8 +388,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float,
     (oomguard stops the attempt's process group and writes its report), then SIGTERM, then SIGKILL. Returns (exit
     code, wall seconds, whether it was cut short).
 
-    ``python -m oomguard`` puts its working directory first on sys.path, so it must not run in the repository root:
-    the checkout's oomguard (without oomguard.strategies) would shadow the installed one."""
+    ``python -m oomguard`` puts its working directory first on sys.path, so it runs outside the repository root: the
+    installed oomguard, not the checkout's, is the one measured."""
     t0 = time.monotonic()
     with log.open("w", encoding="utf-8", errors="replace") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -418,14 +419,6 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float,
                     continue
         reader.join(timeout=5)
     return proc.returncode, time.monotonic() - t0, cut
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _env(cache: Path) -> dict[str, str]:
@@ -464,7 +457,7 @@ def check_minimal(strategy: str, lock: Mapping[str, Any], checks: list[dict[str,
                "--", sys.executable, str(client)]
         print(f"check: is {c['remedy']} needed? replaying the lock without it (1-step probe)", flush=True)
         rc, wall, _ = run_logged(cmd, _env(d / "cache"), d / "log.txt", left - 50, cwd=d)
-        rep = _read_json(d / "report.json") or {}
+        rep = read_json_object(d / "report.json") or {}
         attempts = _attempts(rep)
         outcome = attempts[-1].get("outcome") if attempts else None
         result = {"ok": "fits", "oom": "oom", "predicted": "predicted"}.get(str(outcome),
@@ -505,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_report:
         rows = []
         for path in a.from_report:
-            rep = _read_json(Path(path))
+            rep = read_json_object(Path(path))
             if rep is None:
                 return _fail(f"gpu_quickstart: {path}: not a readable RunReport")
             rows.append(summarise_run(rep, capacity, strategy=Path(path).stem))
@@ -558,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = oomguard_command(strategy, client, out, work, a.gpu_memory, max_time=max(60.0, budget - 90))
         print(f"{strategy}: {' '.join(cmd)}", flush=True)
         rc, wall, cut = run_logged(cmd, _env(cache), out / f"quickstart-{strategy}.log", budget, cwd=work)
-        report = _read_json(report_path)
-        lock = _read_json(work / strategy / "oomguard.lock.json")
+        report = read_json_object(report_path)
+        lock = read_json_object(work / strategy / "oomguard.lock.json")
         checks: list[dict[str, Any]] = []
         row = summarise_run(report, capacity, strategy=strategy, wall=wall)
         if a.check_minimal and report and report.get("status") == "stable" and lock and row.get("checks"):

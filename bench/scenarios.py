@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomguard.records import read_json_object
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "scripts" / "grpo_tiny.py")
 MiB = 1024 * 1024
@@ -398,13 +400,13 @@ class Bench:
                 row["error"] = f"timed out after {self.timeout:.0f}s"
                 out = None
             row["wall"] = round(time.perf_counter() - t, 1)
-            report = _read_json(d / "report.json")
+            report = read_json_object(d / "report.json")
             if report is None and out is not None:
                 lines = (out.stderr or out.stdout).strip().splitlines()
                 row["error"] = lines[-1] if lines else "no report"
             row.update(summarise(report, parse_size(s.budget)))
             row["status"] = row["status"] or "no report"
-            lock = _read_json(d / "oomguard.lock.json")
+            lock = read_json_object(d / "oomguard.lock.json")
             if self.check and row["status"] == "stable" and lock is not None:
                 diff = lock.get("diff") if isinstance(lock.get("diff"), list) else (report or {}).get("diff") or []
                 row["checks"] = [self.undo(s, name, rows, lock) for name, rows in undo_groups(diff)]
@@ -434,7 +436,7 @@ class Bench:
                 tail = (out.stderr or out.stdout).strip().splitlines()[-1:]
             except subprocess.TimeoutExpired:
                 rc, tail = None, [f"timed out after {self.timeout:.0f}s"]
-            report = _read_json(d / "report.json")
+            report = read_json_object(d / "report.json")
             attempts = (report or {}).get("attempts") or []
             outcome = attempts[-1].get("outcome") if attempts and isinstance(attempts[-1], Mapping) else None
             if outcome == "ok":
@@ -459,14 +461,6 @@ def _knob_names() -> frozenset[str] | None:
     except ImportError:  # the bench outlives renames: fall back to "a knob has no space in its name"
         return None
     return frozenset(KNOB_NAMES)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def build_models(variants: set[str], where: str | None, tiny: str | None) -> dict[str, str]:

@@ -134,6 +134,20 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         return json.load(f)
 
 
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None when it is missing, unreadable or not an object (a run cut short may
+    leave no report, or half of one).
+
+    >>> read_json_object("/nonexistent/report.json") is None
+    True
+    """
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def check_schema(data: Any, expected: str, source: str) -> None:
     """Raise RecordError unless ``data`` is a record of ``expected``'s kind and major version."""
     if not isinstance(data, dict):

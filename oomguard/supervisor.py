@@ -60,6 +60,7 @@ from .records import (
     TrainBegin,
     now_iso,
     publish,
+    write_json_atomic,
 )
 from .resume import resume_plan
 from .sizes import format_size
@@ -222,8 +223,6 @@ class Supervisor:
         return attempt, diag
 
     def _write_plan(self, adir: Path, plan: Plan) -> Path:
-        from .records import write_json_atomic
-
         return write_json_atomic(adir / "plan.json", plan.to_dict())
 
     def _env(self, plan_path: Path, knobs: Knobs) -> dict[str, str]:
