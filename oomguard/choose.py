@@ -109,14 +109,6 @@ GRADED_KNOBS = ("max_completion_length", "num_generations", "per_device_train_ba
                 "vllm_gpu_memory_utilization")
 
 
-def _rank(names: Sequence[str], trades: dict[str, str], position: dict[str, int]) -> tuple[Any, ...]:
-    """Smaller is better: fewer quality trades, then speed, then host; then the earliest-listed such rungs. Rungs that
-    trade nothing (allocator settings) are left to the second round, where relaxing decides them."""
-    counts = Counter(trades[n] for n in names)
-    costly = [position[n] for n in names if trades[n] != "nothing"]
-    return (*(counts.get(t, 0) for t in TRADE_COST[:-1]), tuple(sorted(costly, reverse=True)))
-
-
 def distance(user: Knobs, knobs: Knobs) -> float:
     """How far the graded knobs are from the user's: the sum of their relative changes.
 
@@ -130,6 +122,52 @@ def distance(user: Knobs, knobs: Knobs) -> float:
         if isinstance(u, (int, float)) and isinstance(v, (int, float)) and u:
             total += abs(v - u) / abs(u)
     return round(total, 9)
+
+
+@dataclass(frozen=True)
+class Preference:
+    """The user's preference between configs below one ceiling, in one place (``choose`` and ``Climb.rechoose``).
+
+    ``key(names, knobs)`` is smaller for the better config: fewer quality trades, then speed, then host; then the
+    earliest-listed costly rungs; then graded knobs closer to the user's (``distance``); then fewer free rungs (those
+    that trade nothing, such as allocator settings), the earliest-listed first.
+
+    >>> from oomguard.knobs import TRL_DEFAULTS
+    >>> from oomguard.strategies import make_remedy
+    >>> pref = Preference.of([Rung(make_remedy("expandable_segments")), Rung(make_remedy("lora"))],
+    ...                      ["expandable_segments", "lora"], TRL_DEFAULTS)
+    >>> pref.key(["lora"], TRL_DEFAULTS) < pref.key(["expandable_segments", "lora"], TRL_DEFAULTS)
+    True
+    """
+
+    trades: dict[str, str]
+    position: dict[str, int]
+    user: Knobs
+
+    @classmethod
+    def of(cls, climbed: Sequence[Rung], order: Sequence[str], user: Knobs) -> Preference:
+        names = list(dict.fromkeys(r.name for r in climbed))
+        by_name = {r.name: r.remedy for r in climbed}
+        trades = {n: by_name[n].trades if by_name[n].trades in TRADE_COST else "speed" for n in names}
+        position = {n: (order.index(n) if n in order else len(order) + i) for i, n in enumerate(names)}
+        return cls(trades, position, user)
+
+    def rank(self, names: Collection[str]) -> tuple[Any, ...]:
+        """The first round: the costly trades. Rungs that trade nothing are left to the second round, where relaxing
+        decides them."""
+        counts = Counter(self.trades[n] for n in names)
+        costly = [self.position[n] for n in names if self.trades[n] != "nothing"]
+        return (*(counts.get(t, 0) for t in TRADE_COST[:-1]), tuple(sorted(costly, reverse=True)))
+
+    def closeness(self, names: Collection[str], knobs: Knobs) -> tuple[Any, ...]:
+        """The second round, between configs of equal rank: graded knobs closest to the user's, then fewer free
+        changes."""
+        free = [self.position[n] for n in names if self.trades[n] == "nothing"]
+        return (distance(self.user, knobs), len(free), tuple(sorted(free, reverse=True)))
+
+    def key(self, names: Collection[str], knobs: Knobs) -> tuple[Any, ...]:
+        names = list(dict.fromkeys(names))
+        return (*self.rank(names), *self.closeness(names, knobs))
 
 
 def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool], *, order: Sequence[str] = (),
@@ -150,8 +188,8 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     user = user or start
     names = list(dict.fromkeys(r.name for r in climbed))
     by_name = {r.name: r.remedy for r in climbed}
-    trades = {n: by_name[n].trades if by_name[n].trades in TRADE_COST else "speed" for n in names}
-    position = {n: (order.index(n) if n in order else len(order) + i) for i, n in enumerate(names)}
+    pref = Preference.of(climbed, order, user)
+    trades, position = pref.trades, pref.position
     avoid_set = list(avoid)
 
     def knobs_of(keep: Collection[str]) -> Knobs:
@@ -185,7 +223,7 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
         best: tuple[Any, ...] | None = None
         for n in range(len(names) + 1):
             for subset in itertools.combinations(names, n):
-                key = _rank(subset, trades, position)
+                key = pref.rank(subset)
                 if best is not None and key > best:
                     continue
                 if ok(knobs_of(subset)):
@@ -203,12 +241,8 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     if not finalists:
         return None
 
-    def second_round(keep: list[str]) -> tuple[Any, ...]:
-        free = [position[n] for n in keep if trades[n] == "nothing"]
-        return (distance(user, relaxed_of[tuple(keep)][1]), len(free), tuple(sorted(free, reverse=True)))
-
     relaxed_of = {tuple(k): relax(k) for k in finalists}
-    keep = min(finalists, key=second_round)
+    keep = min(finalists, key=lambda k: pref.closeness(k, relaxed_of[tuple(k)][1]))
     rungs, knobs, relaxed = relaxed_of[tuple(keep)]
     dropped = tuple(n for n in names if n not in keep)
     explain: dict[str, Any] = {}
@@ -218,4 +252,4 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=tuple(relaxed), explain=explain)
 
 
-__all__ = ["EXHAUSTIVE_LIMIT", "GRADED_KNOBS", "TRADE_COST", "Choice", "Rung", "choose", "distance", "replay"]
+__all__ = ["EXHAUSTIVE_LIMIT", "GRADED_KNOBS", "TRADE_COST", "Choice", "Preference", "Rung", "choose", "distance", "replay"]

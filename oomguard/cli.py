@@ -130,6 +130,10 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--minimize", is_flag=True,
               help="After the memory model's choice, also prove it: drop each remaining rung in turn, costliest "
                    "first, and keep it only if a probe without it runs out of memory.")
+@click.option("--no-refine", is_flag=True,
+              help="Once the chosen config's probe fits, go straight to the run: do not choose again with what the "
+                   "probe measured, nor probe the changes the memory model is unsure of (fewer launches; the "
+                   "config may keep a change memory did not demand).")
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
               help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
                    "steps (oomguard continues from the newest checkpoint).")
@@ -141,7 +145,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float, no_preflight: bool,
-        minimize: bool, checkpoint_every: int | None,
+        minimize: bool, no_refine: bool, checkpoint_every: int | None,
         html_path: str | None, quiet: bool, json_log: bool) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
 
@@ -180,6 +184,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          simulate_gpu=sim, gpu_memory=cap, report_path=Path(report_path), lock_path=Path(lock_path),
                          workdir=Path(workdir), replay=replay, predict=not no_predict,
                          probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
+                         refine=not no_refine,
                          preflight_margin=None if (no_preflight or no_predict) else preflight_margin,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)

@@ -3,7 +3,8 @@
 It holds the three layers of knobs (TRL defaults, what the code itself set, the rungs in force), replays the rungs
 to get the effective knobs, decides the config after each OOM (``choose_next``: climb the ladder, then keep only
 what memory demands, see ``oomguard.choose``), and builds the RunReport with the diff. Nothing outside it changes
-its state: run and guard call ``record``, ``learn``, ``choose_next``, ``drop`` and ``give_up``.
+its state: run and guard call ``record``, ``learn``, ``choose_next``, ``drop`` and ``give_up``; run also
+``rechoose`` after a probe fits.
 
 >>> from oomguard.ladder import load_ladder
 >>> c = Climb(load_ladder("default"))
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .choose import Choice, Rung, choose, replay
+from .choose import Choice, Preference, Rung, choose, replay
 from .diagnose import Diagnosis
 from .knobs import TRL_DEFAULTS, Knobs, RunFacts
 from .ladder import Exhausted, Ladder, Step
@@ -61,6 +62,8 @@ class Climb:
     applied: list[Rung] = field(default_factory=list)  # the rungs in force: climbed, or what choose() kept of them
     choice: Choice | None = None  # the last choice, for the report
     failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
+    verified: list[Knobs] = field(default_factory=list)  # configs an attempt (a probe) ran without running out
+    rechosen: list[Knobs] = field(default_factory=list)  # configs rechoose() put in force
     refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
     attempts: list[Attempt] = field(default_factory=list)
     exhausted: Exhausted | None = None
@@ -104,6 +107,8 @@ class Climb:
         self.attempts.append(attempt)
         if attempt.outcome in ("oom", "predicted"):
             self.failed.append(Knobs.from_dict(attempt.knobs))
+        elif attempt.outcome == "ok":
+            self.verified.append(Knobs.from_dict(attempt.knobs))
 
     def learn(self, facts: RunFacts) -> None:
         """Take newer facts about the run (model shape, prompt lengths, world size) from the training code."""
@@ -161,11 +166,39 @@ class Climb:
         return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
                         skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
 
+    def rechoose(self, fits: Callable[[Knobs], bool],
+                 peak: Callable[[Knobs], int | None] | None = None) -> Choice | None:
+        """After a probe fits: make the choice again below the same ceiling, with what the probe taught the model.
+
+        The new choice is put in force only when the user would prefer it (``Preference``: fewer or cheaper trades,
+        graded knobs closer to theirs, fewer free changes) to the config in force, which the probe showed to fit;
+        else nothing changes and None is returned. Each adoption is strictly preferred to the last, so repeating this
+        after every passing probe ends. Once a re-chosen config has run out of memory, the model's calibration has
+        shown it cannot tell the configs near the device's edge apart: no more re-choosing in this run.
+        """
+        if not self.climbed or not self.applied or any(k in self.failed for k in self.rechosen):
+            return None
+        current = self.effective()[0]
+        choice = self._choose(self.original().merged(self.pinned), fits, peak)
+        if choice is None or choice.knobs == current:
+            return None
+        pref = Preference.of(self.climbed, self._order(), self.original())
+        if pref.key([r.name for r in choice.rungs], choice.knobs) >= pref.key(self.remedies_in_force(), current):
+            return None
+        self.applied, self.choice = list(choice.rungs), choice
+        self.rechosen.append(choice.knobs)
+        return choice
+
+    def _order(self) -> list[str]:
+        return [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
+
     def _choose(self, start: Knobs, fits: Callable[[Knobs], bool],
                 peak: Callable[[Knobs], int | None] | None) -> Choice | None:
-        order = [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
-        return choose(start, self.climbed, fits, order=order, facts=self.facts, avoid=self.failed,
-                      user=self.original(), peak=peak)
+        def shown_or_predicted(k: Knobs) -> bool:  # a config a probe ran fits, whatever the model now says
+            return k in self.verified or fits(k)
+
+        return choose(start, self.climbed, shown_or_predicted, order=self._order(), facts=self.facts,
+                      avoid=self.failed, user=self.original(), peak=peak)
 
     def take_back(self, names: list[str], why: str) -> None:
         """Take rungs out for good because applying them broke the launch (an error in oomguard's own overrides, not

@@ -901,6 +901,13 @@ def _forward_backward(s: _Step) -> dict[str, int]:
     g_head = 0 if g.lora else V * h * g.b_w  # lm_head/embedding gradient once the head's backward returned
     grads_new = 0 if ga > 1 else 1  # with GA > 1 the gradient buffers already exist (grads_before)
     grads_before = grads if ga > 1 else 0  # later micro-steps of an accumulation window start with gradients
+    # Within one layer's backward its gradients are allocated while its saved activations are consumed and freed,
+    # so the layer holds about the larger of the two, not both (a wide, one-layer model showed it: counting both
+    # over-predicted its peak by 31%). With GA > 1 the gradients already exist and the activations come on top.
+    g_layer = max(0, grads - g_head) // max(1, spec.num_layers)
+    own = max(a.A, g_layer) if grads_new else a.A  # the layer in backward: activations and new gradients together
+    own_acts = own - grads_new * g_layer
+    others = a.stored if gc else a.stored - a.A  # the other layers' saved activations (checkpointed: their inputs)
     cands = {
         # end of forward: stored activations, the final norm, the head's forward, all autocast copies cached
         "forward": ({"activations": a.stored + a.final_norm + a.final_out + a.mask, "logits": hb["forward"],
@@ -908,13 +915,13 @@ def _forward_backward(s: _Step) -> dict[str, int]:
         # the head's backward: grad_hidden, grad_weight (full), mm_buf and tile temporaries
         "head_backward": ({"activations": a.stored + a.final_norm + a.mask, "logits": hb["backward"],
                            "weights": 0 if gc else c.all}),
-        # backward of the last layer: its recomputed activations (GC) and gradient buffers, the head's gradient
-        "layer_backward": ({"activations": a.stored + (a.A if gc else 0) + a.grad_tr + a.mask,
-                            "gradients": grads_new * (g_head + grads // max(1, spec.num_layers)),
+        # backward of the last layer: its (recomputed) activations and gradient buffers, the head's gradient
+        "layer_backward": ({"activations": others + own_acts + a.grad_tr + a.mask,
+                            "gradients": grads_new * (g_head + g_layer),
                             "weights": c.layer if gc else c.all}),
         # backward of the first layer and the embedding: every gradient exists. With checkpointing the layer's
         # 16-bit input (B·T·h·2, under 1% here) also lives; it is left out so that checkpointing stays monotone.
-        "backward_end": ({"activations": a.A + a.grad_tr + a.mask, "gradients": grads_new * grads,
+        "backward_end": ({"activations": own_acts + a.grad_tr + a.mask, "gradients": grads_new * grads,
                           "weights": c.layer}),
         # the embedding's backward, after the first layer's has freed its activations: a tied embedding's dense
         # gradient [V, h] is a temporary that AccumulateGrad adds into the lm_head's in place

@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 from . import allocconf
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .choose import Choice
 from .classify import classify
-from .climb import Climb, Decision
+from .climb import Climb
 from .command import (
     EXIT_BUG,
     EXIT_EXHAUSTED,
@@ -102,6 +103,7 @@ class RunOptions:
     predict: bool = True  # let the memory model choose (ceiling, drops, relaxed graded knobs)
     probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
     minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
+    refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
     checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
     oom_grace: float = 10.0  # after a rank reports an OOM, how long the others may take to stop before we stop them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
@@ -338,13 +340,11 @@ class Supervisor:
             return None
         if attempt.kind == AttemptKind.MINIMIZE:
             attempt.note = self.minimizer.settle(c, attempt.outcome == Outcome.OK)
-            return self._after_fit()
+            return self._after_fit(attempt)
         if attempt.outcome == Outcome.OK:
             if attempt.kind == AttemptKind.RUN:
                 return None
-            if self.o.minimize and not self.minimizer.started and c.applied:
-                self.minimizer.start(c)
-            return self._after_fit()
+            return self._after_fit(attempt)
         # out of memory, or stopped by the pre-flight check
         if self.o.replay:
             self.ui.decision([], c.give_up("lock", "a locked config is replayed without climbing"), {})
@@ -352,9 +352,39 @@ class Supervisor:
         self.last_diag = diag
         return self._choose(attempt, diag)
 
-    def _after_fit(self) -> AttemptKind:
-        """After a probe fits: the next minimize trial, or the real run."""
-        return AttemptKind.MINIMIZE if self.minimizer.next_trial(self.climb) else AttemptKind.RUN
+    def _after_fit(self, attempt: Attempt) -> AttemptKind:
+        """After a probe fits (or an undo trial settles): a config the user prefers that the model, calibrated by
+        what the probe measured, now predicts to fit (probed next); else the next undo trial (every rung with
+        ``--minimize``; by default those whose removal the model is unsure of); else the real run."""
+        c = self.climb
+        refine = self.guide is not None and self.o.refine
+        fits = self.guide.fits(c.facts) if refine and self.guide is not None else None
+        if fits is not None and self._room_for(2) and self.guide is not None:
+            choice = c.rechoose(fits, self.guide.peak(c.facts))
+            if choice is not None:
+                before = set(attempt.remedies)
+                self.newly = [n for n in c.remedies_in_force() if n not in before]
+                attempt.choice = {**choice.to_dict(), "after": "probe"}
+                self.ui.message("  re-chose with what the probe measured: a config closer to yours is predicted "
+                                "to fit")
+                for line in self._explain(choice):
+                    self.ui.message(line)
+                return AttemptKind.PROBE
+        worth = self.guide.plausible(c.facts) if refine and self.guide is not None else None
+        if not self.minimizer.started and c.applied and (self.o.minimize or worth is not None):
+            self.minimizer.start(c)
+        if self.minimizer.started and (name := self.minimizer.next_trial(c, None if self.o.minimize else worth)):
+            why = ("--minimize" if self.o.minimize
+                   else "predicted just over the device without it, within the model's error")
+            self.ui.message(f"  is {name} needed? one probe without it ({why})")
+            return AttemptKind.MINIMIZE
+        return AttemptKind.RUN
+
+    def _room_for(self, attempts: int) -> bool:
+        """Whether --max-attempts leaves room for this many more counted attempts (a better config's probe must
+        not take the place of the real run)."""
+        counted = sum(1 for a in self.climb.attempts if a.kind != AttemptKind.MINIMIZE)
+        return counted + attempts <= self.o.max_attempts
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> AttemptKind | None:
         """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""
@@ -379,15 +409,18 @@ class Supervisor:
         attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
         self.newly = [n for n in c.remedies_in_force() if n not in before]
         self.ui.decision(decision.steps, None, decision.changes, attempt.skipped)
-        for line in self._explain(decision):
-            self.ui.message(line)
-        return AttemptKind.PROBE if self.o.probe_steps > 0 else AttemptKind.RUN
+        if decision.choice is not None:
+            for line in self._explain(decision.choice):
+                self.ui.message(line)
+        if self.o.probe_steps <= 0:
+            return AttemptKind.RUN
+        if c.effective()[0] in c.verified:  # a probe already ran this config: no second probe
+            self.ui.message("  back to a config a probe already showed to fit")
+            return self._after_fit(attempt)
+        return AttemptKind.PROBE
 
-    def _explain(self, decision: Decision) -> list[str]:
+    def _explain(self, ch: Choice) -> list[str]:
         """One line per rung dropped and per graded knob relaxed by the choice, with the prediction behind it."""
-        ch = decision.choice
-        if ch is None:
-            return []
         cap = format_size(self.capacity) if self.capacity else "the device"
         lines = []
         if ch.dropped:

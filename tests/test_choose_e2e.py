@@ -26,22 +26,25 @@ def grpo(tmp: Path, model: str, budget: str, *args: str, extra: tuple = ()):
 
 def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_needed(tmp_path, tiny_model):
     """At 48 MiB the user's config is predicted at more than twice the device: it stops before generating, with no
-    real OOM. The ladder prefix predicted to fit has five rungs; the choice keeps three and says why the others go."""
+    real OOM. The ladder prefix predicted to fit has five rungs; the choice keeps three and says why the others go.
+    Once its probe fits, the model is unsure whether expandable segments are needed (without them it predicts a few
+    percent over the device): one probe without them fits, so the run goes without them."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64")
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
     assert attempts[0]["outcome"] == "predicted" and attempts[0]["kind"] == "probe"
     assert "pre-flight" in out.stderr and "stopped by the pre-flight check" in out.stderr
     assert not any(a["outcome"] == "oom" for a in attempts)  # zero real OOMs: the model was sure
-    assert len(attempts) <= 3  # the stop, one probe, the run
+    assert [(a["kind"], a["outcome"]) for a in attempts[1:]] == [("probe", "ok"), ("minimize", "ok"), ("run", "ok")]
     assert "pre-flight stop" in rep["message"]
     choice = attempts[0]["choice"]
     assert choice["dropped"] and all(d["predicted_bytes_without"] <= 48 * 2**20 for d in choice["dropped"])
     assert "not needed:" in out.stderr
+    assert "expandable_segments" in choice["rungs"]
+    assert attempts[2]["note"] == "expandable_segments is not needed: the probe fits without it"
     final = attempts[-1]
-    assert final["kind"] == "run" and final["outcome"] == "ok"
-    assert set(final["remedies"]) == set(choice["rungs"])
-    assert not set(final["remedies"]) & {d["remedy"] for d in choice["dropped"]}
+    assert set(final["remedies"]) == set(choice["rungs"]) - {"expandable_segments"}
+    assert "expandable_segments" not in {r["knob"] for r in rep["diff"]}
 
 
 def test_a_graded_knob_is_relaxed_instead_of_halved(tmp_path, tiny_model):
@@ -59,14 +62,14 @@ def test_a_graded_knob_is_relaxed_instead_of_halved(tmp_path, tiny_model):
 def test_when_a_chosen_config_runs_out_of_memory_the_climb_learns_and_puts_something_back(tmp_path, tiny_model):
     """The memory model is told the device is 40% larger than the simulated one, so its first choice is too small
     for the real budget: that probe runs out of memory, the model learns, and the next choice fits. No config is
-    tried twice."""
+    tried twice. (Without refining, so that the probe that fits is followed by the run.)"""
     from oomguard.ladder import load_ladder
     from oomguard.supervisor import RunOptions, Supervisor
     from oomguard.ui import ConsoleReporter
 
     budget = 118 * 2**20
     opts = RunOptions(ladder=load_ladder("default"), simulate_gpu=budget, capacity=int(budget * 1.4), probe_steps=2,
-                      preflight_margin=None, report_path=tmp_path / "r.json", lock_path=tmp_path / "l.json",
+                      preflight_margin=None, refine=False, report_path=tmp_path / "r.json", lock_path=tmp_path / "l.json",
                       workdir=tmp_path / "wd", echo=False)
     import json
     import os
