@@ -357,10 +357,9 @@ class Supervisor:
         what the probe measured, now predicts to fit (probed next); else the next undo trial (every rung with
         ``--minimize``; by default those whose removal the model is unsure of); else the real run."""
         c = self.climb
-        refine = self.guide is not None and self.o.refine
-        fits = self.guide.fits(c.facts) if refine and self.guide is not None else None
-        if fits is not None and self._room_for(2) and self.guide is not None:
-            choice = c.rechoose(fits, self.guide.peak(c.facts))
+        guide = self.guide if self.o.refine else None
+        if guide is not None and self._room_for(2) and (fits := guide.fits(c.facts)) is not None:
+            choice = c.rechoose(fits, guide.peak(c.facts))
             if choice is not None:
                 before = set(attempt.remedies)
                 self.newly = [n for n in c.remedies_in_force() if n not in before]
@@ -370,7 +369,7 @@ class Supervisor:
                 for line in self._explain(choice):
                     self.ui.message(line)
                 return AttemptKind.PROBE
-        worth = self.guide.plausible(c.facts) if refine and self.guide is not None else None
+        worth = guide.plausible(c.facts) if guide is not None else None
         if not self.minimizer.started and c.applied and (self.o.minimize or worth is not None):
             self.minimizer.start(c)
         if self.minimizer.started and (name := self.minimizer.next_trial(c, None if self.o.minimize else worth)):

@@ -25,9 +25,12 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind != AttemptKind.MINIMIZE)
         stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED)
+        trials = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind == AttemptKind.MINIMIZE)
+        proof = (f"; {trials} probe(s) without a change ran out of memory, showing it needed" if trials else "")
         if ooms or stops:
             return "stable", 0, f"stable after {ooms} out-of-memory attempt(s)" + (
-                f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before generating)" if stops else "")
+                f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before generating)" if stops
+                else "") + proof
         if replay:
             return "stable", 0, (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} "
                                  "override(s), no rung climbed")

@@ -213,3 +213,17 @@ def test_back_to_a_config_a_probe_ran_goes_on_without_probing_it_again(tmp_path)
     sup.guide = ToyGuide(1.0, 1.0)  # the closer config ran out of memory, and the model learned
     assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None) is AttemptKind.RUN
     assert sup.climb.effective()[0] == verified
+
+
+def test_the_final_message_counts_undo_trials_that_ran_out_apart_from_the_climbs_ooms():
+    from oomguard.verdict import conclude
+
+    c = Climb(DEFAULT)
+    record(c, "predicted")
+    record(c, "ok")
+    record(c, "oom", kind="minimize")
+    record(c, "ok", kind="run")
+    status, code, message = conclude(c.attempts[-1], c)
+    assert (status, code) == ("stable", 0)
+    assert message.startswith("stable after 0 out-of-memory attempt(s) and 1 pre-flight stop(s)")
+    assert "1 probe(s) without a change ran out of memory, showing it needed" in message
