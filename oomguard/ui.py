@@ -39,6 +39,10 @@ class Progress:
     capacity: int | None = None
     started: float = field(default_factory=time.monotonic)
     run_started: float = field(default_factory=time.monotonic)
+    label: str | None = None  # how the console names the attempt ("probe 2/8", "minimize trial 1")
+
+    def title(self) -> str:
+        return self.label or f"{self.kind} {self.index}/{self.max_attempts}"
 
     def update(self, ev: Any) -> None:
         """Follow one event of the training process (a process may build several trainers: each has its own count)."""
@@ -61,7 +65,7 @@ class Progress:
             if self.step is not None else "starting"
         peak = f", peak {format_size(self.peak)}" + (f" of {format_size(self.capacity)}" if self.capacity else "") \
             if self.peak is not None else ""
-        return f"{self.kind} {self.index}/{self.max_attempts}: {step}{peak}, {self.elapsed()}"
+        return f"{self.title()}: {step}{peak}, {self.elapsed()}"
 
 
 def _clock(seconds: float) -> str:
@@ -77,7 +81,7 @@ def status_panel(p: Progress) -> Any:
     t = Table.grid(padding=(0, 1))
     t.add_column(style="bold magenta")
     t.add_column()
-    t.add_row("oomguard", f"{p.kind} {p.index}/{p.max_attempts}   elapsed {p.elapsed()} "
+    t.add_row("oomguard", f"{p.title()}   elapsed {p.elapsed()} "
                           f"(run {_clock(time.monotonic() - p.run_started)})")
     t.add_row("rungs", ", ".join(p.remedies) if p.remedies else "none: your config as it is")
     step = "starting" if p.step is None else f"{p.step}" + (f" / {p.max_steps}" if p.max_steps and p.max_steps > 0
@@ -117,17 +121,17 @@ class ConsoleReporter:
 
     def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
                       kind: str) -> None:
-        self.state = Progress(index=index, max_attempts=max_attempts, kind=kind, remedies=list(remedies),
-                              capacity=self.state.capacity, run_started=self.state.run_started)
         # minimize trials do not count against --max-attempts: they are numbered apart, the others without them
         self._trials = trials = getattr(self, "_trials", 0) + (kind == "minimize")
+        what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
+        label = f"minimize trial {trials}" if kind == "minimize" else f"{what} {index - trials}/{max_attempts}"
+        self.state = Progress(index=index, max_attempts=max_attempts, kind=kind, remedies=list(remedies),
+                              capacity=self.state.capacity, run_started=self.state.run_started, label=label)
         if self.quiet:
             return
-        what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
         extra = (f" with {', '.join(remedies)}" if remedies
                  else f" replaying the {len(changes)} override(s) of {self.lock}" if self.lock and changes
                  else " with your config as it is")
-        label = f"minimize trial {trials}" if kind == "minimize" else f"{what} {index - trials}/{max_attempts}"
         self._say(f"[bold]{label}[/]{extra}")
         if changes:
             self._say(f"  overrides: {_changes(changes)}")

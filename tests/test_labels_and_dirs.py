@@ -15,11 +15,14 @@ from oomguard.ui import ConsoleReporter
 
 def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
     ui = ConsoleReporter(live=False)
+    progress = []
     for index, kind in enumerate(["probe", "run", "probe", "minimize", "minimize", "minimize", "run"], start=1):
         ui.attempt_start(index, 4, ["lora"], {}, kind)
+        progress.append(ui.state.line().split(":")[0])  # the progress line a log without a terminal gets
     labels = [line.split(" with ")[0].removeprefix("oomguard ") for line in capsys.readouterr().err.splitlines()]
     assert labels == ["probe 1/4", "attempt 2/4", "probe 3/4", "minimize trial 1", "minimize trial 2",
                       "minimize trial 3", "attempt 4/4"]
+    assert progress == labels  # never "run 7/4" beside "attempt 4/4"
 
 
 def _after_a_new_run_rung(tmp_path: Path) -> Supervisor:
