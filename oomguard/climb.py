@@ -4,7 +4,7 @@ It holds the three layers of knobs (TRL defaults, what the code itself set, the 
 to get the effective knobs, decides the config after each OOM (``choose_next``: climb the ladder, then keep only
 what memory demands, see ``oomguard.choose``), and builds the RunReport with the diff. Nothing outside it changes
 its state: run and guard call ``record``, ``learn``, ``choose_next``, ``drop`` and ``give_up``; run also
-``rechoose`` after a probe fits.
+``rechoose`` after a probe fits and ``settle_rechoice`` when that config's probe ends.
 
 >>> from oomguard.ladder import load_ladder
 >>> c = Climb(load_ladder("default"))
@@ -63,7 +63,8 @@ class Climb:
     choice: Choice | None = None  # the last choice, for the report
     failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
     verified: list[Knobs] = field(default_factory=list)  # configs an attempt (a probe) ran without running out
-    rechosen: list[Knobs] = field(default_factory=list)  # configs rechoose() put in force
+    fallback: tuple[list[Rung], Choice | None] | None = None  # what a re-chosen config replaced, until its probe ends
+    rechoosing: bool = True  # off once a re-chosen config did not pass, or a real run outran its probe
     refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
     attempts: list[Attempt] = field(default_factory=list)
     exhausted: Exhausted | None = None
@@ -107,6 +108,10 @@ class Climb:
         self.attempts.append(attempt)
         if attempt.outcome in ("oom", "predicted"):
             self.failed.append(Knobs.from_dict(attempt.knobs))
+            if attempt.outcome == "oom" and attempt.kind == "run":
+                # the real run needed more than its probe showed: a passing probe no longer proves a config fits
+                self.verified.clear()
+                self.rechoosing = False
         elif attempt.outcome == "ok":
             self.verified.append(Knobs.from_dict(attempt.knobs))
 
@@ -173,10 +178,10 @@ class Climb:
         The new choice is put in force only when the user would prefer it (``Preference``: fewer or cheaper trades,
         graded knobs closer to theirs, fewer free changes) to the config in force, which the probe showed to fit;
         else nothing changes and None is returned. Each adoption is strictly preferred to the last, so repeating this
-        after every passing probe ends. Once a re-chosen config has run out of memory, the model's calibration has
-        shown it cannot tell the configs near the device's edge apart: no more re-choosing in this run.
+        after every passing probe ends. The config it replaces is kept until ``settle_rechoice`` hears how the new
+        one's probe ended.
         """
-        if not self.climbed or not self.applied or any(k in self.failed for k in self.rechosen):
+        if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]
         choice = self._choose(self.original().merged(self.pinned), fits, peak)
@@ -185,9 +190,21 @@ class Climb:
         pref = Preference.of(self.climbed, self._order(), self.original())
         if pref.key([r.name for r in choice.rungs], choice.knobs) >= pref.key(self.remedies_in_force(), current):
             return None
+        self.fallback = (list(self.applied), self.choice)
         self.applied, self.choice = list(choice.rungs), choice
-        self.rechosen.append(choice.knobs)
         return choice
+
+    def settle_rechoice(self, fits: bool) -> bool:
+        """The probe of a re-chosen config ended: keep it if it fit; else put back the config it replaced (which its
+        own probe showed to fit) and re-choose no more in this run: the model, calibrated as well as one probe allows,
+        cannot tell the configs near the device's edge apart. Returns whether a re-chosen config was pending."""
+        if self.fallback is None:
+            return False
+        if not fits:
+            self.applied, self.choice = self.fallback
+            self.rechoosing = False
+        self.fallback = None
+        return True
 
     def _order(self) -> list[str]:
         return [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]

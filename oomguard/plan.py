@@ -219,16 +219,18 @@ class Guide:
 
         return judge
 
-    def plausible(self, facts: RunFacts) -> Any:
-        """A Knobs -> bool: the config may fit (predicted at most ``doubt`` over the device); None without a model.
+    def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
+        """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the
+        device); None without a model.
 
         What ``oomguard run`` probes after the chosen config fits, to learn whether a change it kept is needed."""
         if self.spec(facts) is None:
             return None
+        limit = self.capacity * (1 + (self.doubt if doubt is None else doubt))
 
         def maybe(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and est.peak_bytes <= self.capacity * (1 + self.doubt)
+            return est is not None and est.peak_bytes <= limit
 
         return maybe
 

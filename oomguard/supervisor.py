@@ -334,6 +334,13 @@ class Supervisor:
         c = self.climb
         if self.interrupts.signum or attempt.outcome == Outcome.INTERRUPTED:
             return None
+        if attempt.outcome != Outcome.FAILED:
+            self.newly = []  # the rungs in force launched: a later failure is not theirs
+        if c.settle_rechoice(attempt.outcome == Outcome.OK) and attempt.outcome != Outcome.OK:
+            # the config chosen again after a probe fit did not hold: back to that one, which needs no new probe
+            attempt.note = "the config chosen again did not hold: back to the config the probe before showed to fit"
+            self.ui.message(f"  {attempt.note}")
+            return self._after_fit(attempt)
         if attempt.outcome == Outcome.FAILED:
             if attempt.override_error is not None and self.newly and not self.o.replay:
                 return self._take_back(attempt, attempt.override_error)
@@ -361,29 +368,36 @@ class Supervisor:
         if guide is not None and self._room_for(2) and (fits := guide.fits(c.facts)) is not None:
             choice = c.rechoose(fits, guide.peak(c.facts))
             if choice is not None:
-                before = set(attempt.remedies)
-                self.newly = [n for n in c.remedies_in_force() if n not in before]
                 attempt.choice = {**choice.to_dict(), "after": "probe"}
                 self.ui.message("  re-chose with what the probe measured: a config closer to yours is predicted "
                                 "to fit")
                 for line in self._explain(choice):
                     self.ui.message(line)
                 return AttemptKind.PROBE
-        worth = guide.plausible(c.facts) if guide is not None else None
+        # a change the model is unsure of, but not so unsure that the pre-flight check would stop the trial
+        margin = self.o.preflight_margin
+        doubt = None if guide is None else guide.doubt if margin is None else min(guide.doubt, margin)
+        worth = guide.plausible(c.facts, doubt) if guide is not None else None
         if not self.minimizer.started and c.applied and (self.o.minimize or worth is not None):
             self.minimizer.start(c)
-        if self.minimizer.started and (name := self.minimizer.next_trial(c, None if self.o.minimize else worth)):
+        if (self.minimizer.started and self._room_for(2, counted=False)
+                and (name := self.minimizer.next_trial(c, None if self.o.minimize else worth))):
             why = ("--minimize" if self.o.minimize
                    else "predicted just over the device without it, within the model's error")
             self.ui.message(f"  is {name} needed? one probe without it ({why})")
             return AttemptKind.MINIMIZE
         return AttemptKind.RUN
 
-    def _room_for(self, attempts: int) -> bool:
-        """Whether --max-attempts leaves room for this many more counted attempts (a better config's probe must
-        not take the place of the real run)."""
-        counted = sum(1 for a in self.climb.attempts if a.kind != AttemptKind.MINIMIZE)
-        return counted + attempts <= self.o.max_attempts
+    def _room_for(self, attempts: int, counted: bool = True) -> bool:
+        """Whether the budget leaves room for this many more attempts, so that an optional probe never takes the
+        real run's place: --max-attempts (for attempts it counts), and --max-time by the longest attempt so far."""
+        c = self.climb
+        if counted and sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE) + attempts > self.o.max_attempts:
+            return False
+        if self.o.max_time is not None:
+            longest = max((a.seconds for a in c.attempts), default=0.0)
+            return time.time() - c.started + (attempts - 1) * longest < self.o.max_time
+        return True
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> AttemptKind | None:
         """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""

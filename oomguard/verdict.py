@@ -24,7 +24,7 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
         return "interrupted", 128 + (signum or 2), "interrupted; no retry"
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind != AttemptKind.MINIMIZE)
-        stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED)
+        stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED and a.kind != AttemptKind.MINIMIZE)
         trials = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind == AttemptKind.MINIMIZE)
         proof = (f"; {trials} probe(s) without a change ran out of memory, showing it needed" if trials else "")
         if ooms or stops:
@@ -35,9 +35,11 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
             return "stable", 0, (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} "
                                  "override(s), no rung climbed")
         return "stable", 0, "the command fit on the first attempt; nothing changed"
-    if last.outcome == Outcome.OK:
-        return "exhausted", EXIT_EXHAUSTED, (f"the probe fits, but the budget (--max-attempts {max_attempts}) ran out "
-                                             "before the run")
+    budget = (f"--max-time {max_time:g}s" if max_time and time.time() - climb.started >= max_time
+              else f"--max-attempts {max_attempts}")
+    if last.outcome == Outcome.OK or (last.outcome != Outcome.FAILED and climb.verified and climb.exhausted is None):
+        return "exhausted", EXIT_EXHAUSTED, (f"a config fits (its probe passed), but the budget ({budget}) ran out "
+                                             "before the run (no lock written): raise it to train")
     if last.outcome == Outcome.FAILED:
         code = last.exit_code if last.exit_code is not None else 1
         return "failed", code, f"the command failed with exit code {code} (not an OOM); passed through without retrying"
@@ -49,8 +51,6 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
                 "no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no model with "
                 "from_pretrained before running out of memory, so only allocator settings apply")
         return "exhausted", EXIT_EXHAUSTED, "the ladder is used up: no rung left that can help"
-    budget = (f"--max-time {max_time:g}s" if max_time and time.time() - climb.started >= max_time
-              else f"--max-attempts {max_attempts}")
     return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
 
 

@@ -83,15 +83,34 @@ def test_rechoose_never_trades_the_config_a_probe_showed_to_fit_for_a_worse_one(
     assert c.effective()[0] == before and c.remedies_in_force() == rungs
 
 
+def test_a_rechosen_config_that_does_not_hold_gives_way_to_the_one_its_probe_showed_to_fit():
+    c = climbed_to(10.0)
+    verified = c.effective()[0]
+    record(c, "ok")
+    assert c.rechoose(under(15.0)) is not None
+    record(c, "oom")  # the closer config ran out of memory
+    assert c.settle_rechoice(False)
+    assert c.effective()[0] == verified
+    assert c.rechoose(under(15.0)) is None  # no more re-choosing in this run
+    assert not c.settle_rechoice(True)  # nothing pending
+
+
 def test_a_config_a_probe_ran_counts_as_fitting_whatever_the_model_learns_later():
     c = climbed_to(10.0)
     verified = c.effective()[0]
     record(c, "ok")
-    c.rechoose(under(15.0))
-    record(c, "oom")  # the closer config ran out of memory; the model now thinks even the first does not fit
+    q4 = Rung(make_remedy("load_4bit"))
+    c.climbed, c.applied = [*c.climbed, q4], [*c.applied, q4]
+    record(c, "oom")  # a later config ran out of memory; the model now thinks even the first does not fit
     c.choose_next(None, fits=under(1.0))
     assert c.effective()[0] == verified
-    assert c.rechoose(under(15.0)) is None  # a re-chosen config ran out: no more re-choosing in this run
+
+
+def test_a_real_run_that_outgrows_its_probe_voids_what_probes_showed():
+    c = climbed_to(10.0)
+    record(c, "ok")
+    record(c, "oom", kind="run")  # the run needed more than the probe showed
+    assert not c.verified and c.rechoose(under(15.0)) is None
 
 
 def test_undo_trials_ask_worth_when_each_rungs_turn_comes():
@@ -135,13 +154,15 @@ def supervisor(tmp_path: Path, **kw) -> Supervisor:
 class ToyGuide:
     """The Guide's judges over the toy model: ``fits`` under ``limit`` GiB, ``plausible`` under ``maybe``."""
 
+    doubt = 0.06
+
     def __init__(self, limit: float, maybe: float) -> None:
         self.limit, self.maybe = limit, maybe
 
     def fits(self, facts):
         return under(self.limit)
 
-    def plausible(self, facts):
+    def plausible(self, facts, doubt=None):
         return under(self.maybe)
 
     def peak(self, facts):
@@ -227,3 +248,49 @@ def test_the_final_message_counts_undo_trials_that_ran_out_apart_from_the_climbs
     assert (status, code) == ("stable", 0)
     assert message.startswith("stable after 0 out-of-memory attempt(s) and 1 pre-flight stop(s)")
     assert "1 probe(s) without a change ran out of memory, showing it needed" in message
+
+
+def test_a_rechosen_config_whose_overrides_break_the_launch_gives_way_without_ending_the_run(tmp_path):
+    sup = supervisor(tmp_path)
+    sup.guide = ToyGuide(10.0, 10.0)
+    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
+    verified, rungs = sup.climb.effective()[0], sup.climb.remedies_in_force()
+    sup.guide = ToyGuide(14.5, 10.0)
+    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.PROBE
+    broke = attempt(sup, AttemptKind.PROBE, Outcome.FAILED)
+    broke.override_error = {"where": "GRPOConfig", "error": "ValueError: nope"}
+    assert sup._decide(broke, None) is AttemptKind.RUN  # not "failed": the config before it is known to fit
+    assert sup.climb.effective()[0] == verified and not sup.climb.refused  # no rung refused for good
+    assert sup.climb.remedies_in_force() == rungs
+
+
+def test_rungs_that_launched_are_never_taken_back_for_a_later_failure(tmp_path):
+    sup = supervisor(tmp_path)
+    sup.guide = ToyGuide(10.0, 10.0)
+    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
+    assert sup.newly
+    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.RUN
+    broke = attempt(sup, AttemptKind.RUN, Outcome.FAILED)
+    broke.override_error = {"where": "GRPOTrainer", "error": "ValueError: resume"}
+    assert sup._decide(broke, None) is None and not sup.climb.refused
+
+
+def test_no_optional_probe_when_max_time_leaves_no_room_for_it_and_the_run(tmp_path):
+    sup = supervisor(tmp_path, max_time=100.0)
+    sup.guide = ToyGuide(12.0, 12.0)
+    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
+    sup.guide = ToyGuide(14.5, 15.5)
+    probe = attempt(sup, AttemptKind.PROBE, Outcome.OK)
+    probe.seconds = 120.0  # another probe would end past --max-time
+    assert sup._decide(probe, None) is AttemptKind.RUN
+
+
+def test_when_the_budget_ends_after_a_config_fit_the_message_says_so():
+    from oomguard.verdict import conclude
+
+    c = climbed_to(10.0)
+    record(c, "ok")
+    record(c, "oom", kind="minimize")
+    status, _, message = conclude(c.attempts[-1], c, max_attempts=2)
+    assert status == "exhausted"
+    assert message.startswith("a config fits (its probe passed), but the budget (--max-attempts 2) ran out")
