@@ -68,6 +68,9 @@ class Progress:
         return f"{self.title()}: {step}{peak}, {self.elapsed()}"
 
 
+KIND_NAMES = {"probe": "probe", "minimize": "minimize probe"}  # how the console names an attempt of each kind
+
+
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
@@ -123,7 +126,7 @@ class ConsoleReporter:
                       kind: str) -> None:
         # minimize trials do not count against --max-attempts: they are numbered apart, the others without them
         self._trials = trials = getattr(self, "_trials", 0) + (kind == "minimize")
-        what = {"probe": "probe", "minimize": "minimize probe"}.get(kind, "attempt")
+        what = KIND_NAMES.get(kind, "attempt")
         label = f"minimize trial {trials}" if kind == "minimize" else f"{what} {index - trials}/{max_attempts}"
         self.state = Progress(index=index, max_attempts=max_attempts, kind=kind, remedies=list(remedies),
                               capacity=self.state.capacity, run_started=self.state.run_started, label=label)
@@ -160,29 +163,31 @@ class ConsoleReporter:
 
     def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None:
         self._live = None
-        what = {"probe": "probe", "minimize": "minimize probe"}.get(attempt.kind, "attempt")
+        # the name attempt_start gave it ("attempt 3/8", "minimize trial 1"), so that start and end lines match
+        what = (self.state.label if self.state.index == attempt.index and self.state.label
+                else f"{KIND_NAMES.get(attempt.kind, 'attempt')} {attempt.index}")
         peak = f", peak {format_size(attempt.peak_bytes)}" if attempt.peak_bytes else ""
         step = f" at step {attempt.step}" if attempt.step is not None else ""
         if attempt.outcome == "ok":
             if not self.quiet:
-                self._say(f"{what} {attempt.index}: [green]finished[/] in {attempt.seconds:.1f}s{peak}")
+                self._say(f"{what}: [green]finished[/] in {attempt.seconds:.1f}s{peak}")
             return
         if attempt.outcome == "oom" and diagnosis is not None:
             r = diagnosis.report
             req = f" ({format_size(r.requested)} requested)" if r.requested else ""
-            self._say(f"{what} {attempt.index}: [red]out of memory[/]{step}{req}: [bold]{diagnosis.kind}[/]"
+            self._say(f"{what}: [red]out of memory[/]{step}{req}: [bold]{diagnosis.kind}[/]"
                       f"{' during ' + diagnosis.phase if diagnosis.phase != 'unknown' else ''}")
             for e in diagnosis.evidence[:3]:
                 self._say(f"  • {e}")
             return
         if attempt.outcome == "predicted":
-            self._say(f"{what} {attempt.index}: [yellow]stopped by the pre-flight check[/]: predicted "
+            self._say(f"{what}: [yellow]stopped by the pre-flight check[/]: predicted "
                       f"{format_size(attempt.predicted_bytes or 0)}, too far over the device to run")
             return
         if attempt.outcome == "failed":
-            self._say(f"{what} {attempt.index}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
+            self._say(f"{what}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
         elif attempt.outcome == "interrupted":
-            self._say(f"{what} {attempt.index}: interrupted")
+            self._say(f"{what}: interrupted")
 
     def decision(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
               skipped: list[dict[str, str]] | None = None) -> None:

@@ -25,6 +25,19 @@ def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
     assert progress == labels  # never "run 7/4" beside "attempt 4/4"
 
 
+def test_an_attempts_end_line_names_it_as_its_start_line_did(capsys):
+    from oomguard.records import Attempt
+
+    ui = ConsoleReporter(live=False)
+    for index, kind in enumerate(["probe", "minimize", "run"], start=1):
+        ui.attempt_start(index, 8, ["lora"], {}, kind)
+        ui.attempt_end(Attempt(index=index, knobs={}, remedies=["lora"], outcome="ok", exit_code=0, seconds=1.0,
+                               kind=kind), None)
+    ends = [line.removeprefix("oomguard ").split(":")[0] for line in capsys.readouterr().err.splitlines()
+            if "finished" in line]
+    assert ends == ["probe 1/8", "minimize trial 1", "attempt 2/8"]
+
+
 def _after_a_new_run_rung(tmp_path: Path) -> Supervisor:
     """A supervisor whose climb took optimizer_8bit (a rung a checkpoint cannot continue) since the checkpoint."""
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", predict=False),
