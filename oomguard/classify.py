@@ -1,36 +1,158 @@
-"""How an attempt ended, from what is left of it: the exit status, the events, the CrashRecord and the output's tail.
+"""How an attempt ended, decided once for the whole job from what its training processes recorded about themselves.
 
-In order: an interrupt; a clean exit; a pre-flight stop (its own exit code and event); an OOM the training process
-recorded (a CrashRecord); a SIGKILL with evidence of the kernel's OOM killer (``hostmem``); an OOM seen only in the
-output (a process that died before it could write a record); else a failure that is passed through untouched. A
-SIGKILL without such evidence (``kill -9``, ``timeout -s KILL``, a preemption) is never retried as an OOM.
+A launcher between oomguard and the training processes (torchrun, ``accelerate launch``, ``trl grpo``, a shell
+script, Slurm's ``srun``) replaces their exit codes with its own, so the exit code of the command is the last thing
+to trust. Every training process (one that passed a construction point: GRPOConfig, GRPOTrainer, from_pretrained)
+writes an ``end`` event when it ends (``exit`` with its code, ``error``, ``oom`` with a CrashRecord, ``predicted``)
+or writes none when a signal kills it. :class:`Ranks` gathers those records; :func:`classify` decides, in order:
+
+1. an interrupt (a signal to oomguard);
+2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly;
+3. a pre-flight stop (a ``predicted`` event);
+4. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
+   killer (``hostmem``); a SIGKILL without such evidence (``kill -9``, a preemption) is never retried as an OOM;
+5. an OOM seen only in the output (a process that died before it could write a record), when the job did not end
+   cleanly;
+6. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
+   code a launcher returned;
+7. else a failure, passed through with the command's own exit code and the first training process's reason.
+
+Where ranks record different endings (one OOM while the others wait, one stopped by the pre-flight), this order makes
+the decision once, for the whole job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .analyze import finding, finding_from_crash, finding_from_hit
-from .child.runtime import EXIT_PREDICTED
+from .child.runtime import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
 from .diagnose import Diagnosis, diagnose
 from .knobs import Knobs
 from .oom import OOMReport, scan_text
 from .proc import ProcessResult
-from .records import Attempt, ChildEvent, CrashRecord, Outcome, PreflightStop, RecordError, StepDone
+from .records import (
+    Attempt,
+    ChildEvent,
+    CodeSeen,
+    CrashRecord,
+    OOMRaised,
+    Outcome,
+    PreflightStop,
+    ProcessEnded,
+    RecordError,
+    StepDone,
+)
 from .sizes import format_size
 
 
-def crash_record(adir: Path, warn: Callable[[str], None]) -> CrashRecord | None:
-    """The first readable CrashRecord an attempt's ranks wrote (an unreadable one is named, then skipped)."""
+@dataclass
+class Ranks:
+    """The training processes of one attempt and how each said it ended (by pid).
+
+    >>> r = Ranks.of([CodeSeen("config", pid=1, rank=0), CodeSeen("config", pid=2, rank=1),
+    ...               ProcessEnded("exit", pid=1, rank=0, code=0)])
+    >>> r.clean(), r.silent(), r.failure()
+    (False, [2], None)
+    >>> Ranks.of([CodeSeen("config", pid=7), ProcessEnded("error", pid=7, error="KeyError: 'answer'")]).failure()
+    "the training process (pid 7) raised KeyError: 'answer'"
+    """
+
+    training: dict[int, int | None] = field(default_factory=dict)  # pid -> rank, in the order first seen
+    ended: dict[int, ProcessEnded] = field(default_factory=dict)  # pid -> its own record of its end
+    recovered: set[str] = field(default_factory=set)  # crash records of OOMs their process caught and outlived
+    stop: PreflightStop | None = None
+    finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
+
+    _ooms: dict[int, list[str]] = field(default_factory=dict)  # pid -> crash records its OOMs wrote
+
+    @classmethod
+    def of(cls, events: Iterable[ChildEvent]) -> Ranks:
+        r = cls()
+        for ev in events:
+            r.add(ev)
+        return r
+
+    def add(self, ev: ChildEvent) -> None:
+        """Take one event, in the order the processes wrote them."""
+        if isinstance(ev, CodeSeen) and ev.pid is not None:
+            self.training.setdefault(ev.pid, ev.rank)
+        elif isinstance(ev, ProcessEnded) and ev.pid is not None:
+            self.ended.setdefault(ev.pid, ev)
+            if ev.reached:
+                self.training.setdefault(ev.pid, ev.rank)
+            if ev.how == END_EXIT and ev.code == 0:
+                self.recovered.update(self._ooms.get(ev.pid, []))
+        elif isinstance(ev, OOMRaised) and ev.pid is not None and ev.path:
+            self._ooms.setdefault(ev.pid, []).append(ev.path)
+        elif isinstance(ev, PreflightStop) and self.stop is None:
+            self.stop = ev
+        elif isinstance(ev, StepDone) and ev.final and ev.pid is not None:
+            self.finished.add(ev.pid)
+
+    def decided(self, alive: Callable[[int], bool]) -> str | None:
+        """What settles the job's ending while other processes may still run (waiting at a collective for a rank
+        that is gone): a process that ended by OOM or the pre-flight check, a training process that failed, or one
+        that is gone without a word (``alive(pid)`` says). None while nothing does.
+
+        >>> r = Ranks.of([CodeSeen("trainer", pid=5, rank=1), ProcessEnded("oom", pid=5, rank=1, path="c.json")])
+        >>> r.decided(alive=lambda pid: True)
+        'rank 1 (pid 5) ended: oom'
+        >>> Ranks.of([CodeSeen("trainer", pid=5, rank=1)]).decided(alive=lambda pid: False)
+        'rank 1 (pid 5) is gone without a word'
+        """
+        for pid, e in self.ended.items():
+            if e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code))):
+                return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
+        gone = [pid for pid in self.silent() if not alive(pid)]
+        return f"{self.who(gone[0])} is gone without a word" if gone else None
+
+    def silent(self) -> list[int]:
+        """Training processes that wrote no end and had not finished training: killed by a signal, or still running.
+        (One that finished ``trainer.train()`` and then left by ``os._exit``, as some scripts do to skip a hanging
+        teardown, is not silent.)"""
+        return [pid for pid in self.training if pid not in self.ended and pid not in self.finished]
+
+    def clean(self) -> bool:
+        """Every training process ended with ``exit`` 0, or finished training and left without a word (False when
+        there is none to ask)."""
+        return bool(self.training) and all(
+            (e.how == END_EXIT and e.code == 0) if (e := self.ended.get(pid)) is not None else pid in self.finished
+            for pid in self.training)
+
+    def failure(self) -> str | None:
+        """The first training process that said it failed (an uncaught error, a non-zero ``sys.exit``), in words."""
+        for pid, e in self.ended.items():
+            if pid in self.training and (e.how == END_ERROR or (e.how == END_EXIT and e.code)):
+                what = f"raised {e.error or 'an exception'}" if e.how == END_ERROR else f"exited with code {e.code}"
+                return f"{self.who(pid)} {what}"
+        return None
+
+    def who(self, pid: int) -> str:
+        rank = self.training.get(pid, self.ended[pid].rank if pid in self.ended else None)
+        return f"rank {rank} (pid {pid})" if rank is not None else f"the training process (pid {pid})"
+
+
+def crash_record(adir: Path, warn: Callable[[str], None], skip: Iterable[str] = ()) -> CrashRecord | None:
+    """The first readable CrashRecord an attempt's ranks wrote (an unreadable one is named, then skipped), leaving out
+    those in ``skip`` (OOMs their process caught and outlived)."""
+    skipped = {str(Path(s)) for s in skip}
     for p in sorted(adir.glob("crash-*.json"), key=lambda p: p.stat().st_mtime):
+        if str(p) in skipped:
+            continue
         try:
             return CrashRecord.read(p)
         except RecordError as e:
             warn(str(e))
     return None
+
+
+def _sigkill(returncode: int) -> bool:
+    return returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
 
 
 def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildEvent], knobs: Knobs,
@@ -48,17 +170,8 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     if res.interrupted:
         attempt.outcome = Outcome.INTERRUPTED
         return attempt, None
-    if res.returncode == 0:
-        attempt.outcome = Outcome.OK
-        return attempt, None
-    stop = next((e for e in events if isinstance(e, PreflightStop)), None)
-    if stop is not None and res.returncode == EXIT_PREDICTED:
-        attempt.outcome = Outcome.PREDICTED
-        attempt.predicted_bytes = stop.predicted_bytes
-        attempt.note = (f"stopped before generating: predicted {format_size(stop.predicted_bytes or 0)}, "
-                        f"more than {100 * stop.margin:.0f}% over the capacity")
-        return attempt, None
-    crash = crash_record(adir, warn)
+    ranks = Ranks.of(events)
+    crash = crash_record(adir, warn, skip=ranks.recovered)
     if crash is not None:
         d = diagnose(crash.report, crash.frames, phase=crash.phase)
         attempt.outcome = Outcome.OOM
@@ -67,8 +180,15 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         if crash.step is not None:
             attempt.step = crash.step
         return attempt, d
-    sigkill = res.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
-    if sigkill and res.host_oom:  # a host-RAM OOM only with evidence (proc.py, hostmem.py)
+    if ranks.stop is not None:
+        stop = ranks.stop
+        attempt.outcome = Outcome.PREDICTED
+        attempt.predicted_bytes = stop.predicted_bytes
+        attempt.note = (f"stopped before generating: predicted {format_size(stop.predicted_bytes or 0)}, "
+                        f"more than {100 * stop.margin:.0f}% over the capacity")
+        return attempt, None
+    killed = _sigkill(res.returncode) or bool(ranks.silent())
+    if killed and res.host_oom:  # a host-RAM OOM only with evidence (proc.py, hostmem.py)
         report = OOMReport(backend="host", origin="oom-killer",
                            message=f"the training process was killed by SIGKILL (exit {res.exit_code}): "
                                    + "; ".join(res.host_oom))
@@ -77,17 +197,31 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d
-    hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
-    if hits:
-        hit = hits[-1]
-        attempt.outcome = Outcome.OOM
-        attempt.oom = finding_from_hit("stderr", hit)
-        return attempt, diagnose(hit.report, hit.frames)
-    if sigkill:  # a kill -9, `timeout -s KILL`, a preemption: not ours to retry
-        attempt.note = (f"killed by SIGKILL (exit {res.exit_code}) with no sign of the kernel's OOM killer "
-                        f"({res.host_checked}): passed through as a failure, not retried")
-        warn(f"attempt {index} was {attempt.note}")
+    clean = ranks.clean() if ranks.training else res.returncode == 0
+    if not clean:
+        hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
+        if hits:
+            hit = hits[-1]
+            attempt.outcome = Outcome.OOM
+            attempt.oom = finding_from_hit("stderr", hit)
+            return attempt, diagnose(hit.report, hit.frames)
+    if clean:
+        attempt.outcome = Outcome.OK
+        if res.returncode != 0:
+            attempt.note = (f"every training process finished, but the command exited with code {res.exit_code} "
+                            "(its launcher's own): the training counts as done; the code is passed through")
+            warn(f"attempt {index}: {attempt.note}")
+        return attempt, None
+    why = ranks.failure()
+    if why is None and killed:
+        silent = ranks.silent()
+        how = (f"{ranks.who(silent[0])} ended without a word (killed by a signal)" if silent
+               else f"killed by SIGKILL (exit {res.exit_code})")
+        why = (f"{how}, with no sign of the kernel's OOM killer ({res.host_checked or 'not checked'}): passed "
+               "through as a failure, not retried")
+        warn(f"attempt {index}: {why}")
+    attempt.note = why
     return attempt, None
 
 
-__all__ = ["classify", "crash_record"]
+__all__ = ["Ranks", "classify", "crash_record"]

@@ -55,8 +55,8 @@ class ProcessResult:
     stderr_tail: str
     interrupted: int | None  # the signal the supervisor received and forwarded, if any
     seconds: float
-    host_oom: list[str] = field(default_factory=list)  # evidence that the kernel's OOM killer ended it (SIGKILL only)
-    host_checked: str = ""  # what was looked at when a SIGKILL showed no such evidence
+    host_oom: list[str] = field(default_factory=list)  # evidence that the kernel's OOM killer ended a process of it
+    host_checked: str = ""  # what was looked at when there was no such evidence
     survivors: list[int] = field(default_factory=list)  # processes of the group still alive after the bounded wait
 
     @property
@@ -98,6 +98,25 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def process_alive(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process ``pid`` is alive; a zombie (dead, waiting for its parent to reap it) is not.
+
+    >>> process_alive(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        state = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: os.kill's answer stands
+    return state not in ("Z", "X")
 
 
 def group_alive(pgid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -220,7 +239,7 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
         t.join(timeout=5)
     res = ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start,
                         survivors=survivors)
-    if rc in (-signal.SIGKILL, 128 + signal.SIGKILL) and not interrupts.signum:
+    if not interrupts.signum:  # behind a launcher, a rank the OOM killer ended leaves any exit code: look every time
         res.host_oom = watch.evidence({proc.pid})
         res.host_checked = "" if res.host_oom else watch.describe_absence()
     else:

@@ -419,6 +419,8 @@ class CodeSeen:
     observed: dict[str, Any] = field(default_factory=dict)
     facts: dict[str, Any] = field(default_factory=dict)
     world_size: int | None = None
+    pid: int | None = None  # the process that passed it: a training process (see ``ProcessEnded``)
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -458,6 +460,7 @@ class StepDone:
     peak: int | None = None
     reserved: int | None = None
     final: bool = False
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -473,6 +476,8 @@ class OOMRaised:
     step: int | None = None
     phase: str | None = None
     path: str | None = None
+    pid: int | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -492,6 +497,24 @@ class PreflightStop:
     predicted_bytes: int | None = None
     capacity: int | None = None
     margin: float = 0.0
+    pid: int | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ProcessEnded:
+    """``end``: how one process of the attempt ended, in its own words (written once, at its end): ``exit`` with the
+    ``code`` it passed to ``sys.exit`` (0 for a plain end), ``error`` (an uncaught exception, not an OOM), ``oom``
+    (its CrashRecord at ``path``) or ``predicted`` (the pre-flight check stopped it). ``reached``: the construction
+    points it passed (config, trainer, model). A process killed by a signal writes none."""
+
+    how: str
+    pid: int | None = None
+    rank: int | None = None
+    code: int | None = None
+    error: str | None = None
+    path: str | None = None
+    reached: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -512,7 +535,7 @@ class OtherEvent:
 
 
 ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
-              | PreflightStop | OverrideFailed | OtherEvent)
+              | PreflightStop | ProcessEnded | OverrideFailed | OtherEvent)
 
 
 def _int(v: Any) -> int | None:
@@ -526,14 +549,16 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
     """One event line, typed. Missing or malformed fields read as None, never an exception.
 
     >>> parse_event({"event": "step", "step": 3, "peak": 100})
-    StepDone(step=3, peak=100, reserved=None, final=False)
+    StepDone(step=3, peak=100, reserved=None, final=False, pid=None)
     >>> parse_event({"event": "start", "argv": ["x"]}).name
     'start'
     """
     name = d.get("event")
     dict_or = lambda v: v if isinstance(v, dict) else {}  # noqa: E731
+    who = {"pid": _int(d.get("pid")), "rank": _int(d.get("rank"))}
     if name in ("config", "trainer"):
-        return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")))
+        return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")),
+                        **who)
     if name == "model":
         return ModelSeen(d.get("config") if isinstance(d.get("config"), dict) else None, _int(d.get("params")),
                          d.get("dtype"))
@@ -544,15 +569,21 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         return TrainBegin(_int(d.get("step")) or 0, _int(d.get("max_steps")) or None, str(d.get("save_strategy") or ""),
                           d.get("output_dir"))
     if name in ("step", "train_end"):
-        return StepDone(_int(d.get("step")), _int(d.get("peak")), _int(d.get("reserved")), name == "train_end")
+        return StepDone(_int(d.get("step")), _int(d.get("peak")), _int(d.get("reserved")), name == "train_end",
+                        _int(d.get("pid")))
     if name == "checkpoint":
         return CheckpointSaved(_int(d.get("step")), d.get("path"))
     if name == "oom":
-        return OOMRaised(_int(d.get("step")), d.get("phase"), d.get("path"))
+        return OOMRaised(_int(d.get("step")), d.get("phase"), d.get("path"), **who)
     if name == "generated" and d.get("kind"):
         return ConfigGenerated(str(d["kind"]), d.get("path"), d.get("config"), d.get("replaces"))
     if name == "predicted":
-        return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0))
+        return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
+                             **who)
+    if name == "end" and isinstance(d.get("how"), str):
+        reached = d.get("reached")
+        return ProcessEnded(d["how"], code=_int(d.get("code")), error=d.get("error"), path=d.get("path"),
+                            reached=tuple(str(r) for r in reached) if isinstance(reached, list) else (), **who)
     if name == "override_error":
         return OverrideFailed(str(d.get("where") or ""), str(d.get("error") or ""), tuple(d.get("overrides") or ()))
     return OtherEvent(str(name), dict(d))

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any, Protocol
 from . import allocconf
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
 from .choose import Choice
-from .classify import classify
+from .classify import Ranks, classify
 from .climb import Climb
 from .command import (
     EXIT_BUG,
@@ -42,7 +44,7 @@ from .knobs import Knobs, RunFacts, reachable
 from .ladder import Exhausted, Ladder, Step
 from .minimize import Minimizer
 from .plan import Guide
-from .proc import Interrupts, run_attempt
+from .proc import Interrupts, process_alive, run_attempt
 from .records import (
     LOCK_SCHEMA,
     Attempt,
@@ -54,7 +56,6 @@ from .records import (
     DatasetSeen,
     EventTail,
     ModelSeen,
-    OOMRaised,
     Outcome,
     OverrideFailed,
     RunReport,
@@ -72,6 +73,7 @@ BOOT_DIR = Path(__file__).resolve().parent / "child" / "_boot"
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
 # memory model learns from it, so choices after a probe keep that room.
 PROBE_TAIL = 0.01
+PROBE_DIR_PREFIX = "oomguard-probe-"  # in the temporary directory: a probe's output_dir, deleted when it ends
 
 
 class Reporter(Protocol):
@@ -105,7 +107,8 @@ class RunOptions:
     minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
     refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
     checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
-    oom_grace: float = 10.0  # after a rank reports an OOM, how long the others may take to stop before we stop them
+    oom_grace: float = 10.0  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
+    # how long the others may take to stop before oomguard stops them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report
     preflight_margin: float | None = 0.15  # stop a config predicted this far over capacity before it runs (None: off)
@@ -120,7 +123,8 @@ class _Watch:
     tail: EventTail
     progress: Any
     events: list[ChildEvent] = field(default_factory=list)
-    oom_seen_at: float | None = None
+    ranks: Ranks = field(default_factory=Ranks)
+    decided_at: float | None = None  # when a rank's end decided the attempt while others may still run
 
 
 class Supervisor:
@@ -186,7 +190,11 @@ class Supervisor:
         adir = self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
         remedies = c.remedies_in_force(without)
-        probe = {"steps": self.o.probe_steps, "rows": 64} if kind != AttemptKind.RUN else None
+        # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
+        # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
+        scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
+        probe = ({"steps": self.o.probe_steps, "rows": 64, "output_dir": str(scratch)} if scratch is not None
+                 else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
@@ -205,6 +213,9 @@ class Supervisor:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
             raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         self._watch(watch, live=False)  # the last lines the process wrote
         events = watch.events
         self._learn(events)
@@ -268,8 +279,7 @@ class Supervisor:
         for ev in fresh:
             w.events.append(ev)
             w.progress.update(ev)
-            if isinstance(ev, OOMRaised) and w.oom_seen_at is None:
-                w.oom_seen_at = time.monotonic()
+            w.ranks.add(ev)
             if w.kind != AttemptKind.RUN:
                 continue
             if isinstance(ev, TrainBegin):
@@ -282,12 +292,14 @@ class Supervisor:
                 self.checkpoint, self.checkpoint_knobs = ev.path, w.knobs
         if fresh and live:
             self.ui.progress(w.progress)
-        if w.oom_seen_at is not None:
-            waited = time.monotonic() - w.oom_seen_at
+        if w.decided_at is None and live and w.ranks.decided(alive=process_alive) is not None:
+            w.decided_at = time.monotonic()
+        if w.decided_at is not None:
+            waited = time.monotonic() - w.decided_at
             if waited > self.o.oom_grace + self.o.grace:
                 return signal.SIGKILL
             if waited > self.o.oom_grace:
-                return signal.SIGTERM  # a rank died of OOM; the others are stuck waiting for it
+                return signal.SIGTERM  # a rank's end decided the attempt; the others are stuck waiting for it
         return None
 
     def _learn(self, events: list[ChildEvent]) -> None:

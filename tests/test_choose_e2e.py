@@ -44,6 +44,7 @@ def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_neede
     assert attempts[2]["note"] == "expandable_segments is not needed: the probe fits without it"
     final = attempts[-1]
     assert set(final["remedies"]) == set(choice["rungs"]) - {"expandable_segments"}
+    assert "lora" in final["remedies"]  # LoRA's end-to-end test in the default run (test_lora is slow)
     assert "expandable_segments" not in {r["knob"] for r in rep["diff"]}
 
 

@@ -64,9 +64,11 @@ def test_a_script_that_saves_nothing_is_told_at_the_start(tmp_path, tiny_model):
     assert rep["status"] == "stable" and "--checkpoint-every" in out.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_model):
     """The kernel's OOM killer SIGKILLs the trainer and counts it in the cgroup (a stand-in cgroup here): host RAM,
-    so the host rungs are climbed, not the GPU ones."""
+    so the host rungs are climbed, not the GPU ones. Slow: the launch matrix (tests/test_launch_matrix.py) sees the
+    same ending behind torchrun by default, and under every form with -m slow."""
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
     (cgroup / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n")
@@ -82,12 +84,13 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
     assert a2["outcome"] == "ok" and rep["status"] == "stable"
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
     fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)
     torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH. This is the default
     run's end-to-end test of the fewer_generations rung on a real (simulated) OOM; test_fewer_generations, one rank,
-    is `slow`."""
+    is `slow`. Slow itself: the launch matrix climbs under torchrun and accelerate by default."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                       "--max-completion-length", "64"), env=env_without_launchers())
@@ -101,10 +104,12 @@ def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     assert a2["knobs"]["num_generations"] == 2 and a2["outcome"] == "ok" and rep["status"] == "stable"
 
 
+@pytest.mark.slow
 def test_accelerate_launch_one_rank_oom_stops_the_whole_group(tmp_path, tiny_model):
     """Only rank 1 runs out of memory; rank 0 would wait in a collective. The group stops together and both ranks
     are relaunched with the next rung. (On a machine without GPUs, `--multi_gpu` launches CPU ranks over gloo;
-    accelerate's `--cpu --num_processes N` starts N processes only under mpirun.) No launcher or python on PATH."""
+    accelerate's `--cpu --num_processes N` starts N processes only under mpirun.) No launcher or python on PATH.
+    Slow: the launch matrix's accelerate-2-rank-1-oom cell runs the same ending by default."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--",
                             *accelerate_launch(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                                "--max-steps", "1", "--oom-at-step", "0", "--oom-rank", "1",

@@ -60,17 +60,18 @@ def test_empty_cache_when_the_user_keeps_expandable_segments_off(tmp_path, tiny_
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"torch_empty_cache_steps": 1, "max_split_size_mb": 21}
 
 
+@pytest.mark.slow
 def test_shorter_sequences(tmp_path, tiny_model):
+    """Slow: test_probe_finds_the_worst_case_first_and_saves_nothing climbs the same rung on a real OOM."""
     out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128")
     a = assert_rung_fixed_it(out, rep, "shorter_sequences")
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"max_completion_length": 64}
     assert a[0]["oom"]["kind"] != "fragmentation"
 
 
-@pytest.mark.slow
 def test_fewer_generations(tmp_path, tiny_model):
-    """Slow: test_torchrun_two_ranks_on_the_simulated_device (tests/test_launchers_resume.py) climbs the same rung on
-    a real OOM from the same start (completions of 64, at their floor) and checks the same skip and diff."""
+    """The default run's end-to-end test of this rung on a real (simulated) OOM; the same climb under torchrun,
+    test_torchrun_two_ranks_on_the_simulated_device (tests/test_launchers_resume.py), is `slow`."""
     out, rep = grpo(tmp_path, tiny_model, "84MiB", "--max-completion-length", "64")
     a = assert_rung_fixed_it(out, rep, "fewer_generations")
     assert "floor" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["shorter_sequences"]
@@ -90,7 +91,9 @@ def test_optimizer_8bit(tmp_path, tiny_model):
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
 
 
+@pytest.mark.slow
 def test_lora(tmp_path, tiny_model):
+    """Slow: the default run's test_choose_e2e.py keeps LoRA in the config it chooses at 48 MiB and trains with it."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", *FLOOR, "--optim", "adamw_bnb_8bit")
     assert_rung_fixed_it(out, rep, "lora")
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"lora_r": 16, "lora_alpha": 32,

@@ -6,6 +6,7 @@ script itself, so a launcher or a helper process that never trains pays almost n
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -13,19 +14,37 @@ import traceback
 from typing import Any
 
 from .hooks import when_imported
-from .runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, Runtime, runtime, set_runtime
+from .runtime import (
+    END_ERROR,
+    END_OOM,
+    EXIT_OOM,
+    PLAN_ENV,
+    SIMULATE_ENV,
+    Plan,
+    Runtime,
+    runtime,
+    set_runtime,
+)
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "torch.distributed.launch",
              "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
-             "deepspeed.launcher.launch")
+             "deepspeed.launcher.launch", "trl.cli.main", "trl.cli")
+# Console scripts that only start workers. TRL's CLI (`trl grpo ...`) parses the script's arguments into a GRPOConfig
+# and hands them to `accelerate launch`: the training runs in the process it starts.
+LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl")
 
 
 def is_launcher(argv: list[str] | None = None) -> bool:
-    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed): it must stay clean."""
+    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed, TRL's CLI): it must stay
+    clean, and it records nothing, so how an attempt ended is read from the workers it starts.
+
+    >>> is_launcher(["/venv/bin/trl", "grpo", "--config", "grpo.yaml"]), is_launcher(["python", "train.py"])
+    (True, False)
+    """
     argv = list(getattr(sys, "orig_argv", None) or sys.argv) if argv is None else argv
     for i, a in enumerate(argv[:4]):
         base = os.path.basename(a)
-        if base in ("torchrun", "accelerate", "deepspeed"):
+        if base in LAUNCHER_SCRIPTS:
             return True
         if a == "-m" and i + 1 < len(argv) and argv[i + 1] in LAUNCHERS:
             return True
@@ -53,8 +72,24 @@ def install() -> Runtime | None:
     set_runtime(rt)
     install_hooks(rt)
     install_excepthooks(rt)
+    install_exit_records(rt)
     rt.emit("start", argv=list(sys.argv), executable=sys.executable)
     return rt
+
+
+def install_exit_records(rt: Runtime) -> None:
+    """Every way this process can end leaves an ``end`` event: ``sys.exit`` notes its code, and an ``atexit``
+    handler (run at interpreter shutdown, after a clean end, ``sys.exit`` or an uncaught exception) writes it. The
+    excepthooks and the pre-flight check write theirs first; a process killed by a signal writes none."""
+    orig_exit = sys.exit
+
+    def exit(code: Any = None) -> Any:
+        rt.exit_code = code
+        return orig_exit(code)
+
+    exit.__doc__ = orig_exit.__doc__
+    sys.exit = exit
+    atexit.register(rt.at_exit)
 
 
 def install_hooks(rt: Runtime) -> None:
@@ -164,9 +199,11 @@ def install_excepthooks(rt: Runtime) -> None:
 
     def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
         if not is_oom(value):
+            rt.end(END_ERROR, error=f"{tp.__name__}: {value}"[:500])
             prev(tp, value, tb)
             return
         path = rt.record_crash(value)
+        rt.end(END_OOM, path=str(path) if path else None)
         full = "".join(traceback.format_exception(tp, value, tb))
         if path is not None:
             _add_traceback(path, full)

@@ -129,7 +129,8 @@ def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
     """A short worst-case rehearsal: few steps, full-length completions, nothing saved, nothing reported."""
     cfg.max_steps = int(probe.get("steps", 3))
     cfg.save_strategy = "no"
-    cfg.output_dir = probe.get("output_dir") or tempfile.mkdtemp(prefix="oomguard-probe-")
+    # The supervisor's scratch directory, deleted when the probe ends; never the user's own output_dir.
+    cfg.output_dir = probe.get("output_dir") or os.path.join(rt.plan.crash_dir or tempfile.mkdtemp(), "probe-output")
     cfg.report_to = []
     cfg.push_to_hub = False
     if hasattr(cfg, "eval_strategy"):

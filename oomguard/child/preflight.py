@@ -3,8 +3,9 @@
 At ``GRPOTrainer`` construction the training process knows the model's shape, the knobs and the prompt lengths. When
 the predicted device peak exceeds the capacity by a clear margin (the supervisor's ``--preflight-margin``, 15% by
 default), running on would only cost a generation and a crash, and on a shared GPU an OOM that a neighbour feels. The
-process reports a ``predicted`` event and exits with ``EXIT_PREDICTED``; the supervisor records the attempt with the
-outcome ``predicted`` and chooses the next config as after an OOM. A prediction that is merely close runs as usual.
+process reports a ``predicted`` event, ends with ``how=predicted`` and exits with ``EXIT_PREDICTED``; the supervisor
+records the attempt with the outcome ``predicted`` (from the events, whatever code a launcher between them turns that
+exit into) and chooses the next config as after an OOM. A prediction that is merely close runs as usual.
 
 Pure apart from the process exit: no torch import here.
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from ..estimate import Coefficients, ModelSpec, estimate
 from ..sizes import format_size
-from .runtime import EXIT_PREDICTED, Runtime
+from .runtime import END_PREDICTED, EXIT_PREDICTED, Runtime
 
 
 def verdict(preflight: dict[str, Any], predicted: int) -> str | None:
@@ -64,4 +65,5 @@ def check(rt: Runtime) -> None:
                      f"{100 * (peak / cap - 1):.0f}% over the {format_size(cap)} device; stopping before it "
                      "generates (--no-preflight runs it anyway)\n")
     sys.stderr.flush()
+    rt.end(END_PREDICTED)
     raise SystemExit(EXIT_PREDICTED)

@@ -23,8 +23,12 @@ PLAN_ENV = "OOMGUARD_PLAN"
 SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
 # Exit code of a training process that died of OOM after writing its CrashRecord.
 EXIT_OOM = 86
-# Exit code of a training process that the pre-flight check stopped: the memory model is sure it cannot fit.
+# Exit code of a training process that the pre-flight check stopped: the memory model is sure it cannot fit. Only a
+# courtesy to a reader of `echo $?`: the supervisor learns of the stop from the process's `end` event, since a launcher
+# between them (torchrun, accelerate, `trl`, a shell script) replaces the code.
 EXIT_PREDICTED = 87
+# How a process's `end` event says it ended (see Runtime.end).
+END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
 
 
 @dataclass
@@ -66,11 +70,14 @@ class Runtime:
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
         self.crashed = False
+        self.crash_path: Path | None = None  # the CrashRecord this process wrote (once)
         self.started = time.time()
         self.reached: set[str] = set()  # construction points passed: config, trainer, model
         self._facts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._events_warned = False
+        self.ended: str | None = None  # how this process ended, once its `end` event is written
+        self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
 
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any]) -> None:
@@ -118,6 +125,24 @@ class Runtime:
                 sys.stderr.write(f"oomguard: warning: cannot write events to {path} ({e.strerror or e}): oomguard "
                                  "will not see your config, progress or checkpoints from this process (the diff "
                                  "starts from TRL's defaults); check the space and permissions of --workdir\n")
+
+    def end(self, how: str, **data: Any) -> None:
+        """Write this process's ``end`` event, once: the supervisor decides how the attempt ended from these records
+        (and the crash records), never from the exit code of a launcher that may sit between it and this process.
+
+        ``how``: ``exit`` (the interpreter shuts down; ``code`` is what the script passed to ``sys.exit``, else 0),
+        ``error`` (an uncaught exception that is not an OOM), ``oom`` (a CrashRecord was written and the process is
+        about to exit) or ``predicted`` (the pre-flight check stopped it). A process killed by a signal writes none.
+        """
+        with self._lock:
+            if self.ended is not None:
+                return
+            self.ended = how
+        self.emit("end", how=how, reached=sorted(self.reached), **data)
+
+    def at_exit(self) -> None:
+        """The ``atexit`` handler: a process that reaches interpreter shutdown ends with ``exit`` and its code."""
+        self.end(END_EXIT, code=exit_status(self.exit_code))
 
     # -- memory ------------------------------------------------------------------------------------------------
     def peak_bytes(self) -> int | None:
@@ -179,13 +204,13 @@ class Runtime:
 
     # -- crash -------------------------------------------------------------------------------------------------
     def record_crash(self, exc: BaseException) -> Path | None:
-        """Write the CrashRecord for an OOM (once per process). Returns its path."""
+        """Write the CrashRecord for an OOM (once per process: a second call returns the first one's path)."""
         from ..diagnose import phase_from_frames
         from ..oom import Frame, oom_in_chain, report_from_exception
 
         with self._lock:
             if self.crashed or not self.plan.crash_dir:
-                return None
+                return self.crash_path
             self.crashed = True
         oom = oom_in_chain(exc) or exc
         frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(oom.__traceback__)]
@@ -220,8 +245,22 @@ class Runtime:
         except OSError as e:
             sys.stderr.write(f"oomguard: could not write the crash record {path}: {e}\n")
             return None
+        self.crash_path = path
         self.emit("oom", step=step, phase=phase, path=str(path))
         return path
+
+
+def exit_status(code: Any) -> int:
+    """The status the interpreter exits with after ``sys.exit(code)``.
+
+    >>> [exit_status(c) for c in (None, 0, 3, True, "bad config")]
+    [0, 0, 3, 1, 1]
+    """
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code) & 0xFF
+    return 1
 
 
 def rank() -> int | None:

@@ -123,12 +123,19 @@ class SimulatedDevice:
             self._release(self._pending.pop())
 
     def adopt(self, tensors: Any) -> int:
-        """Account for tensors that already exist (model weights loaded before the mode saw them). Returns bytes."""
+        """Account for tensors that already exist (model weights loaded before the mode saw them). Returns bytes.
+
+        Weights that do not fit raise ``torch.OutOfMemoryError`` here, as loading them onto a CUDA device would: the
+        caller is ``from_pretrained``, so the OOM is one "while loading"."""
+        import torch
+
         before = self.model.allocated
         for t in tensors:
             try:
                 if getattr(t, "device", None) is not None and t.device.type == "cpu":
                     self.track(t.untyped_storage())
+            except torch.OutOfMemoryError:
+                raise
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
         return self.model.allocated - before

@@ -9,6 +9,9 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
                       --oom-marker PATH only once, with --oom-rank R only on rank R
   --kill-self-at-step N  SIGKILL itself at step N; with --oom-kill-counter PATH after counting it in a cgroup's
                       memory.events, as the kernel's OOM killer would
+
+OOMGUARD_TEST_ENDING (tests/scripts/endings.py) adds a reward function that ends the process as asked, the same way
+under every launcher.
 """
 
 from __future__ import annotations
@@ -133,7 +136,12 @@ def main() -> None:
                     "allocated memory 11.82 GiB is allocated by PyTorch, and 300.00 MiB is reserved by PyTorch but "
                     "unallocated.")
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward_len, reward_answer], args=args, train_dataset=dataset,
+    rewards = [reward_len, reward_answer]
+    if os.environ.get("OOMGUARD_TEST_ENDING"):  # an ending a launch-form test asks of every form alike
+        from endings import reward
+
+        rewards.append(reward)
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Behaviour()])
     trainer.train()
     print(f"trained {trainer.state.global_step} steps", flush=True)

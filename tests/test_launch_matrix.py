@@ -1,0 +1,321 @@
+"""Every way people launch GRPO x every way an attempt can end, end to end with real TRL on the simulated device.
+
+oomguard learns how an attempt ended from what its training processes recorded (events, crash records), never from
+the exit code of a launcher between them, so each ending must read the same under every launch form. A launch form
+is a row of ``FORMS`` and an ending a row of ``ENDINGS``; a new one is a new row, not a new mechanism.
+
+Cost: a cell is one launch where that is enough to see the ending (``--max-attempts 1`` where oomguard would go on
+to climb: the decision after an ending is the same code whatever the form), a whole climb to a stable config where
+the promise is the whole run (``stable``). The default run takes the launchers where the pre-flight stop used to be
+lost, a rank that dies while the other waits, a failure and an OOM while loading (``DEFAULT``); the rest of the
+cross product, and an interrupt under every form, are ``slow`` (CI runs them). Two-rank forms run the endings that
+differ between ranks: one rank's OOM or kill while the other waits at a collective, a pre-flight stop on every rank,
+both finishing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from oomguard.sizes import parse_size
+
+from helpers import ACCELERATE_LAUNCH, PYTHON, SCRIPTS, TINY, env_without_launchers, free_port, torchrun
+
+pytestmark = pytest.mark.e2e
+
+# The training config every form runs: grpo_tiny's flags, and the same values in TRL's CLI spelling.
+STEPS, COMPLETION = "2", "64"
+TRL_SCRIPT = os.path.join(os.path.dirname(sys.executable), "trl")  # the console script next to this interpreter
+
+
+def tiny_args(model: str, out: Path) -> list[str]:
+    return ["--model", model, "--output-dir", str(out), "--max-steps", STEPS, "--max-completion-length", COMPLETION]
+
+
+def trl_args(model: str, out: Path, data: Path) -> list[str]:
+    return ["grpo", "--model_name_or_path", model, "--dtype", "float32", "--dataset_name", str(data),
+            "--reward_funcs", "endings.reward", "--output_dir", str(out), "--max_steps", STEPS,
+            "--max_completion_length", COMPLETION, "--per_device_train_batch_size", "4", "--num_generations", "4",
+            "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1"]
+
+
+def gsm_like_data(tmp: Path) -> Path:
+    """A local dataset directory for ``trl grpo --dataset_name`` (no hub here): 64 conversational prompts."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    with open(data / "train.jsonl", "w", encoding="utf-8") as f:
+        for i in range(64):
+            text = " ".join(words[(i + j) % len(words)] for j in range(8))
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{i}: {text}"}]}) + "\n")
+    return data
+
+
+def shell_script(tmp: Path, name: str, body: str) -> str:
+    path = tmp / name
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def accelerate_config(tmp: Path, processes: int) -> str:
+    """An ``accelerate config`` file: one CPU process, or two ranks over gloo (``MULTI_GPU`` without GPUs)."""
+    path = tmp / f"accelerate-{processes}.yaml"
+    kind = "MULTI_GPU" if processes > 1 else "'NO'"
+    path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nnum_machines: 1\n"
+                    f"num_processes: {processes}\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
+                    f"mixed_precision: 'no'\nuse_cpu: {'false' if processes > 1 else 'true'}\n")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Form:
+    """A launch form: how it builds the command, and how many training processes it starts."""
+
+    name: str
+    argv: Callable[[Path, str], list[str]]  # (tmp, model) -> the command after `oomguard run --`
+    ranks: int = 1
+
+
+def _python_m(tmp: Path, model: str) -> list[str]:
+    pkg = tmp / "pkg"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(f"import runpy\nrunpy.run_path({TINY!r}, run_name='__main__')\n")
+    return [PYTHON, "-m", "pkg.train", *tiny_args(model, tmp / "out")]
+
+
+FORMS = {f.name: f for f in [
+    Form("python", lambda tmp, m: [PYTHON, TINY, *tiny_args(m, tmp / "out")]),
+    Form("python-m", _python_m),
+    Form("trl-grpo", lambda tmp, m: [TRL_SCRIPT, *trl_args(m, tmp / "out", gsm_like_data(tmp))]),
+    Form("accelerate-1", lambda tmp, m: [*ACCELERATE_LAUNCH, "--num_processes", "1", TINY,
+                                         *tiny_args(m, tmp / "out")]),
+    Form("accelerate-1-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 1), TINY,
+                                                *tiny_args(m, tmp / "out")]),
+    Form("accelerate-2", lambda tmp, m: [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2",
+                                         "--main_process_port", str(free_port()), TINY, *tiny_args(m, tmp / "out")],
+         ranks=2),
+    Form("accelerate-2-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 2), TINY,
+                                                *tiny_args(m, tmp / "out")], ranks=2),
+    Form("torchrun-2", lambda tmp, m: torchrun(2, TINY, *tiny_args(m, tmp / "out")), ranks=2),
+    # a shell script that calls one of these (and stays their parent), and one that exits 1 whatever its child did
+    Form("shell", lambda tmp, m: [shell_script(tmp, "train.sh", f'set -e\necho "training"\n{PYTHON} {TINY} "$@"\n'
+                                               'echo "done"'), *tiny_args(m, tmp / "out")]),
+    Form("exit-1", lambda tmp, m: [shell_script(tmp, "flaky.sh", f'{PYTHON} {TINY} "$@"\nexit 1'),
+                                   *tiny_args(m, tmp / "out")]),
+]}
+
+
+@dataclass
+class Cell:
+    """What one oomguard run of a cell left: its process, report and workdir."""
+
+    form: Form
+    out: subprocess.CompletedProcess
+    rep: dict
+    tmp: Path
+    budget: str
+
+    @property
+    def first(self) -> dict:
+        return self.rep["attempts"][0]
+
+    def events(self, attempt: int) -> list[dict]:
+        path = next((self.tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def why(self) -> str:
+        return f"{self.rep.get('message')}\n{self.out.stderr[-4000:]}"
+
+
+@dataclass(frozen=True)
+class Ending:
+    """An ending: the budget and environment that cause it, oomguard's options, and what every form must show."""
+
+    name: str
+    check: Callable[[Cell], None]
+    budget: str = "1GiB"
+    options: tuple[str, ...] = ("--no-probe", "--max-attempts", "1")
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _fits(c: Cell) -> None:
+    assert c.first["outcome"] == "ok" and c.rep["status"] == "stable", c.why()
+    assert c.out.returncode == c.first["exit_code"]  # 0, or a launcher's own code, passed through
+    assert sorted(e["rank"] or 0 for e in c.events(1) if e["event"] == "train_end") == list(range(c.form.ranks))
+
+
+def _predicted(c: Cell) -> None:
+    assert c.first["outcome"] == "predicted", c.why()
+    assert c.first["climbed"], c.first  # the climb chose the next config, as after an OOM
+    assert c.rep["status"] == "exhausted" and "--max-attempts 1" in c.rep["message"]
+    stops = [e for e in c.events(1) if e["event"] == "end" and e["how"] == "predicted"]
+    assert len(stops) == c.form.ranks  # every rank stopped before generating
+
+
+def _stable_after_predicted(c: Cell) -> None:
+    """The promise of the pre-flight under every launcher: stopped before generating, then stable, every rank
+    trained the chosen config, and nothing left in the temporary directory by the probes."""
+    attempts = c.rep["attempts"]
+    assert c.rep["status"] == "stable" and c.out.returncode == 0, c.why()
+    assert attempts[0]["outcome"] == "predicted" and attempts[-1]["outcome"] == "ok"
+    # no real OOM where the memory model is sure: a config predicted well inside the device fits
+    sure = [a for a in attempts if a["outcome"] == "oom" and (a["predicted_bytes"] or 0) < SURE * parse_size(c.budget)]
+    assert not sure, [(a["predicted_bytes"], a["peak_bytes"]) for a in sure]
+    last = c.events(len(attempts))
+    assert sorted(e["rank"] or 0 for e in last if e["event"] == "train_end") == list(range(c.form.ranks))
+    assert c.rep["diff"] and {r["remedy"] for r in c.rep["diff"]} <= set(attempts[-1]["remedies"])
+
+
+def _oom_at_load(c: Cell) -> None:
+    assert c.first["outcome"] == "oom" and c.first["oom"]["phase"] == "load", c.why()
+    assert c.rep["status"] == "exhausted"
+
+
+def _oom_scoring(c: Cell) -> None:
+    assert c.first["outcome"] == "oom" and c.first["oom"]["is_oom"], c.why()
+    assert c.first["climbed"] and c.first["oom"]["kind"] != "host-ram"
+
+
+def _host_ram(c: Cell) -> None:
+    assert c.first["outcome"] == "oom" and c.first["oom"]["kind"] == "host-ram", c.why()
+    assert c.first["climbed"] in (None, *HOST_RUNGS)  # a host rung if one applies, never a GPU one
+
+
+def _error(c: Cell) -> None:
+    assert c.first["outcome"] == "failed" and c.rep["status"] == "failed", c.why()
+    assert c.out.returncode == c.first["exit_code"] != 0  # the command's own code, passed through
+    assert "ValueError" in (c.first["note"] or "") and "ValueError" in c.rep["message"]
+    assert len(c.rep["attempts"]) == 1  # never retried
+
+
+def _one_rank_oom(c: Cell) -> None:
+    """Rank 1 runs out of memory; rank 0 would wait for it at the next collective. The job ends once, as an OOM."""
+    assert c.first["outcome"] == "oom" and c.first["oom"]["rank"] == 1, c.why()
+    assert c.first["seconds"] < 90 and c.first["climbed"]
+
+
+def _one_rank_killed(c: Cell) -> None:
+    assert c.first["outcome"] == "oom" and c.first["oom"]["kind"] == "host-ram", c.why()
+    assert c.first["seconds"] < 90
+
+
+SURE = 0.85  # a prediction below this share of the device is one the memory model is sure of (its error is ~6%)
+HOST_RUNGS = ("fewer_workers", "smaller_prefetch", "no_cpu_offload")
+TIGHT = "40MiB"  # the tiny model's weights load (16 MiB); its config is predicted at more than twice this
+ENDINGS = {e.name: e for e in [
+    Ending("fits", _fits, options=("--no-probe",)),
+    Ending("predicted", _predicted, budget=TIGHT),
+    Ending("stable", _stable_after_predicted, budget="64MiB", options=("--no-probe", "--no-refine")),
+    Ending("oom-load", _oom_at_load, budget="8MiB", options=("--no-probe", "--no-preflight", "--max-attempts", "1")),
+    Ending("oom", _oom_scoring, env={"OOMGUARD_TEST_ENDING": "oom"}),
+    Ending("host-ram", _host_ram, env={"OOMGUARD_TEST_ENDING": "kill"}),
+    Ending("error", _error, env={"OOMGUARD_TEST_ENDING": "error"}),
+    Ending("rank-1-oom", _one_rank_oom, env={"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1"}),
+    Ending("rank-1-killed", _one_rank_killed, env={"OOMGUARD_TEST_ENDING": "kill", "OOMGUARD_TEST_ENDING_RANK": "1"}),
+]}
+
+# (form, ending) run by default: the launchers where the pre-flight stop was lost (torchrun, accelerate with the
+# multi-gpu ladder, a launcher that exits 1 whatever its child did; trl grpo has a test of its own below), a rank
+# that dies without a word while the other waits (host RAM), a failure and an OOM while loading. The rest of the cross
+# product runs with -m slow (CI runs it).
+DEFAULT = {
+    ("python", "oom-load"), ("accelerate-2", "stable"), ("accelerate-2", "rank-1-killed"), ("torchrun-2", "predicted"),
+    ("shell", "error"), ("exit-1", "predicted"),
+}
+SINGLE = ("fits", "predicted", "stable", "oom-load", "oom", "host-ram", "error")
+MULTI = ("fits", "predicted", "stable", "rank-1-oom", "rank-1-killed", "error")
+
+
+def _cells() -> list:
+    out = []
+    for form in FORMS.values():
+        for ending in (MULTI if form.ranks > 1 else SINGLE):
+            marks = [] if (form.name, ending) in DEFAULT else [pytest.mark.slow]
+            out.append(pytest.param(form.name, ending, marks=marks, id=f"{form.name}-{ending}"))
+    return out
+
+
+def run_cell(tmp: Path, model: str, form: Form, ending: Ending, extra: tuple[str, ...] = (),
+             popen: bool = False, env: dict[str, str] | None = None) -> Cell | subprocess.Popen:
+    env = {**os.environ, **env_without_launchers(), **ending.env, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    if ending.env.get("OOMGUARD_TEST_ENDING") == "kill":
+        cgroup = tmp / "cgroup"  # a stand-in cgroup whose OOM-kill counter the process bumps before it dies
+        cgroup.mkdir()
+        (cgroup / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n")
+        (cgroup / "memory.max").write_text("max\n")
+        env["OOMGUARD_CGROUP"] = str(cgroup)
+    if "OOMGUARD_TEST_ENDING" in ending.env:
+        env["OOMGUARD_TEST_MARKER"] = str(tmp / "acted")
+    cmd = [sys.executable, "-m", "oomguard", "run", "--report", str(tmp / "report.json"), "--lock",
+           str(tmp / "lock.json"), "--workdir", str(tmp / "wd"), "--simulate-gpu", ending.budget, *ending.options,
+           *extra, "--", *form.argv(tmp, model)]
+    if popen:
+        return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    report = tmp / "report.json"
+    assert report.exists(), out.stderr[-4000:]
+    return Cell(form, out, json.loads(report.read_text()), tmp, ending.budget)
+
+
+@pytest.mark.parametrize("form, ending", _cells())
+def test_every_ending_reads_the_same_under_every_launch_form(tmp_path, tiny_model, form, ending):
+    f, e = FORMS[form], ENDINGS[ending]
+    extra = ("--ladder", "multi-gpu") if f.ranks > 1 and ending == "stable" and form.startswith("accelerate") else ()
+    cell = run_cell(tmp_path, tiny_model, f, e, extra)
+    e.check(cell)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", list(FORMS))
+def test_an_interrupt_stops_every_process_under_every_launch_form(tmp_path, tiny_model, form):
+    """SIGINT to oomguard while a reward function sleeps in step 0: interrupted, exit 130, no process left."""
+    sleep = Ending("interrupt", lambda c: None, env={"OOMGUARD_TEST_ENDING": "sleep"})
+    proc = run_cell(tmp_path, tiny_model, FORMS[form], sleep, popen=True)
+    marker = tmp_path / "acted"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate()[1][-4000:] if proc.poll() is not None else "no reward computed"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["status"] == "interrupted" and [a["outcome"] for a in rep["attempts"]] == ["interrupted"]
+    from helpers import pid_alive
+
+    assert not pid_alive(int(marker.read_text()))
+
+
+def test_trl_grpo_stops_before_generating_and_its_probe_leaves_nothing_in_the_temporary_directory(tmp_path, tiny_model):
+    """The held-out case of issue 16: `trl grpo` (TRL's CLI, which runs `accelerate launch`) on a device its config
+    does not fit. The pre-flight stop is seen through both launchers and the chosen config is probed. The probe wrote
+    into a directory of oomguard's own in the temporary directory (TRL's script saves the model at its end), deleted
+    when the probe ended. (--max-attempts 2 ends the run there; the same run to a stable config is the slow
+    trl-grpo-stable cell.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    with_probe = dataclasses.replace(ENDINGS["stable"], options=("--no-refine", "--max-attempts", "2"))
+    cell = run_cell(tmp_path, tiny_model, FORMS["trl-grpo"], with_probe, env={"TMPDIR": str(scratch)})
+    assert [(a["kind"], a["outcome"]) for a in cell.rep["attempts"]] == [("probe", "predicted"), ("probe", "ok")], \
+        cell.why()
+    assert cell.first["climbed"] and "budget (--max-attempts 2)" in cell.rep["message"]
+    begin = next(e for e in cell.events(2) if e["event"] == "train_begin")
+    assert Path(begin["output_dir"]).parent == scratch and not Path(begin["output_dir"]).exists()
+    assert "Model saved to " + begin["output_dir"] in cell.out.stdout  # TRL's script saved a whole model there
+    assert not list(scratch.glob("oomguard-*"))
+    assert not (tmp_path / "out").exists()  # the user's output_dir: a probe never writes there
