@@ -105,7 +105,7 @@ def start_simulation(size: int) -> bool:
 
     if simulate.device() is not None:
         return False
-    simulate.start(size)
+    simulate.start(size, context=simulate.context_for(size))
     return True
 
 

@@ -50,6 +50,7 @@ FILE_NAME = "calibration.json"
 KEEP = 20  # runs kept per machine key: the median of the last KEEP is what applies
 RATIO_BOUNDS = (0.5, 2.0)  # a measured/predicted outside these is a broken record, not a calibration
 FRAG_BOUNDS = (0.0, 1.0)
+SPREAD_RUNS = 3  # runs with a reserved peak before their own spread sets the pre-flight's margin
 
 Warn = Callable[[str], None]
 
@@ -140,6 +141,26 @@ class Calibration:
     def frag_expandable(self) -> float | None:
         """The same for runs with ``expandable_segments:True``."""
         return self._frag(True)
+
+    def device_error(self) -> float | None:
+        """How far this calibration's device-level prediction (allocated times the median ratio, times one plus the
+        median margin) was above what a recorded run used, at most; None with fewer than :data:`SPREAD_RUNS` runs
+        that recorded their reserved peak (too few to know the spread).
+
+        >>> runs = tuple({"predicted": 100, "measured": m, "reserved": int(m * 1.1), "expandable": False}
+        ...              for m in (95, 100, 105))
+        >>> round(Calibration("k", runs).device_error(), 3), Calibration("k", runs[:2]).device_error() is None
+        (0.053, True)
+        """
+        used = [e for e in self.entries if e.get("reserved")]
+        if len(used) < SPREAD_RUNS:
+            return None
+        worst = 0.0
+        for e in used:
+            frag = (self.frag_expandable if e.get("expandable") else self.frag) or 0.0
+            predicted = e["predicted"] * self.alloc_ratio * (1 + frag)
+            worst = max(worst, predicted / e["reserved"] - 1)
+        return worst
 
     def apply(self, base: Coefficients) -> Coefficients:
         """``base`` corrected by these runs: ``scale`` times the median ratio, and the measured margins.

@@ -184,8 +184,9 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         stop = ranks.stop
         attempt.outcome = Outcome.PREDICTED
         attempt.predicted_bytes = stop.predicted_bytes
-        attempt.note = (f"stopped before generating: predicted {format_size(stop.predicted_bytes or 0)}, "
-                        f"more than {100 * stop.margin:.0f}% over the capacity")
+        attempt.note = (f"stopped before {'loading' if stop.before == 'loads' else 'generating'}: predicted "
+                        f"{format_size(stop.predicted_bytes or 0)}, more than {100 * stop.margin:.1f}% over the "
+                        "capacity")
         return attempt, None
     killed = _sigkill(res.returncode) or bool(ranks.silent())
     if killed and res.host_oom:  # a host-RAM OOM only with evidence (proc.py, hostmem.py)

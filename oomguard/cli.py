@@ -106,8 +106,12 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--simulate-gpu", default=None, metavar="SIZE",
               help="Rehearse on CPU: give the training process a memory budget of SIZE (e.g. 300MiB) that raises "
                    "real OOMs. A test device, not a GPU.")
+@click.option("--simulate-context", default=None, metavar="SIZE",
+              help="With --simulate-gpu: memory the simulated device holds outside the allocator, as a CUDA context "
+                   "does. Default: 800MiB for a budget of 4GiB or more (a card), 0 below (a test rig).")
 @click.option("--gpu-memory", default=None, metavar="SIZE",
-              help="On a real GPU, cap the process at SIZE (e.g. 16GiB) to rehearse a smaller card.")
+              help="On a real GPU, rehearse a card of SIZE (e.g. 16GiB): the allocator gets SIZE minus the CUDA "
+                   "context the training process really holds.")
 @click.option("--report", "report_path", default="oomguard-report.json", show_default=True, metavar="PATH",
               help="Where to write the RunReport JSON.")
 @click.option("--lock", "lock_path", default="oomguard.lock.json", show_default=True, metavar="PATH",
@@ -123,9 +127,10 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--no-predict", is_flag=True,
               help="Climb one rung per OOM, keeping every rung climbed, instead of letting the memory model choose "
                    "(skip rungs predicted not to be enough, drop those not needed, relax graded knobs).")
-@click.option("--preflight-margin", type=click.FloatRange(min=0), default=0.15, show_default=True, metavar="F",
-              help="Stop a config before it generates when the memory model predicts it F (a fraction) or more over "
-                   "the device: the attempt costs a model load instead of an OOM.")
+@click.option("--preflight-margin", type=click.FloatRange(min=0), default=None, metavar="F",
+              help="Stop a config before it loads or generates when the memory model predicts it more than F (a "
+                   "fraction) over the device. Default: the model's measured error (8.4%% on a GPU from the H100 "
+                   "rows, or this machine's recorded runs; 11.7%% on the simulated device), printed with each stop.")
 @click.option("--no-preflight", is_flag=True, help="Never stop a config on prediction alone; run it and see.")
 @click.option("--minimize", is_flag=True,
               help="After the memory model's choice, also prove it: drop each remaining rung in turn, costliest "
@@ -143,8 +148,8 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--json-log", is_flag=True, help="Progress as JSON lines on stderr, for CI and other programs.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
-        gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
-        probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float, no_preflight: bool,
+        simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
+        probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
         minimize: bool, no_refine: bool, checkpoint_every: int | None,
         html_path: str | None, quiet: bool, json_log: bool) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
@@ -176,6 +181,15 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
             simulate_gpu, sim_option = os.environ["OOMGUARD_SIMULATE_GPU"], "OOMGUARD_SIMULATE_GPU"
         sim = parse_size_arg(simulate_gpu, sim_option) if simulate_gpu else None
         cap = parse_size_arg(gpu_memory, "--gpu-memory") if gpu_memory else None
+        sim_ctx = None
+        if simulate_context is not None:
+            if not sim:
+                raise UsageError("--simulate-context needs --simulate-gpu SIZE: it is part of the simulated device",
+                                 2)
+            sim_ctx = 0 if simulate_context.strip() == "0" else parse_size_arg(simulate_context, "--simulate-context")
+            if sim_ctx >= sim:
+                raise UsageError(f"--simulate-context {simulate_context} leaves nothing of --simulate-gpu "
+                                 f"{simulate_gpu} for tensors: make it smaller than the device", 2)
         replay = load_lock(config_path) if config_path else None
         argv = resolve_command(args)
     except (UsageError, LadderError, SizeError) as e:
@@ -185,7 +199,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          workdir=Path(workdir), replay=replay, predict=not no_predict,
                          probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
                          refine=not no_refine,
-                         preflight_margin=None if (no_preflight or no_predict) else preflight_margin,
+                         preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
+                         simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
     try:

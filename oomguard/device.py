@@ -112,6 +112,31 @@ def gpu_name(index: int | None = None) -> str | None:
     return name.strip() or None
 
 
+def gpu_used_memory(index: int | None = None) -> int | None:
+    """Memory in use on the visible GPU right now, by every process (NVML), or None without NVML or a GPU."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        return int(_ask(nvml, index, nvml.nvmlDeviceGetMemoryInfo).used)
+    except Exception:
+        return None
+
+
+def process_gpu_memory(pid: int, index: int | None = None) -> int | None:
+    """What NVML says process ``pid`` holds on the visible GPU (its CUDA context included), or None where NVML cannot
+    tell (no NVML, or a container whose process IDs NVML does not see)."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        procs = _ask(nvml, index, nvml.nvmlDeviceGetComputeRunningProcesses)
+    except Exception:
+        return None
+    used = [int(p.usedGpuMemory) for p in procs if int(p.pid) == pid and getattr(p, "usedGpuMemory", None)]
+    return used[0] if used else None
+
+
 def _ask(nvml: Any, index: int | None, query: Any) -> Any:
     """One NVML query about the visible GPU (``index`` or the first one CUDA sees), shutting NVML down after."""
     try:

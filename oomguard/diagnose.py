@@ -151,6 +151,10 @@ def phase_from_frames(frames: Sequence[Frame]) -> tuple[str, Frame | None]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+SMALLER_SHAPES = ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit."
+SMALLER_LOAD = ": only loading the weights smaller (4-bit, or 16-bit instead of float32) can make it fit."
+
+
 def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None) -> Diagnosis:
     """Classify an OOM and explain it with the figures it gives.
 
@@ -163,6 +167,8 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     else:
         frame = None
     kind, evidence, report = _classify(report)
+    if kind == "impossible" and phase == "load" and evidence and evidence[0].endswith(SMALLER_SHAPES):
+        evidence[0] = evidence[0][: -len(SMALLER_SHAPES)] + SMALLER_LOAD  # a weight tensor: only its size can change
     if phase != "unknown":
         where = f" in `{frame.name}` ({_short(frame.filename)}:{frame.line})" if frame else ""
         evidence.append(f"It happened during {_PHASE_WORDS[phase]}{where}.")
@@ -236,8 +242,7 @@ def _classify(r: OOMReport) -> tuple[str, list[str], OOMReport]:
             what = "any device"
         overflowed = req >= _OVERFLOWED or (limit and req > OVERFLOW_FACTOR * limit)
         verdict = (f"The single request of {_f(req)} is larger than {what}"
-                   + (": that is an overflowed shape, not a memory budget." if overflowed
-                      else ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit."))
+                   + (": that is an overflowed shape, not a memory budget." if overflowed else SMALLER_SHAPES))
         return "impossible", [verdict, *ev], r
 
     not_fragmentation = None

@@ -347,6 +347,19 @@ def lora_trainable_params(spec: ModelSpec, r: int, target_modules: str | tuple[s
 # Coefficients
 
 
+# How far above the measured device use the built-in fit's device-level prediction reached on the 22 H100 rows
+# (tests/fixtures/h100/calibration*.jsonl; `python bench/preflight_margin.py`): q3b-fp32-lora32 was predicted 6.3%
+# over what it used. A config predicted up to this much over a card may still fit it.
+DEVICE_OVERPREDICTION = 0.064
+# The same on the simulated device: the allocated peak is within 1.0% (bench/cpu_calibrate.py), and the smallest
+# budget each configuration fits in was 1.05 to 1.26 times its allocated peak (bench/min_budget.py) against the fitted
+# 1 + f_frag = 1.14: up to 1.14 / 1.05 * 1.01 - 1 = 9.7% over.
+SIMULATED_OVERPREDICTION = 0.097
+# Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
+# beyond those on the measured ones.
+STOP_ALLOWANCE = 0.02
+
+
 @dataclass(frozen=True)
 class Coefficients:
     """The uncertain coefficients of research §8. The defaults are fitted to real H100 measurements (2026-11-22:
@@ -365,7 +378,8 @@ class Coefficients:
       median 1.086); 0.105 gives the smallest worst-case error of the reserved peak (the research prior 0.25 made
       every device prediction 11-20% high). With ``expandable_segments:True`` one calibration row (Qwen2.5-0.5B,
       1.079, against 1.115 without) and six Qwen2.5-3B run-report attempts (1.004-1.027) exist: 0.05 sits between.
-    - ``m_ctx``: device memory outside the caching allocator (CUDA context, cuDNN, NCCL); 0 on the simulated device.
+    - ``m_ctx``: device memory outside the caching allocator (CUDA context, cuDNN, NCCL); 0 on the simulated device
+      (``estimate(context=...)`` gives a measured context, or the one the simulated device models).
       The calibration rows' own context figures counted other processes sharing the GPU, so it comes from the real
       OOMs of the 24 GiB-capped Qwen2.5-3B runs: NVML's "this process has 24.74 GiB in use" against 23.96 GiB
       reserved (``memory_stats``), 0.785 GiB; and 24.25 against 23.48 GiB, 0.772 GiB. So 800 MiB.
@@ -846,6 +860,7 @@ class _Step:
     p: _Persistent
     casts: _Casts
     acts: _Activations
+    context: int | None = None  # the device's memory outside the allocator, when known (see estimate())
 
     def head(self) -> dict[str, int]:
         """T8 over the training micro-batch: Triton (CUDA) scores only completion positions, the fallback every one."""
@@ -985,7 +1000,7 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
     vllm = _vllm_bytes(k, capacity, notes)
     sleep = bool(k.vllm_enable_sleep_mode)
     frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
-    ctx = 0 if simulated else int(co.m_ctx)
+    ctx = s.context if s.context is not None else 0 if simulated else int(co.m_ctx)
 
     def device_bytes(ph: str) -> int:
         awake = vllm if (not sleep or ph == "generation") else 0
@@ -1004,14 +1019,16 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
 
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
              coefficients: Coefficients | None = None, simulated: bool = False,
-             capacity: int | None = None) -> Estimate:
+             capacity: int | None = None, context: int | None = None) -> Estimate:
     """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.knobs.TRL_DEFAULTS``). ``prompt_tokens``
     is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at the worst case
     ``C = max_completion_length``. The training micro-batch is ``per_device_train_batch_size`` and generation runs
     ``rows_per_device()`` sequences at once. ``simulated=True`` models oomguard's simulated device on CPU: no CUDA
-    context, no autocast, the chunked head's torch fallback. ``capacity`` (device bytes) sizes a colocated vLLM.
+    context, no autocast, the chunked head's torch fallback. ``context`` is the device's memory outside the allocator
+    when it is known (measured under ``--gpu-memory``, or the simulated device's ``--simulate-context``); by default
+    ``m_ctx``, or 0 on the simulated device. ``capacity`` (device bytes) sizes a colocated vLLM.
 
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
@@ -1029,8 +1046,29 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     gc = bool(k.gradient_checkpointing)
     p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
     s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
-              acts=_activations(spec, g, geo, co, gc))
+              acts=_activations(spec, g, geo, co, gc), context=context)
     return _assemble(s, _composition(s, {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}), capacity)
+
+
+def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,
+               simulated: bool = False, context: int | None = None) -> int:
+    """Device bytes once ``from_pretrained`` has placed the weights: the context outside the allocator plus the
+    stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists.
+
+    Every phase of the step holds at least this, so it is the floor a pre-flight can judge before anything loads,
+    from the checkpoint's config alone. (LoRA adapters are created after the load and are not counted.)
+
+    >>> tiny = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
+    >>> load_bytes(tiny, Knobs(dtype="float32"), simulated=True) == 4 * tiny.params
+    True
+    >>> load_bytes(tiny, Knobs(dtype="float32", load_in_4bit=True, lora_r=8), simulated=True) < 2 * tiny.params
+    True
+    """
+    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+    k = _filled(knobs)
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
+    ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
+    return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit))
 
 
 def describe(e: Estimate) -> str:

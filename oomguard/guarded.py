@@ -294,7 +294,11 @@ class Guarded:
             from .plan import Guide
 
             cap = self.simulate_gpu
-            capped = False
+            context = None  # the device's own: a card's m_ctx, or the simulated device's (child/simulate.py)
+            if cap is not None:
+                from .child.simulate import context_for
+
+                context = context_for(cap)
             torch = loaded_torch()
             if cap is None and torch is not None and torch.cuda.is_available():
                 dev = torch.cuda.current_device()
@@ -302,9 +306,9 @@ class Guarded:
                 # a per-process cap the caller set (torch.cuda.set_per_process_memory_fraction) is the capacity
                 getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
                 fraction = float(getter(dev)) if getter is not None else 1.0
-                if 0 < fraction < 1:
-                    cap, capped = int(cap * fraction), True
-            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), capped=capped) if cap else None
+                if 0 < fraction < 1:  # the caller's cap bounds the allocator only: the context lies outside it
+                    cap, context = int(cap * fraction), 0
+            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), context=context) if cap else None
         return self._guide_obj
 
     def _fits(self, climb: Climb) -> Any:

@@ -21,7 +21,16 @@ from typing import Any
 
 from .calibration import builtin_description, load_calibration, machine_key, record_run
 from .choose import Rung, choose
-from .estimate import Coefficients, Estimate, ModelSpec, estimate
+from .estimate import (
+    DEVICE_OVERPREDICTION,
+    SIMULATED_OVERPREDICTION,
+    STOP_ALLOWANCE,
+    Coefficients,
+    Estimate,
+    ModelSpec,
+    estimate,
+    load_bytes,
+)
 from .knobs import Knobs, RunFacts
 from .ladder import Ladder, Step, load_ladder
 from .strategies import Context
@@ -71,12 +80,12 @@ class Plan:
 
 
 def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
-              coefficients: Coefficients | None = None, simulated: bool = False) -> Any:
+              coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None) -> Any:
     """A function Knobs -> Estimate for one model and device."""
     def predict(k: Knobs) -> Estimate:
         # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
         return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
-                        simulated=simulated, capacity=capacity)
+                        simulated=simulated, capacity=capacity, context=context)
 
     return predict
 
@@ -123,29 +132,56 @@ class Guide:
     GPUs (a few percent) and on the simulated device (about 1%) must not turn a predicted fit into an OOM.
 
     ``doubt`` is the other side of that error: a config predicted over the device by less than this fraction may
-    still fit (``plausible``), and only a probe can tell. After a probe has calibrated the allocated scale, what is left
-    is mostly fragmentation, which depends on the order and sizes of allocations: reserved over allocated at the
-    smallest budget that fits ranged from 1.05 to 1.26 over five configurations of the simulated device
-    (``bench/min_budget.py``), and the device-use error on the H100 rows reaches 6%.
+    still fit (``plausible``), and only a probe can tell. It is the model's measured over-prediction
+    (:meth:`stop_margin`): what is left after a probe has calibrated the allocated scale is mostly fragmentation,
+    which depends on the order and sizes of allocations. The pre-flight stops only configs predicted over the device
+    by more than it, and a config that ran out of memory in this run makes every config predicted within the doubt of
+    it (or above it) count as not fitting (``failed``).
     """
 
     def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
-                 coefficients: Coefficients | None = None, capped: bool = False, device_name: str | None = None,
-                 warn: Any = None) -> None:
+                 coefficients: Coefficients | None = None, context: int | None = None,
+                 device_name: str | None = None, warn: Any = None) -> None:
         self.capacity = capacity
         self.simulated = simulated
         self.margin = (0.02 if simulated else 0.05) if margin is None else margin
-        self.doubt = 0.06
         base = Coefficients.for_simulated() if simulated else Coefficients()
-        if capped:  # a per-process cap (--gpu-memory) bounds the allocator; the CUDA context lies outside it
-            base = replace(base, m_ctx=0)
+        self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
+        self.failed: list[tuple[RunFacts, Knobs]] = []  # configs that ran out of memory in this run
         # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
         self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
         self.warn = warn
         kw = {"warn": warn} if warn else {}
         self.calibration = load_calibration(self.key, **kw) if self.key else None
         self.coefficients = coefficients or (self.calibration.apply(base) if self.calibration else base)
+        self.doubt, self.doubt_source = self.stop_margin()
+
+    def stop_margin(self) -> tuple[float, str]:
+        """How far over the device a config must be predicted before the pre-flight stops it, and where the figure
+        comes from: this machine's recorded runs, once there are enough of them, else the built-in fit's measured
+        over-prediction (H100 rows, or the simulated device's), plus :data:`~oomguard.estimate.STOP_ALLOWANCE`.
+
+        >>> round(Guide(24 * 2**30).stop_margin()[0], 3), round(Guide(2**28, simulated=True).stop_margin()[0], 3)
+        (0.084, 0.117)
+        """
+        spread = self.calibration.device_error() if self.calibration is not None else None
+        if spread is not None:
+            return (max(0.0, spread) + STOP_ALLOWANCE,
+                    f"this machine's {self.calibration.runs} recorded runs: up to {100 * spread:.1f}% over, + "
+                    f"{100 * STOP_ALLOWANCE:.0f}%")
+        if self.simulated:
+            return (SIMULATED_OVERPREDICTION + STOP_ALLOWANCE,
+                    f"the simulated device's fit: up to {100 * SIMULATED_OVERPREDICTION:.1f}% over, + "
+                    f"{100 * STOP_ALLOWANCE:.0f}%")
+        return (DEVICE_OVERPREDICTION + STOP_ALLOWANCE,
+                f"the built-in fit: up to {100 * DEVICE_OVERPREDICTION:.1f}% over on the H100 rows, + "
+                f"{100 * STOP_ALLOWANCE:.0f}%")
+
+    def set_context(self, context: int) -> None:
+        """The context the training process measured outside the allocator (``--gpu-memory``): predictions from now
+        on count it instead of the built-in figure."""
+        self.context = int(context)
 
     def describe(self) -> str:
         """Which calibration the predictions use, for the report and `oomguard plan`."""
@@ -162,7 +198,8 @@ class Guide:
             return
         try:
             est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity)
+                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
+                           context=self.context)
         except ValueError:
             return
         kw = {"warn": self.warn} if self.warn else {}
@@ -182,7 +219,7 @@ class Guide:
             return None
         try:
             return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                             coefficients=self.coefficients, simulated=self.simulated)(knobs)
+                             coefficients=self.coefficients, simulated=self.simulated, context=self.context)(knobs)
         except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
             return None
 
@@ -193,7 +230,9 @@ class Guide:
         co = self.coefficients
         if outcome == "ok" and peak:
             self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
-        elif outcome == "oom" and report is not None:
+        if outcome == "oom":
+            self.failed.append((facts, knobs))
+        if outcome == "oom" and report is not None:
             big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block
             lower = (report.allocated or 0) + big
             if lower > est.peak_alloc_bytes:
@@ -209,15 +248,42 @@ class Guide:
         return est.peak_bytes * (1 + self.margin) <= self.capacity
 
     def fits(self, facts: RunFacts) -> Any:
-        """A Knobs -> bool judge for the climb, or None when the model cannot be read."""
-        if self.spec(facts) is None:
+        """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
+        doubt of one that ran out of memory in this run (or above it) does not fit, whatever the device's size
+        says: the model was wrong about that one, and as wrong about its neighbours."""
+        spec = self.spec(facts)
+        if spec is None:
             return None
+        if self.load_only(facts):
+            def load_fits(k: Knobs) -> bool:
+                try:
+                    need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
+                                      context=self.context)
+                except ValueError:
+                    return False
+                return need * (1 + self.margin) <= self.capacity
+
+            return load_fits
+        ceiling = self.failed_ceiling(facts)
 
         def judge(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and self.judge(est)
+            return est is not None and self.judge(est) and (ceiling is None or est.peak_bytes < ceiling)
 
         return judge
+
+    @staticmethod
+    def load_only(facts: RunFacts) -> bool:
+        """Whether only the load can be judged: the run stopped before GRPOTrainer was built (a load the pre-flight
+        judged alone), so the step's shapes are not known yet, the load is. A config whose load fits is worth a
+        launch: its trainer's pre-flight judges the rest, with the prompt lengths."""
+        return facts.model_source is None and facts.prompt_tokens_max is None
+
+    def failed_ceiling(self, facts: RunFacts) -> int | None:
+        """Below what predicted peak a config must be to be tried after the OOMs of this run: the smallest predicted
+        peak of a config that ran out of memory, less the doubt (None before any OOM)."""
+        peaks = [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
+        return int(min(peaks) * (1 - self.doubt)) if peaks else None
 
     def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
         """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the

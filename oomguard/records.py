@@ -430,6 +430,7 @@ class ModelSeen:
     config: dict[str, Any] | None = None
     params: int | None = None
     dtype: str | None = None
+    reaches: tuple[str, ...] = ()  # before a load: construction points the script will pass after it (``trainer``)
 
 
 @dataclass(frozen=True)
@@ -499,6 +500,7 @@ class PreflightStop:
     margin: float = 0.0
     pid: int | None = None
     rank: int | None = None
+    before: str = "generates"  # what the stop saved: "generates" (trainer built) or "loads" (before the weights)
 
 
 @dataclass(frozen=True)
@@ -560,8 +562,9 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")),
                         **who)
     if name == "model":
+        reaches = d.get("reaches")
         return ModelSeen(d.get("config") if isinstance(d.get("config"), dict) else None, _int(d.get("params")),
-                         d.get("dtype"))
+                         d.get("dtype"), tuple(str(r) for r in reaches) if isinstance(reaches, list) else ())
     if name == "dataset":
         return DatasetSeen(_int(d.get("rows")), _int(d.get("prompt_tokens_max")), _int(d.get("prompt_tokens_p95")),
                            _int(d.get("dropped")))
@@ -579,7 +582,7 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         return ConfigGenerated(str(d["kind"]), d.get("path"), d.get("config"), d.get("replaces"))
     if name == "predicted":
         return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
-                             **who)
+                             before=str(d.get("before") or "generates"), **who)
     if name == "end" and isinstance(d.get("how"), str):
         reached = d.get("reached")
         return ProcessEnded(d["how"], code=_int(d.get("code")), error=d.get("error"), path=d.get("path"),

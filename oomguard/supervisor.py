@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from . import allocconf
 from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .child.simulate import context_for
 from .choose import Choice
 from .classify import Ranks, classify
 from .climb import Climb
@@ -56,6 +57,7 @@ from .records import (
     DatasetSeen,
     EventTail,
     ModelSeen,
+    OtherEvent,
     Outcome,
     OverrideFailed,
     RunReport,
@@ -94,6 +96,7 @@ class RunOptions:
     max_attempts: int = 8
     max_time: float | None = None
     simulate_gpu: int | None = None
+    simulate_context: int | None = None  # the simulated device's memory outside its allocator (None: the default)
     gpu_memory: int | None = None
     report_path: Path = Path("oomguard-report.json")
     lock_path: Path = Path("oomguard.lock.json")
@@ -111,7 +114,8 @@ class RunOptions:
     # how long the others may take to stop before oomguard stops them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report
-    preflight_margin: float | None = 0.15  # stop a config predicted this far over capacity before it runs (None: off)
+    preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
+    preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
 
 
 @dataclass
@@ -146,7 +150,9 @@ class Supervisor:
         )
         self.capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
         simulated = bool(options.simulate_gpu)
-        self.guide = (Guide(self.capacity, simulated=simulated, capped=bool(options.gpu_memory) and not simulated,
+        self.sim_context = (context_for(options.simulate_gpu, options.simulate_context) if simulated else None)
+        self.device: dict[str, Any] = {}  # what the training process measured about the device (event `device`)
+        self.guide = (Guide(self.capacity, simulated=simulated, context=self.sim_context,
                             device_name=None if simulated else gpu_name(), warn=reporter.message)
                       if options.predict and self.capacity else None)
         self.minimizer = Minimizer()
@@ -198,7 +204,7 @@ class Supervisor:
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
-                    gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
+                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
                     remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN else None)
         self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, kind)
@@ -257,10 +263,19 @@ class Supervisor:
 
     def _preflight(self) -> dict[str, Any] | None:
         """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
-        if self.guide is None or self.o.preflight_margin is None or self.o.replay:
+        if self.guide is None or not self.o.preflight or self.o.replay:
             return None
-        return {"capacity": self.capacity, "margin": self.o.preflight_margin, "simulated": self.guide.simulated,
+        margin, source = self._stop_margin()
+        return {"capacity": self.capacity, "margin": margin, "margin_source": source,
+                "simulated": self.guide.simulated, "context": self.guide.context,
                 "coefficients": dataclasses.asdict(self.guide.coefficients)}
+
+    def _stop_margin(self) -> tuple[float, str]:
+        """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
+        if self.o.preflight_margin is not None:
+            return self.o.preflight_margin, "--preflight-margin"
+        assert self.guide is not None
+        return self.guide.stop_margin()
 
     def _progress_state(self, index: int, kind: AttemptKind, remedies: list[str]) -> Any:
         """The live view's state (the console reporter owns one; for others, --json-log, it is kept here)."""
@@ -318,8 +333,13 @@ class Supervisor:
                                       prompt_tokens_p95=ev.prompt_tokens_p95 or facts.prompt_tokens_p95,
                                       dataset_rows=ev.rows or facts.dataset_rows)
             elif isinstance(ev, ModelSeen):
-                self.reached.add("model")
+                self.reached.update(("model", *ev.reaches))  # before a load: points the script passes after it
                 facts = facts.replace(model_config=ev.config or facts.model_config)
+            elif isinstance(ev, OtherEvent) and ev.name == "device" and ev.data.get("context_bytes"):
+                self.device = {k: ev.data.get(k) for k in ("context_bytes", "measured_bytes", "how",
+                                                           "allocator_bytes", "final")}
+                if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
+                    self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
 
     def _teach_guide(self, attempt: Attempt, diag: Diagnosis | None) -> None:
@@ -329,7 +349,8 @@ class Supervisor:
         c = self.climb
         knobs = Knobs.from_dict(attempt.knobs)
         est = self.guide.predict(c.facts, knobs)
-        attempt.predicted_bytes = est.peak_bytes if est else None
+        if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
+            attempt.predicted_bytes = est.peak_bytes if est else None
         # a success teaches the steady state only once an optimizer step has run with its state in place
         if attempt.outcome == Outcome.OK and (attempt.step or 0) < 2:
             return
@@ -387,8 +408,7 @@ class Supervisor:
                     self.ui.message(line)
                 return AttemptKind.PROBE
         # a change the model is unsure of, but not so unsure that the pre-flight check would stop the trial
-        margin = self.o.preflight_margin
-        doubt = None if guide is None else guide.doubt if margin is None else min(guide.doubt, margin)
+        doubt = None if guide is None else min(guide.doubt, self._stop_margin()[0]) if self.o.preflight else guide.doubt
         worth = guide.plausible(c.facts, doubt) if guide is not None else None
         if not self.minimizer.started and c.applied and (self.o.minimize or worth is not None):
             self.minimizer.start(c)
@@ -452,6 +472,9 @@ class Supervisor:
             peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
             them = "it" if len(ch.dropped) == 1 else "them"
             why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
+            if self.guide is not None and self.guide.load_only(self.climb.facts):
+                why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
+                       "once GRPOTrainer is built")
             lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
         for knob, climbed, chosen in ch.relaxed:
             lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
@@ -464,8 +487,12 @@ class Supervisor:
                                          reached=bool(self.reached), max_attempts=self.o.max_attempts,
                                          max_time=self.o.max_time)
         report = c.report(status, message, code, command=self.argv,
-                          device={"simulate_gpu": self.o.simulate_gpu, "gpu_memory": self.o.gpu_memory,
-                                  "capacity": self.capacity,
+                          device={"simulate_gpu": self.o.simulate_gpu, "simulate_context": self.sim_context,
+                                  "gpu_memory": self.o.gpu_memory, "capacity": self.capacity,
+                                  **({"context": self.device} if self.device else {}),
+                                  **({"preflight_margin": self._stop_margin()[0],
+                                      "preflight_margin_source": self._stop_margin()[1]}
+                                     if self.guide is not None and self.o.preflight else {}),
                                   **({"calibration": self.guide.describe()} if self.guide is not None else {})})
         if last is not None and last.generated:
             who = {r["knob"]: r["remedy"] for r in report.diff}

@@ -57,7 +57,7 @@ def _stable_message(climb: Climb, replay: dict[str, Any] | None) -> str:
     proof = (f"; {trials} probe(s) without a change ran out of memory, showing it needed" if trials else "")
     if ooms or stops:
         return f"stable after {ooms} out-of-memory attempt(s)" + (
-            f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before generating)" if stops
+            f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before loading or generating)" if stops
             else "") + proof
     if replay:
         return (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} override(s), no "

@@ -169,7 +169,7 @@ def _stable_after_predicted(c: Cell) -> None:
     """The promise of the pre-flight under every launcher: stopped before generating, then stable, every rank
     trained the chosen config, and nothing left in the temporary directory by the probes."""
     attempts = c.rep["attempts"]
-    assert c.rep["status"] == "stable" and c.out.returncode == 0, c.why()
+    assert c.rep["status"] == "stable" and c.out.returncode == attempts[-1]["exit_code"], c.why()
     assert attempts[0]["outcome"] == "predicted" and attempts[-1]["outcome"] == "ok"
     # no real OOM where the memory model is sure: a config predicted well inside the device fits
     sure = [a for a in attempts if a["outcome"] == "oom" and (a["predicted_bytes"] or 0) < SURE * parse_size(c.budget)]
@@ -239,10 +239,16 @@ SINGLE = ("fits", "predicted", "stable", "oom-load", "oom", "host-ram", "error")
 MULTI = ("fits", "predicted", "stable", "rank-1-oom", "rank-1-killed", "error")
 
 
+# the whole climb after the stop is the same code under every form: run it where the issue's users run it
+STABLE_FORMS = ("trl-grpo", "torchrun-2", "accelerate-2", "exit-1")
+
+
 def _cells() -> list:
     out = []
     for form in FORMS.values():
         for ending in (MULTI if form.ranks > 1 else SINGLE):
+            if ending == "stable" and form.name not in STABLE_FORMS:
+                continue
             marks = [] if (form.name, ending) in DEFAULT else [pytest.mark.slow]
             out.append(pytest.param(form.name, ending, marks=marks, id=f"{form.name}-{ending}"))
     return out

@@ -106,7 +106,9 @@ def on_torch(rt: Runtime, torch: Any) -> None:
     if plan.simulate_gpu:
         from . import simulate
 
-        simulate.start(int(plan.simulate_gpu))
+        given = plan.simulate_context if plan.simulate_context is not None else os.environ.get(simulate.CONTEXT_ENV)
+        simulate.start(int(plan.simulate_gpu),
+                       context=simulate.context_for(int(plan.simulate_gpu), int(given) if given is not None else None))
         orig_empty = torch.cuda.empty_cache
 
         def empty_cache() -> None:
@@ -118,14 +120,9 @@ def on_torch(rt: Runtime, torch: Any) -> None:
         torch.cuda.empty_cache = empty_cache
         when_imported("transformers.trainer", lambda m: _sim_clear_cache(m, rt))
     if plan.gpu_memory:
-        size = int(plan.gpu_memory)
+        from . import capped
 
-        def cap() -> None:
-            for i in range(torch.cuda.device_count()):
-                total = torch.cuda.get_device_properties(i).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), i)
-
-        torch.cuda._lazy_call(cap)
+        capped.install(rt, torch, int(plan.gpu_memory))
 
 
 def _add_traceback(path: Any, text: str) -> None:

@@ -27,6 +27,8 @@ def make_callback(rt: Runtime) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit("step", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
+            while rt.after_first_step:
+                rt.after_first_step.pop(0)()
             if rt.overrides.torch_empty_cache_steps == 1:
                 rt.empty_cache()
 

@@ -289,7 +289,8 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     else:
         source = "from_pretrained" if getattr(model, "_oomguard_from_pretrained", False) else "instance"
         dtype = _dtype_name(getattr(model, "dtype", None))
-        in4 = bool(getattr(model, "is_loaded_in_4bit", False))
+        # a 4-bit load oomguard made is not the script's own (its rung applies only to a model not loaded in 4-bit)
+        in4 = not k_over.load_in_4bit and bool(getattr(model, "is_loaded_in_4bit", False))
     lora_r = 0
     if peft_config is not None:
         lora_r = int(getattr(peft_config, "r", 0) or 0) or 8
@@ -328,6 +329,15 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world(),
                               "missing_packages": missing_packages()},
             observed=dict(rt.observed))
+    if isinstance(model, str) and rt.plan.preflight:
+        # TRL loads it inside GRPOTrainer: judge the whole config from the checkpoint's config, before it loads
+        config = checkpoint_config(model, dict(args.model_init_kwargs or {}))
+        if config is not None and rt.model_config is None:
+            rt.model_config = config
+            rt.emit("model", config=config, params=None, dtype=None)
+            from . import preflight
+
+            preflight.check(rt, before="loads")
 
 
 def _after_init(rt: Runtime, trainer: Any) -> None:
@@ -471,12 +481,31 @@ _MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "inte
                "max_position_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype")
 
 
+def model_config_dict(cfg: Any) -> dict[str, Any]:
+    """The fields of a transformers config that the memory model reads."""
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg) if isinstance(cfg, dict) else {}
+    return {k: _plain(d[k]) for k in _MODEL_KEYS if k in d}
+
+
+def checkpoint_config(name: Any, init_kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """A checkpoint's config (local, or already in the hub cache), read without loading a weight; None when it cannot
+    be read (the pre-flight then waits until the model is built)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        kw = {k: init_kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token") if k in init_kwargs}
+        return model_config_dict(AutoConfig.from_pretrained(name, **kw)) or None
+    except Exception:  # no network, remote code refused, an unknown architecture: not ours to fail on
+        return None
+
+
 def record_model(rt: Runtime, model: Any) -> None:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
-    rt.model_config = {k: _plain(d[k]) for k in _MODEL_KEYS if k in d}
+    rt.model_config = model_config_dict(cfg)
     try:
         params = sum(p.numel() for p in model.parameters())
     except Exception:
@@ -488,6 +517,38 @@ def _weights_checkpoint(rt: Runtime) -> str | None:
     """The checkpoint whose weights a new run starts from, after a rung that a checkpoint cannot continue."""
     r = rt.plan.resume or {}
     return r.get("checkpoint") if r.get("mode") == "weights" else None
+
+
+def _before_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) -> None:
+    """Before ``from_pretrained`` places the weights: report the model's shape (so an OOM while loading can be
+    answered by prediction, and the supervisor knows this command passes through a load), then let the pre-flight
+    judge the load (``preflight.check_load``)."""
+    given = kwargs.get("config")
+    config = model_config_dict(given) if given is not None and not isinstance(given, str) else \
+        checkpoint_config(given or name, kwargs)
+    if not config:
+        return
+    # a script that imported GRPOTrainer will build one: its knobs (LoRA) reach the next attempt
+    reaches = ["trainer"] if "trl.trainer.grpo_trainer" in sys.modules else []
+    rt.emit("model", config=config, params=None, dtype=None, reaches=reaches)
+    if not rt.plan.preflight:
+        return
+    dtype = _dtype_name(kwargs.get("dtype", kwargs.get("torch_dtype"))) or "auto"
+    if dtype == "auto":  # transformers 5's default: the checkpoint's own dtype
+        dtype = _dtype_name(config.get("dtype") or config.get("torch_dtype")) or "float32"
+    q = kwargs.get("quantization_config")
+    in4 = bool(getattr(q, "load_in_4bit", False) or (isinstance(q, dict) and q.get("load_in_4bit")))
+    if requested not in (None, "auto"):
+        rt.observe({"dtype": _dtype_name(requested)})
+    elif not rt.overrides.dtype and not rt.overrides.load_in_4bit:
+        rt.observe({"dtype": dtype})  # what the script loads when oomguard changes nothing
+    try:
+        knobs = rt.knobs().replace(dtype=dtype, load_in_4bit=in4)
+    except (TypeError, ValueError):
+        return
+    from . import preflight
+
+    preflight.check_load(rt, config, knobs)
 
 
 def _is_policy(cls: type) -> bool:
@@ -519,6 +580,7 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             kwargs["quantization_config"] = _bnb_config(torch)
             if kwargs.get("dtype") in (None, "auto", torch.float32, "float32"):
                 kwargs["dtype"] = torch.bfloat16
+        _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
         model = orig(cls, *args, **kwargs)
         # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
         # without an override (the first attempt always loads without one).

@@ -1,17 +1,26 @@
-"""Pre-flight: stop a configuration the memory model is sure cannot fit, before it generates anything.
+"""Pre-flight: stop a configuration the memory model is sure cannot fit, before it loads or generates anything.
 
-At ``GRPOTrainer`` construction the training process knows the model's shape, the knobs and the prompt lengths. When
-the predicted device peak exceeds the capacity by a clear margin (the supervisor's ``--preflight-margin``, 15% by
-default), running on would only cost a generation and a crash, and on a shared GPU an OOM that a neighbour feels. The
-process reports a ``predicted`` event, ends with ``how=predicted`` and exits with ``EXIT_PREDICTED``; the supervisor
-records the attempt with the outcome ``predicted`` (from the events, whatever code a launcher between them turns that
-exit into) and chooses the next config as after an OOM. A prediction that is merely close runs as usual.
+The training process knows the model's shape before anything is placed on the device: from the checkpoint's config
+(a model TRL loads by name, or one the script loads with ``from_pretrained``), or from the model already built. When
+the predicted device peak exceeds the capacity by more than the margin (the memory model's measured error, chosen by
+the supervisor: see ``oomguard.plan.Guide.preflight_margin``), running on would only cost a load or a generation and
+a crash, and on a shared GPU an OOM that a neighbour feels. The process reports a ``predicted`` event, ends with
+``how=predicted`` and exits with ``EXIT_PREDICTED``; the supervisor records the attempt with the outcome
+``predicted`` (from the events, whatever code a launcher between them turns that exit into) and chooses the next
+config as after an OOM. A prediction that is merely close runs as usual.
+
+Three points check:
+
+- :func:`check` when ``GRPOTrainer`` is built (the model, the knobs and the prompt lengths are known): the whole step;
+- the same before TRL loads a model given to ``GRPOTrainer`` by name (``check`` with the checkpoint's config);
+- :func:`check_load` before a script's own ``from_pretrained`` places the weights: the load alone (the weights in the
+  load's dtype plus the context), since the rest of the config may not be known yet.
 
 Pure apart from the process exit: no torch import here.
 
->>> verdict({"capacity": 100, "margin": 0.15}, predicted=120)
+>>> verdict({"capacity": 100, "margin": 0.08}, predicted=120)
 'over'
->>> verdict({"capacity": 100, "margin": 0.15}, predicted=110) is None
+>>> verdict({"capacity": 100, "margin": 0.08}, predicted=107) is None
 True
 """
 
@@ -20,18 +29,29 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..estimate import Coefficients, ModelSpec, estimate
+from ..estimate import Coefficients, ModelSpec, estimate, load_bytes
+from ..knobs import Knobs
 from ..sizes import format_size
 from .runtime import END_PREDICTED, EXIT_PREDICTED, Runtime
+
+DEFAULT_MARGIN = 0.08  # when a plan names none (an older supervisor): the built-in fit's device error and a little
 
 
 def verdict(preflight: dict[str, Any], predicted: int) -> str | None:
     """``"over"`` when ``predicted`` exceeds the capacity by more than the margin, else None (run as usual)."""
     cap = int(preflight.get("capacity") or 0)
-    margin = float(preflight.get("margin", 0.15))
-    if cap <= 0 or predicted <= cap * (1 + margin):
+    if cap <= 0 or predicted <= cap * (1 + margin_of(preflight)):
         return None
     return "over"
+
+
+def margin_of(preflight: dict[str, Any]) -> float:
+    return float(preflight.get("margin", DEFAULT_MARGIN))
+
+
+def _coefficients(preflight: dict[str, Any]) -> Coefficients:
+    fields = set(Coefficients.__dataclass_fields__)
+    return Coefficients(**{k: v for k, v in (preflight.get("coefficients") or {}).items() if k in fields})
 
 
 def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
@@ -40,30 +60,56 @@ def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
         return None
     try:
         spec = ModelSpec.from_config(rt.model_config)
-        fields = set(Coefficients.__dataclass_fields__)
-        co = Coefficients(**{k: v for k, v in (preflight.get("coefficients") or {}).items() if k in fields})
         facts = rt.facts()
         est = estimate(spec, rt.knobs(), world_size=int(facts.get("world_size") or 1),
-                       prompt_tokens=facts.get("prompt_tokens_max"), coefficients=co,
-                       simulated=bool(preflight.get("simulated")), capacity=int(preflight.get("capacity") or 0))
+                       prompt_tokens=facts.get("prompt_tokens_max"), coefficients=_coefficients(preflight),
+                       simulated=bool(preflight.get("simulated")), capacity=int(preflight.get("capacity") or 0),
+                       context=preflight.get("context"))
     except (ValueError, KeyError, TypeError):
         return None
     return est.peak_bytes
 
 
-def check(rt: Runtime) -> None:
-    """Stop the process (exit ``EXIT_PREDICTED``) when the plan's pre-flight says this config cannot fit."""
+def check(rt: Runtime, before: str = "generates") -> None:
+    """Stop the process (exit ``EXIT_PREDICTED``) when the plan's pre-flight says this config cannot fit.
+
+    ``before`` names what the stop saves, for the message: ``generates`` (the trainer is built) or ``loads`` (TRL
+    has not loaded the model yet)."""
     pf = rt.plan.preflight
     if not pf:
         return
     peak = predict(rt, pf)
-    if peak is None or verdict(pf, peak) is None:
+    if peak is not None and verdict(pf, peak) is not None:
+        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before)
+
+
+def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
+    """Before ``from_pretrained`` places a model's weights: stop when the load alone is sure not to fit.
+
+    ``config`` is the checkpoint's config (``config.json`` fields, already reported in a ``model`` event), ``knobs``
+    carry the load's dtype and 4-bit."""
+    pf = rt.plan.preflight
+    if not pf:
         return
+    try:
+        spec = ModelSpec.from_config(config)
+        need = load_bytes(spec, knobs, coefficients=_coefficients(pf), simulated=bool(pf.get("simulated")),
+                          context=pf.get("context"))
+    except (ValueError, KeyError, TypeError):
+        return
+    if verdict(pf, need) is None:
+        return
+    how = "4-bit" if knobs.load_in_4bit else knobs.dtype or "float32"
+    _stop(rt, pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads")
+
+
+def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str) -> None:
     cap = int(pf["capacity"])
-    rt.emit("predicted", predicted_bytes=peak, capacity=cap, margin=float(pf.get("margin", 0.15)))
-    sys.stderr.write(f"oomguard: pre-flight: this config is predicted to need {format_size(peak)}, "
-                     f"{100 * (peak / cap - 1):.0f}% over the {format_size(cap)} device; stopping before it "
-                     "generates (--no-preflight runs it anyway)\n")
+    margin = margin_of(pf)
+    rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before)
+    sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "
+                     f"device (the stop margin is {100 * margin:.1f}%, {pf.get('margin_source') or 'the model error'}"
+                     f"); stopping before it {before} (--no-preflight runs it anyway)\n")
     sys.stderr.flush()
     rt.end(END_PREDICTED)
     raise SystemExit(EXIT_PREDICTED)

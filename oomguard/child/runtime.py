@@ -38,6 +38,7 @@ class Plan:
     attempt: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
     simulate_gpu: int | None = None
+    simulate_context: int | None = None  # held outside the simulated allocator (child/simulate.py, context_for)
     gpu_memory: int | None = None
     crash_dir: str | None = None
     events: str | None = None
@@ -77,6 +78,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._events_warned = False
         self.ended: str | None = None  # how this process ended, once its `end` event is written
+        self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
 
     # -- knobs -------------------------------------------------------------------------------------------------

@@ -27,7 +27,24 @@ from ..allocmodel import AllocatorModel, Block
 from ..sizes import format_size
 
 TRACE_ENV = "OOMGUARD_SIMULATE_TRACE"
+CONTEXT_ENV = "OOMGUARD_SIMULATE_CONTEXT"
 SIMULATED_TAG = "  [oomguard simulated device: a memory budget on CPU, not a real GPU]"
+# A budget this large rehearses a card, so it holds what a CUDA process holds outside the allocator (the memory
+# model's m_ctx, measured at real OOMs on an H100); a smaller budget is a test rig and holds nothing else.
+CARD_SIZED = 4 * 2**30
+CARD_CONTEXT = 800 * 2**20
+
+
+def context_for(capacity: int, given: int | None = None) -> int:
+    """The memory a simulated device of ``capacity`` bytes holds outside its allocator: ``given`` (the
+    ``--simulate-context`` option), else :data:`CARD_CONTEXT` for a card-sized budget and 0 for a test rig.
+
+    >>> context_for(300 * 2**20), context_for(24 * 2**30) // 2**20, context_for(24 * 2**30, given=0)
+    (0, 800, 0)
+    """
+    if given is not None:
+        return int(given)
+    return CARD_CONTEXT if capacity >= CARD_SIZED else 0
 
 
 def expandable_from_env(env: Mapping[str, str] | None = None) -> bool:
@@ -43,9 +60,12 @@ def max_split_from_env(env: Mapping[str, str] | None = None) -> int | None:
 class SimulatedDevice:
     """A memory budget for this process's tensors, with the caching allocator's behaviour and message."""
 
-    def __init__(self, capacity: int, expandable: bool | None = None, max_split: int | None = None) -> None:
+    def __init__(self, capacity: int, expandable: bool | None = None, max_split: int | None = None,
+                 context: int = 0) -> None:
         self.capacity = int(capacity)
-        self.model = AllocatorModel(self.capacity, expandable_from_env() if expandable is None else expandable,
+        self.context = int(context)  # held outside the allocator, as a CUDA context is (see context_for)
+        self.model = AllocatorModel(self.capacity - self.context,
+                                    expandable_from_env() if expandable is None else expandable,
                                     max_split if max_split is not None else max_split_from_env())
         self._live: dict[int, tuple[Any, Block, int]] = {}
         self._lock = threading.RLock()
@@ -168,7 +188,7 @@ class SimulatedDevice:
         with self._lock:
             if self.model.expandable == on:
                 return
-            model = AllocatorModel(self.capacity, on, self.model.max_split)
+            model = AllocatorModel(self.capacity - self.context, on, self.model.max_split)
             for key, (ref, _block, nbytes) in list(self._live.items()):
                 self._live[key] = (ref, model.malloc(nbytes), nbytes)
             self.model = model
@@ -183,6 +203,7 @@ class SimulatedDevice:
         return {
             "simulated": True,
             "capacity": self.capacity,
+            "context": self.context,
             "expandable_segments": m.expandable,
             "allocated_bytes.all.current": m.allocated,
             "allocated_bytes.all.peak": m.peak_allocated,
@@ -198,11 +219,12 @@ class SimulatedDevice:
 
     def oom_message(self, request: int) -> str:
         m = self.model
-        free = max(0, self.capacity - m.reserved)
+        free = max(0, self.capacity - self.context - m.reserved)
         return (
             f"CUDA out of memory. Tried to allocate {format_size(request)}. GPU 0 has a total capacity of "
             f"{format_size(self.capacity)} of which {format_size(free)} is free. Including non-PyTorch memory, this "
-            f"process has {format_size(m.reserved)} memory in use. Of the allocated memory {format_size(m.allocated)} "
+            f"process has {format_size(m.reserved + self.context)} memory in use. Of the allocated memory "
+            f"{format_size(m.allocated)} "
             f"is allocated by PyTorch, and {format_size(m.reserved - m.allocated)} is reserved by PyTorch but "
             "unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
@@ -261,11 +283,11 @@ def device() -> SimulatedDevice | None:
     return _DEVICE
 
 
-def start(capacity: int, expandable: bool | None = None) -> SimulatedDevice:
+def start(capacity: int, expandable: bool | None = None, context: int = 0) -> SimulatedDevice:
     """Start this process's simulated device (once; later calls return the running one)."""
     global _DEVICE
     if _DEVICE is None:
-        _DEVICE = SimulatedDevice(capacity, expandable)
+        _DEVICE = SimulatedDevice(capacity, expandable, context=context)
         _DEVICE.start()
     return _DEVICE
 

@@ -106,7 +106,9 @@ class Remedy:
             limit = r.allowed or r.capacity or 0
             if r.requested and limit and r.requested > OVERFLOW_FACTOR * limit:
                 return "the request is an overflowed shape (far larger than the device); fix the shape"
-            if not self.shrinks_shapes:
+            if d.phase == "load" and not self.helps_at_load:  # a weight tensor: only a smaller load shrinks it
+                return "the single request exceeds the device while loading; only a smaller load can help"
+            if not self.shrinks_shapes and d.phase != "load":
                 return "the single request exceeds the device; only smaller shapes can help"
         if d.phase == "load" and not self.helps_at_load:
             return "the OOM came while loading the model, before any training memory exists"
