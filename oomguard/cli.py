@@ -272,17 +272,37 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     cal = load_calibration(machine_key(gpu_name(), simulated=False))
     calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
                    else {"source": "built-in", "description": builtin_description()})
-    p = make_plan(spec, k, capacity, ladder=lad, facts=RunFacts(world_size=world_size), prompt_tokens=prompt_tokens,
-                  coefficients=cal.apply(Coefficients()) if cal else None)
+    coefficients = cal.apply(Coefficients()) if cal else None
+    facts = RunFacts(world_size=world_size)
+    p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens, coefficients=coefficients)
+    alts = []
+    if p.steps and p.after is not None and p.after.fits(capacity):
+        from .alternatives import alternatives
+        from .plan import predictor
+
+        predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
+                            coefficients=coefficients)
+        alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, facts,
+                                                  lambda x: predict(x).fits(capacity),
+                                                  lambda x: predict(x).peak_bytes)]
+    context = Coefficients().m_ctx
+    device = {"context_bytes": context, "context": "the memory model's figure for a CUDA process; `oomguard run "
+              "--gpu-memory` measures the training process's own"}
     if as_json:
         import json
 
-        click.echo(json.dumps({**p.to_dict(), "calibration": calibration}, indent=2))
+        click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts},
+                              indent=2))
     else:
         from .render import console, plan_table
+        from .sizes import format_size
+        from .ui import alternatives_lines
 
         plan_table(console(), p, model_path)
         click.echo(f"calibration: {calibration['description']}")
+        click.echo(f"context: {format_size(context)} outside the allocator, counted in the peak: {device['context']}")
+        for line in alternatives_lines(alts):
+            click.echo(line)
     sys.exit(0 if p.fits else EXIT_DOES_NOT_FIT)
 
 

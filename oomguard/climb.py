@@ -102,6 +102,17 @@ class Climb:
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
 
+    def actions_in_force(self, without: str | None = None) -> list[str]:
+        """The rungs in force, each named by what it really changes (``Remedy.name_for``): a fewer_generations rung
+        that kept the user's num_generations reads ``fewer_prompts_per_step``."""
+        knobs, who = self.effective(without)
+        return [self._action(name, self.overrides(knobs), who) for name in self.remedies_in_force(without)]
+
+    def _action(self, name: str, changes: dict[str, Any], who: dict[str, str]) -> str:
+        remedy = next((r.remedy for r in self.applied if r.name == name), None)
+        mine = {k: v for k, v in changes.items() if who.get(k) == name}
+        return remedy.name_for(mine) if remedy is not None else name
+
     # -- the attempts ------------------------------------------------------------------------------------------
     def record(self, attempt: Attempt) -> None:
         """Add an attempt that ended; a config that ran out of memory (or was predicted to) is never chosen again."""
@@ -237,6 +248,11 @@ class Climb:
         if last is not None:
             final = Knobs.from_dict(last.knobs)
         rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
+        changes = {r["knob"]: r["to"] for r in rows}
+        for r in rows:  # what the rung did, where that is narrower than its name
+            action = self._action(r["remedy"], changes, who) if r["remedy"] else None
+            if action and action != r["remedy"]:
+                r["action"] = action
         return RunReport(
             status=status, attempts=self.attempts, original=original.to_dict(),
             stable=final.to_dict() if status == "stable" else None, diff=rows, ladder=self.ladder.name,

@@ -213,7 +213,7 @@ def _diff_table(rows: Sequence[dict[str, Any]]) -> str:
     if not rows:
         return '<p class="muted">Nothing was changed.</p>'
     body = "".join(f"<tr><td><code>{_e(r['knob'])}</code></td><td>{_e(r.get('from'))}</td><td>{_e(r.get('to'))}</td>"
-                   f"<td>{_e(r.get('remedy'))}</td></tr>" for r in rows)
+                   f"<td>{_e(r.get('action') or r.get('remedy'))}</td></tr>" for r in rows)
     return f"<table id=\"diff\"><tr><th>knob</th><th>original</th><th>stable</th><th>remedy</th></tr>{body}</table>"
 
 

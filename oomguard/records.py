@@ -352,6 +352,7 @@ class RunReport:
     finished: str | None = None
     device: dict[str, Any] | None = None
     facts: dict[str, Any] | None = None
+    alternatives: list[dict[str, Any]] = field(default_factory=list)  # configs that keep more (oomguard.alternatives)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -369,6 +370,7 @@ class RunReport:
             "stable": self.stable,
             "diff": self.diff,
             "facts": self.facts,
+            "alternatives": self.alternatives,
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:

@@ -94,7 +94,7 @@ def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What 
     for c in ("knob", "original", "stable", "remedy"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["knob"], _v(r["from"]), _v(r["to"]), r.get("remedy") or "")
+        t.add_row(r["knob"], _v(r["from"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")
     out.print(t)
 
 

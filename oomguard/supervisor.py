@@ -207,7 +207,7 @@ class Supervisor:
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
                     remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN else None)
-        self.ui.attempt_start(index, self.o.max_attempts, remedies, plan.overrides, kind)
+        self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides, kind)
         if resume:
             self.ui.message(f"  {resume['mode']}: {resume['why']}")
         watch = _Watch(kind, knobs, EventTail(adir / "events.jsonl"), self._progress_state(index, kind, remedies))
@@ -472,7 +472,7 @@ class Supervisor:
             peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
             them = "it" if len(ch.dropped) == 1 else "them"
             why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
-            if self.guide is not None and self.guide.load_only(self.climb.facts):
+            if self.guide is not None and Guide.load_only(self.climb.facts):
                 why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
                        "once GRPOTrainer is built")
             lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
@@ -500,9 +500,35 @@ class Supervisor:
                 report.diff.append({"knob": f"{kind} config", "from": g.get("replaces"), "to": g.get("path"),
                                     "remedy": who.get("zero_stage") or who.get("offload_optimizer")
                                     or who.get("offload_params")})
+        if status == "stable":
+            report.alternatives = [a.to_dict() for a in self._alternatives(Knobs.from_dict(report.attempts[-1].knobs))]
         lock_path = self._write_outputs(report, status)
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
+
+    def _alternatives(self, final: Knobs) -> list[Any]:
+        """Configs predicted to fit that keep more of the user's GRPO semantics than ``final`` (oomguard.alternatives),
+        each written as a lock in the run's directory so that one flag runs it."""
+        c = self.climb
+        if self.guide is None or self.o.replay or (fits := self.guide.fits(c.facts)) is None:
+            return []
+        from .alternatives import alternatives
+
+        alts = alternatives(c.original(), final, c.facts, fits, self.guide.peak(c.facts),
+                            skip=tuple(c.refused))
+        for n, a in enumerate(alts, 1):
+            path = self.run_dir / f"alternative-{n}.lock.json"
+            write_json_atomic(path, self._lock_data(a.knobs, c.original().to_dict(), a.knobs.to_dict(),
+                                                    [{**r.to_dict(), "remedy": None} for r in c.original().diff(
+                                                        a.knobs)]))
+            alts[n - 1] = dataclasses.replace(a, lock=str(path))
+        return alts
+
+    def _lock_data(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
+                   diff: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
+                "overrides": self.climb.overrides(knobs), "original": original, "stable": stable,
+                "world_size": self.climb.facts.world_size, "diff": diff}
 
     def _write_outputs(self, report: RunReport, status: str) -> Path | None:
         """The report (and HTML), and the lock when stable. Each run keeps its own copies; the top-level files are
@@ -522,11 +548,8 @@ class Supervisor:
         if status == "stable":
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
-            lock_aside = publish({
-                "schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
-                "overrides": c.overrides(final), "original": report.original, "stable": report.stable,
-                "world_size": c.facts.world_size, "diff": report.diff,
-            }, self.run_dir / "lock.json", lock_path, kept)
+            lock_aside = publish(self._lock_data(final, report.original, report.stable, report.diff),
+                                 self.run_dir / "lock.json", lock_path, kept)
             aside = aside or lock_aside
         if aside is not None:
             self.ui.message(f"an older report or lock (not kept by any run) was kept aside in {kept}/ before the new "

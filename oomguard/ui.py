@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -203,7 +204,8 @@ class ConsoleReporter:
         if not steps:
             self._say("  → [red]no rung left that can help[/]")
             return
-        names = rung_label([(s.remedy.name, s.pass_no) for s in steps])
+        # named by what each did: a fewer_generations rung that kept num_generations is fewer_prompts_per_step
+        names = rung_label([(s.remedy.name_for(changes), s.pass_no) for s in steps])
         # what is traded: only the rungs whose knobs changed (the memory model may find a climbed rung not needed)
         acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(changes)] or steps
         trades = sorted({s.remedy.trades for s in acting})
@@ -221,7 +223,33 @@ class ConsoleReporter:
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
             diff_table(self.out, report.diff, title=title)
+        for line in alternatives_lines(report.alternatives, report.command):
+            self._say(line)
         self._say(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path else ""))
+
+
+def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None) -> list[str]:
+    """The final message's lines for the configs that keep more of the user's GRPO semantics (the choice stays the
+    default): what each keeps, what it trades, its predicted peak, and the lock (or knobs) that run it."""
+    if not alts:
+        return []
+    from .sizes import format_size
+
+    lines = ["this choice trades quality; these also fit and keep more of your config:"]
+    tail = shlex.join(command) if command else "COMMAND"
+    for n, a in enumerate(alts, 1):
+        peak = f", predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
+        lines.append(f"  {n}. keeps {'; '.join(a['keeps'])}{peak}")
+        lines.append(f"     trades {'; '.join(a['trades']) or 'nothing'}")
+        if a.get("lock"):
+            lines.append(f"     run it: oomguard run --config {a['lock']} -- {tail}")
+        else:
+            lines.append("     knobs: " + " ".join(f"{k}={_plain_value(v)}" for k, v in a["overrides"].items()))
+    return lines
+
+
+def _plain_value(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 class JsonLogReporter:

@@ -285,3 +285,97 @@ def test_the_report_says_which_context_and_margin_a_rehearsal_used(tmp_path):
     assert rep["device"]["preflight_margin"] == pytest.approx(0.117) and "simulated" in \
         rep["device"]["preflight_margin_source"]
     assert os.path.exists(tmp_path / "report.json")
+
+
+# -- the trade-off, shown; names that match actions -------------------------------------------------------------------
+Q15 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+       "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "tie_word_embeddings": True,
+       "torch_dtype": "bfloat16"}  # Qwen2.5-1.5B's published shape
+
+
+def held_out_climb() -> tuple[Climb, Guide, RunFacts, Knobs]:
+    """Issue 17's held-out case: Qwen2.5-1.5B, 16 generations x 16 per device, 1024-token completions, 16 GiB."""
+    user = TRL_DEFAULTS.merged(Knobs(num_generations=16, per_device_train_batch_size=16, max_completion_length=1024,
+                                     dtype="bfloat16"))
+    facts = RunFacts(model_source="string", prompt_tokens_max=128, model_config=Q15)
+    guide = Guide(16 * GiB)
+    climb = Climb(load_ladder("default"))
+    climb.learn(facts)
+    climb.observe(user.to_dict(only_set=True))
+    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts))
+    return climb, guide, facts, user
+
+
+def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
+    from oomguard.alternatives import alternatives
+
+    climb, guide, facts, user = held_out_climb()
+    chosen = climb.effective()[0]
+    assert chosen.max_completion_length < 1024  # the default choice follows the ladder's order, unchanged
+    alts = alternatives(user, chosen, facts, guide.fits(facts), guide.peak(facts))
+    assert 1 <= len(alts) <= 3
+    best = alts[0]
+    assert best.knobs.max_completion_length == 1024 and best.knobs.num_generations == 16
+    assert best.keeps[0].startswith("max_completion_length 1024 (the choice: ")
+    assert all(t.split(":")[0] in ("speed", "precision") for t in best.trades)
+    assert guide.fits(facts)(best.knobs) and best.predicted_bytes <= 16 * GiB
+    assert alternatives(user, user.replace(expandable_segments=True), facts, guide.fits(facts)) == []
+
+
+def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(tmp_path):
+    from oomguard.records import Attempt, AttemptKind
+    from oomguard.supervisor import RunOptions, Supervisor
+    from oomguard.ui import ConsoleReporter
+
+    climb, guide, _, _ = held_out_climb()
+    sup = Supervisor(["python", "train.py"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd",
+                                                         capacity=16 * GiB, report_path=tmp_path / "r.json",
+                                                         lock_path=tmp_path / "l.json"),
+                     ConsoleReporter(quiet=True, live=False))
+    sup.climb, sup.guide = climb, guide
+    sup.run_dir.mkdir(parents=True)
+    final = climb.effective()[0]
+    last = Attempt(index=1, knobs=final.to_dict(), remedies=climb.remedies_in_force(), outcome="ok", exit_code=0,
+                   seconds=1.0, kind=AttemptKind.RUN, step=2)
+    climb.record(last)
+    assert sup._finish(last) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    alt = rep["alternatives"][0]
+    lock = json.loads(Path(alt["lock"]).read_text())
+    assert lock["overrides"] == alt["overrides"] and "max_completion_length" not in lock["overrides"]
+    from oomguard.command import load_lock
+
+    assert load_lock(alt["lock"])["overrides"] == alt["overrides"]  # `--config` accepts it as it is
+
+
+def test_a_rung_that_only_shrank_the_rows_is_named_for_that():
+    """fewer_generations relaxed back to the user's 16 generations, 16 -> 12 rows per device: the diff, the attempt
+    lines and the climb message say fewer_prompts_per_step, not fewer_generations."""
+    from oomguard.choose import Rung
+
+    user = TRL_DEFAULTS.merged(Knobs(num_generations=16, per_device_train_batch_size=16))
+    climb = Climb(load_ladder("default"))
+    climb.observe(user.to_dict(only_set=True))
+    climb.applied = [Rung(make_remedy("fewer_generations"), None, (("num_generations", 16),
+                                                                  ("per_device_train_batch_size", 12)))]
+    climb.climbed = list(climb.applied)
+    assert climb.actions_in_force() == ["fewer_prompts_per_step"]
+    report = climb.report("stable", "", 0)
+    row = next(r for r in report.diff if r["knob"] == "per_device_train_batch_size")
+    assert row["remedy"] == "fewer_generations" and row["action"] == "fewer_prompts_per_step"
+    remedy = make_remedy("fewer_generations")
+    assert "num_generations kept" in remedy.trade_for({"per_device_train_batch_size": 12})
+    assert remedy.name_for({"num_generations": 8, "per_device_train_batch_size": 8}) == "fewer_generations"
+
+
+def test_plan_shows_the_alternatives_and_the_context(tmp_path):
+    import subprocess
+
+    (tmp_path / "config.json").write_text(json.dumps(Q15))
+    out = subprocess.run([sys.executable, "-m", "oomguard", "plan", "--model", str(tmp_path / "config.json"), "--gpu",
+                          "14GiB", "--prompt-tokens", "128", "max_completion_length=1024", "num_generations=16",
+                          "per_device_train_batch_size=16", "dtype=bfloat16", "--json"],
+                         capture_output=True, text=True, env={**os.environ, "OOMGUARD_CACHE_DIR": str(tmp_path)})
+    data = json.loads(out.stdout)
+    assert data["device"]["context_bytes"] == 800 * 2**20
+    assert data["alternatives"] and "max_completion_length" not in data["alternatives"][0]["overrides"]

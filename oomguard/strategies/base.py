@@ -140,6 +140,17 @@ class Remedy:
             return ""
         return self.trade_note
 
+    def name_for(self, changes: Mapping[str, Any]) -> str:
+        """What this rung did, named by the knobs it really changed (``{knob: new value}``): its name, unless the
+        choice left it doing something narrower that deserves its own name (see ``FewerGenerations``). Messages and
+        the diff show it; reports keep ``name`` as the rung's identifier.
+
+        >>> from oomguard.strategies import make_remedy
+        >>> make_remedy("checkpointing").name_for({"gradient_checkpointing": True})
+        'checkpointing'
+        """
+        return self.name
+
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
         """Knobs between the user's values and ``current`` for this rung's knobs, closest to the user's first.
 

@@ -7,6 +7,9 @@ num_generations alone does not lower memory: the rows stay the same, only more p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from oomguard.diagnose import Diagnosis
 from oomguard.knobs import Knobs
 
@@ -25,6 +28,28 @@ class FewerGenerations(Remedy):
                "gradient_accumulation_steps")
     shrinks_shapes = True
     params = {"min_generations": 2}
+
+    ROWS_ONLY = "fewer_prompts_per_step"
+    ROWS_ONLY_NOTE = ("fewer prompts per optimizer step (num_generations kept): each step averages over fewer "
+                      "groups, and an epoch takes more steps")
+
+    def name_for(self, changes: Mapping[str, Any]) -> str:
+        """``fewer_prompts_per_step`` when the choice kept the user's num_generations and only the rows per device
+        shrank (fewer prompts per step, every group whole).
+
+        >>> FewerGenerations().name_for({"per_device_train_batch_size": 12})
+        'fewer_prompts_per_step'
+        >>> FewerGenerations().name_for({"num_generations": 8, "per_device_train_batch_size": 8})
+        'fewer_generations'
+        """
+        if set(self.changes) & set(changes) and "num_generations" not in changes:
+            return self.ROWS_ONLY
+        return self.name
+
+    def trade_for(self, changes: Mapping[str, Any]) -> str:
+        if self.name_for(changes) == self.ROWS_ONLY:
+            return self.ROWS_ONLY_NOTE
+        return super().trade_for(changes)
 
     def _candidate(self, ctx: Context) -> Knobs | None:
         k = ctx.knobs
