@@ -92,6 +92,8 @@ def report_attempts() -> list:
     out = []
     for path in sorted(FIXTURES.glob("report-*.json")):
         rec = json.loads(path.read_text())
+        if not rec["facts"].get("model_config"):  # a run that ended before its model was known (a load OOM)
+            continue
         spec = ModelSpec.from_config(rec["facts"]["model_config"])
         for a in rec["attempts"]:
             if a["outcome"] != "ok" or not a["peak_bytes"]:

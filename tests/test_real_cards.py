@@ -242,7 +242,7 @@ def test_a_model_loaded_by_name_that_does_not_fit_is_stopped_before_it_loads_and
     """TRL loads the model given by name in float32 (61 MiB of weights on a 48 MiB device). The pre-flight reads
     the checkpoint's config and stops before the load; the choice is a 4-bit load alone, and the run is stable with
     no real OOM."""
-    out, rep = wide(tmp_path, wide_model, "48MiB", "--model-as-string", extra=("--no-refine",))
+    out, rep = wide(tmp_path, wide_model, "48MiB", "--model-as-string", extra=("--no-probe",))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
     assert attempts[0]["outcome"] == "predicted" and "stopped before loading" in attempts[0]["note"]
