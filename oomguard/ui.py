@@ -235,7 +235,7 @@ def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = N
         return []
     from .sizes import format_size
 
-    lines = ["this choice trades quality; these also fit and keep more of your config:"]
+    lines = ["this choice trades quality; these are also predicted to fit and keep more of your config:"]
     tail = shlex.join(command) if command else "COMMAND"
     for n, a in enumerate(alts, 1):
         peak = f", predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
