@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import copy
 import json
 import os
@@ -478,11 +479,11 @@ def _knob_names() -> frozenset[str] | None:
     return frozenset(KNOB_NAMES)
 
 
-def build_models(variants: set[str], where: str | None, tiny: str | None) -> dict[str, str]:
+def build_models(variants: set[str], where: str, tiny: str | None) -> dict[str, str]:
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     from build_tiny_model import VARIANTS, build
 
-    base = Path(where or tempfile.mkdtemp(prefix="oomguard-models-"))
+    base = Path(where)
     models = {}
     for v in sorted(variants):
         if v == "tiny" and tiny:
@@ -510,10 +511,17 @@ def main() -> None:
     a = p.parse_args()
     by_key = {s.key: s for s in SCENARIOS}
     keys = select(list(by_key), a.only, "scenario", lambda k: (k, by_key[k].name))
-    strategies = select(list(STRATEGIES), a.strategy, "strategy")
+    select(list(STRATEGIES), a.strategy, "strategy")  # an unknown name is a one-line error before anything builds
     scenarios = [by_key[k] for k in keys]
-    bench = Bench(build_models({s.model for s in scenarios}, a.models, a.model), timeout=a.timeout,
-                  check=not a.no_check)
+    with contextlib.ExitStack() as stack:  # models built in a temporary directory are deleted at the end
+        where = a.models or stack.enter_context(tempfile.TemporaryDirectory(prefix="oomguard-models-"))
+        bench = Bench(build_models({s.model for s in scenarios}, where, a.model), timeout=a.timeout,
+                      check=not a.no_check)
+        run_all(bench, scenarios, a)
+
+
+def run_all(bench: Bench, scenarios: list[Any], a: argparse.Namespace) -> None:
+    strategies = select(list(STRATEGIES), a.strategy, "strategy")
     units = [(s, st) for s in scenarios for st in strategies]
     rows: list[dict[str, Any] | None] = [None] * len(units)
     started = time.perf_counter()
