@@ -44,6 +44,7 @@ from .records import (
     Outcome,
     PreflightStop,
     ProcessEnded,
+    ProcessStarted,
     RecordError,
     StepDone,
 )
@@ -67,6 +68,8 @@ class Ranks:
     recovered: set[str] = field(default_factory=set)  # crash records of OOMs their process caught and outlived
     stop: PreflightStop | None = None
     finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
+    where: dict[int, str] = field(default_factory=dict)  # pid -> host and PID namespace it ran in
+    helpers: set[int] = field(default_factory=set)  # processes multiprocessing started to serve another
 
     _ooms: dict[int, list[str]] = field(default_factory=dict)  # pid -> crash records its OOMs wrote
 
@@ -79,11 +82,17 @@ class Ranks:
 
     def add(self, ev: ChildEvent) -> None:
         """Take one event, in the order the processes wrote them."""
-        if isinstance(ev, CodeSeen) and ev.pid is not None:
+        if isinstance(ev, ProcessStarted) and ev.pid is not None:
+            if ev.where:
+                self.where[ev.pid] = ev.where
+            if ev.helper:
+                self.helpers.add(ev.pid)
+                self.training.pop(ev.pid, None)
+        elif isinstance(ev, CodeSeen) and ev.pid is not None and ev.pid not in self.helpers:
             self.training.setdefault(ev.pid, ev.rank)
         elif isinstance(ev, ProcessEnded) and ev.pid is not None:
             self.ended.setdefault(ev.pid, ev)
-            if ev.reached:
+            if ev.reached and ev.pid not in self.helpers:
                 self.training.setdefault(ev.pid, ev.rank)
             if ev.how == END_EXIT and ev.code == 0:
                 self.recovered.update(self._ooms.get(ev.pid, []))
@@ -94,22 +103,29 @@ class Ranks:
         elif isinstance(ev, StepDone) and ev.final and ev.pid is not None:
             self.finished.add(ev.pid)
 
-    def decided(self, alive: Callable[[int], bool]) -> str | None:
+    def decided(self, alive: Callable[[int], bool], here: str | None = None) -> str | None:
         """What settles the job's ending while other processes may still run (waiting at a collective for a rank
-        that is gone): a process that ended by OOM or the pre-flight check, a training process that failed, or one
-        that is gone without a word (``alive(pid)`` says). None while nothing does.
+        that is gone): a process that ended by OOM or the pre-flight check, or a training process that failed, once
+        it is gone (its own atexit work, an upload, is left to finish); or a training process gone without a word.
+        ``alive(pid)`` is asked only of processes that ran ``here`` (this host and PID namespace; any, when None):
+        elsewhere a PID names another process. None while nothing does.
 
         >>> r = Ranks.of([CodeSeen("trainer", pid=5, rank=1), ProcessEnded("oom", pid=5, rank=1, path="c.json")])
-        >>> r.decided(alive=lambda pid: True)
-        'rank 1 (pid 5) ended: oom'
+        >>> r.decided(alive=lambda pid: True) is None, r.decided(alive=lambda pid: False)
+        (True, 'rank 1 (pid 5) ended: oom')
         >>> Ranks.of([CodeSeen("trainer", pid=5, rank=1)]).decided(alive=lambda pid: False)
         'rank 1 (pid 5) is gone without a word'
         """
+        def gone(pid: int) -> bool:
+            local = here is None or self.where.get(pid) in (None, here)
+            return local and not alive(pid)
+
         for pid, e in self.ended.items():
-            if e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code))):
+            decisive = e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
+            if decisive and (gone(pid) or (here is not None and self.where.get(pid) not in (None, here))):
                 return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
-        gone = [pid for pid in self.silent() if not alive(pid)]
-        return f"{self.who(gone[0])} is gone without a word" if gone else None
+        lost = [pid for pid in self.silent() if gone(pid)]
+        return f"{self.who(lost[0])} is gone without a word" if lost else None
 
     def silent(self) -> list[int]:
         """Training processes that wrote no end and had not finished training: killed by a signal, or still running.
@@ -117,19 +133,32 @@ class Ranks:
         teardown, is not silent.)"""
         return [pid for pid in self.training if pid not in self.ended and pid not in self.finished]
 
-    def clean(self) -> bool:
-        """Every training process ended with ``exit`` 0, or finished training and left without a word (False when
-        there is none to ask)."""
-        return bool(self.training) and all(
-            (e.how == END_EXIT and e.code == 0) if (e := self.ended.get(pid)) is not None else pid in self.finished
-            for pid in self.training)
+    def clean(self, direct: int | None = None, returncode: int = 0) -> bool:
+        """Every training process ended well: with ``exit`` 0 (or left without a word after its training finished),
+        and, where the command's exit status says otherwise, after its training finished (a ``raise SystemExit(1)``
+        of the script's own leaves no mark in the process). ``direct`` is the PID of the command itself: when it is a
+        training process, its exit status is its own. False when there is none to ask."""
+        if not self.training or (direct in self.training and returncode != 0):
+            return False
 
-    def failure(self) -> str | None:
-        """The first training process that said it failed (an uncaught error, a non-zero ``sys.exit``), in words."""
-        for pid, e in self.ended.items():
-            if pid in self.training and (e.how == END_ERROR or (e.how == END_EXIT and e.code)):
-                what = f"raised {e.error or 'an exception'}" if e.how == END_ERROR else f"exited with code {e.code}"
-                return f"{self.who(pid)} {what}"
+        def well(pid: int) -> bool:
+            e = self.ended.get(pid)
+            if e is None:
+                return pid in self.finished
+            return e.how == END_EXIT and e.code == 0 and (returncode == 0 or pid in self.finished)
+
+        return all(well(pid) for pid in self.training)
+
+    def failure(self, training_only: bool = False) -> str | None:
+        """The first process that said it failed (an uncaught error, a non-zero ``sys.exit``), in words: a training
+        process first, else (unless ``training_only``) any (a rank that failed before it built its config)."""
+        said = [(pid, e) for pid, e in self.ended.items() if pid not in self.helpers
+                and (pid in self.training or not training_only)
+                and (e.how == END_ERROR or (e.how == END_EXIT and e.code))]
+        said.sort(key=lambda pe: pe[0] not in self.training)
+        for pid, e in said:
+            what = f"raised {e.error or 'an exception'}" if e.how == END_ERROR else f"exited with code {e.code}"
+            return f"{self.who(pid)} {what}"
         return None
 
     def who(self, pid: int) -> str:
@@ -188,18 +217,23 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
                         f"{format_size(stop.predicted_bytes or 0)}, more than {100 * stop.margin:.1f}% over the "
                         "capacity")
         return attempt, None
-    killed = _sigkill(res.returncode) or bool(ranks.silent())
-    if killed and res.host_oom:  # a host-RAM OOM only with evidence (proc.py, hostmem.py)
+    silent = ranks.silent()
+    killed = _sigkill(res.returncode) or bool(silent)
+    said = ranks.failure(training_only=True)
+    # a host-RAM OOM only with evidence (proc.py, hostmem.py); a rank's own error outweighs the weak evidence (resident
+    # memory near the limit), not the kernel's word (its OOM-kill counter, its log naming one of ours)
+    if killed and res.host_oom and (res.host_strong or said is None):
+        victim = (f"killed by SIGKILL (exit {res.exit_code})" if _sigkill(res.returncode) or not silent
+                  else f"{ranks.who(silent[0])} was killed without a word (the command exited {res.exit_code})")
         report = OOMReport(backend="host", origin="oom-killer",
-                           message=f"the training process was killed by SIGKILL (exit {res.exit_code}): "
-                                   + "; ".join(res.host_oom))
+                           message=f"the training process was {victim}: " + "; ".join(res.host_oom))
         d = diagnose(report)
         d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d
-    clean = ranks.clean() if ranks.training else res.returncode == 0
-    if not clean:
+    clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
+    if not clean and (silent or said is None):  # a process that died before it could say why: read its output
         hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
         if hits:
             hit = hits[-1]
@@ -213,9 +247,8 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
                             "(its launcher's own): the training counts as done; the code is passed through")
             warn(f"attempt {index}: {attempt.note}")
         return attempt, None
-    why = ranks.failure()
+    why = said or ranks.failure()
     if why is None and killed:
-        silent = ranks.silent()
         how = (f"{ranks.who(silent[0])} ended without a word (killed by a signal)" if silent
                else f"killed by SIGKILL (exit {res.exit_code})")
         why = (f"{how}, with no sign of the kernel's OOM killer ({res.host_checked or 'not checked'}): passed "

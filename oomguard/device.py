@@ -18,8 +18,23 @@ from typing import Any
 
 def _visible_index() -> int:
     """NVML numbers devices physically; CUDA_VISIBLE_DEVICES decides which one the training process sees first."""
-    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    return int(vis) if vis.isdigit() else 0
+    return nvml_index(0) or 0
+
+
+def nvml_index(cuda_index: int, env: dict[str, str] | None = None) -> int | None:
+    """NVML's number for the device CUDA numbers ``cuda_index`` in this process (through CUDA_VISIBLE_DEVICES);
+    None where the variable names devices by UUID or has fewer entries.
+
+    >>> nvml_index(1, {"CUDA_VISIBLE_DEVICES": "3,5"}), nvml_index(2, {}), nvml_index(0, {"CUDA_VISIBLE_DEVICES": "GPU-8f"})
+    (5, 2, None)
+    """
+    vis = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if vis is None:
+        return cuda_index
+    parts = [p.strip() for p in vis.split(",") if p.strip()]
+    if cuda_index < len(parts) and parts[cuda_index].isdigit():
+        return int(parts[cuda_index])
+    return None
 
 
 def _nvml() -> Any:

@@ -201,6 +201,7 @@ class HostOOMWatch:
         self.rss: dict[int, int] = {}  # each process's high-water mark, as last read
         self._kmsg_fd: int | None = None
         self.kmsg_readable = False
+        self.strong = False  # set by evidence(): the kernel's own word, not resident memory alone
         self._last_sample = 0.0
 
     def start(self) -> None:
@@ -228,7 +229,7 @@ class HostOOMWatch:
 
     def close(self, read: bool = True) -> list[str]:
         """Stop watching; returns the kernel-log records written since :meth:`start` (none when unreadable, or
-        when ``read`` is False: an attempt that did not end by SIGKILL needs no evidence)."""
+        when ``read`` is False: an interrupted attempt needs no evidence)."""
         records: list[str] = []
         fd, self._kmsg_fd = self._kmsg_fd, None
         if fd is None:
@@ -259,7 +260,8 @@ class HostOOMWatch:
         return _meminfo_total(self.proc), "the machine's RAM"
 
     def evidence(self, pids: set[int] | None = None) -> list[str]:
-        """Sentences that show the OOM killer ended the attempt; empty when nothing does."""
+        """Sentences that show the OOM killer ended a process of the attempt; empty when nothing does. ``strong``
+        says afterwards whether the kernel itself said so (its counter or its log), not resident memory alone."""
         out: list[str] = []
         if self.cgroup is not None and self.kills_before is not None:
             after = self.cgroup.oom_kills()
@@ -269,6 +271,7 @@ class HostOOMWatch:
         lines = kernel_oom_lines(self.close(), (pids or set()) | self.pids)
         if lines:
             out.append(f"the kernel log says: {lines[-1]}")
+        self.strong = bool(out)
         used = sum(self.rss.values())
         limit, what = self.limit()
         if used and limit and used >= RSS_EVIDENCE_FRACTION * limit:

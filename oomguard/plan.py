@@ -230,7 +230,7 @@ class Guide:
         co = self.coefficients
         if outcome == "ok" and peak:
             self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
-        if outcome == "oom":
+        if outcome == "oom" and not (report is not None and report.backend == "host"):  # a device OOM
             self.failed.append((facts, knobs))
         if outcome == "oom" and report is not None:
             big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block

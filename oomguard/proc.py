@@ -56,7 +56,9 @@ class ProcessResult:
     interrupted: int | None  # the signal the supervisor received and forwarded, if any
     seconds: float
     host_oom: list[str] = field(default_factory=list)  # evidence that the kernel's OOM killer ended a process of it
+    host_strong: bool = False  # the kernel's own word (its OOM-kill counter, its log), not resident memory alone
     host_checked: str = ""  # what was looked at when there was no such evidence
+    pid: int | None = None  # the command's own process (its exit status is that process's)
     survivors: list[int] = field(default_factory=list)  # processes of the group still alive after the bounded wait
 
     @property
@@ -112,11 +114,17 @@ def process_alive(pid: int, proc: Path = Path("/proc")) -> bool:
         return False
     except PermissionError:
         pass
+    fields = _stat_fields(proc, pid)
+    return fields is None or fields[0] not in ("Z", "X")  # without /proc, os.kill's answer stands
+
+
+def _stat_fields(proc: Path, pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)``: state, ppid, pgrp, ...; None when unreadable."""
     try:
-        state = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc: os.kill's answer stands
-    return state not in ("Z", "X")
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return fields or None
 
 
 def group_alive(pgid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -139,12 +147,8 @@ def group_alive(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     for name in entries:
         if not name.isdigit():
             continue
-        try:
-            stat = (proc / name / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state ppid pgrp ...
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+        fields = _stat_fields(proc, name)
+        if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
             alive.append(int(name))
     return alive
 
@@ -238,9 +242,10 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     for t in threads:
         t.join(timeout=5)
     res = ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start,
-                        survivors=survivors)
+                        survivors=survivors, pid=proc.pid)
     if not interrupts.signum:  # behind a launcher, a rank the OOM killer ended leaves any exit code: look every time
         res.host_oom = watch.evidence({proc.pid})
+        res.host_strong = watch.strong
         res.host_checked = "" if res.host_oom else watch.describe_absence()
     else:
         watch.close(read=False)

@@ -506,6 +506,17 @@ class PreflightStop:
 
 
 @dataclass(frozen=True)
+class ProcessStarted:
+    """``start``: a Python process of the attempt with oomguard's bootstrap, where it runs (host and PID namespace)
+    and whether multiprocessing started it to serve another (a ``helper``, never a training process)."""
+
+    pid: int | None = None
+    rank: int | None = None
+    where: str | None = None
+    helper: bool = False
+
+
+@dataclass(frozen=True)
 class ProcessEnded:
     """``end``: how one process of the attempt ended, in its own words (written once, at its end): ``exit`` with the
     ``code`` it passed to ``sys.exit`` (0 for a plain end), ``error`` (an uncaught exception, not an OOM), ``oom``
@@ -539,7 +550,7 @@ class OtherEvent:
 
 
 ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
-              | PreflightStop | ProcessEnded | OverrideFailed | OtherEvent)
+              | PreflightStop | ProcessStarted | ProcessEnded | OverrideFailed | OtherEvent)
 
 
 def _int(v: Any) -> int | None:
@@ -554,8 +565,8 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
 
     >>> parse_event({"event": "step", "step": 3, "peak": 100})
     StepDone(step=3, peak=100, reserved=None, final=False, pid=None)
-    >>> parse_event({"event": "start", "argv": ["x"]}).name
-    'start'
+    >>> parse_event({"event": "resume", "checkpoint": "x"}).name
+    'resume'
     """
     name = d.get("event")
     dict_or = lambda v: v if isinstance(v, dict) else {}  # noqa: E731
@@ -585,6 +596,9 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
     if name == "predicted":
         return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
                              before=str(d.get("before") or "generates"), **who)
+    if name == "start":
+        return ProcessStarted(where=d.get("where") if isinstance(d.get("where"), str) else None,
+                              helper=d.get("helper") is True, **who)
     if name == "end" and isinstance(d.get("how"), str):
         reached = d.get("reached")
         return ProcessEnded(d["how"], code=_int(d.get("code")), error=d.get("error"), path=d.get("path"),

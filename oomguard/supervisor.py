@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import allocconf
-from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan
+from .child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from .child.simulate import context_for
 from .choose import Choice
 from .classify import Ranks, classify
@@ -138,6 +138,7 @@ class Supervisor:
         self.ui = reporter
         self.run_dir = options.workdir / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.interrupts = Interrupts()
+        self.here = whereabouts()  # a PID of the training processes names one of ours only where this matches
         self.reached: set[str] = set()  # construction points the command passed through (config, trainer, model)
         user = allocconf.user_settings(os.environ)  # read from the variable torch reads
         self.user_expandable = bool(user.expandable_segments)
@@ -307,7 +308,7 @@ class Supervisor:
                 self.checkpoint, self.checkpoint_knobs = ev.path, w.knobs
         if fresh and live:
             self.ui.progress(w.progress)
-        if w.decided_at is None and live and w.ranks.decided(alive=process_alive) is not None:
+        if w.decided_at is None and live and w.ranks.decided(alive=process_alive, here=self.here) is not None:
             w.decided_at = time.monotonic()
         if w.decided_at is not None:
             waited = time.monotonic() - w.decided_at
@@ -501,7 +502,11 @@ class Supervisor:
                                     "remedy": who.get("zero_stage") or who.get("offload_optimizer")
                                     or who.get("offload_params")})
         if status == "stable":
-            report.alternatives = [a.to_dict() for a in self._alternatives(Knobs.from_dict(report.attempts[-1].knobs))]
+            try:  # a help to the user: it must never cost the stable run its report and lock
+                report.alternatives = [a.to_dict() for a in
+                                       self._alternatives(Knobs.from_dict(report.attempts[-1].knobs))]
+            except Exception as e:
+                self.ui.message(f"could not work out alternatives to the stable config ({type(e).__name__}: {e})")
         lock_path = self._write_outputs(report, status)
         self.ui.finish(report, self.o.report_path, lock_path)
         return code

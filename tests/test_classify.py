@@ -18,7 +18,16 @@ from oomguard.knobs import TRL_DEFAULTS
 from oomguard.ladder import load_ladder
 from oomguard.oom import parse_oom
 from oomguard.proc import ProcessResult
-from oomguard.records import CodeSeen, CrashRecord, OOMRaised, Outcome, PreflightStop, ProcessEnded, StepDone
+from oomguard.records import (
+    CodeSeen,
+    CrashRecord,
+    OOMRaised,
+    Outcome,
+    PreflightStop,
+    ProcessEnded,
+    ProcessStarted,
+    StepDone,
+)
 from oomguard.verdict import conclude
 
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of which "
@@ -28,9 +37,10 @@ CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total c
 LAUNCHER_CODES = (0, 1, 2, 87, 137, -signal.SIGKILL)
 
 
-def result(code: int, stderr: str = "", host_oom: list[str] | None = None, interrupted: int | None = None):
-    return ProcessResult(code, "", stderr, interrupted, 1.0, host_oom=host_oom or [],
-                         host_checked="the cgroup's OOM-kill counter did not rise")
+def result(code: int, stderr: str = "", host_oom: list[str] | None = None, interrupted: int | None = None,
+           strong: bool = True, pid: int | None = None):
+    return ProcessResult(code, "", stderr, interrupted, 1.0, host_oom=host_oom or [], host_strong=strong,
+                         host_checked="the cgroup's OOM-kill counter did not rise", pid=pid)
 
 
 def trained(pid: int, rank: int | None = None) -> list:
@@ -65,8 +75,13 @@ def test_a_pre_flight_stop_is_read_from_the_events_whatever_the_launcher_exits_w
         assert attempt.predicted_bytes == 3 << 30
 
 
+def finished(pid: int) -> StepDone:
+    return StepDone(step=2, final=True, pid=pid)
+
+
 def test_every_training_process_finishing_is_a_fit_even_when_the_launcher_exits_1(tmp_path):
-    events = [*trained(11, 0), *trained(12, 1), ended("exit", 11, 0, code=0), ended("exit", 12, 1, code=0)]
+    events = [*trained(11, 0), *trained(12, 1), finished(11), finished(12), ended("exit", 11, 0, code=0),
+              ended("exit", 12, 1, code=0)]
     attempt, _, warnings = decide(tmp_path, result(1), events)
     assert attempt.outcome == Outcome.OK and attempt.exit_code == 1
     assert "passed through" in attempt.note and warnings
@@ -109,6 +124,15 @@ def test_a_non_oom_failure_is_passed_through_with_its_reason_and_the_commands_co
         assert (status, exit_code) == ("failed", code) and "ValueError: bad reward" in message
 
 
+def test_a_raise_systemexit_of_the_scripts_own_is_read_from_the_exit_status(tmp_path):
+    """`raise SystemExit(1)` leaves no mark in the process (its end reads exit 0): where the command is the training
+    process, its exit status is its own; behind a launcher, a non-zero status with training unfinished fails."""
+    events = [*trained(11), ended("exit", 11, code=0)]
+    assert decide(tmp_path, result(1, pid=11), events)[0].outcome == Outcome.FAILED
+    assert decide(tmp_path, result(1, pid=99), events)[0].outcome == Outcome.FAILED  # launcher: training unfinished
+    assert decide(tmp_path, result(0, pid=11), events)[0].outcome == Outcome.OK
+
+
 def test_a_launcher_that_exits_0_does_not_hide_a_failed_rank(tmp_path):
     events = [*trained(11), ended("exit", 11, code=3)]
     attempt, _, _ = decide(tmp_path, result(0), events)
@@ -122,6 +146,11 @@ def test_a_rank_killed_without_a_word_is_a_host_oom_only_with_evidence(tmp_path)
     evidence = ["the cgroup's OOM-kill counter rose from 0 to 1 during the attempt (memory.events)"]
     attempt, diag, _ = decide(tmp_path, result(1, host_oom=evidence), events)
     assert attempt.outcome == Outcome.OOM and diag.kind == "host-ram"
+    assert "rank 1 (pid 12) was killed without a word (the command exited 1)" in attempt.oom["message"]
+    weak = ["the attempt's processes reached 30 GiB of resident memory, 93% of the machine's RAM (32 GiB)"]
+    attempt, _, _ = decide(tmp_path, result(1, host_oom=weak, strong=False), events)
+    assert attempt.outcome == Outcome.FAILED and "gloo" in attempt.note  # the rank's own error outweighs it
+    assert decide(tmp_path, result(1, host_oom=weak, strong=False), trained(12, 1))[0].outcome == Outcome.OOM
     attempt, diag, _ = decide(tmp_path, result(1), events)  # no evidence: the peer's error is the reason
     assert attempt.outcome == Outcome.FAILED and "gloo" in attempt.note
     attempt, _, warnings = decide(tmp_path, result(1), trained(12, 1))
@@ -158,6 +187,27 @@ def test_what_decides_an_attempt_while_other_ranks_still_run():
     assert helper.decided(lambda pid: True) is None
 
 
+def test_a_failed_rank_decides_once_it_is_gone_and_only_pids_of_this_host_are_asked():
+    """An error end is written before the process's own atexit work (an upload): the grace starts once it is gone.
+    A PID from another host or PID namespace (srun, a container) names another process: never asked."""
+    ranks = Ranks.of([ProcessStarted(pid=11, where="a:ns1"), *trained(11, 0),
+                      ProcessStarted(pid=12, where="b:ns9"), *trained(12, 1)])
+    assert ranks.decided(lambda pid: pid != 12, here="a:ns1") is None  # pid 12 is elsewhere: never asked
+    assert ranks.decided(lambda pid: pid != 11, here="a:ns1") == "rank 0 (pid 11) is gone without a word"
+    ranks = Ranks.of([ProcessStarted(pid=11, where="a:ns1"), *trained(11, 0),
+                      ended("error", 11, 0, error="ValueError: x")])
+    assert ranks.decided(lambda pid: True, here="a:ns1") is None  # still finishing its own atexit work
+    assert ranks.decided(lambda pid: False, here="a:ns1") == "rank 0 (pid 11) ended: error"
+
+
+def test_a_spawned_helper_that_built_a_config_is_not_a_training_process(tmp_path):
+    """A dataloader or datasets.map worker spawned by multiprocessing re-imports the script: it may build a
+    GRPOConfig, and it is terminated when its work is done. Its silence is not a rank's death."""
+    events = [*trained(11), ProcessStarted(pid=40, helper=True), CodeSeen("config", pid=40), finished(11),
+              ended("exit", 11, code=0)]
+    assert decide(tmp_path, result(0, pid=11), events)[0].outcome == Outcome.OK
+
+
 ENDINGS = st.sampled_from(["ok", "error", "exit3", "oom", "predicted", "silent"])
 
 
@@ -176,8 +226,9 @@ def test_the_job_is_decided_once_whatever_order_the_ranks_wrote_in(tmp_path_fact
         elif how == "predicted":
             evs += [PreflightStop(predicted_bytes=1, capacity=1, pid=pid, rank=rank), ended("predicted", pid, rank)]
         elif how != "silent":
-            evs.append(ended("error", pid, rank, error="E") if how == "error"
-                       else ended("exit", pid, rank, code=3 if how == "exit3" else 0))
+            evs += ([ended("error", pid, rank, error="E")] if how == "error"
+                    else [ended("exit", pid, rank, code=3)] if how == "exit3"
+                    else [finished(pid), ended("exit", pid, rank, code=0)])
         streams.append(evs)
     events = []
     while any(streams):  # an interleaving that keeps each process's own order

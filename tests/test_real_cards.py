@@ -155,6 +155,9 @@ class FakeCuda:
     def device_count(self):
         return 1
 
+    def current_device(self):
+        return 0
+
     def get_device_properties(self, i):
         return SimpleNamespace(total_memory=self.total)
 
@@ -177,20 +180,21 @@ class FakeRuntime:
 
 
 def test_a_rehearsed_card_leaves_the_allocator_its_size_minus_the_context(monkeypatch):
-    """--gpu-memory 16GiB on an 80 GiB card: at CUDA's start the context is not all there yet (cuBLAS loads at the
-    first matmul), so the allocator gets 16 GiB minus at least the model's 800 MiB; after the first step, minus what
-    this process really holds (NVML unavailable here: the device's use since CUDA started)."""
+    """--gpu-memory 16GiB on an 80 GiB card: when CUDA starts nothing is measured (cuBLAS loads at the first matmul,
+    and asking another device would create a context there): the allocator gets 16 GiB minus the model's 800 MiB.
+    After the first step, minus what this process holds (NVML unavailable here: the device's use since CUDA
+    started)."""
     monkeypatch.setattr(capped.device, "process_gpu_memory", lambda pid, index=None: None)
-    cuda = FakeCuda(total=80 * GiB, used_before=3 * GiB, context=500 * 2**20)
+    cuda = FakeCuda(total=80 * GiB, used_before=3 * GiB, context=0)
     torch = SimpleNamespace(cuda=cuda)
     rt = FakeRuntime()
-    capped.apply(rt, torch, 16 * GiB, baseline=3 * GiB, final=False)
+    capped.at_start(rt, torch, 16 * GiB)
     assert cuda.fractions[0] * 80 * GiB == pytest.approx(16 * GiB - capped.ASSUMED_CONTEXT)
-    cuda.used += 300 * 2**20  # cuBLAS and its kernels, loaded at the first matmul: 800 MiB in all
-    capped.apply(rt, torch, 16 * GiB, baseline=3 * GiB, final=True)
-    assert cuda.fractions[0] * 80 * GiB == pytest.approx(16 * GiB - 800 * 2**20)
+    cuda.used += 700 * 2**20  # the context with cuBLAS and its kernels, after the first step
+    capped.after_first_step(rt, torch, 16 * GiB, baseline=3 * GiB)
+    assert cuda.fractions[0] * 80 * GiB == pytest.approx(16 * GiB - 700 * 2**20)
     last = rt.events[-1]
-    assert last["event"] == "device" and last["context_bytes"] == 800 * 2**20 and last["final"]
+    assert last["event"] == "device" and last["context_bytes"] == 700 * 2**20 and last["final"]
     assert last["allocator_bytes"] + last["context_bytes"] == 16 * GiB and "since this process started" in last["how"]
 
 
@@ -199,6 +203,19 @@ def test_nvml_s_own_figure_for_the_process_wins_when_it_has_one(monkeypatch):
     cuda = FakeCuda(total=80 * GiB, used_before=0, context=0, reserved=100 * 2**20)
     ctx, how = capped.measure(SimpleNamespace(cuda=cuda), 0, baseline=None)
     assert ctx == 800 * 2**20 and "NVML" in how
+
+
+def test_a_rehearsal_that_cannot_measure_or_cap_never_breaks_the_training(monkeypatch, capsys):
+    def broken(*a):
+        raise RuntimeError("CUDA error: operation not supported")
+
+    cuda = FakeCuda(total=80 * GiB, used_before=0, context=0)
+    cuda.set_per_process_memory_fraction = broken
+    capped.at_start(FakeRuntime(), SimpleNamespace(cuda=cuda), 16 * GiB)
+    cuda.memory_reserved = broken
+    capped.after_first_step(FakeRuntime(), SimpleNamespace(cuda=cuda), 16 * GiB, baseline=None)
+    err = capsys.readouterr().err
+    assert err.count("oomguard: warning: --gpu-memory") == 2 and "Traceback" not in err
 
 
 def test_the_simulated_device_holds_a_context_outside_its_allocator():

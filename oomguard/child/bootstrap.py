@@ -22,8 +22,10 @@ from .runtime import (
     SIMULATE_ENV,
     Plan,
     Runtime,
+    is_helper,
     runtime,
     set_runtime,
+    whereabouts,
 )
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "torch.distributed.launch",
@@ -34,22 +36,52 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "to
 LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl")
 
 
-def is_launcher(argv: list[str] | None = None) -> bool:
-    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed, TRL's CLI): it must stay
-    clean, and it records nothing, so how an attempt ended is read from the workers it starts.
+def program_of(orig_argv: list[str]) -> tuple[str, str]:
+    """What the interpreter of ``orig_argv`` (``sys.orig_argv``: the interpreter, its options, then the program)
+    runs: ``("module", name)`` for ``-m``, ``("script", path)``, ``("code", "")`` for ``-c``, or ``("none", "")``.
 
-    >>> is_launcher(["/venv/bin/trl", "grpo", "--config", "grpo.yaml"]), is_launcher(["python", "train.py"])
-    (True, False)
+    >>> program_of(["/venv/bin/python", "-u", "-X", "dev", "-m", "torch.distributed.run", "train.py"])
+    ('module', 'torch.distributed.run')
+    >>> program_of(["/venv/bin/python3", "/venv/bin/trl", "grpo"]), program_of(["python", "-c", "pass"])
+    (('script', '/venv/bin/trl'), ('code', ''))
     """
-    argv = list(getattr(sys, "orig_argv", None) or sys.argv) if argv is None else argv
-    for i, a in enumerate(argv[:4]):
-        base = os.path.basename(a)
-        if base in LAUNCHER_SCRIPTS:
-            return True
-        if a == "-m" and i + 1 < len(argv) and argv[i + 1] in LAUNCHERS:
-            return True
-        if a.replace("\\", "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py")):
-            return True
+    i = 1
+    while i < len(orig_argv):
+        a = orig_argv[i]
+        if a == "-m":
+            return ("module", orig_argv[i + 1]) if i + 1 < len(orig_argv) else ("none", "")
+        if a == "-c" or (a.startswith("-c") and not a.startswith("--")):
+            return "code", ""
+        if a.startswith("-m") and len(a) > 2:
+            return "module", a[2:]
+        if a in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if a == "--" or not a.startswith("-") or a == "-":
+            j = i + 1 if a == "--" else i
+            return ("script", orig_argv[j]) if j < len(orig_argv) else ("none", "")
+        i += 1
+    return "none", ""
+
+
+def is_launcher(orig_argv: list[str] | None = None) -> bool:
+    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed, TRL's CLI): it must stay
+    clean, and it records nothing, so how an attempt ended is read from the workers it starts. Only the program is
+    looked at, never its arguments (``python train.py --output_dir trl`` trains).
+
+    >>> is_launcher(["/venv/bin/python", "/venv/bin/trl", "grpo", "--config", "grpo.yaml"])
+    True
+    >>> is_launcher(["python", "train.py", "--output_dir", "trl"]), is_launcher(["python", "-m", "accelerate.commands.launch"])
+    (False, True)
+    """
+    if orig_argv is None:
+        orig_argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    kind, what = program_of(orig_argv)
+    if kind == "module":
+        return what in LAUNCHERS
+    if kind == "script":
+        return (os.path.basename(what) in LAUNCHER_SCRIPTS
+                or what.replace("\\", "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py")))
     return False
 
 
@@ -73,22 +105,32 @@ def install() -> Runtime | None:
     install_hooks(rt)
     install_excepthooks(rt)
     install_exit_records(rt)
-    rt.emit("start", argv=list(sys.argv), executable=sys.executable)
+    rt.emit("start", argv=list(sys.argv), executable=sys.executable, where=whereabouts(),
+            helper=is_helper(list(getattr(sys, "orig_argv", None) or sys.argv)))
     return rt
 
 
 def install_exit_records(rt: Runtime) -> None:
-    """Every way this process can end leaves an ``end`` event: ``sys.exit`` notes its code, and an ``atexit``
-    handler (run at interpreter shutdown, after a clean end, ``sys.exit`` or an uncaught exception) writes it. The
-    excepthooks and the pre-flight check write theirs first; a process killed by a signal writes none."""
-    orig_exit = sys.exit
+    """Every way this process can end leaves an ``end`` event: ``sys.exit`` (and ``exit()``) note their code, and an
+    ``atexit`` handler (run at interpreter shutdown, after a clean end, ``sys.exit`` or an uncaught exception) writes
+    it. The excepthooks and the pre-flight check write theirs first; a process killed by a signal writes none. A
+    ``raise SystemExit(code)`` of the script's own is not seen here: the supervisor reads that code from the exit
+    status where no launcher sits between (``oomguard.classify``)."""
+    def noting(orig: Any) -> Any:
+        def exit(code: Any = None) -> Any:
+            if threading.current_thread() is threading.main_thread():  # another thread's sys.exit ends only it
+                rt.exit_code = code
+            return orig(code)
 
-    def exit(code: Any = None) -> Any:
-        rt.exit_code = code
-        return orig_exit(code)
+        exit.__doc__ = getattr(orig, "__doc__", None)
+        return exit
 
-    exit.__doc__ = orig_exit.__doc__
-    sys.exit = exit
+    sys.exit = noting(sys.exit)
+    import builtins
+
+    for name in ("exit", "quit"):  # site's exit()/quit() raise SystemExit without sys.exit
+        if callable(getattr(builtins, name, None)):
+            setattr(builtins, name, noting(getattr(builtins, name)))
     atexit.register(rt.at_exit)
 
 
@@ -106,9 +148,12 @@ def on_torch(rt: Runtime, torch: Any) -> None:
     if plan.simulate_gpu:
         from . import simulate
 
-        given = plan.simulate_context if plan.simulate_context is not None else os.environ.get(simulate.CONTEXT_ENV)
-        simulate.start(int(plan.simulate_gpu),
-                       context=simulate.context_for(int(plan.simulate_gpu), int(given) if given is not None else None))
+        given = plan.simulate_context
+        if given is None and os.environ.get(simulate.CONTEXT_ENV):
+            from ..sizes import parse_size
+
+            given = parse_size(os.environ[simulate.CONTEXT_ENV])  # "800MiB", or bytes
+        simulate.start(int(plan.simulate_gpu), context=simulate.context_for(int(plan.simulate_gpu), given))
         orig_empty = torch.cuda.empty_cache
 
         def empty_cache() -> None:

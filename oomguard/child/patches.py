@@ -329,10 +329,11 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world(),
                               "missing_packages": missing_packages()},
             observed=dict(rt.observed))
-    if isinstance(model, str) and rt.plan.preflight:
+    mik = dict(args.model_init_kwargs or {})
+    if isinstance(model, str) and rt.plan.preflight and not placed_elsewhere(mik):
         # TRL loads it inside GRPOTrainer: judge the whole config from the checkpoint's config, before it loads
-        config = checkpoint_config(model, dict(args.model_init_kwargs or {}))
-        if config is not None and rt.model_config is None:
+        config = checkpoint_config(model, mik)
+        if config is not None and rt.model_config is None and not placed_elsewhere(mik, config):
             rt.model_config = config
             rt.emit("model", config=config, params=None, dtype=None)
             from . import preflight
@@ -478,7 +479,8 @@ def _longest(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -> Any:
 
 _MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-               "max_position_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype")
+               "max_position_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype",
+               "quantization_config")  # a checkpoint quantised already: the pre-flight does not judge its load
 
 
 def model_config_dict(cfg: Any) -> dict[str, Any]:
@@ -495,7 +497,8 @@ def checkpoint_config(name: Any, init_kwargs: dict[str, Any]) -> dict[str, Any] 
     try:
         from transformers import AutoConfig
 
-        kw = {k: init_kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token") if k in init_kwargs}
+        kw = {k: init_kwargs[k] for k in ("revision", "trust_remote_code", "cache_dir", "token", "subfolder",
+                                          "local_files_only") if k in init_kwargs}
         return model_config_dict(AutoConfig.from_pretrained(name, **kw)) or None
     except Exception:  # no network, remote code refused, an unknown architecture: not ours to fail on
         return None
@@ -519,10 +522,38 @@ def _weights_checkpoint(rt: Runtime) -> str | None:
     return r.get("checkpoint") if r.get("mode") == "weights" else None
 
 
+def placed_elsewhere(kwargs: dict[str, Any], config: dict[str, Any] | None = None) -> bool:
+    """A load the pre-flight cannot judge as "every weight on this device, in the load's dtype": spread by
+    ``device_map``/``max_memory``, a checkpoint quantised already (AWQ, GPTQ, FP8: its ``quantization_config``), an
+    8-bit load, or weights a ZeRO-3 or FSDP run shards over the ranks.
+
+    >>> placed_elsewhere({"device_map": "auto"}), placed_elsewhere({}, {"quantization_config": {"quant_method": "awq"}})
+    (True, True)
+    >>> placed_elsewhere({"dtype": "bfloat16"})
+    False
+    """
+    q = kwargs.get("quantization_config")
+    eight = bool(getattr(q, "load_in_8bit", False) or (isinstance(q, dict) and q.get("load_in_8bit")))
+    # `accelerate launch` with a DeepSpeed ZeRO-3 or FSDP config says so in the environment of every rank
+    sharded = (os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+               or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true")
+    return (kwargs.get("device_map") not in (None, "cpu") or "max_memory" in kwargs or eight or sharded
+            or bool((config or {}).get("quantization_config")))
+
+
 def _before_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) -> None:
     """Before ``from_pretrained`` places the weights: report the model's shape (so an OOM while loading can be
     answered by prediction, and the supervisor knows this command passes through a load), then let the pre-flight
-    judge the load (``preflight.check_load``)."""
+    judge the load (``preflight.check_load``). Never fails the load: a config it cannot read is skipped."""
+    try:
+        _judge_load(rt, name, kwargs, requested)
+    except SystemExit:
+        raise
+    except Exception as e:
+        sys.stderr.write(f"oomguard: warning: could not judge this load before it ran ({type(e).__name__}: {e})\n")
+
+
+def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) -> None:
     given = kwargs.get("config")
     config = model_config_dict(given) if given is not None and not isinstance(given, str) else \
         checkpoint_config(given or name, kwargs)
@@ -531,7 +562,7 @@ def _before_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any)
     # a script that imported GRPOTrainer will build one: its knobs (LoRA) reach the next attempt
     reaches = ["trainer"] if "trl.trainer.grpo_trainer" in sys.modules else []
     rt.emit("model", config=config, params=None, dtype=None, reaches=reaches)
-    if not rt.plan.preflight:
+    if not rt.plan.preflight or placed_elsewhere(kwargs, config) or _sharded(rt):
         return
     dtype = _dtype_name(kwargs.get("dtype", kwargs.get("torch_dtype"))) or "auto"
     if dtype == "auto":  # transformers 5's default: the checkpoint's own dtype
@@ -549,6 +580,12 @@ def _before_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any)
     from . import preflight
 
     preflight.check_load(rt, config, knobs)
+
+
+def _sharded(rt: Runtime) -> bool:
+    """This run shards its weights over the ranks (ZeRO-3, FSDP): a load's bytes on one device are not its size."""
+    k = rt.knobs()
+    return (k.zero_stage == 3) or bool(rt.facts().get("fsdp"))
 
 
 def _is_policy(cls: type) -> bool:

@@ -143,7 +143,23 @@ class Runtime:
         self.emit("end", how=how, reached=sorted(self.reached), **data)
 
     def at_exit(self) -> None:
-        """The ``atexit`` handler: a process that reaches interpreter shutdown ends with ``exit`` and its code."""
+        """The ``atexit`` handler: a process that reaches interpreter shutdown ends with ``exit`` and its code, unless
+        an uncaught exception ended it that the excepthooks did not see (a traceback handler of the script's own,
+        such as rich's, replaced them): Python keeps it in ``sys.last_value``, and it ends as an OOM (with its
+        CrashRecord) or an error."""
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if self.ended is None and isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
+            from ..oom import is_oom
+
+            try:
+                if is_oom(exc):
+                    path = self.record_crash(exc)
+                    self.end(END_OOM, path=str(path) if path else None)
+                    return
+            except Exception:  # never fail the user's interpreter shutdown
+                pass
+            self.end(END_ERROR, error=f"{type(exc).__name__}: {exc}"[:500])
+            return
         self.end(END_EXIT, code=exit_status(self.exit_code))
 
     # -- memory ------------------------------------------------------------------------------------------------
@@ -250,6 +266,35 @@ class Runtime:
         self.crash_path = path
         self.emit("oom", step=step, phase=phase, path=str(path))
         return path
+
+
+def whereabouts() -> str:
+    """This process's host and PID namespace: a PID means the same process only where these match (another node of
+    a job, or a container with its own PIDs, reuse the numbers).
+
+    >>> whereabouts() == whereabouts() and ":" in whereabouts()
+    True
+    """
+    import socket
+
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "-"
+    return f"{socket.gethostname()}:{ns}"
+
+
+def is_helper(orig_argv: list[str]) -> bool:
+    """A process that multiprocessing (or torch.multiprocessing) started to serve another: a spawned dataloader or
+    ``datasets.map`` worker. It may re-import a script that builds a GRPOConfig, but it is not a training process.
+
+    >>> is_helper(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+    ...            "--multiprocessing-fork"]), is_helper(["python", "train.py"])
+    (True, False)
+    """
+    return "--multiprocessing-fork" in orig_argv or any("multiprocessing" in a and ("spawn_main" in a or
+                                                                                     "forkserver" in a)
+                                                        for a in orig_argv)
 
 
 def exit_status(code: Any) -> int:
