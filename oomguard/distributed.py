@@ -50,8 +50,14 @@ def deepspeed_config(user: dict[str, Any] | None, *, zero_stage: int | None = No
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         else:
             zero.pop("offload_param", None)
+    # buffer sizes transformers derives from the model ("auto": hidden_size^2 and the like); DeepSpeed's own defaults
+    # (5e8 elements) would allocate a 1.9 GiB float32 bucket on every rank. A value the user set stays.
+    if zero.get("stage", 0) >= 2:
+        zero.setdefault("reduce_bucket_size", "auto")
     if zero.get("stage") == 3:
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+        zero.setdefault("stage3_prefetch_bucket_size", "auto")
+        zero.setdefault("stage3_param_persistence_threshold", "auto")
     return cfg
 
 

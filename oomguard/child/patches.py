@@ -582,6 +582,28 @@ def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) 
     preflight.check_load(rt, config, knobs)
 
 
+def _zero3_comm() -> None:
+    """ZeRO-3 partitions the weights while ``from_pretrained`` creates them, with DeepSpeed's own communication
+    backend. On a GPU, accelerate starts it when the training arguments are built; on CPU (``use_cpu``) transformers
+    takes another branch and never does, so DeepSpeed would see one rank and reject its batch sizes. Start it here
+    (gloo) when that is the case: the ZeRO-3 rung must work wherever the run does."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return
+        import deepspeed
+        import deepspeed.comm as ds_comm
+        import torch
+
+        if not ds_comm.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    except Exception as e:  # never the reason a load fails
+        sys.stderr.write(f"oomguard: warning: could not start DeepSpeed's communication for ZeRO-3 ({e})\n")
+
+
 def _sharded(rt: Runtime) -> bool:
     """This run shards its weights over the ranks (ZeRO-3, FSDP): a load's bytes on one device are not its size."""
     k = rt.knobs()
@@ -618,6 +640,7 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             if kwargs.get("dtype") in (None, "auto", torch.float32, "float32"):
                 kwargs["dtype"] = torch.bfloat16
         _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
+        _zero3_comm()
         model = orig(cls, *args, **kwargs)
         # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
         # without an override (the first attempt always loads without one).

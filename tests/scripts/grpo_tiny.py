@@ -23,6 +23,17 @@ import sys
 import time
 
 
+def deepspeed_config(arg: str | None) -> dict | str | None:
+    """``--deepspeed 2`` -> a ZeRO-2 config whose batch sizes DeepSpeed takes from the trainer; a path as it is."""
+    if arg is None or not arg.isdigit():
+        return arg
+    zero = {"stage": int(arg), "reduce_bucket_size": "auto"}
+    if int(arg) == 3:
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -52,6 +63,8 @@ def main() -> None:
                    help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
                         "kernel's OOM killer does")
     p.add_argument("--dataloader-num-workers", type=int, default=0)
+    p.add_argument("--deepspeed", default=None, metavar="STAGE|PATH",
+                   help="a ZeRO stage (a DeepSpeed config with 'auto' batch sizes) or a DeepSpeed JSON file")
     a = p.parse_args()
     if a.fail_with is not None:
         print("failing on purpose", file=sys.stderr)
@@ -96,6 +109,7 @@ def main() -> None:
         generation_kwargs={"min_new_tokens": a.max_completion_length},
         dataloader_num_workers=a.dataloader_num_workers,
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
+        deepspeed=deepspeed_config(a.deepspeed),
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     model = a.model if a.model_as_string else AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype))

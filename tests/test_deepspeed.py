@@ -1,0 +1,63 @@
+"""DeepSpeed for real: ZeRO-2 and ZeRO-3 GRPO runs under torchrun on CPU (gloo) with the simulated device.
+
+DeepSpeed installs on the CPU machines from its sdist, without building ops (``pip install --no-build-isolation
+deepspeed==0.19.8 einops``); it builds its shared-memory communication op on first use (about 30 s, then cached in
+``~/.cache/torch_extensions``). These tests are skipped where it is not installed; the suite's own set-up does not
+install it (see README, "Long runs and many GPUs").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import TINY, env_without_launchers, run_oomguard, torchrun
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="DeepSpeed is not installed (pip install --no-build-isolation deepspeed einops)")]
+
+
+def events(tmp: Path, attempt: int) -> list[dict]:
+    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_a_zero_run_trains_on_every_rank(tmp_path, tiny_model, stage):
+    """The user's own ZeRO config (batch sizes "auto") on two CPU ranks. ZeRO-3 partitions the weights while they
+    load, with DeepSpeed's own communication, which transformers does not start on CPU: oomguard does."""
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1GiB", "--no-probe", "--",
+                            *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                      "--deepspeed", stage), env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert rep["original"]["zero_stage"] == int(stage)
+    ended = [e["rank"] for e in events(tmp_path, 1) if e["event"] == "train_end"]
+    assert sorted(ended) == [0, 1]
+
+
+def test_the_zero3_rung_generated_from_the_users_config_keeps_their_settings(tmp_path, wide_model):
+    """From the user's ZeRO-2 JSON (with settings of their own), the multi-gpu ladder climbs to ZeRO-3 after an OOM:
+    the generated config keeps their settings, the diff names it, and the run trains."""
+    user = tmp_path / "ds_zero2.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1048576,
+                                                      "contiguous_gradients": True},
+                                "steps_per_print": 7, "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "280MiB", "--no-probe", "--no-predict", "--ladder",
+                            "multi-gpu", "--", *torchrun(2, TINY, "--model", wide_model, "--output-dir",
+                                                         str(tmp_path / "out"), "--deepspeed", str(user)),
+                            env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert rep["attempts"][0]["outcome"] == "oom"
+    stable = rep["stable"]
+    assert stable["zero_stage"] == 3
+    generated = next(r for r in rep["diff"] if r["knob"] == "deepspeed config")
+    assert generated["from"] == str(user)
+    cfg = json.loads(Path(generated["to"]).read_text())
+    assert cfg["steps_per_print"] == 7 and cfg["zero_optimization"]["reduce_bucket_size"] == 1048576
+    assert cfg["zero_optimization"]["contiguous_gradients"] is True
+    assert json.loads(user.read_text())["zero_optimization"]["stage"] == 2  # the user's file is never changed
