@@ -146,12 +146,20 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
               help="Also write a self-contained HTML report (charts of peak against capacity, breakdown, timeline).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the OOMs, the rungs climbed and the result.")
 @click.option("--json-log", is_flag=True, help="Progress as JSON lines on stderr, for CI and other programs.")
+@click.option("--group", "group_dir", default=None, metavar="DIR",
+              help="A job on several nodes: the directory (on a filesystem every node shares) where the nodes' "
+                   "oomguards meet [default: $OOMGUARD_GROUP, else WORKDIR/group].")
+@click.option("--node-rank", type=click.IntRange(0), default=None, metavar="N",
+              help="This node's rank in the job [default: the launcher's --node_rank/--machine_rank, or Slurm's].")
+@click.option("--nodes", type=click.IntRange(1), default=None, metavar="N",
+              help="How many nodes run the job [default: the launcher's --nnodes/--num_machines, or Slurm's].")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
         minimize: bool, no_refine: bool, checkpoint_every: int | None,
-        html_path: str | None, quiet: bool, json_log: bool) -> None:
+        html_path: str | None, quiet: bool, json_log: bool, group_dir: str | None, node_rank: int | None,
+        nodes: int | None) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
 
     \b
@@ -164,6 +172,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     from pathlib import Path
 
     from .command import EXIT_BUG, UsageError, load_lock, resolve_command
+    from .group import GroupError, membership_of
     from .ladder import LadderBug, LadderError, load_ladder
     from .sizes import SizeError, parse_size_arg
     from .supervisor import RunOptions, Supervisor
@@ -192,6 +201,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                                  f"{simulate_gpu} for tensors: make it smaller than the device", 2)
         replay = load_lock(config_path) if config_path else None
         argv = resolve_command(args)
+        membership = membership_of(argv, os.environ, group=group_dir, node=node_rank, nodes=nodes, workdir=workdir)
+    except GroupError as e:
+        _exit(str(e), 2)
     except (UsageError, LadderError, SizeError) as e:
         _usage(str(e)) if not isinstance(e, UsageError) else _exit(str(e), e.code)
     options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,
@@ -201,7 +213,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          refine=not no_refine,
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
-                         checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None)
+                         checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
+                         membership=membership)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
     try:
         code = Supervisor(argv, options, reporter).run()

@@ -353,6 +353,7 @@ class RunReport:
     device: dict[str, Any] | None = None
     facts: dict[str, Any] | None = None
     alternatives: list[dict[str, Any]] = field(default_factory=list)  # configs that keep more (oomguard.alternatives)
+    group: dict[str, Any] | None = None  # a job on several nodes: this node's place in it (oomguard.group)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -371,6 +372,7 @@ class RunReport:
             "diff": self.diff,
             "facts": self.facts,
             "alternatives": self.alternatives,
+            **({"group": self.group} if self.group is not None else {}),
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:

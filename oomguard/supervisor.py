@@ -41,6 +41,7 @@ from .command import (
 )
 from .device import gpu_name, gpu_total_memory
 from .diagnose import Diagnosis
+from .group import Group, GroupError, GroupTail, Membership
 from .knobs import Knobs, RunFacts, reachable
 from .ladder import Exhausted, Ladder, Step
 from .minimize import Minimizer
@@ -116,6 +117,7 @@ class RunOptions:
     html_path: Path | None = None  # also write a self-contained HTML report
     preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
     preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
+    membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
 
 
 @dataclass
@@ -124,11 +126,12 @@ class _Watch:
 
     kind: AttemptKind
     knobs: Knobs
-    tail: EventTail
+    tail: EventTail | GroupTail
     progress: Any
     events: list[ChildEvent] = field(default_factory=list)
     ranks: Ranks = field(default_factory=Ranks)
     decided_at: float | None = None  # when a rank's end decided the attempt while others may still run
+    trouble_at: float | None = None  # when the group told this node to stop (a node died, the leader ended the job)
 
 
 class Supervisor:
@@ -163,11 +166,43 @@ class Supervisor:
         self.checkpoint_knobs: Knobs | None = None  # the knobs of the run that wrote it
         self.output_dir: str | None = None
         self.warned_no_checkpoints = False
+        self.group = Group(options.membership) if options.membership else None
+        self.group_failure: str | None = None  # why the group ended early (a node died), for the report
+
+    def _open_group(self) -> None:
+        """Form the group of a job's nodes before the first launch (oomguard.group)."""
+        assert self.group is not None
+        m = self.group.m
+        role = "leads: it decides every attempt" if m.leader else "follows node 0, which decides every attempt"
+        self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets in "
+                        f"{self.group.base}")
+        try:
+            self.group.open()
+            if m.leader:
+                self.group.assemble()
+        except GroupError as e:
+            raise UsageError(str(e), 1) from None
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Launch, classify, decide, until the climb says done or the budget is spent; then write the report."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.group is None:
+            return self._lead()
+        self._open_group()
+        try:
+            if not self.group.m.leader:
+                from .follower import follow
+
+                return follow(self)
+            return self._lead()
+        except BaseException as e:  # the others must not wait for a node that has left
+            self.group.fail(f"node {self.group.m.node} ended with an error: {e}")
+            raise
+        finally:
+            self.group.done()
+
+    def _lead(self) -> int:
         kind: AttemptKind | None = AttemptKind.PROBE if self.o.probe_steps > 0 else AttemptKind.RUN
         last: Attempt | None = None
         with self.interrupts:
@@ -194,8 +229,9 @@ class Supervisor:
         index = len(c.attempts) + 1
         without = self.minimizer.trial if kind == AttemptKind.MINIMIZE else None
         knobs = c.effective(without)[0]
-        adir = self.run_dir / f"attempt-{index}"
+        adir = self.group.attempt_dir(index) if self.group else self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
+        events_path = self.group.events_path(index) if self.group else adir / "events.jsonl"
         remedies = c.remedies_in_force(without)
         # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
         # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
@@ -205,17 +241,22 @@ class Supervisor:
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
-                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(adir / "events.jsonl"),
+                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(events_path),
                     remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN else None)
         self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides, kind)
         if resume:
             self.ui.message(f"  {resume['mode']}: {resume['why']}")
-        watch = _Watch(kind, knobs, EventTail(adir / "events.jsonl"), self._progress_state(index, kind, remedies))
+        watch = _Watch(kind, knobs, GroupTail(adir) if self.group else EventTail(events_path),
+                       self._progress_state(index, kind, remedies))
+        if self.group is not None:
+            self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
+                                       c.actions_in_force(without), "max_attempts": self.o.max_attempts,
+                                       "alloc": self._alloc_options(knobs)})
         try:
             with self.ui.live():
                 res = run_attempt(self.argv, self._env(self._write_plan(adir, plan), knobs), self.interrupts,
-                                  grace=self.o.grace, echo=self.o.echo, on_tick=lambda: self._watch(watch))
+                                  grace=self.o.grace, echo=self.o.echo, on_tick=lambda: self._tick(watch))
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
@@ -223,11 +264,16 @@ class Supervisor:
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+        if self.group is not None:
+            self._gather(index, res, watch)
         self._watch(watch, live=False)  # the last lines the process wrote
         events = watch.events
         self._learn(events)
         attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message)
         attempt.kind, attempt.resume = kind, resume
+        if self.group_failure is not None:
+            attempt.outcome, attempt.note = Outcome.FAILED, self.group_failure
+            attempt.exit_code = attempt.exit_code or 1
         for g in (e for e in events if isinstance(e, ConfigGenerated)):
             attempt.generated = {**(attempt.generated or {}),
                                  g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
@@ -242,10 +288,55 @@ class Supervisor:
         self._teach_guide(attempt, diag)
         return attempt, diag
 
-    def _write_plan(self, adir: Path, plan: Plan) -> Path:
-        return write_json_atomic(adir / "plan.json", plan.to_dict())
+    def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
+        name = f"plan-node{self.group.m.node}.json" if self.group else "plan.json"
+        return write_json_atomic(adir / name, plan if isinstance(plan, dict) else plan.to_dict())
+
+    def _tick(self, w: _Watch) -> int | None:
+        """While an attempt runs: its events (``_watch``), and in a group, whether the group told this node to stop
+        (SIGTERM, then SIGKILL after the grace)."""
+        sig = self._watch(w)
+        if self.group is None or sig is not None:
+            return sig
+        if w.trouble_at is None:
+            why = self.group.trouble()
+            if why is None:
+                return None
+            w.trouble_at = time.monotonic()
+            if self.group.session is not None and not (self.group.session / "final.json").exists() \
+                    and "stopped answering" in why:
+                self.group_failure = why
+                self.group.fail(why)
+            self.ui.message(f"stopping this node's command: {why}")
+        return signal.SIGKILL if time.monotonic() - w.trouble_at > self.o.grace else signal.SIGTERM
+
+    def _gather(self, index: int, res: Any, w: _Watch) -> None:
+        """Leader: wait for every node's command to end, and take their word (interrupts, host OOM kills) into
+        ``res``; a node that falls silent ends the group."""
+        assert self.group is not None
+        try:
+            for node, r in sorted(self.group.gather(index, tick=lambda: self._watch(w, live=False)).items()):
+                res.interrupted = res.interrupted or r.get("interrupted")
+                res.host_oom.extend(f"node {node}: {e}" for e in r.get("host_oom") or [])
+                res.host_strong = res.host_strong or bool(r.get("host_strong"))
+                res.survivors.extend(r.get("survivors") or [])
+        except GroupError as e:
+            self.group_failure = str(e)
+            self.group.fail(str(e))
 
     def _env(self, plan_path: Path, knobs: Knobs) -> dict[str, str]:
+        return self._env_with(plan_path, self._alloc_options(knobs))
+
+    def _alloc_options(self, knobs: Knobs) -> dict[str, str]:
+        """The allocator options oomguard adds to the user's own for ``knobs``."""
+        opts: dict[str, str] = {}
+        if knobs.expandable_segments and not self.user_expandable:
+            opts["expandable_segments"] = "True"
+        if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != self.user_max_split:
+            opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
+        return opts
+
+    def _env_with(self, plan_path: Path, alloc: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.o.extra_env)
         env[PLAN_ENV] = str(plan_path)
@@ -254,12 +345,7 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.o.simulate_gpu:
             env[SIMULATE_ENV] = str(self.o.simulate_gpu)
-        opts: dict[str, str] = {}
-        if knobs.expandable_segments and not self.user_expandable:
-            opts["expandable_segments"] = "True"
-        if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != self.user_max_split:
-            opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
-        allocconf.merge(env, opts)  # into the variable torch reads, keeping the user's other options
+        allocconf.merge(env, alloc)  # into the variable torch reads, keeping the user's other options
         return env
 
     def _preflight(self) -> dict[str, Any] | None:
@@ -487,6 +573,8 @@ class Supervisor:
         status, code, message = conclude(last, c, signum=self.interrupts.signum, replay=self.o.replay,
                                          reached=bool(self.reached), max_attempts=self.o.max_attempts,
                                          max_time=self.o.max_time)
+        if self.group_failure is not None and status == "failed":
+            message = self.group_failure
         report = c.report(status, message, code, command=self.argv,
                           device={"simulate_gpu": self.o.simulate_gpu, "simulate_context": self.sim_context,
                                   "gpu_memory": self.o.gpu_memory, "capacity": self.capacity,
@@ -507,9 +595,21 @@ class Supervisor:
                                        self._alternatives(Knobs.from_dict(report.attempts[-1].knobs))]
             except Exception as e:
                 self.ui.message(f"could not work out alternatives to the stable config ({type(e).__name__}: {e})")
+        if self.group is not None:
+            report.group = self._group_info()
         lock_path = self._write_outputs(report, status)
+        if self.group is not None:
+            lock = (self._lock_data(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
+                                    report.diff) if lock_path is not None else None)
+            self.group.finish({"status": status, "exit_code": code, "report": report.to_dict(), "lock": lock})
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
+
+    def _group_info(self) -> dict[str, Any]:
+        assert self.group is not None
+        m = self.group.m
+        return {"node": m.node, "nodes": m.nodes, "leader": 0, "session": str(self.group.session),
+                "source": m.source}
 
     def _alternatives(self, final: Knobs) -> list[Any]:
         """Configs predicted to fit that keep more of the user's GRPO semantics than ``final`` (oomguard.alternatives),

@@ -121,7 +121,7 @@ class ConsoleReporter:
         self.out.print(f"[bold magenta]oomguard[/] {text}")
 
     def message(self, text: str) -> None:
-        self._say(text)
+        self._say(_plain(text))
 
     def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
                       kind: str) -> None:
@@ -179,7 +179,7 @@ class ConsoleReporter:
             self._say(f"{what}: [red]out of memory[/]{step}{req}: [bold]{diagnosis.kind}[/]"
                       f"{' during ' + diagnosis.phase if diagnosis.phase != 'unknown' else ''}")
             for e in diagnosis.evidence[:3]:
-                self._say(f"  • {e}")
+                self._say(f"  • {_plain(e)}")
             return
         if attempt.outcome == "predicted":
             self._say(f"{what}: [yellow]stopped by the pre-flight check[/]: predicted "
@@ -196,7 +196,7 @@ class ConsoleReporter:
             {"remedy": n, "reason": w} for n, w in (exhausted.skipped if exhausted else ())]
         if not self.quiet:
             for s in reasons:
-                self._say(f"  [dim]skip {s['remedy']}: {s['reason']}[/]")
+                self._say(f"  [dim]skip {s['remedy']}: {_plain(s['reason'])}[/]")
         if not steps and exhausted is None:
             # the memory model learned from a chosen config's OOM and chose again below the same rungs
             self._say(f"  → choosing again with what was learned: {_changes(changes)}")
@@ -219,13 +219,14 @@ class ConsoleReporter:
         from .render import diff_table
 
         colour = {"stable": "green", "failed": "red", "exhausted": "red", "interrupted": "yellow"}[report.status]
-        self._say(f"[bold {colour}]{report.status}[/]: {report.message}")
+        self._say(f"[bold {colour}]{report.status}[/]: {_plain(report.message)}")
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
             diff_table(self.out, report.diff, title=title)
         for line in alternatives_lines(report.alternatives, report.command):
-            self._say(line)
-        self._say(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path else ""))
+            self._say(_plain(line))
+        self._say(_plain(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path
+                                                     else "")))
 
 
 def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None) -> list[str]:
@@ -297,3 +298,16 @@ class JsonLogReporter:
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None:
         self._emit(event="finish", status=report.status, message=report.message, diff=report.diff,
                    report=str(report_path), lock=str(lock_path) if lock_path else None)
+
+
+def _plain(text: str) -> str:
+    """``text`` as rich prints it literally: a training process's error, a path or a command may hold ``[...]``
+    that rich would read as markup (and fail on: ``[/__w/pytorch/.../pair.cc:553]``).
+
+    >>> from rich.console import Console
+    >>> Console(width=80).print(_plain("Connection closed by peer [/__w/gloo/pair.cc:553]"))
+    Connection closed by peer [/__w/gloo/pair.cc:553]
+    """
+    from rich.markup import escape
+
+    return escape(text)
