@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from oomguard.diagnose import diagnose
-from oomguard.oom import (
+from oomguard.oom.diagnose import diagnose
+from oomguard.oom.parse import (
     Hit,
     OOMReport,
     is_oom,

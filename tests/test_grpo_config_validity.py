@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.patches import CONFIG_KNOBS
-from oomguard.diagnose import diagnose
-from oomguard.knobs import TRL_DEFAULTS, RunFacts
-from oomguard.ladder import Exhausted, available_ladders, load_ladder
-from oomguard.oom import OOMReport
+from oomguard.decide.ladder import Exhausted, available_ladders, load_ladder
+from oomguard.oom.diagnose import diagnose
+from oomguard.oom.parse import OOMReport
 from oomguard.strategies import Context
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 
 trl = pytest.importorskip("trl")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import types
 
-from oomguard import device
 from oomguard.child import patches
 from oomguard.child.runtime import Plan, Runtime
+from oomguard.memory import device
 
 
 def _lines(capsys) -> list[str]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..knobs import TRL_DEFAULTS, Knobs
-from ..records import PLAN_SCHEMA, CrashRecord, check_schema
-from ..sizes import format_size
+from ..vocab.knobs import TRL_DEFAULTS, Knobs
+from ..vocab.records import PLAN_SCHEMA, CrashRecord, check_schema
+from ..vocab.sizes import format_size
 
 PLAN_ENV = "OOMGUARD_PLAN"
 SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
@@ -149,7 +149,7 @@ class Runtime:
         CrashRecord) or an error."""
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if self.ended is None and isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
-            from ..oom import is_oom
+            from ..oom.parse import is_oom
 
             try:
                 if is_oom(exc):
@@ -223,8 +223,8 @@ class Runtime:
     # -- crash -------------------------------------------------------------------------------------------------
     def record_crash(self, exc: BaseException) -> Path | None:
         """Write the CrashRecord for an OOM (once per process: a second call returns the first one's path)."""
-        from ..diagnose import phase_from_frames
-        from ..oom import Frame, oom_in_chain, report_from_exception
+        from ..oom.diagnose import phase_from_frames
+        from ..oom.parse import Frame, oom_in_chain, report_from_exception
 
         with self._lock:
             if self.crashed or not self.plan.crash_dir:

@@ -1,13 +1,13 @@
 """The simulated device: a memory budget on CPU that raises real ``torch.OutOfMemoryError``s.
 
 It is a rehearsal and test device, never passed off as a GPU. A ``TorchDispatchMode`` sees every tensor an operator
-creates; each new storage is placed by :class:`oomguard.allocmodel.AllocatorModel` (the pure, torch-free model
+creates; each new storage is placed by :class:`oomguard.memory.allocmodel.AllocatorModel` (the pure, torch-free model
 of PyTorch's CUDA caching allocator: block rounding, segments, expandable granules, reserved versus allocated), and
 a weak reference frees its block when the storage dies. So "allocated" is the real live tensor memory of this process,
 rounded as the CUDA allocator rounds it, and "reserved" follows the caching allocator's segment rules. When the model
 cannot place a storage, this module raises ``torch.OutOfMemoryError`` with the allocator's exact message format.
 The allocator settings (``expandable_segments``, ``max_split_size_mb``) are read from the variable torch reads
-(:mod:`oomguard.allocconf`).
+(:mod:`oomguard.vocab.allocconf`).
 
 Storages that exist before the mode starts (or that a loader maps straight from a file) are adopted with
 :meth:`SimulatedDevice.adopt`. ``OOMGUARD_SIMULATE_TRACE=PATH`` records every allocation and free, for
@@ -22,9 +22,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .. import allocconf
-from ..allocmodel import AllocatorModel, Block
-from ..sizes import format_size
+from ..memory.allocmodel import AllocatorModel, Block
+from ..vocab import allocconf
+from ..vocab.sizes import format_size
 
 TRACE_ENV = "OOMGUARD_SIMULATE_TRACE"
 CONTEXT_ENV = "OOMGUARD_SIMULATE_CONTEXT"
@@ -48,7 +48,7 @@ def context_for(capacity: int, given: int | None = None) -> int:
 
 
 def expandable_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the allocator settings torch reads turn expandable segments on (see :mod:`oomguard.allocconf`)."""
+    """Whether the allocator settings torch reads turn expandable segments on (see :mod:`oomguard.vocab.allocconf`)."""
     return allocconf.expandable(os.environ if env is None else env)
 
 
