@@ -17,15 +17,24 @@ import os
 import pickle
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ..decide.climb import Climb
 from ..vocab.knobs import Knobs
 from . import allocapply
 from .attempt import CallResult, call_once, start_simulation
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .guarded import Guarded
+
+class Isolatable(Protocol):
+    """What an isolated attempt needs of the guarded function: a :class:`~oomguard.inprocess.guarded.Guarded`
+    satisfies it. The object is pickled by reference; the new process calls ``fn`` (with knobs if ``takes_knobs``),
+    on a simulated device of ``simulate_gpu`` bytes if that is set. Declared here, so that this module needs nothing
+    of the decorator that uses it."""
+
+    fn: Callable[..., Any]
+    takes_knobs: bool
+    simulate_gpu: int | None
 
 
 def lookup(module: str, qualname: str) -> Any:
@@ -40,7 +49,7 @@ def lookup(module: str, qualname: str) -> Any:
     return obj
 
 
-def check_picklable(g: Guarded, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check_picklable(g: Isolatable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse, with one line saying what to do, a function or arguments that cannot reach a new process.
 
     >>> import oomguard
@@ -62,7 +71,7 @@ def check_picklable(g: Guarded, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                         f"be pickled: {e}") from None
 
 
-def run_isolated(g: Guarded, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
+def run_isolated(g: Isolatable, knobs: Knobs, climb: Climb, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> CallResult:
     """One attempt in a spawned process; raises RuntimeError (with the child's traceback) if it failed otherwise.
 
