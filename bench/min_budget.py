@@ -38,7 +38,7 @@ def analyse(events: list, extra: dict) -> dict:
 def verdict(events: list, budget: int, expandable: bool) -> str:
     """'fits', or the diagnosis kind of the OOM at this budget."""
     from oomguard.oom.diagnose import diagnose
-    from oomguard.oom.parse import OOMReport
+    from oomguard.vocab.oomreport import OOMReport
 
     ok, facts = replay(events, budget, expandable)
     if ok:

@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "is_oom": ("oomguard.oom.parse", "is_oom"),
     "parse_oom": ("oomguard.oom.parse", "parse_oom"),
-    "OOMReport": ("oomguard.oom.parse", "OOMReport"),
+    "OOMReport": ("oomguard.vocab.oomreport", "OOMReport"),
     "diagnose": ("oomguard.oom.diagnose", "diagnose"),
-    "Diagnosis": ("oomguard.oom.diagnose", "Diagnosis"),
+    "Diagnosis": ("oomguard.vocab.diagnosis", "Diagnosis"),
     "Knobs": ("oomguard.vocab.knobs", "Knobs"),
     "guard": ("oomguard.inprocess.guarded", "guard"),  # no submodule is named guard: this name is only the function
     "OOMGuardExhausted": ("oomguard.inprocess.guarded", "OOMGuardExhausted"),
@@ -44,9 +44,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from .inprocess.guarded import OOMGuardExhausted, guard
     from .memory.estimate import estimate
     from .oom.analyze import analyze_paths
-    from .oom.diagnose import Diagnosis, diagnose
-    from .oom.parse import OOMReport, is_oom, parse_oom
+    from .oom.diagnose import diagnose
+    from .oom.parse import is_oom, parse_oom
+    from .vocab.diagnosis import Diagnosis
     from .vocab.knobs import Knobs
+    from .vocab.oomreport import OOMReport
 
 
 def __getattr__(name: str) -> Any:

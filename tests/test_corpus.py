@@ -17,7 +17,6 @@ import pytest
 from oomguard.oom.diagnose import diagnose
 from oomguard.oom.parse import (
     Hit,
-    OOMReport,
     is_oom,
     oom_in_chain,
     parse_oom,
@@ -26,6 +25,7 @@ from oomguard.oom.parse import (
     scan_text,
     strip_prefix,
 )
+from oomguard.vocab.oomreport import OOMReport
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oom"
 _DOC = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))

@@ -1,7 +1,9 @@
 """Diagnosis: kind from the figures, phase from the frames, evidence with the numbers."""
 
-from oomguard.oom.diagnose import Diagnosis, diagnose, phase_from_frames
-from oomguard.oom.parse import Frame, OOMReport, OtherProcess, parse_oom
+from oomguard.oom.diagnose import diagnose, phase_from_frames
+from oomguard.oom.parse import parse_oom
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.oomreport import Frame, OOMReport, OtherProcess
 from oomguard.vocab.sizes import GiB, MiB
 
 SEED = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total capacity of 15.73 GiB "

@@ -6,13 +6,14 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.patches import apply_config, observe_config
-from oomguard.child.runtime import Plan, Runtime
+from oomguard.child.runtime import Runtime
 from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.oom.diagnose import diagnose
-from oomguard.oom.parse import OOMReport
 from oomguard.strategies import Context
 from oomguard.vocab.distributed import deepspeed_config, observe_deepspeed
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.oomreport import OOMReport
+from oomguard.vocab.protocol import Plan
 
 SHORT = diagnose(OOMReport("cuda", "allocator", "x", requested=4 << 30, capacity=80 << 30, free=1 << 30),
                  phase="forward")

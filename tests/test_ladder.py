@@ -6,9 +6,9 @@ import pytest
 
 from oomguard.decide.ladder import Exhausted, LadderError, Step, available_ladders, load_ladder
 from oomguard.oom.diagnose import diagnose
-from oomguard.oom.parse import OOMReport
 from oomguard.strategies import Context
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.oomreport import OOMReport
 from oomguard.vocab.sizes import GiB, MiB
 
 FRAG = diagnose(OOMReport("cuda", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=100 * MiB,

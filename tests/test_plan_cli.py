@@ -9,8 +9,8 @@ import pytest
 
 from oomguard.decide.plan import Guide, make_plan
 from oomguard.memory.estimate import ModelSpec
-from oomguard.oom.parse import OOMReport
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.oomreport import OOMReport
 
 MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
 LLAMA = str(MODELS / "llama-3.2-1b")

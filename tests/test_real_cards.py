@@ -18,10 +18,11 @@ import pytest
 
 from oomguard.child import capped
 from oomguard.child.preflight import verdict
-from oomguard.child.simulate import CARD_CONTEXT, SimulatedDevice, context_for
+from oomguard.child.simulate import SimulatedDevice
 from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder
 from oomguard.decide.plan import Guide
+from oomguard.memory.allocmodel import CARD_CONTEXT, context_for
 from oomguard.memory.calibration import Calibration
 from oomguard.memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, ModelSpec, estimate, load_bytes
 from oomguard.oom.diagnose import diagnose

@@ -1,9 +1,9 @@
 """Recommendations for analyze: names shared with the ladder, ranked for the diagnosis, with bytes freed."""
 
 from oomguard.oom.diagnose import diagnose
-from oomguard.oom.parse import OOMReport, OtherProcess
 from oomguard.oom.recommend import recommend
 from oomguard.strategies import REGISTRY
+from oomguard.vocab.oomreport import OOMReport, OtherProcess
 from oomguard.vocab.sizes import GiB, MiB
 
 

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from oomguard.oom.parse import Frame, parse_oom
+from oomguard.oom.parse import parse_oom
+from oomguard.vocab.oomreport import Frame
 from oomguard.vocab.records import (
     CRASH_SCHEMA,
     CodeSeen,

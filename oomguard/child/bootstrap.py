@@ -13,20 +13,9 @@ import threading
 import traceback
 from typing import Any
 
+from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from .hooks import when_imported
-from .runtime import (
-    END_ERROR,
-    END_OOM,
-    EXIT_OOM,
-    PLAN_ENV,
-    SIMULATE_ENV,
-    Plan,
-    Runtime,
-    is_helper,
-    runtime,
-    set_runtime,
-    whereabouts,
-)
+from .runtime import Runtime, is_helper, runtime, set_runtime
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "torch.distributed.launch",
              "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
@@ -146,6 +135,7 @@ def install_hooks(rt: Runtime) -> None:
 def on_torch(rt: Runtime, torch: Any) -> None:
     plan = rt.plan
     if plan.simulate_gpu:
+        from ..memory.allocmodel import context_for
         from . import simulate
 
         given = plan.simulate_context
@@ -153,7 +143,7 @@ def on_torch(rt: Runtime, torch: Any) -> None:
             from ..vocab.sizes import parse_size
 
             given = parse_size(os.environ[simulate.CONTEXT_ENV])  # "800MiB", or bytes
-        simulate.start(int(plan.simulate_gpu), context=simulate.context_for(int(plan.simulate_gpu), given))
+        simulate.start(int(plan.simulate_gpu), context=context_for(int(plan.simulate_gpu), given))
         orig_empty = torch.cuda.empty_cache
 
         def empty_cache() -> None:

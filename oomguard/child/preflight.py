@@ -31,8 +31,9 @@ from typing import Any
 
 from ..memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficients, ModelSpec, estimate, load_bytes
 from ..vocab.knobs import Knobs
+from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
 from ..vocab.sizes import format_size
-from .runtime import END_PREDICTED, EXIT_PREDICTED, Runtime
+from .runtime import Runtime
 
 DEFAULT_MARGIN = DEVICE_OVERPREDICTION + STOP_ALLOWANCE  # when a plan names none (a plan of an older oomguard)
 

@@ -33,8 +33,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..oom.diagnose import Diagnosis
 from ..strategies import Context, Remedy
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts
 
 # How much each kind of trade costs the user, cheapest last: quality changes what is learned.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..decide.ladder import Exhausted, Step
-from ..oom.diagnose import Diagnosis
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport, rung_label
 from ..vocab.sizes import format_size
 

@@ -32,9 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..memory.allocmodel import context_for
 from ..oom.diagnose import phase_from_frames
-from ..oom.parse import Frame, OOMReport, is_oom, oom_in_chain, report_from_exception
+from ..oom.parse import is_oom, oom_in_chain, report_from_exception
 from ..vocab.knobs import Knobs
+from ..vocab.oomreport import Frame, OOMReport
 from .release import drop_traceback, peak_bytes
 from .tracked import track
 
@@ -106,7 +108,7 @@ def start_simulation(size: int) -> bool:
 
     if simulate.device() is not None:
         return False
-    simulate.start(size, context=simulate.context_for(size))
+    simulate.start(size, context=context_for(size))
     return True
 
 
@@ -125,7 +127,8 @@ def stop_simulation() -> bool:
 def _install_patches(overrides: dict[str, Any]) -> Any:
     """The run patches for one call (style (a)), with a runtime that logs to oomguard's records, not the trainer."""
     from ..child import bootstrap
-    from ..child.runtime import Plan, Runtime, set_runtime
+    from ..child.runtime import Runtime, set_runtime
+    from ..vocab.protocol import Plan
 
     rt = Runtime(Plan(attempt=1, overrides=overrides, log_to_trainer=False))
     set_runtime(rt)

@@ -42,8 +42,9 @@ from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 
 from ..decide.climb import Climb
 from ..decide.ladder import Ladder, load_ladder
-from ..oom.diagnose import Diagnosis, diagnose
+from ..oom.diagnose import diagnose
 from ..vocab import allocconf
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
 from ..vocab.records import Attempt, RunReport, rung_label
 from ..vocab.sizes import format_size, parse_size
@@ -298,7 +299,7 @@ class Guarded:
             cap = self.simulate_gpu
             context = None  # the device's own: a card's m_ctx, or the simulated device's (child/simulate.py)
             if cap is not None:
-                from ..child.simulate import context_for
+                from ..memory.allocmodel import context_for
 
                 context = context_for(cap)
             torch = loaded_torch()

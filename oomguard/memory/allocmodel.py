@@ -16,8 +16,9 @@ live storage with it, and ``bench/min_budget.py`` replays recorded allocation tr
   20 MiB for the large one, as in ``get_expandable_segment``), so freed granules can always be reused and
   fragmentation is limited to partly used granules.
 
-(:mod:`oomguard.vocab.allocconf` reads these settings from the environment; :mod:`oomguard.allocator` brings them to a
-live allocator between guarded attempts.)
+(:mod:`oomguard.vocab.allocconf` reads these settings from the environment; :mod:`oomguard.inprocess.allocapply`
+brings them to a live allocator between guarded attempts.) A simulated device the size of a card also holds what a
+CUDA process holds outside the allocator (:func:`context_for`).
 
 >>> m = AllocatorModel(64 * MiB)
 >>> a = m.malloc(3 * MiB)  # a 20 MiB segment, split
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from ..vocab.sizes import MiB
 
 __all__ = [
+    "CARD_CONTEXT",
+    "CARD_SIZED",
     "LARGE_BUFFER",
     "MIN_BLOCK",
     "MIN_LARGE_ALLOC",
@@ -46,6 +49,7 @@ __all__ = [
     "AllocatorModel",
     "Block",
     "Segment",
+    "context_for",
     "round_size",
     "segment_size",
 ]
@@ -58,6 +62,23 @@ MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
 ROUND_LARGE = 2 * MiB  # kRoundLarge
 PAGE = 2 * MiB  # expandable segments map the small pool in 2 MiB granules ...
 PAGE_LARGE = LARGE_BUFFER  # ... and the large pool in 20 MiB ones (segment_size in get_expandable_segment)
+
+# A budget this large rehearses a card, so it holds what a CUDA process holds outside the allocator (the memory
+# model's m_ctx, measured at real OOMs on an H100); a smaller budget is a test rig and holds nothing else.
+CARD_SIZED = 4 * 2**30
+CARD_CONTEXT = 800 * 2**20
+
+
+def context_for(capacity: int, given: int | None = None) -> int:
+    """The memory a simulated device of ``capacity`` bytes holds outside its allocator: ``given`` (the
+    ``--simulate-context`` option), else :data:`CARD_CONTEXT` for a card-sized budget and 0 for a test rig.
+
+    >>> context_for(300 * 2**20), context_for(24 * 2**30) // 2**20, context_for(24 * 2**30, given=0)
+    (0, 800, 0)
+    """
+    if given is not None:
+        return int(given)
+    return CARD_CONTEXT if capacity >= CARD_SIZED else 0
 
 
 def round_size(n: int) -> int:

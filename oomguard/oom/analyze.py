@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
 from ..vocab.sizes import GiB, format_size
-from .diagnose import Diagnosis, diagnose
-from .parse import Frame, Hit, OOMReport, parse_oom, scan_stream
+from .diagnose import diagnose
+from .parse import Hit, parse_oom, scan_stream
 from .recommend import ranked
 from .snapshot import SnapshotError, load_snapshot_bytes, looks_like_pickle, oom_reports, summarize
 

@@ -17,62 +17,21 @@ request larger than the whole device points at a shape, not a budget.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from ..vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
+from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.sizes import MiB, format_size
-from .parse import Frame, OOMReport
-
-KINDS = (
-    "fragmentation",
-    "neighbour",
-    "non-pytorch",
-    "impossible",
-    "shortfall",
-    "small-allocations",
-    "host-ram",
-    "vllm-reservation",
-    "driver",
-    "unknown",
-)
-PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "unknown")
 
 # Requests at or below this are the allocator's rounded small blocks (2 MiB, 20 MiB): memory died of a thousand
 # cuts, not of one big tensor.
 SMALL_REQUEST = 20 * MiB
-# A request this many times the device is an overflowed shape, not a budget problem.
-OVERFLOW_FACTOR = 64
 _OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says about capacity
 # Fragmentation is the verdict only when live tensors plus the request leave at least this share of the memory the
 # process may use (its allowance, or the device less other processes) free. Closer to the limit, a defragmented cache
 # would get this one request through and the next allocation of the step would fail: the process is short of memory.
 FRAGMENTATION_HEADROOM = 0.10
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """Why an OOM happened: ``kind``, ``phase`` and evidence sentences with the numbers.
-
-    ``report`` is the report as diagnosed: where NVML listed this very process as another one (inside containers it
-    cannot match process IDs), that process's memory has moved to ``process``, so no process is both.
-    """
-
-    kind: str
-    phase: str
-    evidence: tuple[str, ...]
-    report: OOMReport
-    frame: Frame | None = None  # the frame that decided the phase
-
-    @property
-    def shortfall(self) -> int | None:
-        """Bytes the request lacked beyond what was free (``None`` without figures)."""
-        r = self.report
-        if r.requested is None or r.free is None:
-            return None
-        return max(0, r.requested - r.free)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "phase": self.phase, "evidence": list(self.evidence)}
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@ from typing import Any
 
 from ..strategies import REGISTRY, Advice
 from ..strategies.base import Context
+from ..vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
 from ..vocab.knobs import KNOB_NAMES, REACH, TRL_DEFAULTS, Knobs
 from ..vocab.sizes import format_size
-from .diagnose import OVERFLOW_FACTOR, Diagnosis
 
 TOP_MIN = 3  # remedies the terminal always shows (when there are that many)
 TOP_MAX = 5  # and at most, while the next ones are in the third one's tier

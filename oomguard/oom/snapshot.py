@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .parse import Frame, OOMReport
+from ..vocab.oomreport import Frame, OOMReport
 
 _ACTIVE = {"active_allocated", "active_pending_free", "active_awaiting_free"}
 

@@ -29,11 +29,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..child.runtime import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
 from ..oom.analyze import finding, finding_from_crash, finding_from_hit
-from ..oom.diagnose import Diagnosis, diagnose
-from ..oom.parse import OOMReport, scan_text
+from ..oom.diagnose import diagnose
+from ..oom.parse import scan_text
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs
+from ..vocab.oomreport import OOMReport
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
 from ..vocab.records import (
     Attempt,
     ChildEvent,

@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..child.runtime import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
-from ..child.simulate import context_for
 from ..decide.choose import Choice
 from ..decide.climb import Climb
 from ..decide.ladder import Exhausted, Ladder, Step
 from ..decide.plan import Guide
+from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
-from ..oom.diagnose import Diagnosis
 from ..vocab import allocconf
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
+from ..vocab.protocol import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from ..vocab.records import (
     LOCK_SCHEMA,
     Attempt,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oomguard.oom.diagnose import Diagnosis
+from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from oomguard.oom.diagnose import OVERFLOW_FACTOR, Diagnosis
+from oomguard.vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
 REGISTRY: dict[str, type[Remedy]] = {}

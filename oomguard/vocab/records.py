@@ -26,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ..oom.parse import Frame, OOMReport
+from .oomreport import Frame, OOMReport
 
 CRASH_SCHEMA = "oomguard.crash/1"
 REPORT_SCHEMA = "oomguard.report/1"
