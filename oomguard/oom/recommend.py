@@ -80,7 +80,7 @@ def ranked(d: Diagnosis, knobs: Mapping[str, Any] | Knobs | None = None) -> list
     """Every remedy for this diagnosis, ranked, with paste lines computed from ``knobs`` (the run's effective knobs,
     as a crash record or run report holds them) or TRL's defaults when the run's config is not known.
 
-    >>> from oomguard.oom.parse import OOMReport
+    >>> from oomguard.vocab.oomreport import OOMReport
     >>> from oomguard.oom.diagnose import diagnose
     >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=4 << 30, capacity=16 << 30, free=1 << 30),
     ...              phase="generation")
@@ -222,7 +222,7 @@ def paste_lines(name: str, d: Diagnosis, base: Knobs = TRL_DEFAULTS) -> tuple[st
     """Ready-to-paste lines for one remedy: what it would change in ``base`` (TRL's defaults unless the run's knobs
     are known), as the environment variable and the ``GRPOConfig``/trainer arguments that carry it.
 
-    >>> from oomguard.oom.parse import OOMReport
+    >>> from oomguard.vocab.oomreport import OOMReport
     >>> from oomguard.oom.diagnose import diagnose
     >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=1 << 30, capacity=16 << 30, free=0))
     >>> paste_lines("optimizer_8bit", d)
