@@ -19,15 +19,17 @@ from oomguard.memory.estimate import (
     Estimate,
     EstimateError,
     ModelSpec,
+    estimate,
+    load_model_spec,
+    lora_trainable_params,
+)
+from oomguard.memory.estimate.terms import (
     _activation_bytes_per_token,
     _head_bytes,
     _kv_cache_bytes,
     _optimizer_bytes,
     _Regime,
     _weight_bytes,
-    estimate,
-    load_model_spec,
-    lora_trainable_params,
 )
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs
 from oomguard.vocab.sizes import GiB, MiB
