@@ -52,6 +52,8 @@ def with_options(knobs):
 assert bare() == 512 and with_options() == 1
 assert oomguard.guard(lambda knobs: 2, simulate_gpu="300MiB")() == 2
 assert guard is oomguard.guard and OOMGuardExhausted is Exhausted is oomguard.OOMGuardExhausted
+import types
+assert not [n for n in oomguard.__all__ if isinstance(getattr(oomguard, n), types.ModuleType)]  # estimate, diagnose
 print("ok")
 """
     out = _run(code)

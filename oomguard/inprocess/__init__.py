@@ -10,7 +10,7 @@
 No module here is named ``guard``: importing a submodule binds it to its package's attribute, and
 ``oomguard.guard`` is the function.
 
-May import: the shared vocabulary, the memory model, reading OOMs, the decision and the training-process side
-(``oomguard.child``: the simulated device and the patches run in this process too). Never the supervisor or
-presentation.
+May import: the shared vocabulary (``oomguard.vocab``), the memory model, reading OOMs, the decision and the
+training-process side (``oomguard.child``: the simulated device and the patches run in this process too). Never the
+supervisor or presentation.
 """

@@ -8,5 +8,6 @@
 
 The supervisor, the guard and the training process read their live OOMs through ``parse`` and ``diagnose`` too.
 
-May import: the shared vocabulary (``oomguard.vocab``, ``oomguard.strategies``).
+May import: the shared vocabulary (``oomguard.vocab``, and the remedies of ``oomguard.strategies`` for
+``recommend``). Never the memory model, the decision, the supervisor, the guard or presentation.
 """

@@ -11,6 +11,7 @@
 
 Never imports torch, directly or through anything it imports: the supervisor reads device facts through NVML.
 
-May import: the shared vocabulary, the memory model, reading OOMs (``oomguard.oom``), the decision
-(``oomguard.decide``) and presentation (``oomguard.display``). Never the guard or the training-process side.
+May import: the shared vocabulary (``oomguard.vocab``), the memory model, reading OOMs (``oomguard.oom``), the
+decision (``oomguard.decide``) and presentation (``oomguard.display``). Never the guard or the training-process side
+(the contract with it is ``oomguard.vocab.protocol``).
 """
