@@ -3,7 +3,7 @@
 A run under ``OOMGUARD_SIMULATE_TRACE=PATH`` writes every allocation and free of its simulated device to PATH
 (:meth:`oomguard.child.simulate.SimulatedDevice.dump_trace`): a header line ``# ... expandable=0|1``, then one line
 per event, ``a ID BYTES`` (allocate), ``f ID`` (free) or ``e`` (``empty_cache``). Replaying it through
-:class:`oomguard.allocmodel.AllocatorModel` takes milliseconds, so ``bench/min_budget.py`` can bisect for the
+:class:`oomguard.memory.allocmodel.AllocatorModel` takes milliseconds, so ``bench/min_budget.py`` can bisect for the
 smallest budget a configuration fits in without running it again.
 """
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from oomguard.allocmodel import AllocatorModel, Block  # noqa: E402
+from oomguard.memory.allocmodel import AllocatorModel, Block  # noqa: E402
 
 Event = tuple[str, int, int]
 

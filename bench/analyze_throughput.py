@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from oomguard.sizes import parse_size  # noqa: E402
+from oomguard.vocab.sizes import parse_size  # noqa: E402
 
 LINES = [
     " 12%|█▏        | 118/1000 [1:02:13<7:45:02, 31.63s/it]\n",

@@ -5,7 +5,8 @@ model (written to a temporary directory, with a word-level tokenizer made with `
 simulated device before any tensor exists, and trains two optimizer steps. Completions are forced to the worst case
 with ``generation_kwargs={"min_new_tokens": C}`` and every prompt has exactly P tokens, so the shapes are
 deterministic. The subprocess reports the simulated device's peak allocated bytes per phase (generation, scoring,
-forward_backward, optimizer), and this script compares them with ``oomguard.estimate.estimate(..., simulated=True)``.
+forward_backward, optimizer), and this script compares them with
+``oomguard.memory.estimate.estimate(..., simulated=True)``.
 
     python bench/cpu_calibrate.py            # the full grid (about 6-8 minutes on 2 CPU cores)
     python bench/cpu_calibrate.py --quick    # a 4-configuration subset
@@ -67,7 +68,7 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def knobs(self) -> Any:
-        from oomguard.knobs import TRL_DEFAULTS
+        from oomguard.vocab.knobs import TRL_DEFAULTS
 
         return TRL_DEFAULTS.replace(
             max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
@@ -200,7 +201,7 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
 
 
 def predict(cfg: Config, coefficients: Any = None) -> Any:
-    from oomguard.estimate import Coefficients, ModelSpec, estimate
+    from oomguard.memory.estimate import Coefficients, ModelSpec, estimate
 
     spec = ModelSpec.from_config(ARCHS[cfg.arch])
     coefficients = coefficients or Coefficients.for_simulated()
@@ -226,7 +227,7 @@ def run_one(cfg: Config, model_dirs: dict[str, Path], timeout: float) -> dict[st
 
 
 def table(results: list[tuple[Config, dict[str, Any]]], coefficients: Any, show_phases: bool) -> list[float]:
-    from oomguard.sizes import MiB
+    from oomguard.vocab.sizes import MiB
 
     errors = []
     print(f"{'config':<22} {'shape':<50} {'predicted':>10} {'measured':>10} {'error':>8}")
@@ -256,7 +257,7 @@ def table(results: list[tuple[Config, dict[str, Any]]], coefficients: Any, show_
 
 def fit(results: list[tuple[Config, dict[str, Any]]]) -> Any:
     """Grid-search ``c_act`` and ``k_logits`` for the smallest worst-case error (ties: smallest median)."""
-    from oomguard.estimate import Coefficients
+    from oomguard.memory.estimate import Coefficients
 
     ok = [(c, r) for c, r in results if "error" not in r]
     best = None
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     results = list(zip(grid, measured, strict=True))
     if a.json:
         Path(a.json).write_text(json.dumps([{"config": c.__dict__, **r} for c, r in results], indent=1))
-    from oomguard.estimate import Coefficients
+    from oomguard.memory.estimate import Coefficients
 
     coefficients = fit(results) if a.fit else Coefficients.for_simulated()
     print(f"coefficients: {coefficients}\n")

@@ -10,7 +10,7 @@ forward/backward and optimizer boundaries and record ``torch.cuda.max_memory_all
 figure minus ``memory_reserved`` (``context_source: "process"``); where NVML cannot see the process (some
 containers) it falls back to device-used minus reserved (``"device"``), which counts every other process too.
 
-The script then fits the uncertain coefficients of ``oomguard.estimate.Coefficients``, each by the smallest
+The script then fits the uncertain coefficients of ``oomguard.memory.estimate.Coefficients``, each by the smallest
 worst-case relative error (ties: the smaller median): ``c_act`` on the allocated peaks, ``f_frag`` /
 ``f_frag_expandable`` on the reserved peaks, ``k_logits`` only if the chunked LM head ran its torch fallback (no
 Triton), and ``m_ctx`` (median) only from ``"process"`` contexts; then prints the table predicted vs measured with
@@ -283,7 +283,7 @@ def child(args: list[str], timeout: float, env: dict[str, str] | None = None) ->
 
 
 def predict(cfg: GPUConfig, co: Any, capacity: int | None) -> Any:
-    from oomguard.estimate import ModelSpec, estimate
+    from oomguard.memory.estimate import ModelSpec, estimate
 
     return estimate(ModelSpec.from_config(ARCHS[cfg.arch]), cfg.knobs(), prompt_tokens=cfg.P, coefficients=co,
                     capacity=capacity)
@@ -303,7 +303,7 @@ def _minimax(errors: Any, grid: list[float]) -> tuple[float, float, float]:
 
 def fit(rows: list[tuple[GPUConfig, dict[str, Any]]], capacity: int, base: Any = None) -> Any:
     """Fit the uncertain coefficients on the measured rows (see the module docstring); the others keep ``base``."""
-    from oomguard.estimate import Coefficients
+    from oomguard.memory.estimate import Coefficients
 
     co = base or Coefficients()
     if not rows:
@@ -366,7 +366,7 @@ def summary(errs: dict[str, list[float]]) -> str:
 def render(rows: list[tuple[GPUConfig, dict[str, Any]]], co: Any, capacity: int, fmt: str) -> str:
     """The measured table with predictions (``fmt``: ``md``, ``csv`` or ``text``). A device figure marked ``*`` uses
     the model's ``m_ctx`` for the row's context (see :func:`measured_device`)."""
-    from oomguard.sizes import GiB
+    from oomguard.vocab.sizes import GiB
 
     header = ["config", "shape", "measured_alloc_GiB", "predicted_alloc_GiB", "alloc_error_%",
               "measured_reserved_GiB", "predicted_reserved_GiB", "reserved_error_%", "measured_device_GiB",
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{info['name']}, torch {info['torch']}"
     if not rows:
         sys.exit("gpu_calibrate: no configuration completed")
-    from oomguard.estimate import Coefficients
+    from oomguard.memory.estimate import Coefficients
 
     built_in = Coefficients()
     print(f"\nwith the built-in coefficients {built_in}:\n{render(rows, built_in, capacity, 'text')}")

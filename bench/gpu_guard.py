@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=1024, help="tokens per row (read as max_completion_length)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per call")
     a = p.parse_args(argv)
-    from oomguard.sizes import SizeError, parse_size
+    from oomguard.vocab.sizes import SizeError, parse_size
 
     try:
         cap = parse_size(a.simulate_gpu or a.gpu_memory)

@@ -59,7 +59,7 @@ if importlib.util.find_spec("oomguard") is None:
 from scenarios import compact_diff, minimal_verdict, missed_targets, undo_groups, undo_lock  # noqa: E402
 
 import oomguard  # noqa: E402, F401
-from oomguard.records import read_json_object  # noqa: E402
+from oomguard.vocab.records import read_json_object  # noqa: E402
 
 GiB = 1024**3
 ARCH = "q3b"
@@ -432,7 +432,7 @@ def _env(cache: Path) -> dict[str, str]:
 def check_minimal(strategy: str, lock: Mapping[str, Any], checks: list[dict[str, Any]], client: Path, work: Path,
                   gpu_memory: str, deadline: float) -> list[dict[str, Any]]:
     """Replay the stable lock without each remedy the run left unproven (a 1-step probe each, while time lasts)."""
-    from oomguard.knobs import KNOB_NAMES
+    from oomguard.vocab.knobs import KNOB_NAMES
 
     diff = [r for r in lock.get("diff") or [] if isinstance(r, Mapping)]
     groups = dict(undo_groups(diff))
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-report", action="append", metavar="PATH",
                    help="only print the table of saved RunReport(s); needs no GPU")
     a = p.parse_args(argv)
-    from oomguard.sizes import SizeError, parse_size
+    from oomguard.vocab.sizes import SizeError, parse_size
 
     try:
         capacity = parse_size(a.gpu_memory)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from _trace import min_capacity, read_trace, replay  # noqa: E402  (bench/_trace.py: the allocator-model replay)
 
-from oomguard.sizes import MiB  # noqa: E402
+from oomguard.vocab.sizes import MiB  # noqa: E402
 
 
 def analyse(events: list, extra: dict) -> dict:
@@ -37,8 +37,8 @@ def analyse(events: list, extra: dict) -> dict:
 
 def verdict(events: list, budget: int, expandable: bool) -> str:
     """'fits', or the diagnosis kind of the OOM at this budget."""
-    from oomguard.diagnose import diagnose
-    from oomguard.oom import OOMReport
+    from oomguard.oom.diagnose import diagnose
+    from oomguard.vocab.oomreport import OOMReport
 
     ok, facts = replay(events, budget, expandable)
     if ok:
@@ -92,8 +92,8 @@ def main() -> None:
     args = list(a.rest)
     if a.model:
         args = ["--model", a.model, "--output-dir", tempfile.mkdtemp(), *args]
-    from oomguard.knobs import parse_knob
-    from oomguard.sizes import parse_size
+    from oomguard.vocab.knobs import parse_knob
+    from oomguard.vocab.sizes import parse_size
 
     if a.trace:
         events, _ = read_trace(a.trace)

@@ -7,7 +7,7 @@ from 50% to 130% of its measured use, one per percent. On a card at least as lar
 stop there is a false stop (an OOM that would not have happened, traded for a climb); on a smaller card a stop saves
 an OOM. The built-in coefficients predict each row; the margin is how far over the card a prediction must be before
 the pre-flight stops it. ``default`` is the margin oomguard uses on a GPU without a machine calibration
-(``oomguard.plan.Guide.stop_margin``).
+(``oomguard.decide.plan.Guide.stop_margin``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_calibrate import load_rows, measured_device, predict, row_config  # noqa: E402
 
-from oomguard.estimate import Coefficients  # noqa: E402
-from oomguard.plan import Guide  # noqa: E402
+from oomguard.decide.plan import Guide  # noqa: E402
+from oomguard.memory.estimate import Coefficients  # noqa: E402
 
 DEFAULT_ROWS = [ROOT / "tests" / "fixtures" / "h100" / n for n in ("calibration.jsonl", "calibration-q3b.jsonl")]
 

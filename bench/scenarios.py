@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.records import read_json_object
+from oomguard.vocab.records import read_json_object
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "scripts" / "grpo_tiny.py")
@@ -400,7 +400,7 @@ class Bench:
                 "--", sys.executable, TINY, "--model", self.models[s.model], "--output-dir", str(d / "out"), *s.args]
 
     def run(self, s: Scenario, strategy: str) -> dict[str, Any]:
-        from oomguard.sizes import parse_size
+        from oomguard.vocab.sizes import parse_size
 
         row: dict[str, Any] = {"scenario": s.name, "key": s.key, "strategy": strategy, "budget": s.budget,
                                "flags": " ".join(STRATEGIES[strategy])}
@@ -473,7 +473,7 @@ class Bench:
 
 def _knob_names() -> frozenset[str] | None:
     try:
-        from oomguard.knobs import KNOB_NAMES
+        from oomguard.vocab.knobs import KNOB_NAMES
     except ImportError:  # the bench outlives renames: fall back to "a knob has no space in its name"
         return None
     return frozenset(KNOB_NAMES)

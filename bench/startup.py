@@ -35,7 +35,7 @@ def main() -> None:
     for name, cmd in rows:
         t = timed(cmd, a.runs)
         print(f"{name:<22} {statistics.median(t):>7.3f}s {min(t):>7.3f}s {max(t):>7.3f}s")
-    torch = subprocess.run([sys.executable, "-c", "import sys, oomguard.cli, oomguard.supervisor; "
+    torch = subprocess.run([sys.executable, "-c", "import sys, oomguard.cli, oomguard.run.supervisor; "
                             "print('torch' in sys.modules)"], capture_output=True, text=True).stdout.strip()
     print(f"torch imported by the supervisor: {torch}")
 

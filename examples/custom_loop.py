@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import oomguard
-from oomguard.records import climbed_labels
+from oomguard.vocab.records import climbed_labels
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 import oomguard
-from oomguard.records import climbed_labels  # the rungs as the log lines write them: "x + y (again)"
+from oomguard.vocab.records import climbed_labels  # the rungs as the log lines write them: "x + y (again)"
 
 from grpo_gsm8k import (
     correctness_reward_func,

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "is_oom": ("oomguard.oom", "is_oom"),
-    "parse_oom": ("oomguard.oom", "parse_oom"),
-    "OOMReport": ("oomguard.oom", "OOMReport"),
-    "diagnose": ("oomguard.diagnose", "diagnose"),
-    "Diagnosis": ("oomguard.diagnose", "Diagnosis"),
-    "Knobs": ("oomguard.knobs", "Knobs"),
-    "guard": ("oomguard.guarded", "guard"),  # no submodule is named guard: this name is only the function
-    "OOMGuardExhausted": ("oomguard.guarded", "OOMGuardExhausted"),
-    "estimate": ("oomguard.estimate", "estimate"),
-    "analyze_paths": ("oomguard.analyze", "analyze_paths"),
+    "is_oom": ("oomguard.oom.parse", "is_oom"),
+    "parse_oom": ("oomguard.oom.parse", "parse_oom"),
+    "OOMReport": ("oomguard.vocab.oomreport", "OOMReport"),
+    "diagnose": ("oomguard.oom.diagnose", "diagnose"),
+    "Diagnosis": ("oomguard.vocab.diagnosis", "Diagnosis"),
+    "Knobs": ("oomguard.vocab.knobs", "Knobs"),
+    "guard": ("oomguard.inprocess.guarded", "guard"),  # no submodule is named guard: this name is only the function
+    "OOMGuardExhausted": ("oomguard.inprocess.guarded", "OOMGuardExhausted"),
+    "estimate": ("oomguard.memory.estimate", "estimate"),
+    "analyze_paths": ("oomguard.oom.analyze", "analyze_paths"),
 }
 
 __all__ = [
@@ -41,12 +41,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .analyze import analyze_paths
-    from .diagnose import Diagnosis, diagnose
-    from .estimate import estimate
-    from .guarded import OOMGuardExhausted, guard
-    from .knobs import Knobs
-    from .oom import OOMReport, is_oom, parse_oom
+    from .inprocess.guarded import OOMGuardExhausted, guard
+    from .memory.estimate import estimate
+    from .oom.analyze import analyze_paths
+    from .oom.diagnose import diagnose
+    from .oom.parse import is_oom, parse_oom
+    from .vocab.diagnosis import Diagnosis
+    from .vocab.knobs import Knobs
+    from .vocab.oomreport import OOMReport
 
 
 def __getattr__(name: str) -> Any:

@@ -59,9 +59,9 @@ def main() -> None:
               help="List every remedy for each OOM (without it, the top 3-5; --json always has them all, ranked).")
 def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: str | None, show_all: bool) -> None:
     """Explain the OOMs in logs, crash records, run reports and memory snapshots (files or directories)."""
-    from .analyze import analyze_paths, for_terminal
-    from .render import console, findings, note, snapshots
-    from .sizes import SizeError, parse_size
+    from .display.render import console, findings, note, snapshots
+    from .oom.analyze import analyze_paths, for_terminal
+    from .vocab.sizes import SizeError, parse_size
 
     try:
         limit = parse_size(max_bytes)
@@ -87,7 +87,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
             out.print(f"No out-of-memory error found in {result.files_read} file(s).")
         snapshots(out, result.snapshots)
     if html_path:
-        from .html import write_analyze_html
+        from .display.html import write_analyze_html
 
         write_analyze_html(html_path, result)
     if result.files_read == 0:
@@ -171,12 +171,12 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     """
     from pathlib import Path
 
-    from .command import EXIT_BUG, UsageError, load_lock, resolve_command
-    from .group import GroupError, membership_of
-    from .ladder import LadderBug, LadderError, load_ladder
-    from .sizes import SizeError, parse_size_arg
-    from .supervisor import RunOptions, Supervisor
-    from .ui import ConsoleReporter, JsonLogReporter
+    from .decide.ladder import LadderBug, LadderError, load_ladder
+    from .display.ui import ConsoleReporter, JsonLogReporter
+    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command
+    from .run.group import GroupError, membership_of
+    from .run.supervisor import RunOptions, Supervisor
+    from .vocab.sizes import SizeError, parse_size_arg
 
     args = list(command)
     if args and args[0] == "--":
@@ -253,11 +253,11 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     Exit codes: 0 when the configuration is predicted to fit; 3 when it does not (also with --json); 2 for usage
     errors (an unknown knob, a bad size or model config).
     """
-    from .estimate import EstimateError, load_model_spec
-    from .knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
-    from .ladder import LadderError, load_ladder
-    from .plan import make_plan
-    from .sizes import SizeError, parse_size_arg
+    from .decide.ladder import LadderError, load_ladder
+    from .decide.plan import make_plan
+    from .memory.estimate import EstimateError, load_model_spec
+    from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
+    from .vocab.sizes import SizeError, parse_size_arg
 
     try:
         capacity = parse_size_arg(gpu_size, "--gpu")
@@ -277,9 +277,9 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError) as e:
         _usage(str(e))
-    from .calibration import builtin_description, load_calibration, machine_key
-    from .device import gpu_name
-    from .estimate import Coefficients
+    from .memory.calibration import builtin_description, load_calibration, machine_key
+    from .memory.device import gpu_name
+    from .memory.estimate import Coefficients
 
     # what earlier runs on this machine learned (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
     cal = load_calibration(machine_key(gpu_name(), simulated=False))
@@ -290,8 +290,8 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens, coefficients=coefficients)
     alts = []
     if p.steps and p.after is not None and p.after.fits(capacity):
-        from .alternatives import alternatives
-        from .plan import predictor
+        from .decide.alternatives import alternatives
+        from .decide.plan import predictor
 
         predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
                             coefficients=coefficients)
@@ -307,9 +307,9 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts},
                               indent=2))
     else:
-        from .render import console, plan_table
-        from .sizes import format_size
-        from .ui import alternatives_lines
+        from .display.render import console, plan_table
+        from .display.ui import alternatives_lines
+        from .vocab.sizes import format_size
 
         plan_table(console(), p, model_path)
         click.echo(f"calibration: {calibration['description']}")
@@ -372,7 +372,7 @@ def describe_knobs() -> list[dict[str, Any]]:
     """
     from dataclasses import fields
 
-    from .knobs import REACH, TRL_DEFAULTS, Knobs
+    from .vocab.knobs import REACH, TRL_DEFAULTS, Knobs
 
     out = []
     for f in fields(Knobs):
@@ -400,7 +400,7 @@ def knobs_command(as_json: bool) -> None:
         return
     from rich.markup import escape
 
-    from .render import console
+    from .display.render import console
 
     out = console()
     out.print(f"[bold]{'knob':<28} {'type':<27} {'TRL default':<18} reaches[/]", soft_wrap=True)
@@ -417,7 +417,7 @@ def knobs_command(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the ladders as JSON.")
 def ladders(as_json: bool) -> None:
     """List the remedy ladders shipped with oomguard and their rungs, in order."""
-    from .ladder import available_ladders, describe, load_ladder
+    from .decide.ladder import available_ladders, describe, load_ladder
 
     data = describe([load_ladder(name) for name in available_ladders()])
     if as_json:
@@ -425,7 +425,7 @@ def ladders(as_json: bool) -> None:
 
         click.echo(json.dumps(data, indent=2))
         return
-    from .render import console
+    from .display.render import console
 
     out = console()
     for lad in data:

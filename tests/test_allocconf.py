@@ -6,7 +6,7 @@ import doctest
 import json
 import sys
 
-from oomguard import allocconf
+from oomguard.vocab import allocconf
 
 from helpers import run_oomguard
 

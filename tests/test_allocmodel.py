@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import allocmodel
-from oomguard.allocmodel import LARGE_BUFFER, PAGE, SMALL_BUFFER, AllocatorModel, round_size, segment_size
 from oomguard.child import simulate
+from oomguard.memory import allocmodel
+from oomguard.memory.allocmodel import LARGE_BUFFER, PAGE, SMALL_BUFFER, AllocatorModel, round_size, segment_size
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def test_doctests():
 
 def test_the_model_is_pure():
     """The supervisor side may use it: importing it must not import torch."""
-    code = "import sys, oomguard.allocmodel; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, oomguard.memory.allocmodel; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.analyze import analyze_paths
-from oomguard.oom import parse_oom
-from oomguard.records import CrashRecord
+from oomguard.oom.analyze import analyze_paths
+from oomguard.oom.parse import parse_oom
+from oomguard.vocab.records import CrashRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "examples" / "logs"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.calibration import (
+from oomguard.memory.calibration import (
     KEEP,
     Calibration,
     builtin_description,
@@ -19,8 +19,8 @@ from oomguard.calibration import (
     machine_key,
     record_run,
 )
-from oomguard.device import gpu_name
-from oomguard.estimate import Coefficients
+from oomguard.memory.device import gpu_name
+from oomguard.memory.estimate import Coefficients
 
 GiB = 2**30
 LLAMA = str(Path(__file__).resolve().parent / "fixtures" / "models" / "llama-3.2-1b")
@@ -44,7 +44,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 
 def test_machine_key_names_gpu_and_versions_without_importing_torch():
-    code = ("import sys; from oomguard.calibration import machine_key; "
+    code = ("import sys; from oomguard.memory.calibration import machine_key; "
             "print(machine_key('NVIDIA  H100 80GB HBM3', simulated=False)); "
             "assert not {'torch', 'trl', 'transformers'} & set(sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -123,7 +123,7 @@ def test_unwritable_cache_warns_and_goes_on(monkeypatch, tmp_path):
 
 def test_concurrent_runs_keep_every_entry():
     per = KEEP // 2
-    code = ("import sys; from oomguard.calibration import record_run; "
+    code = ("import sys; from oomguard.memory.calibration import record_run; "
             f"[record_run({H100!r}, 100, 90 + int(sys.argv[1]), None) for _ in range({per})]")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i)]) for i in range(2)]
     assert all(p.wait(timeout=120) == 0 for p in procs)

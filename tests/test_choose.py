@@ -9,13 +9,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oomguard.choose import Rung, choose, replay
-from oomguard.climb import Climb
-from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
-from oomguard.ladder import load_ladder
-from oomguard.plan import Guide
-from oomguard.records import Attempt
+from oomguard.decide.choose import Rung, choose, replay
+from oomguard.decide.climb import Climb
+from oomguard.decide.ladder import load_ladder
+from oomguard.decide.plan import Guide
 from oomguard.strategies import make_remedy
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.records import Attempt
 
 DEFAULT = load_ladder("default")
 ORDER = [r.name for r in DEFAULT.rungs]

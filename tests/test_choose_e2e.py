@@ -66,9 +66,9 @@ def test_when_a_chosen_config_runs_out_of_memory_the_climb_learns_and_puts_somet
     """The memory model is told the device is 40% larger than the simulated one, so its first choice is too small
     for the real budget: that probe runs out of memory, the model learns, and the next choice fits. No config is
     tried twice. (Without refining, so that the probe that fits is followed by the run.)"""
-    from oomguard.ladder import load_ladder
-    from oomguard.supervisor import RunOptions, Supervisor
-    from oomguard.ui import ConsoleReporter
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.display.ui import ConsoleReporter
+    from oomguard.run.supervisor import RunOptions, Supervisor
 
     budget = 118 * 2**20
     opts = RunOptions(ladder=load_ladder("default"), simulate_gpu=budget, capacity=int(budget * 1.4), probe_steps=2,

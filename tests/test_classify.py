@@ -12,13 +12,14 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oomguard.classify import Ranks, classify
-from oomguard.climb import Climb
-from oomguard.knobs import TRL_DEFAULTS
-from oomguard.ladder import load_ladder
-from oomguard.oom import parse_oom
-from oomguard.proc import ProcessResult
-from oomguard.records import (
+from oomguard.decide.climb import Climb
+from oomguard.decide.ladder import load_ladder
+from oomguard.oom.parse import parse_oom
+from oomguard.run.classify import Ranks, classify
+from oomguard.run.proc import ProcessResult
+from oomguard.run.verdict import conclude
+from oomguard.vocab.knobs import TRL_DEFAULTS
+from oomguard.vocab.records import (
     CodeSeen,
     CrashRecord,
     OOMRaised,
@@ -28,7 +29,6 @@ from oomguard.records import (
     ProcessStarted,
     StepDone,
 )
-from oomguard.verdict import conclude
 
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of which "
             "1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "

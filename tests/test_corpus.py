@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.diagnose import diagnose
-from oomguard.oom import (
+from oomguard.oom.diagnose import diagnose
+from oomguard.oom.parse import (
     Hit,
-    OOMReport,
     is_oom,
     oom_in_chain,
     parse_oom,
@@ -26,6 +25,7 @@ from oomguard.oom import (
     scan_text,
     strip_prefix,
 )
+from oomguard.vocab.oomreport import OOMReport
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oom"
 _DOC = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))

@@ -1,8 +1,10 @@
 """Diagnosis: kind from the figures, phase from the frames, evidence with the numbers."""
 
-from oomguard.diagnose import Diagnosis, diagnose, phase_from_frames
-from oomguard.oom import Frame, OOMReport, OtherProcess, parse_oom
-from oomguard.sizes import GiB, MiB
+from oomguard.oom.diagnose import diagnose, phase_from_frames
+from oomguard.oom.parse import parse_oom
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.oomreport import Frame, OOMReport, OtherProcess
+from oomguard.vocab.sizes import GiB, MiB
 
 SEED = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total capacity of 15.73 GiB "
         "of which 1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "
@@ -116,8 +118,8 @@ from pathlib import Path  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from oomguard.diagnose import FRAGMENTATION_HEADROOM  # noqa: E402
-from oomguard.oom import scan_text  # noqa: E402
+from oomguard.oom.diagnose import FRAGMENTATION_HEADROOM  # noqa: E402
+from oomguard.oom.parse import scan_text  # noqa: E402
 
 OOM_FIXTURES = Path(__file__).parent / "fixtures" / "oom"
 

@@ -6,13 +6,14 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.patches import apply_config, observe_config
-from oomguard.child.runtime import Plan, Runtime
-from oomguard.diagnose import diagnose
-from oomguard.distributed import deepspeed_config, observe_deepspeed
-from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
-from oomguard.ladder import Exhausted, load_ladder
-from oomguard.oom import OOMReport
+from oomguard.child.runtime import Runtime
+from oomguard.decide.ladder import Exhausted, load_ladder
+from oomguard.oom.diagnose import diagnose
 from oomguard.strategies import Context
+from oomguard.vocab.distributed import deepspeed_config, observe_deepspeed
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.oomreport import OOMReport
+from oomguard.vocab.protocol import Plan
 
 SHORT = diagnose(OOMReport("cuda", "allocator", "x", requested=4 << 30, capacity=80 << 30, free=1 << 30),
                  phase="forward")
@@ -95,7 +96,7 @@ def test_several_ranks_without_zero_hold_ddps_gradient_buckets():
     """DistributedDataParallel keeps a flat copy of every trainable gradient from the moment it wraps the model:
     measured on the simulated device with two ranks (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32
     weights; 352.2 MiB peak). ZeRO replaces it with its own partitioned buffers."""
-    from oomguard.estimate import ModelSpec, estimate
+    from oomguard.memory.estimate import ModelSpec, estimate
 
     wide = ModelSpec(vocab_size=724, hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=128,
                      intermediate_size=4096, tie_word_embeddings=True)

@@ -17,7 +17,8 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(oomguard.__path__, "oomgu
 
 
 def test_every_module_is_found():
-    assert {"oomguard.choose", "oomguard.climb", "oomguard.estimate", "oomguard.strategies.sequences"} <= set(MODULES)
+    assert {"oomguard.decide.choose", "oomguard.decide.climb", "oomguard.memory.estimate",
+            "oomguard.strategies.sequences"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from oomguard.estimate import (
+from oomguard.memory.estimate import (
     BREAKDOWN_KEYS,
     NF4_BYTES_PER_PARAM,
     PHASES,
@@ -19,18 +19,20 @@ from oomguard.estimate import (
     Estimate,
     EstimateError,
     ModelSpec,
+    estimate,
+    load_model_spec,
+    lora_trainable_params,
+)
+from oomguard.memory.estimate.terms import (
     _activation_bytes_per_token,
     _head_bytes,
     _kv_cache_bytes,
     _optimizer_bytes,
     _Regime,
     _weight_bytes,
-    estimate,
-    load_model_spec,
-    lora_trainable_params,
 )
-from oomguard.knobs import TRL_DEFAULTS, Knobs
-from oomguard.sizes import GiB, MiB
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs
+from oomguard.vocab.sizes import GiB, MiB
 
 # config.json of the real checkpoints (the keys that matter), as published on the hub
 QWEN25_3B_CONFIG = {
@@ -351,13 +353,13 @@ def test_a_one_layer_models_backward_holds_activations_or_gradients_not_both():
 def test_doctests():
     import doctest
 
-    import oomguard.estimate
+    import oomguard.memory.estimate
 
-    assert doctest.testmod(oomguard.estimate).failed == 0
+    assert doctest.testmod(oomguard.memory.estimate).failed == 0
 
 
 def test_no_torch_import():
-    code = "import oomguard.estimate, sys; assert not {'torch', 'transformers', 'trl'} & set(sys.modules)"
+    code = "import oomguard.memory.estimate, sys; assert not {'torch', 'transformers', 'trl'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

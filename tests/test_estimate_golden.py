@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from oomguard.estimate import Coefficients, EstimateError, ModelSpec, estimate
-from oomguard.knobs import Knobs
+from oomguard.memory.estimate import Coefficients, EstimateError, ModelSpec, estimate
+from oomguard.vocab.knobs import Knobs
 
 FIXTURE = Path(__file__).parent / "fixtures" / "estimate_golden.json"
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.estimate import Coefficients, ModelSpec, estimate
-from oomguard.knobs import Knobs
+from oomguard.memory.estimate import Coefficients, ModelSpec, estimate
+from oomguard.vocab.knobs import Knobs
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "h100"

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.patches import CONFIG_KNOBS
-from oomguard.diagnose import diagnose
-from oomguard.knobs import TRL_DEFAULTS, RunFacts
-from oomguard.ladder import Exhausted, available_ladders, load_ladder
-from oomguard.oom import OOMReport
+from oomguard.decide.ladder import Exhausted, available_ladders, load_ladder
+from oomguard.oom.diagnose import diagnose
 from oomguard.strategies import Context
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.oomreport import OOMReport
 
 trl = pytest.importorskip("trl")
 
@@ -73,7 +73,8 @@ def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch):
 def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):
     """The patch applies overrides before TRL's own validation; the result must still validate."""
     from oomguard.child.patches import apply_config
-    from oomguard.child.runtime import Plan, Runtime
+    from oomguard.child.runtime import Runtime
+    from oomguard.vocab.protocol import Plan
 
     rt = Runtime(Plan(overrides={"num_generations": 2, "per_device_train_batch_size": 2, "max_completion_length": 64},
                       probe={"steps": 2}))

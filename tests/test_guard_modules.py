@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-MODULES = ["oomguard.guarded", "oomguard.attempt", "oomguard.tracked", "oomguard.release", "oomguard.allocapply",
-           "oomguard.isolate"]
+MODULES = ["oomguard.inprocess.guarded", "oomguard.inprocess.attempt", "oomguard.inprocess.tracked",
+           "oomguard.inprocess.release", "oomguard.inprocess.allocapply", "oomguard.inprocess.isolate"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -34,7 +34,7 @@ def test_every_documented_spelling_works_whatever_was_imported_first():
     code = """
 import importlib, pkgutil
 import oomguard
-from oomguard.guarded import OOMGuardExhausted as Exhausted
+from oomguard.inprocess.guarded import OOMGuardExhausted as Exhausted
 skip = {"oomguard.__main__", "oomguard.child._boot.sitecustomize"}
 for m in pkgutil.walk_packages(oomguard.__path__, "oomguard."):
     if m.name not in skip:
@@ -52,6 +52,8 @@ def with_options(knobs):
 assert bare() == 512 and with_options() == 1
 assert oomguard.guard(lambda knobs: 2, simulate_gpu="300MiB")() == 2
 assert guard is oomguard.guard and OOMGuardExhausted is Exhausted is oomguard.OOMGuardExhausted
+import types
+assert not [n for n in oomguard.__all__ if isinstance(getattr(oomguard, n), types.ModuleType)]  # estimate, diagnose
 print("ok")
 """
     out = _run(code)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import oomguard
-from oomguard import OOMGuardExhausted, allocconf
+from oomguard import OOMGuardExhausted
+from oomguard.vocab import allocconf
 
 from helpers import SCRIPTS
 
@@ -122,7 +123,7 @@ def test_release_clears_the_frames_of_an_oom_a_notebook_kept(monkeypatch):
     failed run's tensors until something clears them."""
     import weakref
 
-    from oomguard.release import release
+    from oomguard.inprocess.release import release
 
     class Weights:  # stands in for the model and its gradients
         pass

@@ -8,8 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from oomguard import hostmem
-from oomguard.hostmem import CgroupFiles, HostOOMWatch, find_cgroup
+from oomguard.run import hostmem
+from oomguard.run.hostmem import CgroupFiles, HostOOMWatch, find_cgroup
 
 from helpers import run_oomguard
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.analyze import analyze_paths
-from oomguard.html import analyze_html, run_html
+from oomguard.display.html import analyze_html, run_html
+from oomguard.oom.analyze import analyze_paths
 
 from helpers import ROOT, run_oomguard
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from oomguard.knobs import TRL_DEFAULTS, Knobs, parse_knob, reachable
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, parse_knob, reachable
 
 
 def test_knobs_are_immutable_and_replace_checks_names():
@@ -75,13 +75,13 @@ def test_reach_of_construction_points():
 def test_the_static_optimizer_list_is_transformers_own():
     from transformers.training_args import OptimizerNames
 
-    from oomguard.knobs import OPTIMIZER_NAMES
+    from oomguard.vocab.knobs import OPTIMIZER_NAMES
 
     assert {o.value for o in OptimizerNames} == OPTIMIZER_NAMES
 
 
 def test_check_values_refuses_what_a_lock_may_hold_wrongly():
-    from oomguard.knobs import check_values
+    from oomguard.vocab.knobs import check_values
 
     assert check_values({"num_generations": 4, "per_device_train_batch_size": 4, "optim": "adamw_bnb_8bit"}) == []
     assert check_values({"lora_target_modules": ["q_proj", "v_proj"], "dtype": "bfloat16", "beta": 0.04}) == []

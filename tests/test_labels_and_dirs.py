@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oomguard.choose import Rung
-from oomguard.ladder import load_ladder
-from oomguard.resume import resume_plan
+from oomguard.decide.choose import Rung
+from oomguard.decide.ladder import load_ladder
+from oomguard.display.ui import ConsoleReporter
+from oomguard.run.resume import resume_plan
+from oomguard.run.supervisor import RunOptions, Supervisor
 from oomguard.strategies import make_remedy
-from oomguard.supervisor import RunOptions, Supervisor
-from oomguard.ui import ConsoleReporter
 
 
 def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
@@ -26,7 +26,7 @@ def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
 
 
 def test_an_attempts_end_line_names_it_as_its_start_line_did(capsys):
-    from oomguard.records import Attempt
+    from oomguard.vocab.records import Attempt
 
     ui = ConsoleReporter(live=False)
     for index, kind in enumerate(["probe", "minimize", "run"], start=1):

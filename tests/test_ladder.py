@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.diagnose import diagnose
-from oomguard.knobs import TRL_DEFAULTS, RunFacts
-from oomguard.ladder import Exhausted, LadderError, Step, available_ladders, load_ladder
-from oomguard.oom import OOMReport
-from oomguard.sizes import GiB, MiB
+from oomguard.decide.ladder import Exhausted, LadderError, Step, available_ladders, load_ladder
+from oomguard.oom.diagnose import diagnose
 from oomguard.strategies import Context
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.oomreport import OOMReport
+from oomguard.vocab.sizes import GiB, MiB
 
 FRAG = diagnose(OOMReport("cuda", "allocator", "x", requested=1 * GiB, capacity=16 * GiB, free=100 * MiB,
                           reserved_unallocated=2 * GiB))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.sizes import parse_size
+from oomguard.vocab.sizes import parse_size
 
 from helpers import ACCELERATE_LAUNCH, PYTHON, SCRIPTS, TINY, env_without_launchers, free_port, torchrun
 

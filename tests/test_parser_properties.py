@@ -15,8 +15,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oomguard.oom import BACKENDS, OOMReport, is_oom, parse_oom, scan_stream, scan_text
-from oomguard.sizes import GiB, KiB, MiB, format_size, parse_size
+from oomguard.oom.parse import is_oom, parse_oom, scan_stream, scan_text
+from oomguard.vocab.oomreport import BACKENDS, OOMReport
+from oomguard.vocab.sizes import GiB, KiB, MiB, format_size, parse_size
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oom"
 

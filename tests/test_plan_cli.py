@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.estimate import ModelSpec
-from oomguard.knobs import TRL_DEFAULTS, RunFacts
-from oomguard.oom import OOMReport
-from oomguard.plan import Guide, make_plan
+from oomguard.decide.plan import Guide, make_plan
+from oomguard.memory.estimate import ModelSpec
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.oomreport import OOMReport
 
 MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
 LLAMA = str(MODELS / "llama-3.2-1b")
@@ -86,7 +86,7 @@ def test_make_plan_keeps_the_ladder_order():
     spec = ModelSpec.from_config(json.loads((MODELS / "llama-3.2-1b" / "config.json").read_text()))
     p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)
     names = [s.remedy.name for s in p.steps]
-    from oomguard.ladder import load_ladder
+    from oomguard.decide.ladder import load_ladder
 
     order = [r.name for r in load_ladder("default").rungs]
     assert names == sorted(names, key=order.index)
@@ -113,7 +113,7 @@ def test_a_plan_that_does_not_fit_exits_3_in_text_too():
 
 
 def test_knobs_lists_every_knob_and_plan_points_at_it():
-    from oomguard.knobs import KNOB_NAMES, REACH, TRL_DEFAULTS
+    from oomguard.vocab.knobs import KNOB_NAMES, REACH, TRL_DEFAULTS
 
     out = subprocess.run([sys.executable, "-m", "oomguard", "knobs", "--json"], capture_output=True, text=True)
     rows = {r["name"]: r for r in json.loads(out.stdout)}

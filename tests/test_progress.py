@@ -36,11 +36,12 @@ def test_json_log_reports_progress_and_each_trainer_has_its_own_step_counter(tmp
 
 
 def test_the_live_view_follows_the_second_trainer(tmp_path):
-    from oomguard.knobs import Knobs
-    from oomguard.ladder import load_ladder
-    from oomguard.records import AttemptKind, EventTail
-    from oomguard.supervisor import RunOptions, Supervisor, _Watch
-    from oomguard.ui import ConsoleReporter
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.display.ui import ConsoleReporter
+    from oomguard.run.supervisor import RunOptions, Supervisor
+    from oomguard.run.watch import Watch as _Watch
+    from oomguard.vocab.knobs import Knobs
+    from oomguard.vocab.records import AttemptKind, EventTail
 
     ui = ConsoleReporter(quiet=True, live=False)
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd"), ui)

@@ -24,7 +24,7 @@ names = [m.name for m in pkgutil.walk_packages(oomguard.__path__, "oomguard.") i
 for name in names:
     importlib.import_module(name)
 import tomli
-from oomguard import ladder
+from oomguard.decide import ladder
 assert ladder.tomllib is tomli, ladder.tomllib
 assert [r.name for r in ladder.load_ladder("default").rungs][0] == "expandable_segments"
 print(len(names), "modules")

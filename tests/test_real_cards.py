@@ -16,18 +16,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomguard.calibration import Calibration
 from oomguard.child import capped
 from oomguard.child.preflight import verdict
-from oomguard.child.simulate import CARD_CONTEXT, SimulatedDevice, context_for
-from oomguard.climb import Climb
-from oomguard.diagnose import diagnose
-from oomguard.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, ModelSpec, estimate, load_bytes
-from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
-from oomguard.ladder import load_ladder
-from oomguard.oom import parse_oom
-from oomguard.plan import Guide
+from oomguard.child.simulate import SimulatedDevice
+from oomguard.decide.climb import Climb
+from oomguard.decide.ladder import load_ladder
+from oomguard.decide.plan import Guide
+from oomguard.memory.allocmodel import CARD_CONTEXT, context_for
+from oomguard.memory.calibration import Calibration
+from oomguard.memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, ModelSpec, estimate, load_bytes
+from oomguard.oom.diagnose import diagnose
+from oomguard.oom.parse import parse_oom
 from oomguard.strategies import make_remedy
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
 from helpers import PYTHON, SCRIPTS, run_oomguard
 
@@ -83,7 +84,7 @@ def h100_rows() -> list[tuple[int, int]]:
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_calibrate import load_rows, measured_device, predict, row_config
 
-    from oomguard.estimate import Coefficients
+    from oomguard.memory.estimate import Coefficients
 
     co = Coefficients()
     out = []
@@ -324,7 +325,7 @@ def held_out_climb() -> tuple[Climb, Guide, RunFacts, Knobs]:
 
 
 def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
-    from oomguard.alternatives import alternatives
+    from oomguard.decide.alternatives import alternatives
 
     climb, guide, facts, user = held_out_climb()
     chosen = climb.effective()[0]
@@ -340,9 +341,9 @@ def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
 
 
 def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(tmp_path):
-    from oomguard.records import Attempt, AttemptKind
-    from oomguard.supervisor import RunOptions, Supervisor
-    from oomguard.ui import ConsoleReporter
+    from oomguard.display.ui import ConsoleReporter
+    from oomguard.run.supervisor import RunOptions, Supervisor
+    from oomguard.vocab.records import Attempt, AttemptKind
 
     climb, guide, _, _ = held_out_climb()
     sup = Supervisor(["python", "train.py"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd",
@@ -360,7 +361,7 @@ def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(t
     alt = rep["alternatives"][0]
     lock = json.loads(Path(alt["lock"]).read_text())
     assert lock["overrides"] == alt["overrides"] and "max_completion_length" not in lock["overrides"]
-    from oomguard.command import load_lock
+    from oomguard.run.command import load_lock
 
     assert load_lock(alt["lock"])["overrides"] == alt["overrides"]  # `--config` accepts it as it is
 
@@ -368,7 +369,7 @@ def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(t
 def test_a_rung_that_only_shrank_the_rows_is_named_for_that():
     """fewer_generations relaxed back to the user's 16 generations, 16 -> 12 rows per device: the diff, the attempt
     lines and the climb message say fewer_prompts_per_step, not fewer_generations."""
-    from oomguard.choose import Rung
+    from oomguard.decide.choose import Rung
 
     user = TRL_DEFAULTS.merged(Knobs(num_generations=16, per_device_train_batch_size=16))
     climb = Climb(load_ladder("default"))

@@ -1,10 +1,10 @@
 """Recommendations for analyze: names shared with the ladder, ranked for the diagnosis, with bytes freed."""
 
-from oomguard.diagnose import diagnose
-from oomguard.oom import OOMReport, OtherProcess
-from oomguard.recommend import recommend
-from oomguard.sizes import GiB, MiB
+from oomguard.oom.diagnose import diagnose
+from oomguard.oom.recommend import recommend
 from oomguard.strategies import REGISTRY
+from oomguard.vocab.oomreport import OOMReport, OtherProcess
+from oomguard.vocab.sizes import GiB, MiB
 
 
 def names(d):
@@ -57,8 +57,8 @@ def test_every_ladder_remedy_can_advise():
 # --------------------------------------------------------------------------------------------------------------
 # Ranked, a short list first, each with a line to paste.
 
-from oomguard.knobs import TRL_DEFAULTS  # noqa: E402
-from oomguard.recommend import TOP_MAX, TOP_MIN, paste_lines, ranked  # noqa: E402
+from oomguard.oom.recommend import TOP_MAX, TOP_MIN, paste_lines, ranked  # noqa: E402
+from oomguard.vocab.knobs import TRL_DEFAULTS  # noqa: E402
 
 
 def frag(phase="forward"):

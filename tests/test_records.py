@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from oomguard.oom import Frame, parse_oom
-from oomguard.records import (
+from oomguard.oom.parse import parse_oom
+from oomguard.vocab.oomreport import Frame
+from oomguard.vocab.records import (
     CRASH_SCHEMA,
     CodeSeen,
     CrashRecord,

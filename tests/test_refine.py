@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from oomguard.choose import Preference, Rung
-from oomguard.climb import Climb
-from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
-from oomguard.ladder import load_ladder
-from oomguard.minimize import Minimizer
-from oomguard.plan import Guide
-from oomguard.records import Attempt, AttemptKind, Outcome
+from oomguard.decide.choose import Preference, Rung
+from oomguard.decide.climb import Climb
+from oomguard.decide.ladder import load_ladder
+from oomguard.decide.plan import Guide
+from oomguard.display.ui import ConsoleReporter
+from oomguard.run.minimize import Minimizer
+from oomguard.run.supervisor import RunOptions, Supervisor
 from oomguard.strategies import make_remedy
-from oomguard.supervisor import RunOptions, Supervisor
-from oomguard.ui import ConsoleReporter
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.records import Attempt, AttemptKind, Outcome
 
 DEFAULT = load_ladder("default")
 ORDER = [r.name for r in DEFAULT.rungs]
@@ -240,7 +240,7 @@ def test_back_to_a_config_a_probe_ran_goes_on_without_probing_it_again(tmp_path)
 
 
 def test_the_final_message_counts_undo_trials_that_ran_out_apart_from_the_climbs_ooms():
-    from oomguard.verdict import conclude
+    from oomguard.run.verdict import conclude
 
     c = Climb(DEFAULT)
     record(c, "predicted")
@@ -289,7 +289,7 @@ def test_no_optional_probe_when_max_time_leaves_no_room_for_it_and_the_run(tmp_p
 
 
 def test_when_the_budget_ends_after_a_config_fit_the_message_says_so():
-    from oomguard.verdict import conclude
+    from oomguard.run.verdict import conclude
 
     c = climbed_to(10.0)
     record(c, "ok")

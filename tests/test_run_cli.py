@@ -78,8 +78,8 @@ def test_every_run_keeps_its_report_and_nothing_earlier_is_lost(tmp_path):
 
 
 def test_run_help_and_the_readme_list_the_same_exit_codes():
-    from oomguard import supervisor
     from oomguard.cli import RUN_EXIT_CODES
+    from oomguard.run import supervisor
 
     codes = {c for code, _ in RUN_EXIT_CODES for c in code.split("/") if c.isdigit()}
     assert {str(supervisor.EXIT_EXHAUSTED), str(supervisor.EXIT_BUG), str(supervisor.EXIT_NOT_FOUND),

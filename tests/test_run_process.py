@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from oomguard.supervisor import UsageError, resolve_command
+from oomguard.run.supervisor import UsageError, resolve_command
 
 from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
 
@@ -108,7 +108,7 @@ def test_an_attempt_ends_only_when_its_whole_group_is_gone(tmp_path):
     """The child exits and leaves a grandchild holding 512 MiB (output sent elsewhere, so no pipe waits for it).
     Killing the group is not enough: a process that big takes a noticeable time to die, and the next attempt
     would start while it still holds its memory. run_attempt returns only once no process of the group is alive."""
-    from oomguard.proc import Interrupts, run_attempt
+    from oomguard.run.proc import Interrupts, run_attempt
 
     ready = tmp_path / "grandchild"
     grandchild = ("import mmap, pathlib, time; m = mmap.mmap(-1, 512 << 20)\n"

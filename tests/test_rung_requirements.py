@@ -8,9 +8,9 @@ import json
 import pytest
 
 from oomguard.child.patches import OPTIONAL_PACKAGES, missing_packages
-from oomguard.knobs import TRL_DEFAULTS, RunFacts
-from oomguard.ladder import Exhausted, load_ladder
+from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.strategies import Context
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 
 from helpers import PYTHON, SCRIPTS, run_oomguard
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from oomguard import allocconf
-from oomguard.allocmodel import AllocatorModel
 from oomguard.child.simulate import expandable_from_env, max_split_from_env
+from oomguard.memory.allocmodel import AllocatorModel
+from oomguard.vocab import allocconf
 
 MiB = 2**20
 

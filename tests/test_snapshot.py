@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from oomguard.analyze import analyze_paths
-from oomguard.snapshot import SnapshotError, load_snapshot_bytes, summarize
+from oomguard.oom.analyze import analyze_paths
+from oomguard.oom.snapshot import SnapshotError, load_snapshot_bytes, summarize
 
 MiB = 2**20
 FRAMES = [{"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},

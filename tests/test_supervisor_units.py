@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from oomguard.knobs import RunFacts
-from oomguard.ladder import load_ladder
-from oomguard.records import Attempt, AttemptKind, Outcome
-from oomguard.supervisor import PROBE_TAIL, RunOptions, Supervisor
-from oomguard.ui import ConsoleReporter
+from oomguard.decide.ladder import load_ladder
+from oomguard.display.ui import ConsoleReporter
+from oomguard.run.supervisor import PROBE_TAIL, RunOptions, Supervisor
+from oomguard.vocab.knobs import RunFacts
+from oomguard.vocab.records import Attempt, AttemptKind, Outcome
 
 LLAMA = json.loads((Path(__file__).parent / "fixtures" / "models" / "llama-3.2-1b" / "config.json").read_text())
 
@@ -82,9 +82,9 @@ def test_a_failure_right_after_a_rung_whose_overrides_broke_it_takes_the_rung_ba
 def test_minimize_never_probes_the_same_overrides_twice():
     """A graded rung climbed twice is one trial (every pass of it leaves together), and a rung whose removal changes
     nothing (blocked by a later rung) is no trial at all."""
-    from oomguard.choose import Rung
-    from oomguard.climb import Climb
-    from oomguard.minimize import Minimizer
+    from oomguard.decide.choose import Rung
+    from oomguard.decide.climb import Climb
+    from oomguard.run.minimize import Minimizer
     from oomguard.strategies import make_remedy
 
     c = Climb(load_ladder("default"))

@@ -6,7 +6,7 @@ import sys
 
 from rich.console import Console
 
-from oomguard.ui import Progress, status_panel
+from oomguard.display.ui import Progress, status_panel
 
 from helpers import run_oomguard
 
@@ -58,7 +58,7 @@ def test_quiet_and_plain_text_without_a_terminal(tmp_path):
 
 # -- what the climb line and the attempt line say (issue 12 §4) ---------------------------------------------------
 def _console_reporter(**kw):
-    from oomguard.ui import ConsoleReporter
+    from oomguard.display.ui import ConsoleReporter
 
     rep = ConsoleReporter(live=False, **kw)
     rep.out = Console(file=io.StringIO(), width=200, color_system=None, highlight=False, soft_wrap=True)
@@ -66,9 +66,9 @@ def _console_reporter(**kw):
 
 
 def _steps(*names_passes):
-    from oomguard.knobs import TRL_DEFAULTS
-    from oomguard.ladder import Step
+    from oomguard.decide.ladder import Step
     from oomguard.strategies import make_remedy
+    from oomguard.vocab.knobs import TRL_DEFAULTS
 
     return [Step(make_remedy(n), TRL_DEFAULTS, p) for n, p in names_passes]
 
@@ -89,7 +89,7 @@ def test_trade_note_names_only_what_changed():
 
 
 def test_a_repeated_rung_reads_the_same_in_the_terminal_and_the_html():
-    from oomguard.html import run_html
+    from oomguard.display.html import run_html
 
     rep = _console_reporter()
     rep.decision(_steps(("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)), None,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import types
 
-from oomguard import device
 from oomguard.child import patches
-from oomguard.child.runtime import Plan, Runtime
+from oomguard.child.runtime import Runtime
+from oomguard.memory import device
+from oomguard.vocab.protocol import Plan
 
 
 def _lines(capsys) -> list[str]:

@@ -13,20 +13,9 @@ import threading
 import traceback
 from typing import Any
 
+from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from .hooks import when_imported
-from .runtime import (
-    END_ERROR,
-    END_OOM,
-    EXIT_OOM,
-    PLAN_ENV,
-    SIMULATE_ENV,
-    Plan,
-    Runtime,
-    is_helper,
-    runtime,
-    set_runtime,
-    whereabouts,
-)
+from .runtime import Runtime, is_helper, runtime, set_runtime
 
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "torch.distributed.launch",
              "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
@@ -97,7 +86,7 @@ def install() -> Runtime | None:
         sys.stderr.write(f"oomguard: cannot read the plan {path} ({e}); running without oomguard's patches\n")
         return None
     if plan.simulate_gpu is None and os.environ.get(SIMULATE_ENV):
-        from ..sizes import parse_size
+        from ..vocab.sizes import parse_size
 
         plan.simulate_gpu = parse_size(os.environ[SIMULATE_ENV])
     rt = Runtime(plan)
@@ -115,7 +104,7 @@ def install_exit_records(rt: Runtime) -> None:
     ``atexit`` handler (run at interpreter shutdown, after a clean end, ``sys.exit`` or an uncaught exception) writes
     it. The excepthooks and the pre-flight check write theirs first; a process killed by a signal writes none. A
     ``raise SystemExit(code)`` of the script's own is not seen here: the supervisor reads that code from the exit
-    status where no launcher sits between (``oomguard.classify``)."""
+    status where no launcher sits between (``oomguard.run.classify``)."""
     def noting(orig: Any) -> Any:
         def exit(code: Any = None) -> Any:
             if threading.current_thread() is threading.main_thread():  # another thread's sys.exit ends only it
@@ -146,14 +135,15 @@ def install_hooks(rt: Runtime) -> None:
 def on_torch(rt: Runtime, torch: Any) -> None:
     plan = rt.plan
     if plan.simulate_gpu:
+        from ..memory.allocmodel import context_for
         from . import simulate
 
         given = plan.simulate_context
         if given is None and os.environ.get(simulate.CONTEXT_ENV):
-            from ..sizes import parse_size
+            from ..vocab.sizes import parse_size
 
             given = parse_size(os.environ[simulate.CONTEXT_ENV])  # "800MiB", or bytes
-        simulate.start(int(plan.simulate_gpu), context=simulate.context_for(int(plan.simulate_gpu), given))
+        simulate.start(int(plan.simulate_gpu), context=context_for(int(plan.simulate_gpu), given))
         orig_empty = torch.cuda.empty_cache
 
         def empty_cache() -> None:
@@ -172,7 +162,7 @@ def on_torch(rt: Runtime, torch: Any) -> None:
 
 def _add_traceback(path: Any, text: str) -> None:
     """Put the full traceback into the CrashRecord just written (its ``traceback`` field)."""
-    from ..records import read_json, write_json_atomic
+    from ..vocab.records import read_json, write_json_atomic
 
     try:
         data = read_json(path)
@@ -235,7 +225,7 @@ def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -
 def install_excepthooks(rt: Runtime) -> None:
     """An uncaught OOM writes the CrashRecord (with the full traceback), prints the last frames of the traceback,
     and exits with EXIT_OOM. A traceback handler of the script's own (rich, IPython) is left to print as it does."""
-    from ..oom import is_oom
+    from ..oom.parse import is_oom
 
     prev = sys.excepthook
 

@@ -25,8 +25,8 @@ import os
 import sys
 from typing import Any
 
-from .. import device
-from ..estimate import Coefficients
+from ..memory import device
+from ..memory.estimate import Coefficients
 from .runtime import Runtime
 
 ASSUMED_CONTEXT = Coefficients().m_ctx  # until measured: what GRPO processes held at their real OOMs

@@ -66,7 +66,7 @@ def _dtype_name(d: Any) -> str | None:
 
 
 def observe_config(cfg: Any) -> dict[str, Any]:
-    from ..distributed import fsdp_options, load_user_deepspeed, observe_deepspeed
+    from ..vocab.distributed import fsdp_options, load_user_deepspeed, observe_deepspeed
 
     out = {name: _plain(getattr(cfg, name)) for name in CONFIG_KNOBS if hasattr(cfg, name)}
     act = getattr(cfg, "activation_checkpointing", None)
@@ -78,7 +78,7 @@ def observe_config(cfg: Any) -> dict[str, Any]:
 
 def apply_distributed(rt: Runtime, cfg: Any) -> None:
     """ZeRO stage and offloads through a DeepSpeed config generated from the user's; FSDP offload through fsdp."""
-    from ..distributed import deepspeed_config, fsdp_options, load_user_deepspeed
+    from ..vocab.distributed import deepspeed_config, fsdp_options, load_user_deepspeed
 
     ov = rt.overrides
     if any(v is not None for v in (ov.zero_stage, ov.offload_optimizer, ov.offload_params)):
@@ -150,7 +150,7 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
 
     def __post_init__(self: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
-            from ..distributed import fsdp_options
+            from ..vocab.distributed import fsdp_options
 
             rt.observe(observe_config(self))
             rt.emit("config", observed=observe_config(self), world_size=_world(),
@@ -190,7 +190,7 @@ def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
         yield
     except Exception as e:
         if rt.overrides.to_dict(only_set=True) and not rt.crashed:
-            from ..oom import is_oom
+            from ..oom.parse import is_oom
 
             if not is_oom(e):
                 rt.emit("override_error", where=where, error=f"{type(e).__name__}: {e}"[:2000],
@@ -257,7 +257,7 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
         try:
             return orig_train(self, *args, **kwargs)
         except BaseException as e:
-            from ..oom import is_oom
+            from ..oom.parse import is_oom
 
             if is_oom(e):
                 rt.record_crash(e)

@@ -3,7 +3,7 @@
 The training process knows the model's shape before anything is placed on the device: from the checkpoint's config
 (a model TRL loads by name, or one the script loads with ``from_pretrained``), or from the model already built. When
 the predicted device peak exceeds the capacity by more than the margin (the memory model's measured error, chosen by
-the supervisor: see ``oomguard.plan.Guide.stop_margin``), running on would only cost a load or a generation and
+the supervisor: see ``oomguard.decide.plan.Guide.stop_margin``), running on would only cost a load or a generation and
 a crash, and on a shared GPU an OOM that a neighbour feels. The process reports a ``predicted`` event, ends with
 ``how=predicted`` and exits with ``EXIT_PREDICTED``; the supervisor records the attempt with the outcome
 ``predicted`` (from the events, whatever code a launcher between them turns that exit into) and chooses the next
@@ -29,10 +29,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficients, ModelSpec, estimate, load_bytes
-from ..knobs import Knobs
-from ..sizes import format_size
-from .runtime import END_PREDICTED, EXIT_PREDICTED, Runtime
+from ..memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficients, ModelSpec, estimate, load_bytes
+from ..vocab.knobs import Knobs
+from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
+from ..vocab.sizes import format_size
+from .runtime import Runtime
 
 DEFAULT_MARGIN = DEVICE_OVERPREDICTION + STOP_ALLOWANCE  # when a plan names none (a plan of an older oomguard)
 

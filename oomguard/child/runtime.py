@@ -11,54 +11,13 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..knobs import TRL_DEFAULTS, Knobs
-from ..records import PLAN_SCHEMA, CrashRecord, check_schema
-from ..sizes import format_size
-
-PLAN_ENV = "OOMGUARD_PLAN"
-SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
-# Exit code of a training process that died of OOM after writing its CrashRecord.
-EXIT_OOM = 86
-# Exit code of a training process that the pre-flight check stopped: the memory model is sure it cannot fit. Only a
-# courtesy to a reader of `echo $?`: the supervisor learns of the stop from the process's `end` event, since a launcher
-# between them (torchrun, accelerate, `trl`, a shell script) replaces the code.
-EXIT_PREDICTED = 87
-# How a process's `end` event says it ended (see Runtime.end).
-END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
-
-
-@dataclass
-class Plan:
-    """What the supervisor asks of one attempt (schema ``oomguard.plan/1``)."""
-
-    attempt: int = 1
-    overrides: dict[str, Any] = field(default_factory=dict)
-    simulate_gpu: int | None = None
-    simulate_context: int | None = None  # held outside the simulated allocator (child/simulate.py, context_for)
-    gpu_memory: int | None = None
-    crash_dir: str | None = None
-    events: str | None = None
-    probe: dict[str, Any] | None = None
-    resume: dict[str, Any] | None = None
-    checkpoint_every: int | None = None
-    remedies: list[str] = field(default_factory=list)
-    log_to_trainer: bool = True
-    preflight: dict[str, Any] | None = None  # capacity, margin, coefficients, simulated: see child/preflight.py
-
-    @classmethod
-    def load(cls, path: str) -> Plan:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        check_schema(data, PLAN_SCHEMA, path)
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema": PLAN_SCHEMA, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+from ..vocab.knobs import TRL_DEFAULTS, Knobs
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, Plan
+from ..vocab.records import CrashRecord
+from ..vocab.sizes import format_size
 
 
 class Runtime:
@@ -149,7 +108,7 @@ class Runtime:
         CrashRecord) or an error."""
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if self.ended is None and isinstance(exc, BaseException) and not isinstance(exc, SystemExit):
-            from ..oom import is_oom
+            from ..oom.parse import is_oom
 
             try:
                 if is_oom(exc):
@@ -223,8 +182,9 @@ class Runtime:
     # -- crash -------------------------------------------------------------------------------------------------
     def record_crash(self, exc: BaseException) -> Path | None:
         """Write the CrashRecord for an OOM (once per process: a second call returns the first one's path)."""
-        from ..diagnose import phase_from_frames
-        from ..oom import Frame, oom_in_chain, report_from_exception
+        from ..oom.diagnose import phase_from_frames
+        from ..oom.parse import oom_in_chain, report_from_exception
+        from ..vocab.oomreport import Frame
 
         with self._lock:
             if self.crashed or not self.plan.crash_dir:
@@ -266,22 +226,6 @@ class Runtime:
         self.crash_path = path
         self.emit("oom", step=step, phase=phase, path=str(path))
         return path
-
-
-def whereabouts() -> str:
-    """This process's host and PID namespace: a PID means the same process only where these match (another node of
-    a job, or a container with its own PIDs, reuse the numbers).
-
-    >>> whereabouts() == whereabouts() and ":" in whereabouts()
-    True
-    """
-    import socket
-
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = "-"
-    return f"{socket.gethostname()}:{ns}"
 
 
 def is_helper(orig_argv: list[str]) -> bool:

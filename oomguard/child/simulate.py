@@ -1,13 +1,13 @@
 """The simulated device: a memory budget on CPU that raises real ``torch.OutOfMemoryError``s.
 
 It is a rehearsal and test device, never passed off as a GPU. A ``TorchDispatchMode`` sees every tensor an operator
-creates; each new storage is placed by :class:`oomguard.allocmodel.AllocatorModel` (the pure, torch-free model
+creates; each new storage is placed by :class:`oomguard.memory.allocmodel.AllocatorModel` (the pure, torch-free model
 of PyTorch's CUDA caching allocator: block rounding, segments, expandable granules, reserved versus allocated), and
 a weak reference frees its block when the storage dies. So "allocated" is the real live tensor memory of this process,
 rounded as the CUDA allocator rounds it, and "reserved" follows the caching allocator's segment rules. When the model
 cannot place a storage, this module raises ``torch.OutOfMemoryError`` with the allocator's exact message format.
 The allocator settings (``expandable_segments``, ``max_split_size_mb``) are read from the variable torch reads
-(:mod:`oomguard.allocconf`).
+(:mod:`oomguard.vocab.allocconf`).
 
 Storages that exist before the mode starts (or that a loader maps straight from a file) are adopted with
 :meth:`SimulatedDevice.adopt`. ``OOMGUARD_SIMULATE_TRACE=PATH`` records every allocation and free, for
@@ -22,33 +22,15 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .. import allocconf
-from ..allocmodel import AllocatorModel, Block
-from ..sizes import format_size
+from ..memory.allocmodel import AllocatorModel, Block
+from ..vocab import allocconf
+from ..vocab.sizes import format_size
 
 TRACE_ENV = "OOMGUARD_SIMULATE_TRACE"
 CONTEXT_ENV = "OOMGUARD_SIMULATE_CONTEXT"
 SIMULATED_TAG = "  [oomguard simulated device: a memory budget on CPU, not a real GPU]"
-# A budget this large rehearses a card, so it holds what a CUDA process holds outside the allocator (the memory
-# model's m_ctx, measured at real OOMs on an H100); a smaller budget is a test rig and holds nothing else.
-CARD_SIZED = 4 * 2**30
-CARD_CONTEXT = 800 * 2**20
-
-
-def context_for(capacity: int, given: int | None = None) -> int:
-    """The memory a simulated device of ``capacity`` bytes holds outside its allocator: ``given`` (the
-    ``--simulate-context`` option), else :data:`CARD_CONTEXT` for a card-sized budget and 0 for a test rig.
-
-    >>> context_for(300 * 2**20), context_for(24 * 2**30) // 2**20, context_for(24 * 2**30, given=0)
-    (0, 800, 0)
-    """
-    if given is not None:
-        return int(given)
-    return CARD_CONTEXT if capacity >= CARD_SIZED else 0
-
-
 def expandable_from_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the allocator settings torch reads turn expandable segments on (see :mod:`oomguard.allocconf`)."""
+    """Whether the allocator settings torch reads turn expandable segments on (see :mod:`oomguard.vocab.allocconf`)."""
     return allocconf.expandable(os.environ if env is None else env)
 
 
@@ -63,7 +45,7 @@ class SimulatedDevice:
     def __init__(self, capacity: int, expandable: bool | None = None, max_split: int | None = None,
                  context: int = 0) -> None:
         self.capacity = int(capacity)
-        self.context = int(context)  # held outside the allocator, as a CUDA context is (see context_for)
+        self.context = int(context)  # held outside the allocator, as a CUDA context is (see allocmodel.context_for)
         self.model = AllocatorModel(self.capacity - self.context,
                                     expandable_from_env() if expandable is None else expandable,
                                     max_split if max_split is not None else max_split_from_env())

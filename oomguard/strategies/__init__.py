@@ -1,7 +1,9 @@
 """oomguard's remedies and ladders.
 
 Each module holds one family of remedies (small, pure transforms of Knobs); each ``*.toml`` file here is a ladder
-that names remedies in order. Installed as ``oomguard.strategies``.
+that names remedies in order. Installed as ``oomguard.strategies``. With ``oomguard.vocab``, the shared vocabulary.
+
+May import: ``oomguard.vocab`` (Knobs, Diagnosis, sizes). Never another part.
 
 >>> from oomguard.strategies import REGISTRY
 >>> sorted(REGISTRY)[:3]

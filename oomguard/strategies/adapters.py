@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import Knobs
-from oomguard.sizes import MiB, format_size
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import Knobs
+from oomguard.vocab.sizes import MiB, format_size
 
 from .base import Advice, Context, Remedy, register
 

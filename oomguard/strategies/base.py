@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from oomguard.diagnose import OVERFLOW_FACTOR, Diagnosis
-from oomguard.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
+from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
 REGISTRY: dict[str, type[Remedy]] = {}
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, halve_request, register
 
@@ -92,7 +92,7 @@ class FewerGenerations(Remedy):
         """Generation counts and rows per device between the climbed and the user's: the most generations first, then
         the most rows, keeping the climbed steps_per_generation.
 
-        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> now = TRL_DEFAULTS.replace(num_generations=4, per_device_train_batch_size=4)
         >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(TRL_DEFAULTS, now)]
         [(7, 7), (6, 6), (5, 5), (4, 8)]
@@ -161,7 +161,7 @@ class MicroBatch(Remedy):
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
         """Micro-batches between the climbed and the user's (largest first), with the same effective batch.
 
-        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> now = TRL_DEFAULTS.replace(per_device_train_batch_size=1, gradient_accumulation_steps=8)
         >>> [k.per_device_train_batch_size for k in MicroBatch().relax(TRL_DEFAULTS, now)]
         [4, 2]

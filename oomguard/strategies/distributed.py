@@ -10,9 +10,9 @@ ZeRO stage and offload settings changed, and handed to transformers through the 
 
 from __future__ import annotations
 
-from oomguard.diagnose import Diagnosis
-from oomguard.distributed import deepspeed_config, load_user_deepspeed, observe_deepspeed  # noqa: F401  (re-exported)
-from oomguard.knobs import Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.distributed import deepspeed_config, load_user_deepspeed, observe_deepspeed  # noqa: F401  (re-exported)
+from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
 

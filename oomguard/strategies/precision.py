@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import EIGHT_BIT_OPTIMIZERS, Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import EIGHT_BIT_OPTIMIZERS, Knobs
 
 from .base import Advice, Context, Remedy, register
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, halve_request, register
 
@@ -53,7 +53,7 @@ class ShorterSequences(Remedy):
         """Completion lengths on a grid between the climbed and the user's (longest first), each with the user's
         prompt limit before the climbed one.
 
-        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> cands = ShorterSequences().relax(TRL_DEFAULTS, TRL_DEFAULTS.replace(max_completion_length=256))
         >>> [k.max_completion_length for k in cands][:3], len(cands)
         ([480, 448, 416], 7)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from oomguard.diagnose import Diagnosis
-from oomguard.knobs import Knobs
+from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
 
@@ -44,7 +44,7 @@ class VllmMemory(Remedy):
         """vLLM reservations between the climbed and the user's, in steps of 0.05 (largest first), sleep mode as
         climbed. Only a lowered reservation relaxes; one raised for a full-length sequence stays as it is.
 
-        >>> from oomguard.knobs import TRL_DEFAULTS
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> now = TRL_DEFAULTS.replace(vllm_gpu_memory_utilization=0.15)
         >>> [k.vllm_gpu_memory_utilization for k in VllmMemory().relax(TRL_DEFAULTS, now)]
         [0.25, 0.2]

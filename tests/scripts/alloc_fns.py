@@ -3,7 +3,7 @@
 import os
 
 import oomguard
-from oomguard import allocconf
+from oomguard.vocab import allocconf
 
 FRAGMENTATION = ("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of 8.00 GiB of which "
                  "100.00 MiB is free. Of the allocated memory 6.00 GiB is allocated by PyTorch, and 1.50 GiB is "

@@ -1,0 +1,261 @@
+"""The state of a climb up the ladder, shared by `oomguard run` and `@oomguard.guard`.
+
+It holds the three layers of knobs (TRL defaults, what the code itself set, the rungs in force), replays the rungs
+to get the effective knobs, decides the config after each OOM (``choose_next``: climb the ladder, then keep only
+what memory demands, see ``oomguard.decide.choose``), and builds the RunReport with the diff. Nothing outside it changes
+its state: run and guard call ``record``, ``learn``, ``choose_next``, ``drop`` and ``give_up``; run also
+``rechoose`` after a probe fits and ``settle_rechoice`` when that config's probe ends.
+
+>>> from oomguard.decide.ladder import load_ladder
+>>> c = Climb(load_ladder("default"))
+>>> c.observe({"max_completion_length": 1024})
+>>> c.effective()[0].max_completion_length
+1024
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..strategies import Context
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from ..vocab.records import Attempt, RunReport, now_iso
+from .choose import Choice, Preference, Rung, choose, replay
+from .ladder import Exhausted, Ladder, Step
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``Climb.choose_next`` decided: the rungs climbed (or Exhausted), the knobs changed for the next attempt,
+    the rungs passed over with why, and the choice below the ceiling (rungs dropped, graded knobs relaxed)."""
+
+    steps: list[Step] = field(default_factory=list)
+    exhausted: Exhausted | None = None
+    changes: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    choice: Choice | None = None
+
+    def skipped_rows(self) -> list[dict[str, str]]:
+        return [{"remedy": n, "reason": why} for n, why in self.skipped.items()]
+
+    def label(self) -> str | None:
+        """The rungs climbed, ``+``-joined (None when exhausted; ``choose`` when no new rung was needed)."""
+        if self.exhausted is not None:
+            return None
+        return "+".join(s.remedy.name for s in self.steps) or "choose"
+
+
+@dataclass
+class Climb:
+    ladder: Ladder
+    base: Knobs = field(default_factory=Knobs)  # the user's own starting values (guard(knobs=...)): original
+    pinned: Knobs = field(default_factory=Knobs)  # a lock file's overrides, replayed: oomguard's, not the user's
+    env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
+    facts: RunFacts = field(default_factory=RunFacts)
+    observed: dict[str, Any] = field(default_factory=dict)
+    climbed: list[Rung] = field(default_factory=list)  # every rung climbed, in order: the ceiling
+    applied: list[Rung] = field(default_factory=list)  # the rungs in force: climbed, or what choose() kept of them
+    choice: Choice | None = None  # the last choice, for the report
+    failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
+    verified: list[Knobs] = field(default_factory=list)  # configs an attempt (a probe) ran without running out
+    fallback: tuple[list[Rung], Choice | None] | None = None  # what a re-chosen config replaced, until its probe ends
+    rechoosing: bool = True  # off once a re-chosen config did not pass, or a real run outran its probe
+    refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
+    attempts: list[Attempt] = field(default_factory=list)
+    exhausted: Exhausted | None = None
+    started: float = field(default_factory=time.time)
+    started_iso: str = field(default_factory=now_iso)
+
+    # -- knobs -------------------------------------------------------------------------------------------------
+    def observe(self, values: dict[str, Any]) -> None:
+        """Record what the code set; the first report of each knob wins."""
+        for k, v in values.items():
+            if k in TRL_DEFAULTS.to_dict() and v is not None:
+                self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+
+    def original(self) -> Knobs:
+        """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
+        return TRL_DEFAULTS.merged(self.env_knobs).merged(self.observed).merged(self.base)
+
+    def effective(self, without: str | None = None) -> tuple[Knobs, dict[str, str]]:
+        """The knobs for the next attempt, replayed from the original, and which remedy set each changed knob.
+
+        ``without`` leaves out one rung in force (by remedy name, every pass of it), to test whether it is still
+        needed (``--minimize``).
+        """
+        original = self.original()
+        knobs = original.merged(self.pinned)
+        who: dict[str, str] = {r.knob: "lock" for r in original.diff(knobs)}
+        knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
+        return knobs, {**who, **changed}
+
+    def overrides(self, knobs: Knobs | None = None) -> dict[str, Any]:
+        """What oomguard changes relative to the original: the values a plan carries to the training code."""
+        knobs = knobs if knobs is not None else self.effective()[0]
+        return {r.knob: r.after for r in self.original().diff(knobs)}
+
+    def remedies_in_force(self, without: str | None = None) -> list[str]:
+        return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
+
+    def actions_in_force(self, without: str | None = None) -> list[str]:
+        """The rungs in force, each named by what it really changes (``Remedy.name_for``): a fewer_generations rung
+        that kept the user's num_generations reads ``fewer_prompts_per_step``."""
+        knobs, who = self.effective(without)
+        return [self._action(name, self.overrides(knobs), who) for name in self.remedies_in_force(without)]
+
+    def _action(self, name: str, changes: dict[str, Any], who: dict[str, str]) -> str:
+        remedy = next((r.remedy for r in self.applied if r.name == name), None)
+        mine = {k: v for k, v in changes.items() if who.get(k) == name}
+        return remedy.name_for(mine) if remedy is not None else name
+
+    # -- the attempts ------------------------------------------------------------------------------------------
+    def record(self, attempt: Attempt) -> None:
+        """Add an attempt that ended; a config that ran out of memory (or was predicted to) is never chosen again."""
+        self.attempts.append(attempt)
+        if attempt.outcome in ("oom", "predicted"):
+            self.failed.append(Knobs.from_dict(attempt.knobs))
+            if attempt.outcome == "oom" and attempt.kind == "run":
+                # the real run needed more than its probe showed: a passing probe no longer proves a config fits
+                self.verified.clear()
+                self.rechoosing = False
+        elif attempt.outcome == "ok":
+            self.verified.append(Knobs.from_dict(attempt.knobs))
+
+    def learn(self, facts: RunFacts) -> None:
+        """Take newer facts about the run (model shape, prompt lengths, world size) from the training code."""
+        self.facts = facts
+
+    def give_up(self, reason: str, why: str) -> Exhausted:
+        """Stop climbing for a reason outside the ladder (a replayed lock, a poisoned CUDA context)."""
+        self.exhausted = Exhausted(((reason, why),))
+        return self.exhausted
+
+    # -- choosing ----------------------------------------------------------------------------------------------
+    def choose_next(self, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
+                    subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
+                    peak: Callable[[Knobs], int | None] | None = None) -> Decision:
+        """After an out-of-memory attempt (the last one recorded): the config for the next one.
+
+        Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
+        it, the ladder is climbed straight to the first prefix predicted to fit (the ceiling); then ``choose`` drops
+        the rungs the prediction says are not needed and relaxes graded knobs towards the user's values. When a
+        chosen config runs out of memory, the model has learned from it and the choice is made again below the same
+        ceiling (putting back part of what was dropped); only when nothing below it fits is the ladder climbed on.
+        """
+        before = self.effective()[0]
+        start = self.original().merged(self.pinned)
+        pruned = self.applied != self.climbed  # the config in force is a choice below the ceiling
+        steps: list[Step] = []
+        skipped: dict[str, str] = {}
+        choice = None
+        if fits is not None and pruned:
+            choice = self._choose(start, fits, peak)
+        if choice is None:
+            ceiling = replay(start, self.climbed, self.facts)[0]
+            used = Counter(r.name for r in self.climbed)
+            ctx = Context(knobs=ceiling, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
+                          subject=subject, refused=self.refused)
+            if fits is not None:
+                steps, ran_out = self.ladder.climb_to_fit(ctx, fits)
+                if ran_out is not None:
+                    steps = steps[:1]
+            if not steps:
+                step = self.ladder.next(ctx)
+                if isinstance(step, Exhausted):
+                    self.exhausted = step
+                    return Decision(exhausted=step, skipped=dict(step.skipped))
+                steps = [step]
+            for s in steps:
+                for n, why in s.skipped:
+                    skipped.setdefault(n, why)
+            self.climbed += [Rung(s.remedy, diag) for s in steps]
+            choice = self._choose(start, fits, peak) if fits is not None else None
+        self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
+        self.choice = choice
+        after = self.effective()[0]
+        climbed = {s.remedy.name for s in steps}
+        return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
+                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
+
+    def rechoose(self, fits: Callable[[Knobs], bool],
+                 peak: Callable[[Knobs], int | None] | None = None) -> Choice | None:
+        """After a probe fits: make the choice again below the same ceiling, with what the probe taught the model.
+
+        The new choice is put in force only when the user would prefer it (``Preference``: fewer or cheaper trades,
+        graded knobs closer to theirs, fewer free changes) to the config in force, which the probe showed to fit;
+        else nothing changes and None is returned. Each adoption is strictly preferred to the last, so repeating this
+        after every passing probe ends. The config it replaces is kept until ``settle_rechoice`` hears how the new
+        one's probe ended.
+        """
+        if not self.climbed or not self.applied or not self.rechoosing:
+            return None
+        current = self.effective()[0]
+        choice = self._choose(self.original().merged(self.pinned), fits, peak)
+        if choice is None or choice.knobs == current:
+            return None
+        pref = Preference.of(self.climbed, self._order(), self.original())
+        if pref.key([r.name for r in choice.rungs], choice.knobs) >= pref.key(self.remedies_in_force(), current):
+            return None
+        self.fallback = (list(self.applied), self.choice)
+        self.applied, self.choice = list(choice.rungs), choice
+        return choice
+
+    def settle_rechoice(self, fits: bool) -> bool:
+        """The probe of a re-chosen config ended: keep it if it fit; else put back the config it replaced (which its
+        own probe showed to fit) and re-choose no more in this run: the model, calibrated as well as one probe allows,
+        cannot tell the configs near the device's edge apart. Returns whether a re-chosen config was pending."""
+        if self.fallback is None:
+            return False
+        if not fits:
+            self.applied, self.choice = self.fallback
+            self.rechoosing = False
+        self.fallback = None
+        return True
+
+    def _order(self) -> list[str]:
+        return [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
+
+    def _choose(self, start: Knobs, fits: Callable[[Knobs], bool],
+                peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+        def shown_or_predicted(k: Knobs) -> bool:  # a config a probe ran fits, whatever the model now says
+            return k in self.verified or fits(k)
+
+        return choose(start, self.climbed, shown_or_predicted, order=self._order(), facts=self.facts,
+                      avoid=self.failed, user=self.original(), peak=peak)
+
+    def take_back(self, names: list[str], why: str) -> None:
+        """Take rungs out for good because applying them broke the launch (an error in oomguard's own overrides, not
+        the user's failure): they leave the ceiling and the ladder passes over them from now on, saying why."""
+        for n in names:
+            self.refused[n] = why
+        self.climbed = [r for r in self.climbed if r.name not in names]
+        self.applied = [r for r in self.applied if r.name not in names]
+
+    def drop(self, name: str) -> None:
+        """Take a rung out of force for good (``--minimize`` showed it is not needed)."""
+        self.applied = [r for r in self.applied if r.name != name]
+
+    # -- the end -----------------------------------------------------------------------------------------------
+    def report(self, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:
+        original = self.original()
+        final, who = self.effective()
+        last = self.attempts[-1] if self.attempts else None
+        if last is not None:
+            final = Knobs.from_dict(last.knobs)
+        rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
+        changes = {r["knob"]: r["to"] for r in rows}
+        for r in rows:  # what the rung did, where that is narrower than its name
+            action = self._action(r["remedy"], changes, who) if r["remedy"] else None
+            if action and action != r["remedy"]:
+                r["action"] = action
+        return RunReport(
+            status=status, attempts=self.attempts, original=original.to_dict(),
+            stable=final.to_dict() if status == "stable" else None, diff=rows, ladder=self.ladder.name,
+            message=message, exit_code=exit_code, started=self.started_iso, finished=now_iso(),
+            facts=self.facts.to_dict(), **extra,
+        )

@@ -1,0 +1,309 @@
+"""Predict before running: the memory model applied to a configuration, and the cheapest rungs that make it fit.
+
+``make_plan`` climbs the ladder in its own order (never reordered) with the memory model as the judge up to the first
+prefix predicted to fit, then keeps only what memory demands (``oomguard.decide.choose``: rungs not needed are dropped,
+graded knobs relaxed towards the user's values). `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after an OOM
+to skip rungs predicted not to be enough.
+
+>>> from oomguard.memory.estimate import ModelSpec
+>>> from oomguard.vocab.knobs import TRL_DEFAULTS
+>>> spec = ModelSpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+...                  intermediate_size=8192, tie_word_embeddings=True)
+>>> p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)   # TRL loads a model given by name in float32
+>>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]
+(False, True, 'optimizer_8bit')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..memory.calibration import builtin_description, load_calibration, machine_key, record_run
+from ..memory.estimate import (
+    DEVICE_OVERPREDICTION,
+    SIMULATED_OVERPREDICTION,
+    STOP_ALLOWANCE,
+    Coefficients,
+    Estimate,
+    ModelSpec,
+    estimate,
+    load_bytes,
+)
+from ..strategies import Context
+from ..vocab.knobs import Knobs, RunFacts
+from .choose import Rung, choose
+from .ladder import Ladder, Step, load_ladder
+
+
+@dataclass
+class Plan:
+    estimate: Estimate
+    capacity: int
+    knobs: Knobs
+    steps: list[Step] = field(default_factory=list)
+    after: Estimate | None = None  # the prediction with the suggested rungs
+    exhausted: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.fits(self.capacity)
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.estimate.peak_bytes
+
+    @property
+    def suggest(self) -> dict[str, Any]:
+        if not self.steps:
+            return {}
+        final = self.steps[-1].knobs
+        return {r.knob: (list(r.after) if isinstance(r.after, tuple) else r.after) for r in self.knobs.diff(final)}
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "peak_bytes": e.peak_bytes,
+            "capacity_bytes": self.capacity,
+            "fits": self.fits,
+            "headroom_bytes": self.headroom,
+            "trainable_params": e.trainable_params,
+            "total_params": e.total_params,
+            "breakdown": dict(e.breakdown),
+            "phases": dict(e.phases),
+            "dominant_phase": e.dominant_phase,
+            "suggest": self.suggest,
+            "remedies": [s.remedy.name for s in self.steps],
+            "peak_bytes_after": self.after.peak_bytes if self.after else None,
+            "fits_after": self.after.fits(self.capacity) if self.after else None,
+        }
+
+
+def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
+              coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None) -> Any:
+    """A function Knobs -> Estimate for one model and device."""
+    def predict(k: Knobs) -> Estimate:
+        # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
+        return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
+                        simulated=simulated, capacity=capacity, context=context)
+
+    return predict
+
+
+def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
+              facts: RunFacts | None = None, prompt_tokens: int | None = None,
+              coefficients: Coefficients | None = None, simulated: bool = False) -> Plan:
+    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the ladder prefix that does."""
+    facts = facts or RunFacts()
+    predict = predictor(spec, capacity, world_size=facts.world_size, prompt_tokens=prompt_tokens,
+                        coefficients=coefficients, simulated=simulated)
+    est = predict(knobs)
+    plan = Plan(estimate=est, capacity=capacity, knobs=knobs)
+    if est.fits(capacity):
+        return plan
+    lad = ladder or load_ladder("default")
+
+    def fits(k: Knobs) -> bool:
+        return predict(k).fits(capacity)
+
+    steps, exhausted = lad.climb_to_fit(Context(knobs=knobs, facts=facts), fits)
+    plan.exhausted = exhausted is not None
+    if steps and not plan.exhausted:
+        # keep only what memory demands: drop rungs the prediction shows are not needed, relax graded knobs
+        choice = choose(knobs, [Rung(s.remedy) for s in steps], fits, order=[r.name for r in lad.rungs], facts=facts)
+        if choice is not None:
+            kept = {r.name for r in choice.rungs}
+            steps = [s for s in steps if s.remedy.name in kept]
+            if steps:
+                steps[-1] = replace(steps[-1], knobs=choice.knobs)
+    plan.steps = steps
+    plan.after = predict(steps[-1].knobs) if steps else None
+    return plan
+
+
+class Guide:
+    """The memory model as the climb's judge during a run, calibrated online by every attempt.
+
+    After a successful attempt the measured peak sets the scale (measured / predicted). After an OOM the model
+    learns a lower bound (what was allocated plus the failing request), and if it had predicted a fit, it raises its
+    scale until the configuration no longer fits. So each failure makes the next decision more conservative.
+
+    ``margin`` is kept free on top of the predicted device peak when judging a config: the model's error on real
+    GPUs (a few percent) and on the simulated device (about 1%) must not turn a predicted fit into an OOM.
+
+    ``doubt`` is the other side of that error: a config predicted over the device by less than this fraction may
+    still fit (``plausible``), and only a probe can tell. It is the model's measured over-prediction
+    (:meth:`stop_margin`): what is left after a probe has calibrated the allocated scale is mostly fragmentation,
+    which depends on the order and sizes of allocations. The pre-flight stops only configs predicted over the device
+    by more than it, and a config that ran out of memory in this run makes every config predicted within the doubt of
+    it (or above it) count as not fitting (``failed``).
+    """
+
+    def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
+                 coefficients: Coefficients | None = None, context: int | None = None,
+                 device_name: str | None = None, warn: Any = None) -> None:
+        self.capacity = capacity
+        self.simulated = simulated
+        self.margin = (0.02 if simulated else 0.05) if margin is None else margin
+        base = Coefficients.for_simulated() if simulated else Coefficients()
+        self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
+        self.base = base
+        self.failed: list[tuple[RunFacts, Knobs]] = []  # configs that ran out of memory in this run
+        # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
+        self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
+        self.warn = warn
+        kw = {"warn": warn} if warn else {}
+        self.calibration = load_calibration(self.key, **kw) if self.key else None
+        self.coefficients = coefficients or (self.calibration.apply(base) if self.calibration else base)
+        self.doubt, self.doubt_source = self.stop_margin()
+
+    def stop_margin(self) -> tuple[float, str]:
+        """How far over the device a config must be predicted before the pre-flight stops it, and where the figure
+        comes from: this machine's recorded runs, once there are enough of them, else the built-in fit's measured
+        over-prediction (H100 rows, or the simulated device's), plus :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`.
+
+        >>> round(Guide(24 * 2**30).stop_margin()[0], 3), round(Guide(2**28, simulated=True).stop_margin()[0], 3)
+        (0.084, 0.117)
+        """
+        spread = self.calibration.device_error() if self.calibration is not None else None
+        if spread is not None:
+            return (max(0.0, spread) + STOP_ALLOWANCE,
+                    f"this machine's {self.calibration.runs} recorded runs: up to {100 * spread:.1f}% over, + "
+                    f"{100 * STOP_ALLOWANCE:.0f}%")
+        if self.simulated:
+            return (SIMULATED_OVERPREDICTION + STOP_ALLOWANCE,
+                    f"the simulated device's fit: up to {100 * SIMULATED_OVERPREDICTION:.1f}% over, + "
+                    f"{100 * STOP_ALLOWANCE:.0f}%")
+        return (DEVICE_OVERPREDICTION + STOP_ALLOWANCE,
+                f"the built-in fit: up to {100 * DEVICE_OVERPREDICTION:.1f}% over on the H100 rows, + "
+                f"{100 * STOP_ALLOWANCE:.0f}%")
+
+    def set_context(self, context: int) -> None:
+        """The context the training process measured outside the allocator (``--gpu-memory``): predictions from now
+        on count it instead of the built-in figure."""
+        self.context = int(context)
+
+    def describe(self) -> str:
+        """Which calibration the predictions use, for the report and `oomguard plan`."""
+        if self.calibration is not None:
+            return self.calibration.describe()
+        return builtin_description(simulated=self.simulated)
+
+    def record(self, facts: RunFacts, knobs: Knobs, peak: int | None, reserved: int | None) -> None:
+        """Keep a completed run's measured peaks in this machine's calibration (``oomguard.memory.calibration``)."""
+        if self.key is None or not peak:
+            return
+        spec = self.spec(facts)
+        if spec is None:
+            return
+        try:
+            est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
+                           context=self.context)
+        except ValueError:
+            return
+        kw = {"warn": self.warn} if self.warn else {}
+        record_run(self.key, est.peak_alloc_bytes, peak, reserved, expandable=bool(knobs.expandable_segments), **kw)
+
+    def spec(self, facts: RunFacts) -> ModelSpec | None:
+        if not facts.model_config:
+            return None
+        try:
+            return ModelSpec.from_config(facts.model_config)
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def predict(self, facts: RunFacts, knobs: Knobs) -> Estimate | None:
+        spec = self.spec(facts)
+        if spec is None:
+            return None
+        try:
+            return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                             coefficients=self.coefficients, simulated=self.simulated, context=self.context)(knobs)
+        except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
+            return None
+
+    def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None) -> None:
+        est = self.predict(facts, knobs)
+        if est is None:
+            return
+        co = self.coefficients
+        if outcome == "ok" and peak:
+            self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
+        if outcome == "oom" and not (report is not None and report.backend == "host"):  # a device OOM
+            self.failed.append((facts, knobs))
+        if outcome == "oom" and report is not None:
+            big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block
+            lower = (report.allocated or 0) + big
+            if lower > est.peak_alloc_bytes:
+                co = co.calibrated(lower, est.peak_alloc_bytes)
+            if self.judge(est):  # it predicted a fit, and memory ran out: not conservative enough
+                limit = self.capacity / (1 + self.margin)
+                co = co.calibrated(int(est.peak_alloc_bytes * limit / max(1, est.peak_bytes) * 1.05) + 1,
+                                   est.peak_alloc_bytes)
+            self.coefficients = co
+
+    def judge(self, est: Estimate) -> bool:
+        """Whether a predicted peak fits the device with the margin to spare."""
+        return est.peak_bytes * (1 + self.margin) <= self.capacity
+
+    def fits(self, facts: RunFacts) -> Any:
+        """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
+        doubt of one that ran out of memory in this run (or above it) does not fit, whatever the device's size
+        says: the model was wrong about that one, and as wrong about its neighbours."""
+        spec = self.spec(facts)
+        if spec is None:
+            return None
+        if self.load_only(facts):
+            def load_fits(k: Knobs) -> bool:
+                try:
+                    need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
+                                      context=self.context)
+                except ValueError:
+                    return False
+                return need * (1 + self.margin) <= self.capacity
+
+            return load_fits
+        ceiling = self.failed_ceiling(facts)
+
+        def judge(k: Knobs) -> bool:
+            est = self.predict(facts, k)
+            return est is not None and self.judge(est) and (ceiling is None or est.peak_bytes < ceiling)
+
+        return judge
+
+    @staticmethod
+    def load_only(facts: RunFacts) -> bool:
+        """Whether only the load can be judged: the run stopped before GRPOTrainer was built (a load the pre-flight
+        judged alone), so the step's shapes are not known yet, the load is. A config whose load fits is worth a
+        launch: its trainer's pre-flight judges the rest, with the prompt lengths."""
+        return facts.model_source is None and facts.prompt_tokens_max is None
+
+    def failed_ceiling(self, facts: RunFacts) -> int | None:
+        """Below what predicted peak a config must be to be tried after the OOMs of this run: the smallest predicted
+        peak of a config that ran out of memory, less the doubt (None before any OOM)."""
+        peaks = [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
+        return int(min(peaks) * (1 - self.doubt)) if peaks else None
+
+    def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
+        """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the
+        device); None without a model.
+
+        What ``oomguard run`` probes after the chosen config fits, to learn whether a change it kept is needed."""
+        if self.spec(facts) is None:
+            return None
+        limit = self.capacity * (1 + (self.doubt if doubt is None else doubt))
+
+        def maybe(k: Knobs) -> bool:
+            est = self.predict(facts, k)
+            return est is not None and est.peak_bytes <= limit
+
+        return maybe
+
+    def peak(self, facts: RunFacts) -> Any:
+        """A Knobs -> predicted device peak (bytes or None), for the report's reasons."""
+        def predicted(k: Knobs) -> int | None:
+            est = self.predict(facts, k)
+            return est.peak_bytes if est is not None else None
+
+        return predicted

@@ -1,0 +1,150 @@
+"""Terminal output (rich). Imported only by commands that print, so `oomguard --help` stays fast."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ..vocab.sizes import format_size
+
+_BACKEND_NAMES = {"cuda": "CUDA", "hip": "HIP (ROCm)", "xpu": "XPU", "mps": "MPS", "npu": "NPU", "cpu": "CPU allocator",
+                  "host": "host RAM", "vllm": "vLLM"}
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def note(message: str) -> None:
+    """A one-line message to stderr: ``oomguard: <message>``."""
+    Console(stderr=True, highlight=False).print(f"[bold yellow]oomguard:[/] {escape(message)}", soft_wrap=True)
+
+
+def size(n: int | None) -> str:
+    return "—" if n is None else format_size(n)
+
+
+def findings(out: Console, items: Sequence[dict[str, Any]]) -> None:
+    for i, f in enumerate(items):
+        if i:
+            out.print()
+        where = f"{f['source']}" + (f":{f['line']}" if f.get("line") else "")
+        head = Text()
+        head.append(where, style="bold")
+        head.append(f"  {_BACKEND_NAMES.get(f['backend'], f['backend'])} out of memory", style="bold red")
+        head.append(f" · {f['kind']}", style="bold")
+        if f.get("phase") and f["phase"] != "unknown":
+            head.append(f" · during {f['phase']}")
+        if f.get("rank") is not None:
+            head.append(f" · rank {f['rank']}")
+        out.print(head)
+        figs = [
+            ("requested", f.get("requested_bytes")), ("capacity", f.get("capacity_bytes")),
+            ("free", f.get("free_bytes")), ("allocated", f.get("allocated_bytes")),
+            ("reserved-unallocated", f.get("reserved_unallocated_bytes")), ("this process", f.get("process_bytes")),
+        ]
+        shown = [f"{k} {size(v)}" for k, v in figs if v is not None]
+        if f.get("other_processes"):
+            shown.append("others " + ", ".join(f"pid {p['pid']} {size(p['bytes'])}" for p in f["other_processes"]))
+        if shown:
+            out.print("  " + " · ".join(shown), style="dim")
+        if f.get("evidence"):
+            out.print("  [bold]Why[/]")
+            for e in f["evidence"]:
+                out.print(f"   • {escape(e)}", soft_wrap=True)
+        if f.get("remedies"):
+            out.print("  [bold]What to do[/]")
+            for n, r in enumerate(f["remedies"], 1):
+                frees = f" [green](frees ~{size(r['frees_bytes'])})[/]" if r.get("frees_bytes") else ""
+                out.print(f"   {n}. [cyan]{r['name']}[/]: {escape(r['reason'])}{frees}", soft_wrap=True)
+
+
+def snapshots(out: Console, items: Sequence[dict[str, Any]]) -> None:
+    for s in items:
+        out.print()
+        out.print(Text(f"{s['source']}  memory snapshot", style="bold"))
+        t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+        for c in ("pool", "segments", "reserved", "allocated", "unallocated"):
+            t.add_column(c, justify="right" if c != "pool" else "left")
+        for name, p in s["pools"].items():
+            t.add_row(name, str(p["segments"]), size(p["reserved"]), size(p["allocated"]),
+                      size(p["reserved"] - p["allocated"]))
+        out.print(t)
+        out.print(f"  largest free block {size(s['largest_free_block_bytes'])} of "
+                  f"{size(s['reserved_unallocated_bytes'])} reserved-unallocated "
+                  f"(fragmentation {s['fragmentation']:.0%})")
+        if s["largest_blocks"]:
+            out.print("  [bold]Largest live blocks[/]")
+            for b in s["largest_blocks"][:5]:
+                fr = b["frame"]
+                where = f"{fr['filename']}:{fr['line']} in {fr['name']}" if fr else "(no Python frame recorded)"
+                out.print(f"   {size(b['size']):>11}  {escape(where)}", soft_wrap=True)
+        if s["oom_events"]:
+            out.print(f"  {len(s['oom_events'])} OOM event(s) in the trace")
+
+
+def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What oomguard changed") -> None:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in ("knob", "original", "stable", "remedy"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["knob"], _v(r["from"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")
+    out.print(t)
+
+
+def _v(v: Any) -> str:
+    if v is None:
+        return "unset"
+    if isinstance(v, (list, tuple)):
+        return ",".join(map(str, v))
+    return str(v)
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()
+
+
+_TERMS = [
+    ("weights", "weights"), ("reference", "reference model"), ("gradients", "gradients"),
+    ("optimizer", "optimizer state"), ("activations", "activations"), ("logits", "log-prob tiles (LM head)"),
+    ("kv_cache", "generation KV cache"), ("vllm", "vLLM reservation"), ("overhead", "context + fragmentation"),
+]
+
+
+def plan_table(out: Console, p: Any, model: str) -> None:
+    """The breakdown, the verdict with headroom, and the suggested rungs."""
+    e = p.estimate
+    out.print(f"[bold]{model}[/]: predicted peak in the {e.dominant_phase.replace('_', '/')} phase")
+    t = Table(header_style="bold")
+    t.add_column("term")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    for key, label in _TERMS:
+        v = e.breakdown.get(key, 0)
+        if v:
+            t.add_row(label, size(v), f"{v / max(1, e.peak_bytes):.0%}")
+    t.add_row("[bold]peak[/]", f"[bold]{size(e.peak_bytes)}[/]", "")
+    out.print(t)
+    out.print(f"trainable parameters {e.trainable_params:,} of {e.total_params:,}")
+    if p.fits:
+        out.print(f"[green]fits[/] in {size(p.capacity)} with {size(p.headroom)} to spare")
+        return
+    out.print(f"[red]does not fit[/] in {size(p.capacity)}: {size(-p.headroom)} short")
+    if not p.steps:
+        out.print("no rung of the ladder applies")
+        return
+    out.print("[bold]cheapest rungs, in the ladder's order[/]")
+    for s in p.steps:
+        r = s.remedy
+        note = r.trade_for(p.suggest)
+        out.print(f"  [cyan]{r.name}[/]  (trades {r.trades}{': ' + note if note else ''})", soft_wrap=True)
+    out.print("  " + " ".join(f"{k}={_v(v)}" for k, v in p.suggest.items()), soft_wrap=True)
+    if p.after is not None:
+        verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"
+        out.print(f"  then: peak {size(p.after.peak_bytes)}, {verdict}")

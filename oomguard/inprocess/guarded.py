@@ -1,0 +1,359 @@
+"""``@oomguard.guard``: the ladder for custom training functions, retried in-process.
+
+This module is the decorator and its retry loop; each other concern has its own module: one call and its OOM as
+plain data (:mod:`oomguard.inprocess.attempt`), the knobs a function reads (:mod:`oomguard.inprocess.tracked`),
+memory given back after a failed attempt (:mod:`oomguard.inprocess.release`), the allocator settings of an attempt
+(:mod:`oomguard.inprocess.allocapply`) and ``isolate=True``, one spawned process per attempt
+(:mod:`oomguard.inprocess.isolate`). No module is named ``guard``: the package attribute ``oomguard.guard`` is the
+function, and importing any of these modules leaves it so.
+
+tenacity is the retry engine (its ``Retrying`` holds the attempt budget and the retry predicate): a plain loop would
+need its own counter and exit paths, while here :meth:`Guarded._climb` reads top to bottom. Each attempt drives the
+Climb that ``oomguard run`` uses: ``record`` the attempt, ``learn`` the run's facts, ``choose_next`` on an OOM, or
+``give_up`` when only a fresh process could help.
+
+Only OOMs are retried (``oomguard.is_oom``); anything else propagates unchanged.
+
+>>> import oomguard
+>>> @oomguard.guard
+... def train(knobs):
+...     if knobs.per_device_train_batch_size > 2:  # stands in for a real torch.OutOfMemoryError
+...         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+...                            "8.00 GiB of which 1.00 GiB is free.")
+...     return "trained"
+>>> train()
+'trained'
+>>> [(a.knobs["per_device_train_batch_size"], a.outcome) for a in train.report.attempts]
+[(8, 'oom'), (4, 'oom'), (2, 'ok')]
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
+
+from ..decide.climb import Climb
+from ..decide.ladder import Ladder, load_ladder
+from ..oom.diagnose import diagnose
+from ..vocab import allocconf
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.knobs import Knobs, RunFacts, reachable
+from ..vocab.records import Attempt, RunReport, rung_label
+from ..vocab.sizes import format_size, parse_size
+from . import allocapply
+from .attempt import CallResult, call_once, start_simulation, stop_simulation
+from .isolate import check_picklable, lookup, run_isolated
+from .release import live_bytes, loaded_torch, release, reset_peak
+from .tracked import TrackedKnobs
+
+# One line per OOM and per climb, the way transformers users see library messages. No handler is added: with logging
+# unconfigured, Python's last-resort handler prints WARNING lines to stderr; configured logging takes them as usual.
+log = logging.getLogger("oomguard")
+
+# The allocator knobs are set by oomguard itself (not read by the function), so they always count as reached.
+ALLOCATOR_KNOBS = frozenset({"expandable_segments", "max_split_size_mb"})
+
+
+class OOMGuardExhausted(RuntimeError):
+    """Every rung was tried (or the budget ran out) and the function still ran out of memory.
+
+    ``.report`` holds the RunReport. The last OOM is described in the message, not chained, so its traceback does
+    not keep the failed attempt's tensors alive.
+
+    >>> import oomguard
+    >>> def hopeless(knobs):
+    ...     knobs.per_device_train_batch_size
+    ...     raise MemoryError("out of memory")
+    >>> try:
+    ...     oomguard.guard(hopeless, max_attempts=1, verbose=False)()
+    ... except oomguard.OOMGuardExhausted as e:
+    ...     print(e.report.status)
+    exhausted
+    """
+
+    def __init__(self, message: str, report: RunReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class _Attempt:
+    """What one attempt left for the retry loop: its record, the value, or the facts of its OOM (never the
+    exception itself)."""
+
+    def __init__(self, record: Attempt, value: Any = None, diagnosis: Diagnosis | None = None,
+                 message: str = "") -> None:
+        self.record = record
+        self.value = value
+        self.diagnosis = diagnosis
+        self.message = message
+
+    @property
+    def outcome(self) -> str:
+        return self.record.outcome
+
+
+class Guarded:
+    """A function wrapped by :func:`guard`. Call it as the function; ``.report`` is the last call's RunReport."""
+
+    def __init__(self, fn: Callable[..., Any], ladder: str | Ladder, knobs: Knobs | dict[str, Any] | None,
+                 max_attempts: int, simulate_gpu: int | str | None, report: str | os.PathLike[str] | None,
+                 isolate: bool, predict: bool = True, verbose: bool = True) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
+        self.initial = knobs if isinstance(knobs, Knobs) else Knobs.from_dict(knobs or {})
+        self.max_attempts = max_attempts
+        if simulate_gpu in (None, ""):
+            simulate_gpu = os.environ.get("OOMGUARD_SIMULATE_GPU") or None  # the rehearsal device, as for `run`
+        self.simulate_gpu = parse_size(simulate_gpu) if simulate_gpu not in (None, "") else None
+        self.report_path = Path(report) if report else None
+        self.isolate = isolate
+        self.predict = predict
+        self.verbose = verbose
+        self._guide_obj: Any = None
+        self.report: RunReport | None = None
+        self.takes_knobs = "knobs" in inspect.signature(fn).parameters
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled by reference (isolate=True sends it to a spawned process): module attribute lookup.
+        return (lookup, (self.fn.__module__, self.fn.__qualname__))
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+    # -- the retry loop ----------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_distributed()
+        if self.isolate:
+            check_picklable(self, args, kwargs)
+        started = bool(self.simulate_gpu) and not self.isolate and start_simulation(self.simulate_gpu)
+        try:
+            return self._climb(args, kwargs)
+        finally:
+            if started:
+                stop_simulation()
+
+    def _climb(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        user = allocconf.user_settings(os.environ)  # the allocator settings in force are the user's own
+        climb = Climb(self.ladder, base=self.initial, facts=RunFacts(alloc_conf_locked=user.locked_text()),
+                      env_knobs={"expandable_segments": bool(user.expandable_segments),
+                                 "max_split_size_mb": user.max_split_size_mb})
+        reads: set[str] = set()
+        retryer = Retrying(
+            stop=stop_after_attempt(self.max_attempts),
+            wait=wait_none(),
+            retry=retry_if_result(lambda a: a.outcome == "oom" and a.record.climbed is not None),
+            retry_error_callback=lambda state: state.outcome.result(),
+            reraise=True,
+        )
+        last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
+        if last.outcome == "ok":
+            n = len(climb.attempts)
+            if n > 1:
+                self._log(logging.INFO, f"{self.fn.__name__}() is stable after {n} attempts")
+            self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
+                                       "the call fit on the first attempt; nothing changed", 0)
+            self._write()
+            return last.value
+        why = ("no rung left that can help" if climb.exhausted is not None
+               else f"stopped after {self.max_attempts} attempts (max_attempts)")
+        self.report = self._report(climb, reads, "exhausted", f"{why}; last OOM: {last.message}", None)
+        self._write()
+        skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.record.skipped[-4:])
+        raise OOMGuardExhausted(
+            f"{self.fn.__name__} still ran out of memory after {len(climb.attempts)} attempt(s): {why}. "
+            f"Last OOM: {last.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
+
+    def _attempt(self, climb: Climb, reads: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Attempt:
+        """One attempt: run the call with the climb's knobs, record it, and on an OOM choose the next rung."""
+        index = len(climb.attempts) + 1
+        knobs = climb.effective()[0]
+        record = Attempt(index=index, knobs=knobs.to_dict(), remedies=climb.remedies_in_force(), outcome="ok",
+                         exit_code=None, seconds=0.0)
+        note = allocapply.apply(knobs, climb, self.isolate)
+        if note:
+            record.note = note
+        before = live_bytes()
+        reset_peak()
+        start = time.monotonic()
+        if self.isolate:
+            result = run_isolated(self, knobs, climb, args, kwargs)
+        else:
+            result = call_once(self.fn, self.takes_knobs, knobs, climb.overrides(knobs), reads, args, kwargs)
+        record.seconds = time.monotonic() - start
+        record.peak_bytes = result.peak
+        reads |= result.reads  # an isolated attempt reads knobs in its own process
+        climb.observe(result.observed)
+        if result.facts:
+            climb.learn(climb.facts.replace(**result.facts))
+        # the knobs as the call really ran them: a GRPOConfig built inside it reports the function's own values
+        record.knobs = climb.effective()[0].to_dict()
+        guide = self._guide()
+        if guide is not None:
+            guide.learn(climb.facts, knobs, "ok" if result.ok else "oom", result.peak, result.report)
+            est = guide.predict(climb.facts, knobs)
+            record.predicted_bytes = est.peak_bytes if est else None
+        attempt = _Attempt(record)
+        if result.ok:
+            attempt.value = result.value
+            climb.record(record)
+            return attempt
+        # An OOM: everything below works from plain data; the exception and its frames are gone.
+        release()
+        record.memory = {"live_before": before, "live_after_release": live_bytes()}
+        self._record_oom(climb, attempt, result)
+        if attempt.diagnosis.kind == "driver" and not self.isolate:
+            why = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
+            climb.give_up("fresh_process", why)
+            record.skipped = [{"remedy": "fresh_process", "reason": why}]
+            self._log(logging.WARNING, f"not retrying {self.fn.__name__}(): {why}")
+            return attempt
+        self._choose_next(climb, attempt, result, reads)
+        return attempt
+
+    def _record_oom(self, climb: Climb, attempt: _Attempt, result: CallResult) -> None:
+        """Diagnose the OOM, put it in the attempt's record and the climb, and say it in one line."""
+        from ..oom.analyze import finding
+
+        r, record = result.report, attempt.record
+        assert r is not None  # a failed call carries its OOMReport
+        d = diagnose(r, result.frames, phase=result.phase)
+        record.outcome = "oom"
+        record.oom = finding(f"{self.fn.__name__}()", None, r, d, frames=result.frames)
+        attempt.diagnosis = d
+        attempt.message = r.message
+        climb.record(record)
+        self._log(logging.WARNING, f"{self.fn.__name__}() attempt {record.index}/{self.max_attempts} ran out of "
+                  f"memory: {d.kind}{' during ' + d.phase if d.phase != 'unknown' else ''}"
+                  f"{f' ({format_size(r.requested)} requested)' if r.requested else ''}")
+
+    def _choose_next(self, climb: Climb, attempt: _Attempt, result: CallResult, reads: set[str]) -> None:
+        """Let the climb choose the next knobs among the rungs that can reach the function; record the decision."""
+        record = attempt.record
+        reached = ALLOCATOR_KNOBS if self.takes_knobs else reachable(result.reached)
+        fields = set(reads) | set(reached)
+        guide = self._guide() if not self.takes_knobs else None
+        decision = climb.choose_next(attempt.diagnosis, frozenset(fields), subject="the function",
+                                     fits=self._fits(climb),
+                                     peak=guide.peak(climb.facts) if guide is not None else None)
+        record.climbed, record.skipped = decision.label(), decision.skipped_rows()
+        record.choice = decision.choice.to_dict() if decision.choice is not None else None
+        self._log_climb(decision, fields if self.takes_knobs else None)
+        if decision.exhausted is not None:
+            return
+        for step in decision.steps:
+            if not allocapply.can_apply_here(step.remedy.name, self.isolate):
+                record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
+
+    # -- the report and the log lines --------------------------------------------------------------------------
+    def _report(self, climb: Climb, reads: set[str], status: str, message: str, code: int | None) -> RunReport:
+        report = climb.report(status, message, code)
+        if self.takes_knobs:
+            # A rung may change knobs the function never reads (num_generations beside the batch size of a plain
+            # loop); the diff shows what reached the function.
+            report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] in ALLOCATOR_KNOBS]
+        return report
+
+    def _write(self) -> None:
+        if self.report_path and self.report is not None:
+            self.report.write(self.report_path)
+
+    def _log(self, level: int, message: str) -> None:
+        """One line to the ``oomguard`` logger: at ``level`` when verbose, else at DEBUG (hidden by default). With
+        logging unconfigured, Python's last-resort handler prints the bare message, so it then names oomguard."""
+        log.log(level if self.verbose else logging.DEBUG, message if log.hasHandlers() else f"oomguard: {message}")
+
+    def _log_climb(self, decision: Any, read: set[str] | None) -> None:
+        """The climb in one line; for a function that takes ``knobs``, only the changes it reads (as in the diff)."""
+        changes = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                            for k, v in decision.changes.items() if read is None or k in read)
+        if decision.exhausted is not None:
+            self._log(logging.WARNING, f"no rung left that can help {self.fn.__name__}()")
+        elif not decision.steps:
+            self._log(logging.WARNING, f"choosing again with what was learned: {changes}")
+        else:
+            steps = decision.steps
+            acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(decision.changes)]
+            acting = acting or steps  # what is traded: the rungs whose knobs changed
+            notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(decision.changes) for s in acting) if n))
+            trades = ", ".join(sorted({s.remedy.trades for s in acting}))
+            self._log(logging.WARNING, f"climbing {rung_label([(s.remedy.name, s.pass_no) for s in steps])}: "
+                      f"{changes or 'no knob changed'} (trades {trades}{': ' + notes if notes else ''})")
+
+    # -- the memory model --------------------------------------------------------------------------------------
+    def _guide(self) -> Any:
+        """The memory model for this call's device, when guided climbing is possible (a GRPO model was seen)."""
+        if not self.predict:
+            return None
+        if getattr(self, "_guide_obj", None) is None:
+            from ..decide.plan import Guide
+
+            cap = self.simulate_gpu
+            context = None  # the device's own: a card's m_ctx, or the simulated device's (child/simulate.py)
+            if cap is not None:
+                from ..memory.allocmodel import context_for
+
+                context = context_for(cap)
+            torch = loaded_torch()
+            if cap is None and torch is not None and torch.cuda.is_available():
+                dev = torch.cuda.current_device()
+                cap = int(torch.cuda.get_device_properties(dev).total_memory)
+                # a per-process cap the caller set (torch.cuda.set_per_process_memory_fraction) is the capacity
+                getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+                fraction = float(getter(dev)) if getter is not None else 1.0
+                if 0 < fraction < 1:  # the caller's cap bounds the allocator only: the context lies outside it
+                    cap, context = int(cap * fraction), 0
+            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), context=context) if cap else None
+        return self._guide_obj
+
+    def _fits(self, climb: Climb) -> Any:
+        guide = self._guide()
+        return guide.fits(climb.facts) if guide is not None and not self.takes_knobs else None
+
+
+def _refuse_distributed() -> None:
+    """guard retries one process; with several ranks the others would wait in a collective, so refuse in one line."""
+    torch = loaded_torch()
+    if torch is None:
+        return
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("oomguard.guard does not coordinate OOM recovery across ranks: one rank would retry while "
+                           "the others wait in a collective. Run the job under `oomguard run -- torchrun ...`, which "
+                           "restarts every rank with the next rung.")
+
+
+def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "default",
+          knobs: Knobs | dict[str, Any] | None = None, max_attempts: int = 8, simulate_gpu: int | str | None = None,
+          report: str | os.PathLike[str] | None = None, isolate: bool = False, predict: bool = True,
+          verbose: bool = True) -> Any:
+    """Retry ``fn`` on OOM, climbing the ladder between attempts. Usable bare, with options, or as a call.
+
+    ``@oomguard.guard``, ``@oomguard.guard(max_attempts=4)`` and ``oomguard.guard(fn, simulate_gpu="300MiB")`` all
+    work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits. With ``predict``
+    (the default), once the function has built a GRPO model the memory model skips rungs predicted not to be enough.
+    With ``verbose`` (the default), each OOM and each climb is one WARNING line on the ``oomguard`` logger, shown
+    even when logging is not configured (``verbose=False`` logs them at DEBUG instead).
+
+    >>> @guard(max_attempts=4)
+    ... def steps(knobs):
+    ...     return knobs.max_completion_length
+    >>> steps(), steps.report.status
+    (512, 'stable')
+    """
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+    if fn is None:
+        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
+    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
+
+
+__all__ = ["Guarded", "OOMGuardExhausted", "TrackedKnobs", "guard"]

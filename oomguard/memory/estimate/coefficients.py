@@ -1,0 +1,84 @@
+"""The uncertain coefficients of the memory model, fitted to real measurements, and the measured errors of its
+predictions that the pre-flight check and the Guide add as margins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# How far above the measured device use the built-in fit's device-level prediction reached on the 22 H100 rows
+# (tests/fixtures/h100/calibration*.jsonl; `python bench/preflight_margin.py`): q3b-fp32-lora32 was predicted 6.3%
+# over what it used. A config predicted up to this much over a card may still fit it.
+DEVICE_OVERPREDICTION = 0.064
+# The same on the simulated device: the allocated peak is within 1.0% (bench/cpu_calibrate.py), and the smallest
+# budget each configuration fits in was 1.05 to 1.26 times its allocated peak (bench/min_budget.py) against the fitted
+# 1 + f_frag = 1.14: up to 1.14 / 1.05 * 1.01 - 1 = 9.7% over.
+SIMULATED_OVERPREDICTION = 0.097
+# Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
+# beyond those on the measured ones.
+STOP_ALLOWANCE = 0.02
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The uncertain coefficients of research §8. The defaults are fitted to real H100 measurements (2026-11-22:
+    torch 2.11 + CUDA 13, TRL 1.16, 18 GRPO configurations of ``tests/fixtures/h100/calibration.jsonl`` and the run
+    reports next to it) by ``python bench/gpu_calibrate.py --from-jsonl tests/fixtures/h100/calibration.jsonl``.
+    With them the allocated peak is within 0.8% (median) and 4.7% (worst) of every row, the reserved peak within
+    1.9% and 6.4% (``tests/test_gpu_rows.py``).
+
+    - ``c_act``: scale of the derived activation bytes. Fitted 0.89 (smallest worst-case error of the allocated
+      peak); the research prior was 0.9.
+    - ``k_logits``: bytes per tile element of the chunked LM head's torch-fallback temporaries in backward. TRL 1.16
+      only takes that path without Triton (CPU, the simulated device); on CUDA the Triton kernels work in place and
+      the term is unused. The default 12 is the research prior for the old materialised-logits backward.
+    - ``f_frag`` / ``f_frag_expandable``: reserved-but-unallocated margin, as a fraction of the allocated peak.
+      Measured reserved/allocated: 1.02-1.17 over the 17 rows without expandable segments (least squares 1.061,
+      median 1.086); 0.105 gives the smallest worst-case error of the reserved peak (the research prior 0.25 made
+      every device prediction 11-20% high). With ``expandable_segments:True`` one calibration row (Qwen2.5-0.5B,
+      1.079, against 1.115 without) and six Qwen2.5-3B run-report attempts (1.004-1.027) exist: 0.05 sits between.
+    - ``m_ctx``: device memory outside the caching allocator (CUDA context, cuDNN, NCCL); 0 on the simulated device
+      (``estimate(context=...)`` gives a measured context, or the one the simulated device models).
+      The calibration rows' own context figures counted other processes sharing the GPU, so it comes from the real
+      OOMs of the 24 GiB-capped Qwen2.5-3B runs: NVML's "this process has 24.74 GiB in use" against 23.96 GiB
+      reserved (``memory_stats``), 0.785 GiB; and 24.25 against 23.48 GiB, 0.772 GiB. So 800 MiB.
+    - ``m_workspace``: cuBLAS workspaces, which torch allocates through the caching allocator (so inside the
+      allocated peak): 32 MiB per handle and stream on Hopper (``CUBLAS_WORKSPACE_CONFIG`` default ``:4096:8``,
+      ``aten/src/ATen/cuda/CublasHandlePool.cpp``), one handle for the forward's thread and one for autograd's
+      backward thread. Every phase of every row was 63-100 MiB above the model without it.
+    - ``scale``: online calibration, measured/predicted of the last attempt, applied to the allocated peak.
+    """
+
+    c_act: float = 0.89
+    k_logits: float = 12.0
+    f_frag: float = 0.105
+    f_frag_expandable: float = 0.05
+    m_ctx: int = 800 * 2**20
+    scale: float = 1.0
+    m_workspace: int = 64 * 2**20
+
+    def calibrated(self, measured_peak: int, predicted_peak_alloc: int) -> Coefficients:
+        """A copy whose ``scale`` makes the last prediction match the last measurement (clamped to [0.25, 4]).
+
+        ``predicted_peak_alloc`` is what these coefficients predicted, so the new scale is
+        ``scale · measured / predicted``.
+
+        >>> Coefficients().calibrated(150, 100).scale, Coefficients(scale=2.0).calibrated(10**9, 1).scale
+        (1.5, 4.0)
+        """
+        if measured_peak <= 0 or predicted_peak_alloc <= 0:
+            return self
+        s = self.scale * measured_peak / predicted_peak_alloc
+        return replace(self, scale=min(4.0, max(0.25, s)))
+
+    @classmethod
+    def for_simulated(cls) -> Coefficients:
+        """Coefficients fitted on the simulated device by ``bench/cpu_calibrate.py --fit`` (18 real TRL GRPO
+        configurations, max |error| 1.0% of the allocated peak): ``c_act = 0.92`` of the itemised activation bytes and
+        ``k_logits = 29`` bytes per tile element for the chunked head's torch fallback (counting its temporaries gives
+        about 33). No CUDA context or cuBLAS workspace. Fragmentation from ``bench/min_budget.py`` (the smallest
+        budget each config fits in, replayed through the allocator model): 106 MiB for a 93.5 MiB allocated peak and
+        150 MiB for 132.7 MiB, so ``f_frag = 0.14`` (measured 0.13); with expandable segments 100 MiB for 93.5 MiB
+        (0.07).
+        """
+        return cls(c_act=0.92, k_logits=29.0, f_frag=0.14, f_frag_expandable=0.07, m_ctx=0, m_workspace=0)

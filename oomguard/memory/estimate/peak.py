@@ -1,0 +1,177 @@
+"""The prediction: :func:`estimate` reads the knobs into a step, runs the phases, adds the persistent state, vLLM,
+the context and the fragmentation margin, and picks the dominant phase. Also :func:`load_bytes` (the floor once the
+weights are placed) and :func:`describe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ...vocab.knobs import Knobs
+from ...vocab.sizes import MiB, format_size
+from .coefficients import Coefficients
+from .model import _DTYPE_BYTES, ModelSpec
+from .phases import _PHASE_TERMS, PHASES
+from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
+from .terms import _weight_bytes
+
+BREAKDOWN_KEYS = ("weights", "reference", "gradients", "optimizer", "activations", "logits", "kv_cache", "vllm",
+                  "overhead")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted peak, split by term and by phase.
+
+    ``breakdown`` has exactly the keys of ``BREAKDOWN_KEYS`` and sums to ``peak_bytes``: it is the composition of the
+    dominant phase (a term that does not exist in that phase, such as the KV cache during training, is 0 there; see
+    ``phases`` for the others). ``overhead`` is the CUDA context plus the fragmentation margin.
+    """
+
+    peak_bytes: int
+    peak_alloc_bytes: int
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    trainable_params: int
+    total_params: int
+    dominant_phase: str
+    notes: tuple[str, ...] = field(default=())
+
+    def fits(self, capacity: int) -> bool:
+        """Whether the predicted device peak fits in ``capacity`` bytes."""
+        return self.peak_bytes <= capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (sizes in bytes, plus a readable ``peak`` string)."""
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        d["peak"] = format_size(self.peak_bytes)
+        return d
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {format_size(v)}" for k, v in self.breakdown.items() if v)
+        return f"peak {format_size(self.peak_bytes)} in {self.dominant_phase} ({parts})"
+
+
+def _vllm_bytes(k: Knobs, capacity: int | None, notes: list[str]) -> int:
+    """T9: a colocated vLLM reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator."""
+    if not (k.use_vllm and (k.vllm_mode or "colocate") == "colocate"):
+        return 0
+    if capacity:
+        return int(float(k.vllm_gpu_memory_utilization or 0.3) * capacity)
+    notes.append("vLLM colocate reservation not counted: pass capacity")
+    return 0
+
+
+def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Each phase's allocated bytes by breakdown key: the persistent state plus what the phase adds (unscaled)."""
+    p = s.p
+    # cuBLAS workspaces come from the caching allocator, one per (handle, stream), and handles are per thread: the
+    # forward (main thread) and the backward (autograd's device thread) each hold one (T10, ``m_workspace``)
+    base = {"weights": p.weights, "reference": p.reference, "optimizer": p.opt_state, "gradients": p.buckets,
+            "overhead": 0 if s.g.simulated else int(s.co.m_workspace)}
+    comp: dict[str, dict[str, int]] = {}
+    for ph, parts in phase_parts.items():
+        d = dict.fromkeys(BREAKDOWN_KEYS, 0)
+        for key, v in base.items():
+            d[key] += v
+        for key, v in parts.items():
+            d[key] += int(v)
+        comp[ph] = d
+    return comp
+
+
+def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -> Estimate:
+    """Scale each phase, add T9 vLLM, T10 context and T11 fragmentation, and pick the dominant phase. The breakdown
+    is that phase's composition, so that it sums to the peak."""
+    co, k, simulated = s.co, s.k, s.g.simulated
+    notes = list(s.p.notes)
+    scale = co.scale
+    phases = {ph: round(sum(d.values()) * scale) for ph, d in comp.items()}
+    vllm = _vllm_bytes(k, capacity, notes)
+    sleep = bool(k.vllm_enable_sleep_mode)
+    frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
+    ctx = s.context if s.context is not None else 0 if simulated else int(co.m_ctx)
+
+    def device_bytes(ph: str) -> int:
+        awake = vllm if (not sleep or ph == "generation") else 0
+        return ctx + int(phases[ph] * (1 + frag)) + awake
+
+    dominant = max(PHASES, key=lambda ph: (device_bytes(ph), phases[ph]))
+    peak_bytes = device_bytes(dominant)
+    bd = {key: round(v * scale) for key, v in comp[dominant].items()}
+    bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
+    bd["vllm"] = vllm if (not sleep or dominant == "generation") else 0
+    bd["overhead"] = peak_bytes - sum(v for key, v in bd.items() if key != "overhead")
+    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()), breakdown=bd, phases=phases,
+                    trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
+                    notes=tuple(notes))
+
+
+def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
+             coefficients: Coefficients | None = None, simulated: bool = False,
+             capacity: int | None = None, context: int | None = None) -> Estimate:
+    """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
+
+    ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
+    ``prompt_tokens`` is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at
+    the worst case ``C = max_completion_length``. The training micro-batch is ``per_device_train_batch_size`` and
+    generation runs ``rows_per_device()`` sequences at once. ``simulated=True`` models oomguard's simulated device on
+    CPU: no CUDA context, no autocast, the chunked head's torch fallback. ``context`` is the device's memory outside
+    the allocator when it is known (measured under ``--gpu-memory``, or the simulated device's
+    ``--simulate-context``); by default ``m_ctx``, or 0 on the simulated device. ``capacity`` (device bytes) sizes a
+    colocated vLLM.
+
+    ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
+    The optimizer state is assumed to exist in every phase (the steady state after step 1).
+
+    >>> tiny = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
+    >>> e = estimate(tiny, Knobs(per_device_train_batch_size=4, max_completion_length=128), prompt_tokens=32,
+    ...              simulated=True)
+    >>> e.dominant_phase, sorted(e.phases) == sorted(PHASES), sum(e.breakdown.values()) == e.peak_bytes
+    ('forward_backward', True, True)
+    """
+    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+    k = _filled(knobs)
+    g = _regime(spec, k, simulated)
+    geo = _geometry(k, world_size, prompt_tokens)
+    gc = bool(k.gradient_checkpointing)
+    p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
+    s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
+              acts=_activations(spec, g, geo, co, gc), context=context)
+    return _assemble(s, _composition(s, {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}), capacity)
+
+
+def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,
+               simulated: bool = False, context: int | None = None) -> int:
+    """Device bytes once ``from_pretrained`` has placed the weights: the context outside the allocator plus the
+    stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists.
+
+    Every phase of the step holds at least this, so it is the floor a pre-flight can judge before anything loads,
+    from the checkpoint's config alone. (LoRA adapters are created after the load and are not counted.)
+
+    >>> tiny = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
+    >>> load_bytes(tiny, Knobs(dtype="float32"), simulated=True) == 4 * tiny.params
+    True
+    >>> load_bytes(tiny, Knobs(dtype="float32", load_in_4bit=True, lora_r=8), simulated=True) < 2 * tiny.params
+    True
+    """
+    co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
+    k = _filled(knobs)
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
+    ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
+    return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit))
+
+
+def describe(e: Estimate) -> str:
+    """A few lines for people: the peak, its phase and the terms above 1 MiB."""
+    lines = [f"predicted peak {format_size(e.peak_bytes)} ({e.dominant_phase}); allocated "
+             f"{format_size(e.peak_alloc_bytes)}"]
+    for key in BREAKDOWN_KEYS:
+        v = e.breakdown[key]
+        if v >= MiB:
+            lines.append(f"  {key:<12} {format_size(v):>12}  {100 * v / max(1, e.peak_bytes):5.1f}%")
+    lines.append("  phases: " + ", ".join(f"{ph} {format_size(v)}" for ph, v in e.phases.items()))
+    lines += [f"  note: {n}" for n in e.notes]
+    return "\n".join(lines)

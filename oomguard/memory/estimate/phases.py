@@ -1,0 +1,97 @@
+"""The four phases of a GRPO step (research §2): generation, scoring, the training forward and backward, and the
+optimizer step. Each function returns what its phase adds on top of the persistent state, by breakdown key.
+"""
+
+from __future__ import annotations
+
+from .step import _Step
+from .terms import _kv_cache_bytes, _nograd_bytes_per_token
+
+PHASES = ("generation", "scoring", "forward_backward", "optimizer")
+
+
+def _generation(s: _Step) -> dict[str, int]:
+    """HF ``generate`` (GC is off while generating, trl/models/utils.py:136-154): T9's KV cache and the larger of
+    the prefill and the decode-step transients; nothing with vLLM, whose memory is outside torch's allocator."""
+    spec, g, geo, c = s.spec, s.g, s.geo, s.casts
+    if s.k.use_vllm:
+        kv_cache = gen_transient = 0
+    else:
+        B_gen, P, V, L = geo.B_gen, geo.P, spec.vocab_size, spec.num_layers
+        b_k, b_v = max(g.b_c, g.b_res), g.b_c  # RoPE with fp32 cos/sin promotes k to fp32 under autocast from fp32
+        kv_cache = _kv_cache_bytes(spec, B_gen, geo.T, b_k, b_v)
+        kv_prefill = _kv_cache_bytes(spec, B_gen, P, b_k, b_v)
+        prefill = (B_gen * P * _nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
+                   + B_gen * V * (g.b_c + 8))
+        decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
+        gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
+    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + c.transient_w,
+            "gradients": s.grads_at_gen, "kv_cache": kv_cache + max(0, gen_transient),
+            "activations": geo.B_gen * geo.T * 16}
+
+
+def _scoring(s: _Step) -> dict[str, int]:
+    """Old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or reference
+    log-probs (beta > 0): no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737). Without
+    either, only the buffered batch."""
+    geo, a = s.geo, s.acts
+    if not (float(s.k.beta or 0.0) > 0 or (geo.ga % geo.spg != 0) or bool(s.k.use_vllm)):
+        return {"gradients": s.grads_at_gen, "activations": a.batch_buf}
+    score_act = (int(geo.tokens * _nograd_bytes_per_token(s.spec, s.g)) + a.mask
+                 + geo.tokens * s.spec.hidden_size * s.g.b_res * 2)
+    return {"weights": s.casts.nograd + s.casts.transient_w, "gradients": s.grads_at_gen,
+            "activations": a.batch_buf + score_act, "logits": s.head()["forward"]}
+
+
+def _forward_backward(s: _Step) -> dict[str, int]:
+    """One micro-batch's forward and backward: the largest of five moments (the end of the forward, the head's
+    backward, the last layer's backward, the first layer's, the embedding's)."""
+    spec, g, a, c, gc = s.spec, s.g, s.acts, s.casts, bool(s.k.gradient_checkpointing)
+    hb = s.head()
+    grads, ga = s.p.grads, s.geo.ga
+    V, h = spec.vocab_size, spec.hidden_size
+    g_head = 0 if g.lora else V * h * g.b_w  # lm_head/embedding gradient once the head's backward returned
+    grads_new = 0 if ga > 1 else 1  # with GA > 1 the gradient buffers already exist (grads_before)
+    grads_before = grads if ga > 1 else 0  # later micro-steps of an accumulation window start with gradients
+    # Within one layer's backward its gradients are allocated while its saved activations are consumed and freed,
+    # so the layer holds about the larger of the two, not both (a wide, one-layer model showed it: counting both
+    # over-predicted its peak by 31%). With GA > 1 the gradients already exist and the activations come on top.
+    g_layer = max(0, grads - g_head) // max(1, spec.num_layers)
+    own = max(a.A, g_layer) if grads_new else a.A  # the layer in backward: activations and new gradients together
+    own_acts = own - grads_new * g_layer
+    others = a.stored if gc else a.stored - a.A  # the other layers' saved activations (checkpointed: their inputs)
+    cands = {
+        # end of forward: stored activations, the final norm, the head's forward, all autocast copies cached
+        "forward": ({"activations": a.stored + a.final_norm + a.final_out + a.mask, "logits": hb["forward"],
+                     "weights": c.fwd}),
+        # the head's backward: grad_hidden, grad_weight (full), mm_buf and tile temporaries
+        "head_backward": ({"activations": a.stored + a.final_norm + a.mask, "logits": hb["backward"],
+                           "weights": 0 if gc else c.all}),
+        # backward of the last layer: its (recomputed) activations and gradient buffers, the head's gradient
+        "layer_backward": ({"activations": others + own_acts + a.grad_tr + a.mask,
+                            "gradients": grads_new * (g_head + g_layer),
+                            "weights": c.layer if gc else c.all}),
+        # backward of the first layer and the embedding: every gradient exists. With checkpointing the layer's
+        # 16-bit input (B·T·h·2, under 1% here) also lives; it is left out so that checkpointing stays monotone.
+        "backward_end": ({"activations": own_acts + a.grad_tr + a.mask, "gradients": grads_new * grads,
+                          "weights": c.layer}),
+        # the embedding's backward, after the first layer's has freed its activations: a tied embedding's dense
+        # gradient [V, h] is a temporary that AccumulateGrad adds into the lm_head's in place
+        "embedding_backward": ({"activations": 0,
+                                "gradients": grads_new * grads + (V * h * g.b_w if not g.lora
+                                                                  and spec.tie_word_embeddings else 0)}),
+    }
+    for cand in cands.values():
+        cand["weights"] = cand.get("weights", 0) + c.transient_w
+        cand["activations"] += a.batch_buf
+        cand["gradients"] = cand.get("gradients", 0) + grads_before
+    return max(cands.values(), key=lambda cand: sum(cand.values()))
+
+
+def _optimizer_step(s: _Step) -> dict[str, int]:
+    """``optimizer.step()``: every gradient, the step's temporaries and the buffered batch."""
+    return {"gradients": s.p.grads, "optimizer": s.p.opt_transient, "activations": s.acts.batch_buf}
+
+
+_PHASE_TERMS = {"generation": _generation, "scoring": _scoring, "forward_backward": _forward_backward,
+                "optimizer": _optimizer_step}

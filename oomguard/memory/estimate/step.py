@@ -1,0 +1,258 @@
+"""One GRPO step, read from the knobs: the regime (byte widths and switches), the batch geometry, the persistent
+state (sharded across ranks where ZeRO or FSDP shard it), the autocast copies and the activations, gathered in the
+``_Step`` that every phase function reads.
+
+estimate() (``peak``) reads the knobs into a _Step (the regime, the batch geometry, the persistent state and the terms
+several phases share); each phase function (``phases``) returns what that phase adds on top of the persistent state,
+by breakdown key; ``peak._composition()`` adds the persistent state and ``peak._assemble()`` turns the phases into the
+Estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ...vocab.knobs import TRL_DEFAULTS, Knobs
+from .coefficients import Coefficients
+from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
+from .terms import _activation_bytes_per_token, _head_bytes, _optimizer_bytes, _Regime, _weight_bytes
+
+DEFAULT_PROMPT_TOKENS = 256
+
+
+def _filled(knobs: Knobs) -> Knobs:
+    return TRL_DEFAULTS.merged(knobs)
+
+
+def _dtype_name(knobs: Knobs, spec: ModelSpec) -> str:
+    d = knobs.dtype or "float32"
+    d = _DTYPE_ALIASES.get(d, d)
+    if d == "auto":  # transformers 5.x from_pretrained dtype="auto": the checkpoint's dtype
+        d = spec.checkpoint_dtype or "bfloat16"
+    if d not in _DTYPE_BYTES:
+        raise EstimateError(f"dtype must be one of {', '.join(_DTYPE_BYTES)} or auto, not {knobs.dtype!r}")
+    if knobs.load_in_4bit and d == "float32":
+        d = "bfloat16"  # oomguard's 4-bit load forces a 16-bit dtype (child/patches.py, from_pretrained patch)
+    return d
+
+
+def _regime(spec: ModelSpec, k: Knobs, simulated: bool) -> _Regime:
+    """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error."""
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
+    quant4 = bool(k.load_in_4bit)
+    r = int(k.lora_r or 0)
+    lora = r > 0
+    if quant4 and not lora:
+        raise EstimateError("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
+    # GPU: TRL's bf16=True default means bf16 autocast; on the simulated device the script trains without autocast.
+    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under 4-bit
+    # (grpo_trainer.py:532-541).
+    return _Regime(b_w=b_w, b_res=b_w, b_c=b_w if simulated else 2, autocast_cast=(not simulated) and b_w == 4,
+                   simulated=simulated, quant4=quant4, lora=lora, r=r,
+                   targets=frozenset(_targets(k.lora_target_modules)) if lora else frozenset(),
+                   b_a=2 if quant4 else 4)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The shapes of one step: micro-batch ``B`` rows of ``T = P + C`` tokens, ``B_gen`` rows per generation."""
+
+    B: int  # per_device_train_batch_size
+    ga: int  # gradient_accumulation_steps
+    spg: int  # steps_per_generation
+    P: int  # padded prompt tokens
+    C: int  # completion tokens (the worst case, max_completion_length)
+
+    @property
+    def B_gen(self) -> int:
+        return self.B * self.spg
+
+    @property
+    def T(self) -> int:
+        return self.P + self.C
+
+    @property
+    def tokens(self) -> int:
+        return self.B * self.T
+
+
+def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None) -> _Geometry:
+    """The batch geometry as TRL resolves it; P defaults to ``max_prompt_tokens`` or 256 and never exceeds it."""
+    B, ga, spg = k.geometry(world_size)
+    P = prompt_tokens if prompt_tokens is not None else (k.max_prompt_tokens or DEFAULT_PROMPT_TOKENS)
+    if k.max_prompt_tokens:
+        P = min(P, k.max_prompt_tokens)
+    C = int(k.max_completion_length or 512)
+    if B <= 0 or P <= 0 or C <= 0:
+        raise EstimateError(f"batch, prompt and completion sizes must be positive (B={B}, P={P}, C={C})")
+    return _Geometry(B=B, ga=ga, spg=spg, P=P, C=C)
+
+
+@dataclass(frozen=True)
+class _Persistent:
+    """T1-T5: what lives on the device across the step (per device once :func:`_sharded`), and the counts."""
+
+    weights: int
+    reference: int
+    grads: int  # from the first backward to zero_grad
+    opt_state: int
+    opt_transient: int  # one optimizer step's temporaries
+    gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
+    buckets: int  # DistributedDataParallel's gradient buckets (several ranks, no ZeRO): one more copy of the grads
+    trainable: int
+    total_params: int
+    notes: tuple[str, ...]
+
+
+def _trainable(spec: ModelSpec, g: _Regime) -> tuple[int, list[int], int]:
+    """T3: (trainable parameters, element counts of the trainable tensors, their bytes per element)."""
+    if not g.lora:
+        return spec.params, spec.param_tensors(), g.b_w
+    shapes = spec.projections()
+    tensors = [t for m in sorted(g.targets) for t in (g.r * shapes[m][0], g.r * shapes[m][1])] * spec.num_layers
+    return lora_trainable_params(spec, g.r, tuple(g.targets)), tensors, g.b_a
+
+
+def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
+    """T1 weights, T2 reference, T4 gradients and T5 optimizer on one device, before any sharding."""
+    trainable, train_tensors, b_t = _trainable(spec, g)
+    n_lora = trainable if g.lora else 0
+    n_emb = 0 if g.lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
+    opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
+                                                      g.simulated, embeddings=n_emb)
+    return _Persistent(
+        weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
+        reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
+        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, buckets=0,
+        trainable=trainable,
+        total_params=spec.params + n_lora, notes=(note,) if note else ())
+
+
+def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: int) -> _Persistent:
+    """DeepSpeed ZeRO stages and CPU offload (research §3 T5, after DeepSpeed's estimator; rough, not validated
+    here): each stage divides one more term by the number of devices; offloaded parameters leave one gathered
+    layer on the device."""
+    zs = int(k.zero_stage or 0)
+    n_dev = max(1, world_size)
+    weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
+    notes = list(p.notes)
+    if zs >= 1:
+        opt_state //= n_dev
+        opt_transient //= n_dev
+    if zs >= 2:
+        grads //= n_dev
+    if zs >= 3:
+        weights //= n_dev
+        reference //= n_dev
+    if k.offload_optimizer or k.fsdp_offload:
+        opt_state, opt_transient = 0, 0
+        notes.append("optimizer state offloaded to the CPU")
+    if k.offload_params or k.fsdp_offload:
+        weights = reference = 0
+        notes.append("parameters offloaded to the CPU: only the gathered layer is on the device")
+    if zs or k.fsdp_offload:
+        notes.append("sharding and offload are modelled roughly")
+    gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
+              if zs >= 3 or k.offload_params or k.fsdp_offload else 0)
+    # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
+    # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
+    # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
+    buckets = p.grads if n_dev > 1 and not zs and not k.fsdp_offload else 0
+    return replace(p, weights=weights, reference=reference, grads=grads, opt_state=opt_state,
+                   opt_transient=opt_transient, gather=gather, buckets=buckets, notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Casts:
+    """T6 autocast copies, and the one-weight transients (4-bit dequantisation, a gathered layer)."""
+
+    cached: bool  # the copies stay in the autocast cache for the whole forward
+    all: int  # every Linear weight's bf16 copy
+    layer: int  # one layer's copies
+    one: int  # one op's copy
+    head: int  # lm_head's copy during generation
+    nograd: int  # at the end of a generation or scoring forward
+    fwd: int  # at the end of the training forward
+    transient_w: int  # dequantised weight + gathered layer
+
+
+def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
+    """T6: the bf16 copies of fp32 master weights under autocast.
+
+    torch keeps a bf16 cast in the autocast cache only for an fp32 leaf that requires grad
+    (aten/src/ATen/autocast_mode.cpp, cached_cast: ``arg.requires_grad() && arg.is_leaf() && !arg.is_view()``),
+    until the outermost autocast exits. Full fine-tune: every Linear weight trains, so all the copies stay for the
+    whole forward (and in no-grad generation/scoring forwards too). LoRA: the base weights are frozen
+    (requires_grad=False), so each use casts afresh and the copy dies with the op unless autograd saves it: the
+    input of a frozen base Linear requires grad (the adapters upstream train), so mm saves the bf16 weight copy
+    for the input gradient (derivatives.yaml, mm: ``self: mm_mat1_backward(grad, mat2, ...)``). Without
+    checkpointing that is every layer's copy until its backward, as in the full case; with checkpointing the
+    forward keeps nothing and only the recomputed layer holds its copies in backward. Measured on an H100:
+    q3b-fp32-lora32 (GC) peaks at 13.87 GiB; counting the full 5.2 GiB of copies had predicted 18.5 GiB.
+    """
+    L = spec.num_layers
+    biggest = max(a * b for a, b in spec.projections().values())
+    cached = g.autocast_cast and not g.lora
+    cast_all = 2 * L * spec.linear_params_per_layer() if g.autocast_cast else 0
+    cast_one = 2 * biggest if g.autocast_cast else 0
+    # 4-bit: bitsandbytes dequantises one weight at a time (forward and the input-gradient backward)
+    dequant = 2 * biggest if g.quant4 else 0
+    return _Casts(cached=cached, all=cast_all, layer=cast_all // max(1, L), one=cast_one,
+                  head=2 * spec.vocab_size * spec.hidden_size if g.autocast_cast else 0,  # generate's lm_head
+                  nograd=cast_all if cached else cast_one, fwd=cast_all if (cached or not gc) else cast_one,
+                  transient_w=dequant + gather)
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """T7 and the batch buffers: the activation terms the training phases share."""
+
+    A: int  # one layer's saved activations
+    stored: int  # every layer's (or, checkpointed, every layer input)
+    mask: int  # bool SDPA mask with padding (shared by the layers)
+    final_norm: int  # the final norm's saved fp32 input and normalised copy (when it trains)
+    final_out: int  # its output, until the head has copied the rows it scores
+    batch_buf: int  # the buffered generation batch
+    grad_tr: int  # one layer's backward gradient buffers
+
+
+def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, gc: bool) -> _Activations:
+    """T7 for one micro-batch, with checkpointing keeping only the layer inputs ``L·B·T·h·b_res``."""
+    h, L, tokens = spec.hidden_size, spec.num_layers, geo.tokens
+    a_tok = co.c_act * _activation_bytes_per_token(spec, g)
+    A = int(tokens * a_tok)
+    ckpt = tokens * h * g.b_res  # one checkpointed layer input
+    return _Activations(
+        A=A, stored=L * ckpt if gc else L * A, mask=geo.B * geo.T * geo.T,
+        final_norm=tokens * h * (4 + (g.b_res if not g.lora else 0)), final_out=tokens * h * g.b_res,
+        # prompt/completion ids and masks (int64), old/ref log-probs and advantages
+        batch_buf=geo.B_gen * (32 * geo.T + 8 * geo.C),
+        # the gradient buffers of the MLP backward (grad of the product, silu and up) and of the residual stream
+        grad_tr=int(co.c_act * tokens * (3 * spec.intermediate_size * g.b_c + 2 * h * 4)))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Everything the phase functions read."""
+
+    spec: ModelSpec
+    k: Knobs
+    co: Coefficients
+    g: _Regime
+    geo: _Geometry
+    p: _Persistent
+    casts: _Casts
+    acts: _Activations
+    context: int | None = None  # the device's memory outside the allocator, when known (see estimate())
+
+    def head(self) -> dict[str, int]:
+        """T8 over the training micro-batch: Triton (CUDA) scores only completion positions, the fallback every one."""
+        geo, g = self.geo, self.g
+        N = geo.B * (geo.T - 1) if g.simulated else geo.B * geo.C
+        return _head_bytes(self.spec, N, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
+                           fallback=g.simulated, k_logits=self.co.k_logits)
+
+    @property
+    def grads_at_gen(self) -> int:
+        """Gradients alive while generating: generation inside an accumulation window (steps_per_generation < GA)."""
+        return self.p.grads if self.geo.ga > self.geo.spg else 0

@@ -1,0 +1,195 @@
+"""The terms: the byte formulas of the model, each for one kind of memory (T1 weights, T5 optimizer states, T7
+activations, T8 the chunked LM head, T9 the KV cache), with the lines of TRL, transformers, PEFT and bitsandbytes they
+rest on. Each takes shapes and byte widths; which ones apply in which phase is ``step``'s and ``phases``' business.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .model import ModelSpec
+
+# bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 weights + an fp32 absmax per 256 absmax
+# blocks (QLoRA, arXiv:2305.14314 §3; research §3 T1).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# trl/kernels/chunked_logprob.py:31 and trl/trainer/utils.py:1506
+TOKEN_CHUNK_SIZE = 4096
+VOCAB_CHUNK_SIZE = 32768
+# bitsandbytes/optim/optimizer.py: blockwise 8-bit states, min_8bit_size, paged threshold
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN_SIZE = 100_000
+
+
+@dataclass(frozen=True)
+class _Regime:
+    """Byte widths and switches that follow from the knobs (see :func:`_regime`)."""
+
+    b_w: int  # stored weight dtype (non-quantised tensors)
+    b_res: int  # residual stream / norms / hidden states
+    b_c: int  # matmul outputs and most saved activations
+    autocast_cast: bool  # fp32 master weights under bf16 autocast: every Linear input/weight is cast
+    simulated: bool
+    quant4: bool
+    lora: bool
+    r: int
+    targets: frozenset[str]
+    b_a: int  # LoRA adapter dtype
+
+
+def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
+    """Bytes autograd keeps per token for one decoder layer (T7), itemised from what each op saves.
+
+    - RMSNorm (×2, ``LlamaRMSNorm.forward``): ``pow`` saves its fp32 input (4h: the residual itself when it is fp32,
+      a copy otherwise); ``weight * x.to(dtype)`` saves the normalised x (``b_res·h``) only when the weight trains.
+    - The normed output y feeds q/k/v (and gate/up). A trainable Linear saves its input: y once when no cast happens,
+      one bf16 cast per consumer under autocast from fp32. A frozen base Linear saves nothing about its input; a LoRA
+      ``lora_A`` saves it (a copy per module when PEFT's ``_cast_input_dtype`` or autocast must cast it).
+    - SDPA saves q, the repeated k and v (``repeat_kv``, padded mask), its output and the logsumexp; ``o_proj`` saves
+      the transposed output copy when it trains or is adapted.
+    - SwiGLU MLP: gate, silu(gate), up, and their product (saved by ``down_proj`` when it trains or is adapted).
+    - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module.
+
+    bf16 full fine-tune with ``heads·head_dim = h``: ``16h + 4h + 10h + 8i = 26h + 8i`` (research §3 T7).
+    """
+    h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+    full = not g.lora
+    b_res, b_c = g.b_res, g.b_c
+    # norms
+    norm = 4 * h + (b_res * h if full else 0)
+    total = 2 * norm
+
+    autocast = not g.simulated  # on a GPU TRL trains under bf16 autocast (bf16=True by default)
+
+    def consumers_of(width: int, modules: tuple[str, ...], b_x: int) -> int:
+        """Bytes saved for one input of ``width`` elements and ``b_x`` bytes each, read by ``modules``."""
+        if full:  # each trainable Linear saves its input; under autocast an fp32 input is cast per Linear
+            return len(modules) * 2 * width if autocast and b_x == 4 else b_x * width
+        adapted = sum(1 for m in modules if m in g.targets)
+        if not adapted:
+            return 0  # a frozen base Linear saves nothing about its input
+        if autocast:
+            # lora_A under autocast saves a bf16 copy per module when x is fp32, or when PEFT's _cast_input_dtype
+            # first upcast it to the fp32 adapter dtype; with bf16 adapters (QLoRA) x is shared
+            return adapted * 2 * width if (b_x == 4 or g.b_a == 4) else 2 * width
+        return b_x * width if g.b_a == b_x else adapted * g.b_a * width
+
+    total += consumers_of(h, ("q_proj", "k_proj", "v_proj"), b_res)
+    total += consumers_of(h, ("gate_proj", "up_proj"), b_res)
+    # attention: q, repeated k and v, output, logsumexp (fp32 per head)
+    k_saved = q if spec.num_kv_heads < spec.num_heads else kv
+    total += b_c * (q + 2 * k_saved + q) + 4 * spec.num_heads
+    total += consumers_of(q, ("o_proj",), b_c)
+    # MLP
+    total += 3 * i * b_c + consumers_of(i, ("down_proj",), b_c)
+    if g.lora:
+        total += len(g.targets) * g.r * (2 if autocast else g.b_a)
+    return total
+
+
+def _nograd_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
+    """Live bytes per token inside one decoder layer run without grad (prefill, scoring): the residual and its
+    successor, the fp32 norm temporary, then the larger of attention (q, k, v, repeated k/v, output) and the MLP
+    (silu(gate), up, product)."""
+    h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_dim
+    attn = (3 * q + 2 * spec.kv_dim + q) * g.b_c
+    mlp = 3 * i * g.b_c
+    return 2 * g.b_res * h + 4 * h + max(attn, mlp)
+
+
+def _weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora_params: int = 0,
+                  b_adapter: int = 4) -> int:
+    """T1: the stored weights. Under 4-bit NF4 with double quantisation each projection weight costs
+    ``NF4_BYTES_PER_PARAM`` and the embeddings, an untied ``lm_head``, norms and biases stay at ``b_w`` (16-bit);
+    LoRA adapters are added at ``b_adapter`` bytes."""
+    if load_in_4bit:
+        lin = spec.num_layers * spec.linear_params_per_layer()
+        base = math.ceil(lin * NF4_BYTES_PER_PARAM) + (spec.params - lin) * b_w
+    else:
+        base = spec.params * b_w
+    return base + lora_params * b_adapter
+
+
+def _kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: int = 2) -> int:
+    """T9: HF ``generate``'s DynamicCache after ``tokens`` positions: ``L·n_kv·d·tokens·rows·(b_k + b_v)``
+    (``2·L·n_kv·d·(P+C)·B_gen·b_kv`` of research §3 when ``b_k = b_v``)."""
+    return spec.num_layers * spec.kv_dim * tokens * rows * (b_k + b_v)
+
+
+def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head_trains: bool,
+                fallback: bool, k_logits: float) -> dict[str, int]:
+    """T8: TRL 1.16's chunked LM head over ``N`` scored positions (``trl/kernels/chunked_logprob.py``).
+
+    Forward (``ChunkedLogProbFunction.forward``): the hidden rows are gathered into a copy (``hidden_states[mask]`` on
+    Triton devices, ``.reshape`` of the ``[:, :-1]`` slice otherwise, ``trainer/utils.py:1642-1650``), seven fp32
+    running statistics per token, and ``mm_buf = [min(N, 4096), 32768]`` in the compute dtype, whatever ``V`` is.
+    The torch fallback (no Triton) folds each ``[n, min(V, 32768)]`` tile with about three fp32 temporaries.
+
+    Backward: fp32 ``grad_hidden [N, h]``, fp32 ``grad_weight [V, h]`` only when ``lm_head`` trains, ``mm_buf``
+    again; the fallback's ``_backward_tile`` keeps y, z, log p, p, grad and the target mask (``k_logits`` bytes per
+    tile element). The fp32 gradients are cast back to the hidden/weight dtype when those are 16-bit.
+    """
+    h, V = spec.hidden_size, spec.vocab_size
+    n = min(N, TOKEN_CHUNK_SIZE)
+    w = min(V, VOCAB_CHUNK_SIZE)
+    mm_buf = n * VOCAB_CHUNK_SIZE * b_c
+    hidden = N * h * b_res
+    casts = (n * h * b_c if b_res != b_c else 0) + (w * h * b_c if b_w != b_c else 0)
+    stats = 4 * 10 * N  # running max, sum_exp, x_sum_exp, sq_sum_exp, z_sum, max_before_target, target_logit, outputs
+    tile_f = 12 * n * w if fallback else 0
+    fwd = hidden + stats + mm_buf + casts + tile_f
+    saved = hidden + 4 * 3 * N  # hidden, log_z, entropy (targets are int64 ids: 8 B)
+    grad_hidden = 4 * N * h
+    grad_weight = 4 * V * h if head_trains else 0
+    tile_b = int(k_logits * n * w) if fallback else 0
+    loop = saved + grad_hidden + grad_weight + mm_buf + casts + tile_b
+    end = saved + grad_hidden + grad_weight + (N * h * b_res if b_res != 4 else 0) + (
+        V * h * b_w if head_trains and b_w != 4 else 0)
+    return {"forward": fwd, "saved": saved, "backward": max(loop, end), "mm_buf": mm_buf,
+            "grad_weight": grad_weight}
+
+
+def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
+                     embeddings: int = 0) -> tuple[int, int, str | None]:
+    """T5: (state bytes, transient bytes of one step, note) for the trainable tensors (element counts).
+
+    The first ``embeddings`` tensors are ``nn.Embedding`` weights: transformers gives them 32-bit bitsandbytes
+    states (``transformers/trainer.py:1328-1339``).
+    """
+    o = optim.lower()
+    n = sum(tensors)
+    biggest = max(tensors, default=0)
+    if o in ("sgd", "lomo", "adalomo"):
+        return 0, 0, None
+    if "adafactor" in o:
+        # factored second moment: a row and a column vector per matrix (transformers Adafactor, no first moment)
+        return 4 * 2 * int(math.sqrt(n) * 2), 4 * biggest, "Adafactor is estimated roughly"
+    states = 1 if ("lion" in o or "rmsprop" in o) else 3 if "ademamix" in o else 2
+    paged = o.startswith("paged") and not simulated  # bnb on CPU falls back to plain buffers (optimizer.py:375)
+    note = ("paged optimizer states live in CUDA unified memory: not counted in torch's allocated bytes"
+            if paged else None)
+    bnb = ("bnb" in o or o.startswith("paged") or o in ("adamw_8bit", "lion_8bit", "ademamix_8bit"))
+    if "8bit" in o or "4bit" in o:
+        bits = 4 if "4bit" in o else 8
+        state = 0
+        for idx, t in enumerate(tensors):
+            if paged and t >= BNB_PAGED_MIN_SIZE:
+                continue  # F.get_paged: unified memory, outside torch's statistics (optimizer.py:383-390)
+            if t < BNB_MIN_8BIT_SIZE or (bnb and idx < embeddings):
+                state += states * 4 * t  # 32-bit states (optimizer.py:502; embeddings: trainer.py:1338)
+            else:
+                state += states * (t * bits // 8 + 4 * math.ceil(t / BNB_BLOCK))  # uint8 + fp32 absmax per block
+        return state, 0, note
+    if o.startswith("paged") or "32bit" in o:
+        # bitsandbytes 32-bit states are fp32 whatever the parameter dtype
+        return states * 4 * sum(t for t in tensors if not (paged and t >= BNB_PAGED_MIN_SIZE)), 0, note
+    # torch AdamW (and fused): exp_avg and exp_avg_sq in the parameter dtype
+    state = states * b_param * n
+    if "fused" in o:
+        return state, 0, None
+    if simulated:
+        # CPU has no foreach kernels: the single-tensor path makes sqrt(exp_avg_sq) and its quotient per tensor
+        return state, 2 * b_param * biggest, None
+    # CUDA foreach path: _foreach_sqrt(exp_avg_sqs) materialises one state's worth (research §3 T5)
+    return state, b_param * n, None

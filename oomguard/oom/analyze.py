@@ -1,0 +1,280 @@
+"""`oomguard analyze`: explain OOMs after the fact, from logs, crash records, run reports and memory snapshots.
+
+Each input becomes zero or more findings (one per OOM, in file order) plus notes for inputs that could not be read.
+Text logs are streamed, so a gigabyte of log is read in bounded memory.
+
+>>> import tempfile, os
+>>> p = os.path.join(tempfile.mkdtemp(), "train.log")
+>>> _ = open(p, "w").write("step 1\\nMemoryError\\n")
+>>> result = analyze_paths([p])
+>>> [(f["line"], f["backend"], f["kind"]) for f in result.findings]
+[(2, 'host', 'host-ram')]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.oomreport import Frame, OOMReport
+from ..vocab.records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
+from ..vocab.sizes import GiB, format_size
+from .diagnose import diagnose
+from .parse import Hit, parse_oom, scan_stream
+from .recommend import ranked
+from .snapshot import SnapshotError, load_snapshot_bytes, looks_like_pickle, oom_reports, summarize
+
+DEFAULT_MAX_BYTES = 64 * GiB
+BIG_FILE = 1 * GiB
+_SNAPSHOT_MAX = 4 * GiB  # snapshots are loaded whole; bigger ones are refused rather than filling RAM
+
+
+@dataclass
+class AnalyzeResult:
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line each: "path: reason"
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
+    files_read: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"findings": self.findings, "snapshots": self.snapshots, "notes": self.notes,
+                "files_read": self.files_read}
+
+
+def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, rank: int | None = None,
+            frames: Sequence[Frame] = (), extra: dict[str, Any] | None = None,
+            knobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON contract of one finding (see README, "analyze --json").
+
+    The figures are ``d.report``, the report as diagnosed (``report`` is the one ``d`` was made from): a process
+    that NVML listed as another one but that is this process (containers) is counted as this process, never as both. Remedies are all there, ranked; ``top`` marks those the
+    terminal shows without ``--all``, and ``paste`` holds ready-to-paste lines, computed from ``knobs`` (the run's
+    effective knobs, where a crash record or run report holds them) or TRL's defaults.
+    """
+    report = d.report
+    out: dict[str, Any] = {
+        "source": source,
+        "line": line,
+        "is_oom": True,
+        "backend": report.backend,
+        "requested_bytes": report.requested,
+        "capacity_bytes": report.capacity,
+        "free_bytes": report.free,
+        "allocated_bytes": report.allocated,
+        "reserved_unallocated_bytes": report.reserved_unallocated,
+        "process_bytes": report.process,
+        "other_processes": [{"pid": p.pid, "bytes": p.bytes} for p in report.other_processes],
+        "kind": d.kind,
+        "phase": d.phase,
+        "evidence": list(d.evidence),
+        "remedies": [r.to_dict() for r in ranked(d, knobs)],
+        "origin": report.origin,
+        "device": report.device,
+        "allowed_bytes": report.allowed,
+        "private_pools_bytes": report.private_pools,
+        "rank": rank,
+        "message": report.message,
+        "frames": [f.to_dict() for f in frames[-8:]],
+    }
+    for key, value in (("allowed_min_bytes", report.allowed_min), ("max_seq_len", report.max_seq_len),
+                       ("kv_cache_tokens", report.kv_cache_tokens)):
+        if value is not None:
+            out[key] = value
+    if extra:
+        out.update(extra)
+    return out
+
+
+def finding_from_hit(source: str, hit: Hit) -> dict[str, Any]:
+    return finding(source, hit.line, hit.report, diagnose(hit.report, hit.frames), rank=hit.rank, frames=hit.frames)
+
+
+def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> dict[str, Any]:
+    """A crash record's OOM, its message parsed again (so an older record gains what the parser learned since),
+    diagnosed with the phase the training process recorded, remedies pasted against the knobs it ran with."""
+    report = _reparsed(rec.message, rec.report)
+    d = diagnose(report, rec.frames, phase=rec.phase)
+    return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
+                   extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
+
+
+def _reparsed(message: str | None, stored: OOMReport | None) -> OOMReport | None:
+    fresh = parse_oom(message) if message else None
+    if fresh is None or (stored is not None and fresh.origin != stored.origin):
+        return stored
+    return fresh
+
+
+def finding_from_attempt(source: str, att: dict[str, Any]) -> dict[str, Any] | None:
+    """A run report's attempt that ended in an OOM, diagnosed again from its message: the verdict stored at run
+    time came from the oomguard of that day. The stored finding is kept as it is when its message cannot be read."""
+    oom = att.get("oom")
+    if not isinstance(oom, dict) or not oom.get("is_oom"):
+        return None
+    extra = {"attempt": att.get("index"), "input": "run-report"}
+    report = parse_oom(str(oom.get("message") or ""))
+    if report is None:
+        return {**oom, "source": source, **extra}
+    frames = [Frame.from_dict(f) for f in oom.get("frames") or [] if isinstance(f, dict)]
+    knobs = att.get("knobs") if isinstance(att.get("knobs"), dict) else None
+    d = diagnose(report, frames, phase=str(oom.get("phase") or "unknown"))
+    return finding(source, oom.get("line"), report, d, rank=oom.get("rank"), frames=frames, knobs=knobs, extra=extra)
+
+
+def for_terminal(f: dict[str, Any], *, show_all: bool = False) -> tuple[dict[str, Any], int]:
+    """A copy of finding ``f`` for the terminal: only the top remedies unless ``show_all``, each reason followed by
+    the bytes it frees and its paste lines on lines of their own. Returns the copy and how many remedies it leaves
+    out.
+
+    >>> f = {"remedies": [{"name": "a", "reason": "Why.", "frees_bytes": 2 << 30, "paste": ["X=1"], "top": True},
+    ...                   {"name": "b", "reason": "Why not.", "frees_bytes": None, "paste": [], "top": False}]}
+    >>> shown, hidden = for_terminal(f)
+    >>> shown["remedies"][0]["reason"], hidden
+    ('Why. (frees ~2.00 GiB)\\n      X=1', 1)
+    """
+    remedies = f.get("remedies") or []
+    shown = remedies if show_all else [r for r in remedies if r.get("top", True)]
+    out = []
+    for r in shown:
+        reason = str(r.get("reason") or "")
+        if r.get("frees_bytes"):
+            reason += f" (frees ~{format_size(r['frees_bytes'])})"
+        for line in r.get("paste") or []:
+            reason += f"\n      {line}"
+        out.append({**r, "reason": reason, "frees_bytes": None})
+    return {**f, "remedies": out}, len(remedies) - len(shown)
+
+
+def iter_files(paths: Sequence[str], notes: list[str]) -> Iterator[Path]:
+    """Files named or found (recursively, sorted) under directories; notes for what cannot be used."""
+    for raw in paths:
+        p = Path(raw)
+        try:
+            if p.is_dir():
+                found = False
+                for root, dirs, files in os.walk(p, onerror=lambda e: notes.append(f"{e.filename}: {e.strerror}")):
+                    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                    for name in sorted(files):
+                        if not name.startswith("."):
+                            found = True
+                            yield Path(root) / name
+                if not found:
+                    notes.append(f"{p}: directory holds no files to analyze")
+            elif p.exists():
+                yield p
+            else:
+                notes.append(f"{p}: no such file or directory")
+        except OSError as e:
+            notes.append(f"{p}: cannot read ({e.strerror or e})")
+
+
+def analyze_paths(paths: Sequence[str], *, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                  progress: Any = None) -> AnalyzeResult:
+    """Analyze every input; never raises for a user's bad input (those become notes)."""
+    result = AnalyzeResult()
+    for path in iter_files(paths, result.notes):
+        _analyze_file(path, result, max_bytes, progress)
+    return result
+
+
+def _analyze_file(path: Path, result: AnalyzeResult, max_bytes: int | None, progress: Any) -> None:
+    src = str(path)
+    try:
+        if not path.is_file():
+            result.notes.append(f"{src}: not a regular file")
+            return
+        size = path.stat().st_size
+        f: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed below)
+    except PermissionError:
+        result.notes.append(f"{src}: cannot read it (permission denied)")
+        return
+    except OSError as e:
+        result.notes.append(f"{src}: cannot read it ({e.strerror or e})")
+        return
+    with f:
+        try:
+            head = f.read(8192)
+        except OSError as e:
+            result.notes.append(f"{src}: cannot read it ({e.strerror or e})")
+            return
+        if not head:
+            result.notes.append(f"{src}: empty file")
+            return
+        f.seek(0)
+        if looks_like_pickle(head):
+            _snapshot(src, f, size, result)
+        elif head[:2] == b"\x1f\x8b":
+            with gzip.open(f) as g:
+                _text(src, g, size, result, max_bytes, progress, compressed=True)
+        elif head.lstrip()[:1] == b"{" and b'"schema"' in head and b"oomguard." in head:
+            _record(src, f, result)
+        elif b"\x00" in head:
+            result.notes.append(f"{src}: binary file, not a log, crash record or memory snapshot; skipped")
+        else:
+            _text(src, f, size, result, max_bytes, progress)
+
+
+def _text(src: str, f: BinaryIO, size: int, result: AnalyzeResult, max_bytes: int | None, progress: Any,
+          compressed: bool = False) -> None:
+    if size >= BIG_FILE and progress:
+        progress(f"{src}: {format_size(size)}{' compressed' if compressed else ''}, scanning…")
+    try:
+        for hit in scan_stream(f, max_bytes=max_bytes):
+            result.findings.append(finding_from_hit(src, hit))
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        result.notes.append(f"{src}: read failed part-way ({e}); findings before that point are kept")
+    result.files_read += 1
+    if max_bytes is not None and not compressed and size > max_bytes:
+        result.notes.append(f"{src}: {format_size(size)} log, only the first {format_size(max_bytes)} scanned "
+                            "(raise --max-bytes to read it all)")
+
+
+def _snapshot(src: str, f: BinaryIO, size: int, result: AnalyzeResult) -> None:
+    if size > _SNAPSHOT_MAX:
+        result.notes.append(f"{src}: {format_size(size)} snapshot is too large to load (limit "
+                            f"{format_size(_SNAPSHOT_MAX)}); record with max_entries to keep it small")
+        return
+    try:
+        snap = load_snapshot_bytes(f.read())
+    except SnapshotError as e:
+        result.notes.append(f"{src}: {e}")
+        return
+    summary = summarize(snap)
+    result.files_read += 1
+    result.snapshots.append({"source": src, **summary.to_dict()})
+    for i, (report, frames) in enumerate(oom_reports(summary)):
+        d = diagnose(report, frames)
+        result.findings.append(finding(src, None, report, d, frames=frames, extra={"input": "snapshot", "event": i}))
+
+
+def _record(src: str, f: BinaryIO, result: AnalyzeResult) -> None:
+    try:
+        raw = f.read()
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        result.notes.append(f"{src}: looks like an oomguard record but is not valid JSON ({e})")
+        return
+    schema = str(data.get("schema", "")) if isinstance(data, dict) else ""
+    try:
+        if schema.startswith(CRASH_SCHEMA.split("/")[0] + "/"):
+            rec = CrashRecord.from_dict(data, src)
+            line = raw[: raw.find(b'"message"')].count(b"\n") + 1 if b'"message"' in raw else 1
+            result.findings.append(finding_from_crash(src, rec, line))
+        elif schema.startswith(REPORT_SCHEMA.split("/")[0] + "/"):
+            for att in data.get("attempts") or []:
+                found = finding_from_attempt(src, att) if isinstance(att, dict) else None
+                if found is not None:
+                    result.findings.append(found)
+        else:
+            result.notes.append(f"{src}: an oomguard file of kind {schema!r}, which holds no OOM")
+            return
+    except RecordError as e:
+        result.notes.append(str(e))
+        return
+    result.files_read += 1

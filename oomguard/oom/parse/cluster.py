@@ -1,0 +1,59 @@
+"""Cluster managers: Slurm's report of an OOM kill in a job step, and Ray's memory monitor killing workers.
+
+Ray writes decimal GB and kills at a threshold of the node's memory, which becomes the report's allowance.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .patterns import _F, _W, SIZE, _Head, _size, _words
+
+# Ray: "... pid=548, memory used=12.18GB) was running was 21.91GB / 33.28GB (0.658192), which exceeds the memory usage
+# threshold of 0.65." (Ray writes decimal GB.)
+_P_RAY_NODE = re.compile(r"was" + _W + SIZE + _W + r"/" + _W + SIZE + _W + r"\(" + _W + r"[\d.]+" + _W + r"\)", _F)
+_P_RAY_THRESHOLD = re.compile(_words("memory usage threshold of") + _W + r"(\d+(?:\.\d+)?)", _F)
+_P_RAY_TASK = re.compile(r"\bpid" + _W + r"=" + _W + r"(\d+)" + _W + r"," + _W + r"(?:actual" + _W + r")?"
+                         + _words("memory used") + _W + r"=" + _W + SIZE, _F)
+
+
+def _ray_figures(core: str, text: str) -> dict[str, Any]:
+    """The node's use and total, the kill threshold, and the task's process."""
+    kw: dict[str, Any] = {}
+    m = _P_RAY_NODE.search(core)
+    if m:
+        used, total = _size(m.group(1), m.group(2)), _size(m.group(3), m.group(4))
+        kw["capacity"] = total
+        if used is not None and total is not None:
+            kw["free"] = max(0, total - used)
+        t = _P_RAY_THRESHOLD.search(core)
+        if t and total is not None and 0 < float(t.group(1)) <= 1:
+            kw["allowed"] = round(float(t.group(1)) * total)
+    m = _P_RAY_TASK.search(core)
+    if m:
+        kw["pid"] = int(m.group(1))
+        kw["process"] = _size(m.group(2), m.group(3))
+    return kw
+
+
+# Slurm's reports of a step's OOM kill.
+SLURM: tuple[_Head, ...] = (
+    _Head("slurm", re.compile(r"Detected" + _W + r"\d+" + _W + r"oom[-_]kill" + _W + r"event", re.IGNORECASE),
+          backend="host"),
+    _Head("slurm", re.compile(_words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
+)
+
+# Ray's memory monitor.
+RAY: tuple[_Head, ...] = (
+    # Ray's memory monitor kills workers when the node's RAM passes its threshold: "Task was killed due to the node
+    # running low on memory." (Ray <= 2.54), "N worker(s) were killed due to ..." (2.55+).
+    _Head(
+        "ray",
+        re.compile(r"(?:\b(?:Task|Actor)" + _W + r"was|worker\(s\)" + _W + r"were)" + _W
+                   + _words("killed due to the node running low on memory")),
+        backend="host",
+        complete=re.compile(_words("memory usage threshold of") + _W + r"\d", re.IGNORECASE),
+        figures=_ray_figures,
+    ),
+)

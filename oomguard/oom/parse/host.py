@@ -1,0 +1,52 @@
+"""Host memory: the kernel's OOM killer, a shell's "Killed" line and Python's ``MemoryError`` (numpy's included).
+
+Slurm's and Ray's reports of the same kills are in ``cluster``; the scanner counts a kill reported by both once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .patterns import _F, _W, SIZE, _first, _Head, _words
+
+_P_RSS = re.compile(r"anon-rss:" + _W + r"(\d[\d,]*)" + _W + r"kB", _F)
+_P_NP_REQ = re.compile(_words("Unable to allocate") + _W + SIZE, _F)
+
+
+def _rss_figures(core: str, text: str) -> dict[str, Any]:
+    """The killed process's resident memory (anon-rss)."""
+    kw: dict[str, Any] = {}
+    m = _P_RSS.search(text)
+    kw["process"] = int(m.group(1).replace(",", "")) * 1024 if m else None
+    return kw
+
+
+def _python_figures(core: str, text: str) -> dict[str, Any]:
+    """numpy's request ("Unable to allocate 8.00 GiB")."""
+    kw: dict[str, Any] = {}
+    kw["requested"] = _first(_P_NP_REQ, text)
+    return kw
+
+
+# The kernel's OOM killer.
+KILLER: tuple[_Head, ...] = (
+    _Head(
+        "oom-killer",
+        re.compile(r"(?:Memory" + _W + r"cgroup" + _W + r")?" + _words("out of memory:") + _W + r"Kill(?:ed)?" + _W
+                   + r"process" + _W + r"(?P<pid>\d+)", re.IGNORECASE),
+        backend="host",
+        figures=_rss_figures,
+    ),
+)
+
+# A shell reporting its child killed.
+SHELL: tuple[_Head, ...] = (
+    _Head("shell", re.compile(r"\bline\s+\d+:\s+(?P<pid>\d+)\s+Killed\s+\S"), backend="host", figures=_rss_figures),
+)
+
+# Python's MemoryError, tried last: any other head on the same line is the better finding.
+PYTHON: tuple[_Head, ...] = (
+    _Head("python", re.compile(r"^(?:[\w.]+\.)?(?:_Array)?MemoryError(?::|\s*$)"), backend="host",
+          figures=_python_figures),
+)

@@ -1,0 +1,263 @@
+"""How an attempt ended, decided once for the whole job from what its training processes recorded about themselves.
+
+A launcher between oomguard and the training processes (torchrun, ``accelerate launch``, ``trl grpo``, a shell
+script, Slurm's ``srun``) replaces their exit codes with its own, so the exit code of the command is the last thing
+to trust. Every training process (one that passed a construction point: GRPOConfig, GRPOTrainer, from_pretrained)
+writes an ``end`` event when it ends (``exit`` with its code, ``error``, ``oom`` with a CrashRecord, ``predicted``)
+or writes none when a signal kills it. :class:`Ranks` gathers those records; :func:`classify` decides, in order:
+
+1. an interrupt (a signal to oomguard);
+2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly;
+3. a pre-flight stop (a ``predicted`` event);
+4. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
+   killer (``hostmem``); a SIGKILL without such evidence (``kill -9``, a preemption) is never retried as an OOM;
+5. an OOM seen only in the output (a process that died before it could write a record), when the job did not end
+   cleanly;
+6. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
+   code a launcher returned;
+7. else a failure, passed through with the command's own exit code and the first training process's reason.
+
+Where ranks record different endings (one OOM while the others wait, one stopped by the pre-flight), this order makes
+the decision once, for the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..oom.analyze import finding, finding_from_crash, finding_from_hit
+from ..oom.diagnose import diagnose
+from ..oom.parse import scan_text
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.knobs import Knobs
+from ..vocab.oomreport import OOMReport
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
+from ..vocab.records import (
+    Attempt,
+    ChildEvent,
+    CodeSeen,
+    CrashRecord,
+    OOMRaised,
+    Outcome,
+    PreflightStop,
+    ProcessEnded,
+    ProcessStarted,
+    RecordError,
+    StepDone,
+)
+from ..vocab.sizes import format_size
+from .proc import ProcessResult
+
+
+@dataclass
+class Ranks:
+    """The training processes of one attempt and how each said it ended (by pid).
+
+    >>> r = Ranks.of([CodeSeen("config", pid=1, rank=0), CodeSeen("config", pid=2, rank=1),
+    ...               ProcessEnded("exit", pid=1, rank=0, code=0)])
+    >>> r.clean(), r.silent(), r.failure()
+    (False, [2], None)
+    >>> Ranks.of([CodeSeen("config", pid=7), ProcessEnded("error", pid=7, error="KeyError: 'answer'")]).failure()
+    "the training process (pid 7) raised KeyError: 'answer'"
+    """
+
+    training: dict[int, int | None] = field(default_factory=dict)  # pid -> rank, in the order first seen
+    ended: dict[int, ProcessEnded] = field(default_factory=dict)  # pid -> its own record of its end
+    recovered: set[str] = field(default_factory=set)  # crash records of OOMs their process caught and outlived
+    stop: PreflightStop | None = None
+    finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
+    where: dict[int, str] = field(default_factory=dict)  # pid -> host and PID namespace it ran in
+    helpers: set[int] = field(default_factory=set)  # processes multiprocessing started to serve another
+
+    _ooms: dict[int, list[str]] = field(default_factory=dict)  # pid -> crash records its OOMs wrote
+
+    @classmethod
+    def of(cls, events: Iterable[ChildEvent]) -> Ranks:
+        r = cls()
+        for ev in events:
+            r.add(ev)
+        return r
+
+    def add(self, ev: ChildEvent) -> None:
+        """Take one event, in the order the processes wrote them."""
+        if isinstance(ev, ProcessStarted) and ev.pid is not None:
+            if ev.where:
+                self.where[ev.pid] = ev.where
+            if ev.helper:
+                self.helpers.add(ev.pid)
+                self.training.pop(ev.pid, None)
+        elif isinstance(ev, CodeSeen) and ev.pid is not None and ev.pid not in self.helpers:
+            self.training.setdefault(ev.pid, ev.rank)
+        elif isinstance(ev, ProcessEnded) and ev.pid is not None:
+            self.ended.setdefault(ev.pid, ev)
+            if ev.reached and ev.pid not in self.helpers:
+                self.training.setdefault(ev.pid, ev.rank)
+            if ev.how == END_EXIT and ev.code == 0:
+                self.recovered.update(self._ooms.get(ev.pid, []))
+        elif isinstance(ev, OOMRaised) and ev.pid is not None and ev.path:
+            self._ooms.setdefault(ev.pid, []).append(ev.path)
+        elif isinstance(ev, PreflightStop) and self.stop is None:
+            self.stop = ev
+        elif isinstance(ev, StepDone) and ev.final and ev.pid is not None:
+            self.finished.add(ev.pid)
+
+    def decided(self, alive: Callable[[int], bool], here: str | None = None) -> str | None:
+        """What settles the job's ending while other processes may still run (waiting at a collective for a rank
+        that is gone): a process that ended by OOM or the pre-flight check, or a training process that failed, once
+        it is gone (its own atexit work, an upload, is left to finish); or a training process gone without a word.
+        ``alive(pid)`` is asked only of processes that ran ``here`` (this host and PID namespace; any, when None):
+        elsewhere a PID names another process. None while nothing does.
+
+        >>> r = Ranks.of([CodeSeen("trainer", pid=5, rank=1), ProcessEnded("oom", pid=5, rank=1, path="c.json")])
+        >>> r.decided(alive=lambda pid: True) is None, r.decided(alive=lambda pid: False)
+        (True, 'rank 1 (pid 5) ended: oom')
+        >>> Ranks.of([CodeSeen("trainer", pid=5, rank=1)]).decided(alive=lambda pid: False)
+        'rank 1 (pid 5) is gone without a word'
+        """
+        def gone(pid: int) -> bool:
+            local = here is None or self.where.get(pid) in (None, here)
+            return local and not alive(pid)
+
+        for pid, e in self.ended.items():
+            decisive = e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
+            if decisive and (gone(pid) or (here is not None and self.where.get(pid) not in (None, here))):
+                return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
+        lost = [pid for pid in self.silent() if gone(pid)]
+        return f"{self.who(lost[0])} is gone without a word" if lost else None
+
+    def silent(self) -> list[int]:
+        """Training processes that wrote no end and had not finished training: killed by a signal, or still running.
+        (One that finished ``trainer.train()`` and then left by ``os._exit``, as some scripts do to skip a hanging
+        teardown, is not silent.)"""
+        return [pid for pid in self.training if pid not in self.ended and pid not in self.finished]
+
+    def clean(self, direct: int | None = None, returncode: int = 0) -> bool:
+        """Every training process ended well: with ``exit`` 0 (or left without a word after its training finished),
+        and, where the command's exit status says otherwise, after its training finished (a ``raise SystemExit(1)``
+        of the script's own leaves no mark in the process). ``direct`` is the PID of the command itself: when it is a
+        training process, its exit status is its own. False when there is none to ask."""
+        if not self.training or (direct in self.training and returncode != 0):
+            return False
+
+        def well(pid: int) -> bool:
+            e = self.ended.get(pid)
+            if e is None:
+                return pid in self.finished
+            return e.how == END_EXIT and e.code == 0 and (returncode == 0 or pid in self.finished)
+
+        return all(well(pid) for pid in self.training)
+
+    def failure(self, training_only: bool = False) -> str | None:
+        """The first process that said it failed (an uncaught error, a non-zero ``sys.exit``), in words: a training
+        process first, else (unless ``training_only``) any (a rank that failed before it built its config)."""
+        said = [(pid, e) for pid, e in self.ended.items() if pid not in self.helpers
+                and (pid in self.training or not training_only)
+                and (e.how == END_ERROR or (e.how == END_EXIT and e.code))]
+        said.sort(key=lambda pe: pe[0] not in self.training)
+        for pid, e in said:
+            what = f"raised {e.error or 'an exception'}" if e.how == END_ERROR else f"exited with code {e.code}"
+            return f"{self.who(pid)} {what}"
+        return None
+
+    def who(self, pid: int) -> str:
+        rank = self.training.get(pid, self.ended[pid].rank if pid in self.ended else None)
+        return f"rank {rank} (pid {pid})" if rank is not None else f"the training process (pid {pid})"
+
+
+def crash_record(adir: Path, warn: Callable[[str], None], skip: Iterable[str] = ()) -> CrashRecord | None:
+    """The first readable CrashRecord an attempt's ranks wrote (an unreadable one is named, then skipped), leaving out
+    those in ``skip`` (OOMs their process caught and outlived)."""
+    skipped = {str(Path(s)) for s in skip}
+    for p in sorted(adir.glob("crash-*.json"), key=lambda p: p.stat().st_mtime):
+        if str(p) in skipped:
+            continue
+        try:
+            return CrashRecord.read(p)
+        except RecordError as e:
+            warn(str(e))
+    return None
+
+
+def _sigkill(returncode: int) -> bool:
+    return returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildEvent], knobs: Knobs,
+             remedies: list[str], warn: Callable[[str], None]) -> tuple[Attempt, Diagnosis | None]:
+    """The Attempt record of launch ``index`` and, for an OOM, its Diagnosis."""
+    steps = [e.step for e in events if isinstance(e, StepDone) and e.step is not None]
+    peaks = [e.peak for e in events if isinstance(e, StepDone) and e.peak is not None]
+    reserved = [e.reserved for e in events if isinstance(e, StepDone) and e.reserved is not None]
+    attempt = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome=Outcome.FAILED,
+                      exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
+                      step=max(steps) if steps else None, peak_reserved_bytes=max(reserved) if reserved else None)
+    if res.survivors:
+        warn(f"{len(res.survivors)} process(es) of attempt {index} still alive after SIGKILL (pids "
+             f"{', '.join(map(str, res.survivors[:8]))}): the next attempt may find their memory in use")
+    if res.interrupted:
+        attempt.outcome = Outcome.INTERRUPTED
+        return attempt, None
+    ranks = Ranks.of(events)
+    crash = crash_record(adir, warn, skip=ranks.recovered)
+    if crash is not None:
+        d = diagnose(crash.report, crash.frames, phase=crash.phase)
+        attempt.outcome = Outcome.OOM
+        attempt.oom = finding_from_crash(str(adir / "crash"), crash)
+        attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
+        if crash.step is not None:
+            attempt.step = crash.step
+        return attempt, d
+    if ranks.stop is not None:
+        stop = ranks.stop
+        attempt.outcome = Outcome.PREDICTED
+        attempt.predicted_bytes = stop.predicted_bytes
+        attempt.note = (f"stopped before {'loading' if stop.before == 'loads' else 'generating'}: predicted "
+                        f"{format_size(stop.predicted_bytes or 0)}, more than {100 * stop.margin:.1f}% over the "
+                        "capacity")
+        return attempt, None
+    silent = ranks.silent()
+    killed = _sigkill(res.returncode) or bool(silent)
+    said = ranks.failure(training_only=True)
+    # a host-RAM OOM only with evidence (proc.py, hostmem.py); a rank's own error outweighs the weak evidence (resident
+    # memory near the limit), not the kernel's word (its OOM-kill counter, its log naming one of ours)
+    if killed and res.host_oom and (res.host_strong or said is None):
+        victim = (f"killed by SIGKILL (exit {res.exit_code})" if _sigkill(res.returncode) or not silent
+                  else f"{ranks.who(silent[0])} was killed without a word (the command exited {res.exit_code})")
+        report = OOMReport(backend="host", origin="oom-killer",
+                           message=f"the training process was {victim}: " + "; ".join(res.host_oom))
+        d = diagnose(report)
+        d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
+        attempt.outcome = Outcome.OOM
+        attempt.oom = finding("exit status", None, report, d)
+        return attempt, d
+    clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
+    if not clean and (silent or said is None):  # a process that died before it could say why: read its output
+        hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
+        if hits:
+            hit = hits[-1]
+            attempt.outcome = Outcome.OOM
+            attempt.oom = finding_from_hit("stderr", hit)
+            return attempt, diagnose(hit.report, hit.frames)
+    if clean:
+        attempt.outcome = Outcome.OK
+        if res.returncode != 0:
+            attempt.note = (f"every training process finished, but the command exited with code {res.exit_code} "
+                            "(its launcher's own): the training counts as done; the code is passed through")
+            warn(f"attempt {index}: {attempt.note}")
+        return attempt, None
+    why = said or ranks.failure()
+    if why is None and killed:
+        how = (f"{ranks.who(silent[0])} ended without a word (killed by a signal)" if silent
+               else f"killed by SIGKILL (exit {res.exit_code})")
+        why = (f"{how}, with no sign of the kernel's OOM killer ({res.host_checked or 'not checked'}): passed "
+               "through as a failure, not retried")
+        warn(f"attempt {index}: {why}")
+    attempt.note = why
+    return attempt, None
+
+
+__all__ = ["Ranks", "classify", "crash_record"]

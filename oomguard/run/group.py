@@ -1,0 +1,357 @@
+"""One job on several nodes: the supervisors of its nodes form a group that decides once, through a shared directory.
+
+Each node of a multi-node job runs its own ``oomguard run`` (``srun oomguard run -- torchrun --nnodes 2 --node_rank
+$SLURM_NODEID ...``). Alone, each would answer only its own ranks' OOMs while the other nodes' ranks wait at a
+collective. In a group, node 0 leads: it decides every attempt (the climb is its own), and the other nodes follow.
+
+Everything passes through a directory every node sees (a Slurm job's shared filesystem): no server to start. The
+group's files, under ``DIR/<job>/<session>/``:
+
+- ``node-I.json``: node I's heartbeat (rewritten every few seconds; a node silent for ``timeout`` seconds is dead);
+- ``attempt-K/plan.json``: what the leader launches as attempt K (every node launches the same);
+- ``attempt-K/events-nodeI.jsonl`` and ``crash-rankR.json``: what the training processes of node I recorded, read by
+  every node (so that a rank's OOM on one node stops the ranks waiting for it on the others);
+- ``attempt-K/ended-nodeI.json``: how node I's command ended (its exit status, evidence of the host's OOM killer);
+- ``final.json``: the leader's report (the followers copy it) or ``failed.json``: why the group ended early.
+
+The leader names its session in ``DIR/<job>/leader.json``; a follower joins the session whose leader is alive and not
+finished, so a new job in the same directory never reads an old job's files. This module is the protocol only: the
+supervisor runs the attempts. No torch here.
+
+>>> import tempfile
+>>> d = tempfile.mkdtemp()
+>>> lead = Group(Membership(node=0, nodes=2, root=d, job="j"), beat=False)
+>>> follow = Group(Membership(node=1, nodes=2, root=d, job="j"), beat=False)
+>>> lead.open(); follow.open(wait=1); lead.assemble(wait=1)
+>>> lead.publish(1, {"kind": "run", "plan": {"overrides": {}}})
+>>> follow.next_step(1, wait=1)["kind"]
+'run'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..vocab.records import EventTail, write_json_atomic
+
+GROUP_ENV = "OOMGUARD_GROUP"  # the shared directory, when --group is not given
+TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node counts as dead
+DEFAULT_TIMEOUT = 120.0
+JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
+BEAT_EVERY = 2.0
+
+
+class GroupError(Exception):
+    """The group cannot form or has ended early (a node died, the leader vanished): the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This node's place in the job: its rank among the nodes, how many there are, where they meet."""
+
+    node: int
+    nodes: int
+    root: str  # the shared directory
+    job: str = "job"  # the job's name within it (Slurm's job and step, torchrun's --rdzv-id)
+    source: str = ""  # where node and nodes were read (for the user)
+
+    @property
+    def leader(self) -> bool:
+        return self.node == 0
+
+
+def _flag(argv: Sequence[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in ``argv`` (``--x V`` or ``--x=V``), stopping at the script.
+
+    >>> _flag(["python", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank", "1", "train.py", "--nnodes", "9"],
+    ...       "--nnodes")
+    '2'
+    """
+    for i, a in enumerate(argv):
+        if a.endswith(".py") or a == "--":
+            break
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _count(text: str, what: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if not m or (m.group(2) and m.group(2) != m.group(1)):
+        raise GroupError(f"{what} is {text!r}: oomguard supervises a fixed number of nodes; give one number "
+                         "(or --nodes N)")
+    return int(m.group(1))
+
+
+def membership_of(argv: Sequence[str], env: Mapping[str, str], *, group: str | None = None, node: int | None = None,
+                  nodes: int | None = None, workdir: str = ".oomguard") -> Membership | None:
+    """This node's membership, or None for a job on one node. Read, in order, from the options (``--nodes``,
+    ``--node-rank``), the launcher's own arguments (torchrun's ``--nnodes``/``--node_rank``, accelerate's
+    ``--num_machines``/``--machine_rank``) and a Slurm step (``SLURM_STEP_NUM_NODES``, ``SLURM_NODEID``).
+
+    >>> m = membership_of(["torchrun", "--nnodes", "2", "--node_rank", "1", "--rdzv-id", "r7", "t.py"], {})
+    >>> (m.node, m.nodes, m.job, m.root)
+    (1, 2, 'r7', '.oomguard/group')
+    >>> membership_of(["python", "t.py"], {}) is None
+    True
+    >>> membership_of(["python", "t.py"], {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_NODEID": "3",
+    ...                                    "SLURM_JOB_ID": "88"}).job
+    '88.0'
+    """
+    source = "--nodes/--node-rank"
+    n_text = str(nodes) if nodes is not None else None
+    r_text = str(node) if node is not None else None
+    launcher = ""
+    for total, rank, name in ((("--nnodes",), ("--node_rank", "--node-rank"), "torchrun"),
+                              (("--num_machines", "--num-machines"), ("--machine_rank", "--machine-rank"),
+                               "accelerate launch")):
+        t = _flag(argv, *total)
+        if t is not None:
+            n_text = n_text or t
+            r_text = r_text if r_text is not None else _flag(argv, *rank)
+            launcher = name
+            break
+    slurm = "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
+    if slurm:
+        n_text = n_text or env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+        r_text = r_text if r_text is not None else env.get("SLURM_NODEID")
+        if env.get("SLURM_LOCALID", "0") != "0":
+            raise GroupError("several oomguards were started on this node (SLURM_LOCALID "
+                             f"{env['SLURM_LOCALID']}): start one per node (srun --ntasks-per-node=1)")
+    if n_text is None:
+        return None
+    total = _count(n_text, f"the node count ({launcher or 'Slurm'})")
+    if total <= 1:
+        return None
+    if r_text is None or not r_text.strip().isdigit():
+        raise GroupError(f"the command spans {total} nodes but this node's rank is not known ({r_text or 'not given'}"
+                         "): pass --node-rank N (or the launcher's --node_rank/--machine_rank)")
+    rank = int(r_text)
+    if rank >= total:
+        raise GroupError(f"node rank {rank} is not below the node count {total}: check --node-rank")
+    source = launcher or ("Slurm" if slurm else source)
+    job = (f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}" if "SLURM_JOB_ID" in env
+           else _flag(argv, "--rdzv-id", "--rdzv_id") or "job")
+    root = group or env.get(GROUP_ENV) or str(Path(workdir) / "group")
+    return Membership(node=rank, nodes=total, root=root, job=re.sub(r"[^\w.-]", "_", job), source=source)
+
+
+class Group:
+    """The protocol, from one node's side. ``open()`` forms the group; then, per attempt, the leader ``publish``es
+    the plan and each node ``ended`` its part; the leader ``gather``s, and at the end ``finish``es or ``fail``s."""
+
+    def __init__(self, m: Membership, *, timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT,
+                 beat: bool = True) -> None:
+        self.m = m
+        self.timeout = timeout or float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
+        self.join_timeout = join_timeout
+        self.base = Path(m.root) / m.job
+        self.session: Path | None = None
+        self._beat = beat
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started = time.time()
+
+    # -- forming -------------------------------------------------------------------------------------------------
+    def open(self, wait: float | None = None) -> None:
+        """Leader: start a new session (then ``assemble``). Follower: join the live leader's session."""
+        try:
+            self.base.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise GroupError(f"cannot use {self.base} for the group ({e.strerror}): pass --group DIR, a directory "
+                             "every node of the job can write") from None
+        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
+        if self.m.leader:
+            name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            self.session = self.base / name
+            self.session.mkdir(parents=True, exist_ok=True)
+            self._heartbeat()
+            write_json_atomic(self.base / "leader.json", {"session": name, "started": self.started})
+        else:
+            while (s := self._live_session()) is None:
+                if time.monotonic() > limit:
+                    raise GroupError(f"no leader (node 0) appeared in {self.base} within "
+                                     f"{self.join_timeout if wait is None else wait:.0f} s: start `oomguard run` on "
+                                     "node 0 too, and make --group a directory every node shares")
+                time.sleep(0.5)
+            self.session = s
+            self._heartbeat()
+        if self._beat:
+            self._thread = threading.Thread(target=self._beating, name="oomguard-group-heartbeat", daemon=True)
+            self._thread.start()
+
+    def assemble(self, wait: float | None = None) -> None:
+        """Leader: wait until every node has joined its session."""
+        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
+        while missing := [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]:
+            if time.monotonic() > limit:
+                raise GroupError(f"node(s) {', '.join(map(str, missing))} did not join the group in "
+                                 f"{self.session} within {self.join_timeout if wait is None else wait:.0f} s: "
+                                 "start `oomguard run` on every node with the same --group directory")
+            time.sleep(0.5)
+
+    def _live_session(self) -> Path | None:
+        try:
+            lead = json.loads((self.base / "leader.json").read_text())
+        except (OSError, ValueError):
+            return None
+        s = self.base / str(lead.get("session", ""))
+        fresh = self._age(s / "node-0.json") < self.timeout
+        over = (s / "final.json").exists() or (s / "failed.json").exists()
+        return s if fresh and not over else None
+
+    def _node_file(self, i: int) -> Path:
+        assert self.session is not None
+        return self.session / f"node-{i}.json"
+
+    @staticmethod
+    def _age(path: Path) -> float:
+        try:
+            return time.time() - path.stat().st_mtime
+        except OSError:
+            return float("inf")
+
+    def _heartbeat(self) -> None:
+        import socket
+
+        write_json_atomic(self._node_file(self.m.node), {"node": self.m.node, "host": socket.gethostname(),
+                                                         "pid": os.getpid(), "beat": time.time()})
+
+    def _beating(self) -> None:
+        while not self._stop.wait(BEAT_EVERY):
+            try:
+                self._heartbeat()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop the heartbeat (the node is done; its last word is in the session's files)."""
+        self._stop.set()
+
+    # -- while attempts run -----------------------------------------------------------------------------------
+    def attempt_dir(self, index: int) -> Path:
+        assert self.session is not None
+        d = self.session / f"attempt-{index}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def events_path(self, index: int) -> Path:
+        return self.attempt_dir(index) / f"events-node{self.m.node}.jsonl"
+
+    def publish(self, index: int, step: dict[str, Any]) -> None:
+        """Leader: what attempt ``index`` runs (every node launches the same)."""
+        write_json_atomic(self.attempt_dir(index) / "plan.json", step)
+
+    def trouble(self) -> str | None:
+        """Why this node must stop what it runs now: the group failed, the leader finished, or a node is silent."""
+        assert self.session is not None
+        failed = self._read(self.session / "failed.json")
+        if failed is not None:
+            return str(failed.get("why", "the group failed"))
+        if not self.m.leader and (self.session / "final.json").exists():
+            return "the leader (node 0) has ended the job"
+        for i in range(self.m.nodes):
+            if i != self.m.node and not (self.session / f"done-node{i}").exists() and \
+                    self._age(self._node_file(i)) > self.timeout:
+                return self._dead(i)
+        return None
+
+    def _dead(self, i: int) -> str:
+        info = self._read(self._node_file(i)) or {}
+        host = f" ({info['host']})" if info.get("host") else ""
+        return (f"node {i}{host} stopped answering: its oomguard wrote nothing to {self.session} for "
+                f"{self.timeout:.0f} s (the node or its oomguard died; not an OOM). The job ends on every node")
+
+    def ended(self, index: int, result: dict[str, Any]) -> None:
+        """This node's command ended: how (exit status, host-OOM evidence, interrupt)."""
+        write_json_atomic(self.attempt_dir(index) / f"ended-node{self.m.node}.json", result)
+
+    def gather(self, index: int, tick: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
+        """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError)."""
+        got: dict[int, dict[str, Any]] = {}
+        while True:
+            for i in range(1, self.m.nodes):
+                if i not in got and (r := self._read(self.attempt_dir(index) / f"ended-node{i}.json")) is not None:
+                    got[i] = r
+            if len(got) == self.m.nodes - 1:
+                return got
+            why = self.trouble()
+            if why is not None:
+                raise GroupError(why)
+            tick()
+            time.sleep(0.2)
+
+    def next_step(self, index: int, wait: float | None = None) -> dict[str, Any]:
+        """Follower: the leader's plan for attempt ``index``, or ``{"kind": "final", ...}`` once it has ended the
+        job; raises GroupError when the group failed or the leader is silent."""
+        assert self.session is not None
+        limit = None if wait is None else time.monotonic() + wait
+        while True:
+            step = self._read(self.session / f"attempt-{index}" / "plan.json")
+            if step is not None:
+                return step
+            final = self._read(self.session / "final.json")
+            if final is not None:
+                return {"kind": "final", **final}
+            failed = self._read(self.session / "failed.json")
+            if failed is not None:
+                raise GroupError(str(failed.get("why")))
+            if self._age(self._node_file(0)) > self.timeout:
+                raise GroupError(self._dead(0))
+            if limit is not None and time.monotonic() > limit:
+                raise GroupError(f"the leader published no attempt {index} in time")
+            time.sleep(0.2)
+
+    def finish(self, data: dict[str, Any]) -> None:
+        """Leader: the job's end (its report and lock), for every follower to copy."""
+        assert self.session is not None
+        write_json_atomic(self.session / "final.json", data)
+        self.done()
+
+    def fail(self, why: str) -> None:
+        """Any node: the group cannot go on (a node died); every node ends with ``why``."""
+        assert self.session is not None
+        if not (self.session / "failed.json").exists():
+            write_json_atomic(self.session / "failed.json", {"node": self.m.node, "why": why})
+
+    def done(self) -> None:
+        """This node has finished: its silence from now on is not a death."""
+        if self.session is not None:
+            (self.session / f"done-node{self.m.node}").touch()
+        self.close()
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+
+class GroupTail:
+    """Every node's events of one attempt, as they arrive (one EventTail per node's file)."""
+
+    def __init__(self, adir: Path) -> None:
+        self.adir = adir
+        self.tails: dict[Path, EventTail] = {}
+
+    def poll(self) -> list[Any]:
+        out: list[Any] = []
+        for p in sorted(self.adir.glob("events-node*.jsonl")):
+            out.extend(self.tails.setdefault(p, EventTail(p)).poll())
+        return out
+
+
+__all__ = ["GROUP_ENV", "TIMEOUT_ENV", "Group", "GroupError", "GroupTail", "Membership", "membership_of"]

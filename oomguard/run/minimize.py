@@ -1,0 +1,72 @@
+"""Undo trials: prove with probes that each change in force is needed, one rung at a time.
+
+The climb's choice is minimal by prediction. Once its probe passes, each rung still in force is tried without
+(quality trades first, the latest-listed first, then speed trades, then free changes), one probe each; a removal that
+still fits is kept. Two callers: ``--minimize`` tries every rung (proof, for users who want it); by default only
+the rungs the memory model is unsure of are tried: those whose removal it predicts just over the device, within its
+error (``Guide.plausible``). A trial whose knobs equal those of an attempt already made is skipped, so no config is
+probed twice (a rung climbed twice is one trial; a rung that changes nothing here is none).
+
+>>> from oomguard.decide.climb import Climb
+>>> from oomguard.decide.ladder import load_ladder
+>>> m = Minimizer()
+>>> m.start(Climb(load_ladder("default")))
+>>> m.next_trial(Climb(load_ladder("default"))) is None
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..decide.climb import Climb
+from ..vocab.knobs import Knobs
+
+TRADE_ORDER = {"quality": 0, "speed": 1, "host": 2, "nothing": 3}
+
+
+@dataclass
+class Minimizer:
+    queue: list[str] | None = None  # rungs still to try without; None until started
+    trial: str | None = None  # the rung the running trial leaves out
+    tried: list[Knobs] = field(default_factory=list)  # the knobs each attempt and trial ran
+
+    @property
+    def started(self) -> bool:
+        return self.queue is not None
+
+    def start(self, climb: Climb) -> None:
+        """Queue the rungs in force, costliest first; every config already run counts as tried."""
+        trades = {r.name: r.remedy.trades for r in climb.applied}
+        self.queue = sorted(reversed(climb.remedies_in_force()), key=lambda n: TRADE_ORDER.get(trades[n], 9))
+        self.tried = [climb.effective()[0], *(Knobs.from_dict(a.knobs) for a in climb.attempts)]
+
+    def next_trial(self, climb: Climb, worth: Callable[[Knobs], bool] | None = None) -> str | None:
+        """The next rung to try without (its knobs never run before, and ``worth`` a probe), or None when all are
+        settled. ``worth`` is asked when the rung's turn comes, so it sees what earlier probes taught the model."""
+        while self.queue:
+            candidate = self.queue.pop(0)
+            if candidate not in climb.remedies_in_force():
+                continue
+            knobs = climb.effective(candidate)[0]
+            if knobs in self.tried or (worth is not None and not worth(knobs)):
+                continue  # the same overrides ran already, or the model is sure they cannot fit
+            self.tried.append(knobs)
+            self.trial = candidate
+            return candidate
+        self.trial = None
+        return None
+
+    def settle(self, climb: Climb, fits: bool) -> str:
+        """Take the running trial's result: drop the rung if the probe fit without it. Returns the attempt's note."""
+        removed = self.trial
+        if removed is None:
+            return ""
+        if fits:
+            climb.drop(removed)
+            return f"{removed} is not needed: the probe fits without it"
+        return f"{removed} is needed: without it the probe runs out of memory"
+
+
+__all__ = ["Minimizer"]

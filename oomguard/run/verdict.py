@@ -1,0 +1,68 @@
+"""How a run ended, in one place: its status, its exit code and the one-line message the user reads.
+
+>>> from oomguard.decide.climb import Climb
+>>> from oomguard.decide.ladder import load_ladder
+>>> conclude(None, Climb(load_ladder("default")), signum=2)
+('interrupted', 130, 'interrupted; no retry')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..decide.climb import Climb
+from ..vocab.records import Attempt, AttemptKind, Outcome
+from .command import EXIT_EXHAUSTED
+
+
+def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: dict[str, Any] | None = None,
+             reached: bool = True, max_attempts: int = 8, max_time: float | None = None) -> tuple[str, int, str]:
+    """``(status, exit code, message)`` after the last attempt; ``reached``: the command passed through a
+    construction point (GRPOConfig, GRPOTrainer or from_pretrained), so rungs could reach it."""
+    if signum or last is None or last.outcome == Outcome.INTERRUPTED:
+        return "interrupted", 128 + (signum or 2), "interrupted; no retry"
+    if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
+        status, message = "stable", _stable_message(climb, replay)
+        if last.exit_code:  # the training processes all finished; a launcher's own code is passed through untouched
+            message += (f"; every training process finished, but the command exited with code {last.exit_code}, "
+                        "passed through")
+        return status, last.exit_code or 0, message
+    budget = (f"--max-time {max_time:g}s" if max_time and time.time() - climb.started >= max_time
+              else f"--max-attempts {max_attempts}")
+    if last.outcome == Outcome.OK or (last.outcome != Outcome.FAILED and climb.verified and climb.exhausted is None):
+        return "exhausted", EXIT_EXHAUSTED, (f"a config fits (its probe passed), but the budget ({budget}) ran out "
+                                             "before the run (no lock written): raise it to train")
+    if last.outcome == Outcome.FAILED:
+        code = last.exit_code or 1  # 0 only from a launcher that hides a failed rank: still a failure
+        why = f": {last.note}" if last.note else ""
+        said = (f"the command failed with exit code {last.exit_code}" if last.exit_code
+                else "the command exited with code 0 but its training did not finish")
+        return "failed", code, f"{said} (not an OOM){why}; passed through without retrying"
+    if climb.exhausted is not None:
+        if replay:
+            return "exhausted", EXIT_EXHAUSTED, "the locked config ran out of memory; run without --config to climb again"
+        if not reached:
+            return "exhausted", EXIT_EXHAUSTED, (
+                "no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no model with "
+                "from_pretrained before running out of memory, so only allocator settings apply")
+        return "exhausted", EXIT_EXHAUSTED, "the ladder is used up: no rung left that can help"
+    return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
+
+
+def _stable_message(climb: Climb, replay: dict[str, Any] | None) -> str:
+    ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind != AttemptKind.MINIMIZE)
+    stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED and a.kind != AttemptKind.MINIMIZE)
+    trials = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind == AttemptKind.MINIMIZE)
+    proof = (f"; {trials} probe(s) without a change ran out of memory, showing it needed" if trials else "")
+    if ooms or stops:
+        return f"stable after {ooms} out-of-memory attempt(s)" + (
+            f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before loading or generating)" if stops
+            else "") + proof
+    if replay:
+        return (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} override(s), no "
+                "rung climbed")
+    return "the command fit on the first attempt; nothing changed"
+
+
+__all__ = ["conclude"]

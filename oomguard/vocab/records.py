@@ -1,0 +1,654 @@
+"""Versioned records that oomguard writes: CrashRecord (the training process's last words), RunReport and the lock.
+
+Every record is JSON with a ``schema`` field, ``"<kind>/<major>"``. Readers accept any record of the same major
+version and ignore fields they do not know, so a newer oomguard can add fields without breaking older readers.
+Writes are atomic (a temporary file in the same directory, fsync, rename): a crash mid-write never leaves half a
+record, and an existing file is replaced only by a complete one.
+
+>>> import tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> p = write_json_atomic(os.path.join(d, "r.json"), {"schema": CRASH_SCHEMA, "message": "x"})
+>>> read_json(p)["message"]
+'x'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from .oomreport import Frame, OOMReport
+
+CRASH_SCHEMA = "oomguard.crash/1"
+REPORT_SCHEMA = "oomguard.report/1"
+LOCK_SCHEMA = "oomguard.lock/1"
+PLAN_SCHEMA = "oomguard.plan/1"
+
+
+class RecordError(ValueError):
+    """A file that is not the record it should be; the message names the file and the reason."""
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def publish(data: dict[str, Any], kept: str | os.PathLike[str], top: str | os.PathLike[str],
+            aside_dir: str | os.PathLike[str]) -> Path | None:
+    """Write a run's record (report or lock) to its own file ``kept`` and a copy of it to ``top``; lose nothing.
+
+    ``kept`` (under the run's workdir) is never replaced; ``top`` (``oomguard-report.json``, ``oomguard.lock.json``)
+    always holds the latest run's record, with ``kept_at`` naming the kept copy. A ``top`` file that is not such a copy
+    (written by an older oomguard, or by hand, or whose kept copy is gone) is first copied into ``aside_dir``.
+    Returns the path it was kept at, or None.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_json_atomic(os.path.join(d, "top.json"), {"status": "stable", "by": "an older run"})
+    >>> aside = publish({"status": "failed"}, os.path.join(d, "runs", "2", "report.json"), os.path.join(d, "top.json"),
+    ...                 os.path.join(d, "kept"))
+    >>> read_json(aside)["by"], read_json(os.path.join(d, "top.json"))["status"]
+    ('an older run', 'failed')
+    >>> publish({"status": "stable"}, os.path.join(d, "runs", "3", "report.json"), os.path.join(d, "top.json"),
+    ...         os.path.join(d, "kept")) is None  # the top file was a copy of run 2's, which is kept
+    True
+    """
+    kept, top = Path(kept), Path(top)
+    data = {**data, "kept_at": str(kept.resolve())}
+    write_json_atomic(kept, data)
+    aside = None
+    if top.exists() and not _is_kept_copy(top):
+        aside = _keep_aside(top, Path(aside_dir))
+    write_json_atomic(top, data)
+    return aside
+
+
+def _is_kept_copy(path: Path) -> bool:
+    """True when ``path`` is a byte-for-byte copy of the record its ``kept_at`` names."""
+    try:
+        text = path.read_bytes()
+        where = json.loads(text).get("kept_at")
+        return bool(where) and Path(where).resolve() != path.resolve() and Path(where).read_bytes() == text
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _keep_aside(path: Path, aside_dir: Path) -> Path:
+    """Copy ``path`` into ``aside_dir`` under a name stamped with its modification time; never overwrite."""
+    import shutil
+
+    aside_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+    dest = aside_dir / f"{path.stem}-{stamp}{path.suffix}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = aside_dir / f"{path.stem}-{stamp}-{n}{path.suffix}"
+    shutil.copy2(path, dest)
+    return dest
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    to_dict = getattr(o, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    return repr(o)
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or None when it is missing, unreadable or not an object (a run cut short may
+    leave no report, or half of one).
+
+    >>> read_json_object("/nonexistent/report.json") is None
+    True
+    """
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_schema(data: Any, expected: str, source: str) -> None:
+    """Raise RecordError unless ``data`` is a record of ``expected``'s kind and major version."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{source}: not an oomguard record (expected a JSON object)")
+    schema = str(data.get("schema", ""))
+    kind, _, major = expected.partition("/")
+    got_kind, _, got_major = schema.partition("/")
+    if got_kind != kind:
+        raise RecordError(f"{source}: not an {kind} record (schema {schema or 'missing'})")
+    if got_major.split(".")[0] != major:
+        raise RecordError(f"{source}: {kind} schema version {got_major} is not supported (this oomguard reads {major})")
+
+
+@dataclass
+class CrashRecord:
+    """What the training process writes when it dies of OOM (schema ``oomguard.crash/1``).
+
+    Fields: ``message`` (the exception text), ``exception_type``, ``report`` (the parsed OOMReport), ``frames``
+    (outermost first), ``phase``, ``step`` (the trainer's global step, if training had started), ``memory_stats``
+    (``torch.cuda.memory_stats()`` on a GPU, the simulated device's counters on CPU), ``knobs`` (the effective
+    knobs), ``observed`` (what the script itself set), ``peak_bytes``, ``rank``/``world_size``, ``pid``, ``host``,
+    ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``,
+    ``traceback`` (the full formatted traceback, chained exceptions included: the terminal shows only its last frames).
+    """
+
+    message: str
+    exception_type: str
+    report: OOMReport
+    frames: list[Frame] = field(default_factory=list)
+    phase: str = "unknown"
+    step: int | None = None
+    memory_stats: dict[str, Any] | None = None
+    knobs: dict[str, Any] | None = None
+    observed: dict[str, Any] | None = None
+    peak_bytes: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    device: str | None = None
+    attempt: int | None = None
+    model_config: dict[str, Any] | None = None
+    created: str = field(default_factory=now_iso)
+    traceback: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": CRASH_SCHEMA,
+            "created": self.created,
+            "message": self.message,
+            "exception_type": self.exception_type,
+            "report": self.report.to_dict(),
+            "frames": [f.to_dict() for f in self.frames],
+            "phase": self.phase,
+            "step": self.step,
+            "memory_stats": self.memory_stats,
+            "knobs": self.knobs,
+            "observed": self.observed,
+            "peak_bytes": self.peak_bytes,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": self.pid,
+            "host": self.host,
+            "device": self.device,
+            "attempt": self.attempt,
+            "model_config": self.model_config,
+            "traceback": self.traceback,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "crash record") -> CrashRecord:
+        check_schema(d, CRASH_SCHEMA, source)
+        try:
+            report = OOMReport.from_dict(d.get("report") or {"backend": "cuda", "origin": "allocator",
+                                                              "message": d.get("message", "")})
+            return cls(
+                message=str(d.get("message", "")),
+                exception_type=str(d.get("exception_type", "")),
+                report=report,
+                frames=[Frame.from_dict(f) for f in d.get("frames") or []],
+                phase=str(d.get("phase") or "unknown"),
+                step=d.get("step"),
+                memory_stats=d.get("memory_stats"),
+                knobs=d.get("knobs"),
+                observed=d.get("observed"),
+                peak_bytes=d.get("peak_bytes"),
+                rank=d.get("rank"),
+                world_size=d.get("world_size"),
+                pid=int(d.get("pid") or 0),
+                host=str(d.get("host", "")),
+                device=d.get("device"),
+                attempt=d.get("attempt"),
+                model_config=d.get("model_config"),
+                created=str(d.get("created", "")),
+                traceback=d.get("traceback") if isinstance(d.get("traceback"), str) else None,
+            )
+        except (TypeError, ValueError, KeyError) as e:
+            raise RecordError(f"{source}: malformed crash record ({e})") from None
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> CrashRecord:
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            raise RecordError(f"{path}: cannot read crash record ({e})") from None
+        return cls.from_dict(data, str(path))
+
+
+class AttemptKind(str, Enum):
+    """What an attempt is for: a short worst-case ``probe``, the real ``run``, or a ``minimize`` trial (a probe
+    without one rung). A str, so reports and comparisons read the plain value."""
+
+    PROBE = "probe"
+    RUN = "run"
+    MINIMIZE = "minimize"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Outcome(str, Enum):
+    """How an attempt ended: ``ok``; ``oom``; ``predicted`` (the pre-flight check stopped it); ``failed`` (not an
+    OOM: passed through); ``interrupted`` (a signal to oomguard)."""
+
+    OK = "ok"
+    OOM = "oom"
+    PREDICTED = "predicted"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Attempt:
+    """One launch (or one in-process call, for the decorator) and how it ended."""
+
+    index: int
+    knobs: dict[str, Any]
+    remedies: list[str]
+    outcome: str  # an Outcome
+    exit_code: int | None
+    seconds: float
+    peak_bytes: int | None = None
+    oom: dict[str, Any] | None = None
+    step: int | None = None
+    peak_reserved_bytes: int | None = None
+    kind: str = AttemptKind.RUN  # an AttemptKind
+    skipped: list[dict[str, str]] = field(default_factory=list)  # rungs passed over after this attempt, with why
+    climbed: str | None = None  # the rung climbed after this attempt
+    resume: dict[str, Any] | None = None  # how this attempt continued from a checkpoint, if it did
+    predicted_bytes: int | None = None
+    note: str | None = None
+    memory: dict[str, Any] | None = None  # guard(): live bytes before the call and after releasing a failed one
+    generated: dict[str, Any] | None = None  # configs oomguard generated for this attempt (e.g. DeepSpeed)
+    choice: dict[str, Any] | None = None  # after this attempt: rungs dropped and graded knobs relaxed, by prediction
+    override_error: dict[str, Any] | None = None  # applying oomguard's overrides failed: where, error
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "knobs": self.knobs,
+            "remedies": self.remedies,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "peak_bytes": self.peak_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "predicted_bytes": self.predicted_bytes,
+            "oom": self.oom,
+            "step": self.step,
+            "climbed": self.climbed,
+            "skipped": self.skipped,
+            "resume": self.resume,
+            "note": self.note,
+            "memory": self.memory,
+            "generated": self.generated,
+            "choice": self.choice,
+            "override_error": self.override_error,
+        }
+
+
+@dataclass
+class RunReport:
+    """All attempts, the original and stable knobs, and the diff (schema ``oomguard.report/1``)."""
+
+    status: str  # stable | exhausted | failed | interrupted
+    attempts: list[Attempt]
+    original: dict[str, Any]
+    stable: dict[str, Any] | None
+    diff: list[dict[str, Any]]
+    command: list[str] = field(default_factory=list)
+    ladder: str | None = None
+    message: str = ""
+    exit_code: int | None = None
+    started: str = field(default_factory=now_iso)
+    finished: str | None = None
+    device: dict[str, Any] | None = None
+    facts: dict[str, Any] | None = None
+    # configs that keep more (oomguard.decide.alternatives)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    group: dict[str, Any] | None = None  # a job on several nodes: this node's place in it (oomguard.run.group)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "status": self.status,
+            "message": self.message,
+            "exit_code": self.exit_code,
+            "command": self.command,
+            "ladder": self.ladder,
+            "started": self.started,
+            "finished": self.finished,
+            "device": self.device,
+            "attempts": [a.to_dict() for a in self.attempts],
+            "original": self.original,
+            "stable": self.stable,
+            "diff": self.diff,
+            "facts": self.facts,
+            "alternatives": self.alternatives,
+            **({"group": self.group} if self.group is not None else {}),
+        }
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+
+def rung_label(rungs: Sequence[tuple[str, int]]) -> str:
+    """The one way rungs climbed together are written, in the terminal and the HTML report alike.
+
+    ``rungs`` holds ``(remedy, pass)`` pairs; a graded rung on its second or later pass is marked "(again)".
+
+    >>> rung_label([("shorter_sequences", 1), ("fewer_generations", 1), ("shorter_sequences", 2)])
+    'shorter_sequences + fewer_generations + shorter_sequences (again)'
+    """
+    return " + ".join(name + (" (again)" if pass_no > 1 else "") for name, pass_no in rungs)
+
+
+def climbed_labels(climbed: Sequence[str | None]) -> list[str | None]:
+    """``rung_label`` for each attempt's ``climbed`` field (``"a+b+a"``, as a RunReport stores it), counting the
+    passes over the whole run, so a rung climbed again after an earlier attempt is marked as the terminal marks it.
+
+    >>> climbed_labels(["shorter_sequences", None, "fewer_generations+shorter_sequences"])
+    ['shorter_sequences', None, 'fewer_generations + shorter_sequences (again)']
+    """
+    seen: Counter[str] = Counter()
+    out: list[str | None] = []
+    for text in climbed:
+        if not text:
+            out.append(text)
+            continue
+        rungs = []
+        for name in text.split("+"):
+            seen[name] += 1
+            rungs.append((name, seen[name]))
+        out.append(rung_label(rungs))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Events: what the training process reports while it runs, one JSON line each, parsed once into these types.
+
+
+@dataclass(frozen=True)
+class CodeSeen:
+    """``config`` (GRPOConfig built) or ``trainer`` (GRPOTrainer built): the script's own values and run facts."""
+
+    point: str
+    observed: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    world_size: int | None = None
+    pid: int | None = None  # the process that passed it: a training process (see ``ProcessEnded``)
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSeen:
+    """``model``: the shape of the model the script loaded (``config.json`` fields)."""
+
+    config: dict[str, Any] | None = None
+    params: int | None = None
+    dtype: str | None = None
+    reaches: tuple[str, ...] = ()  # before a load: construction points the script will pass after it (``trainer``)
+
+
+@dataclass(frozen=True)
+class DatasetSeen:
+    """``dataset``: prompt lengths in tokens, and what ``max_prompt_tokens`` dropped."""
+
+    rows: int | None = None
+    prompt_tokens_max: int | None = None
+    prompt_tokens_p95: int | None = None
+    dropped: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainBegin:
+    """``train_begin``: a trainer starts (a process may build several)."""
+
+    step: int = 0
+    max_steps: int | None = None
+    save_strategy: str = ""
+    output_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """``step`` (an optimizer step ended) or ``train_end`` (``final``), with the peaks so far."""
+
+    step: int | None = None
+    peak: int | None = None
+    reserved: int | None = None
+    final: bool = False
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    step: int | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class OOMRaised:
+    """``oom``: a rank died of OOM (its CrashRecord is at ``path``)."""
+
+    step: int | None = None
+    phase: str | None = None
+    path: str | None = None
+    pid: int | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ConfigGenerated:
+    """``generated``: a config oomguard wrote for this attempt (a DeepSpeed JSON)."""
+
+    kind: str
+    path: str | None = None
+    config: Any = None
+    replaces: Any = None
+
+
+@dataclass(frozen=True)
+class PreflightStop:
+    """``predicted``: the pre-flight check stopped the process before it generated."""
+
+    predicted_bytes: int | None = None
+    capacity: int | None = None
+    margin: float = 0.0
+    pid: int | None = None
+    rank: int | None = None
+    before: str = "generates"  # what the stop saved: "generates" (trainer built) or "loads" (before the weights)
+
+
+@dataclass(frozen=True)
+class ProcessStarted:
+    """``start``: a Python process of the attempt with oomguard's bootstrap, where it runs (host and PID namespace)
+    and whether multiprocessing started it to serve another (a ``helper``, never a training process)."""
+
+    pid: int | None = None
+    rank: int | None = None
+    where: str | None = None
+    helper: bool = False
+
+
+@dataclass(frozen=True)
+class ProcessEnded:
+    """``end``: how one process of the attempt ended, in its own words (written once, at its end): ``exit`` with the
+    ``code`` it passed to ``sys.exit`` (0 for a plain end), ``error`` (an uncaught exception, not an OOM), ``oom``
+    (its CrashRecord at ``path``) or ``predicted`` (the pre-flight check stopped it). ``reached``: the construction
+    points it passed (config, trainer, model). A process killed by a signal writes none."""
+
+    how: str
+    pid: int | None = None
+    rank: int | None = None
+    code: int | None = None
+    error: str | None = None
+    path: str | None = None
+    reached: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OverrideFailed:
+    """``override_error``: applying oomguard's overrides raised (in ``where``)."""
+
+    where: str = ""
+    error: str = ""
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OtherEvent:
+    """Any other event (start, resume, probe_dataset, ...): kept whole, read by nobody in particular."""
+
+    name: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
+              | PreflightStop | ProcessStarted | ProcessEnded | OverrideFailed | OtherEvent)
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return None if v is None or isinstance(v, bool) else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_event(d: dict[str, Any]) -> ChildEvent:
+    """One event line, typed. Missing or malformed fields read as None, never an exception.
+
+    >>> parse_event({"event": "step", "step": 3, "peak": 100})
+    StepDone(step=3, peak=100, reserved=None, final=False, pid=None)
+    >>> parse_event({"event": "resume", "checkpoint": "x"}).name
+    'resume'
+    """
+    name = d.get("event")
+    dict_or = lambda v: v if isinstance(v, dict) else {}  # noqa: E731
+    who = {"pid": _int(d.get("pid")), "rank": _int(d.get("rank"))}
+    if name in ("config", "trainer"):
+        return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")),
+                        **who)
+    if name == "model":
+        reaches = d.get("reaches")
+        return ModelSeen(d.get("config") if isinstance(d.get("config"), dict) else None, _int(d.get("params")),
+                         d.get("dtype"), tuple(str(r) for r in reaches) if isinstance(reaches, list) else ())
+    if name == "dataset":
+        return DatasetSeen(_int(d.get("rows")), _int(d.get("prompt_tokens_max")), _int(d.get("prompt_tokens_p95")),
+                           _int(d.get("dropped")))
+    if name == "train_begin":
+        return TrainBegin(_int(d.get("step")) or 0, _int(d.get("max_steps")) or None, str(d.get("save_strategy") or ""),
+                          d.get("output_dir"))
+    if name in ("step", "train_end"):
+        return StepDone(_int(d.get("step")), _int(d.get("peak")), _int(d.get("reserved")), name == "train_end",
+                        _int(d.get("pid")))
+    if name == "checkpoint":
+        return CheckpointSaved(_int(d.get("step")), d.get("path"))
+    if name == "oom":
+        return OOMRaised(_int(d.get("step")), d.get("phase"), d.get("path"), **who)
+    if name == "generated" and d.get("kind"):
+        return ConfigGenerated(str(d["kind"]), d.get("path"), d.get("config"), d.get("replaces"))
+    if name == "predicted":
+        return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
+                             before=str(d.get("before") or "generates"), **who)
+    if name == "start":
+        return ProcessStarted(where=d.get("where") if isinstance(d.get("where"), str) else None,
+                              helper=d.get("helper") is True, **who)
+    if name == "end" and isinstance(d.get("how"), str):
+        reached = d.get("reached")
+        return ProcessEnded(d["how"], code=_int(d.get("code")), error=d.get("error"), path=d.get("path"),
+                            reached=tuple(str(r) for r in reached) if isinstance(reached, list) else (), **who)
+    if name == "override_error":
+        return OverrideFailed(str(d.get("where") or ""), str(d.get("error") or ""), tuple(d.get("overrides") or ()))
+    return OtherEvent(str(name), dict(d))
+
+
+def read_events(path: str | os.PathLike[str]) -> list[ChildEvent]:
+    """The events a training process appended, typed; a torn last line (a crash mid-write) is skipped."""
+    try:
+        with open(path, "rb") as f:
+            return [parse_event(d) for d in _json_dicts(f.read().split(b"\n"))]
+    except OSError:
+        return []
+
+
+def _json_dicts(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON objects among ``lines``; blank, torn or non-object lines are skipped."""
+    out: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+class EventTail:
+    """Reads the events a running attempt appends, as they arrive (only whole lines)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.pos = 0
+        self.buf = b""
+
+    def poll(self) -> list[ChildEvent]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        return [parse_event(d) for d in _json_dicts(lines)]
