@@ -1,0 +1,192 @@
+"""One job on several nodes: the group of oomguards (oomguard/run/group.py, follower.py).
+
+The protocol is tested pure (membership from every source, sessions, a silent node); the end-to-end cases run two
+supervisors on this machine, one per node of a 2-node torchrun job with a c10d rendezvous on localhost, as
+``srun oomguard run -- torchrun --nnodes 2 --node_rank $SLURM_NODEID ...`` would on two nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from oomguard.run.group import Group, GroupError, Membership, membership_of
+
+from helpers import PYTHON, SCRIPTS, TINY, TORCHRUN, free_port
+
+
+# -- who is which node ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, node, nodes, source", [
+    (["torchrun", "--nnodes", "2", "--node_rank", "1", "t.py"], 1, 2, "torchrun"),
+    (["python", "-m", "torch.distributed.run", "--nnodes=4", "--node-rank=3", "t.py", "--nnodes", "9"], 3, 4,
+     "torchrun"),
+    (["torchrun", "--nnodes", "2:2", "--node_rank", "0", "t.py"], 0, 2, "torchrun"),
+    (["accelerate", "launch", "--num_machines", "2", "--machine_rank", "1", "t.py"], 1, 2, "accelerate launch"),
+])
+def test_the_node_is_read_from_the_launchers_own_arguments(argv, node, nodes, source):
+    m = membership_of(argv, {})
+    assert (m.node, m.nodes, m.source, m.leader) == (node, nodes, source, node == 0)
+
+
+def test_a_slurm_step_names_the_node_and_the_job():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1"}
+    m = membership_of(["python", "t.py"], env, workdir="/shared/wd")
+    assert (m.node, m.nodes, m.job, m.root, m.source) == (1, 2, "4242.1", "/shared/wd/group", "Slurm")
+    # the batch script itself (no step) runs one oomguard, whatever the allocation's size
+    assert membership_of(["python", "t.py"], {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "0"}) is None
+
+
+def test_options_win_and_the_group_directory_comes_from_the_option_then_the_environment():
+    argv = ["torchrun", "--nnodes", "2", "--node_rank", "1", "t.py"]
+    assert membership_of(argv, {}, node=0, group="/g").node == 0
+    assert membership_of(argv, {"OOMGUARD_GROUP": "/env"}).root == "/env"
+    assert membership_of(argv, {"OOMGUARD_GROUP": "/env"}, group="/opt").root == "/opt"
+    assert membership_of(["python", "t.py"], {}, nodes=2, node=1).nodes == 2
+    assert membership_of(["torchrun", "--nnodes", "1", "t.py"], {}) is None
+    assert membership_of(["python", "train.py", "--nnodes", "2"], {}) is None  # the script's own argument
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["torchrun", "--nnodes", "2", "t.py"], {}, "--node-rank"),
+    (["torchrun", "--nnodes", "2", "--node_rank", "2", "t.py"], {}, "not below the node count 2"),
+    (["torchrun", "--nnodes", "1:4", "--node_rank", "0", "t.py"], {}, "fixed number of nodes"),
+    (["python", "t.py"], {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "0",
+                          "SLURM_LOCALID": "1"}, "--ntasks-per-node=1"),
+])
+def test_a_membership_that_cannot_be_known_says_what_to_pass(argv, env, words):
+    with pytest.raises(GroupError, match=words.replace("-", r"\-").replace(".", r"\.")):
+        membership_of(argv, env)
+
+
+def test_the_cli_turns_a_membership_error_into_one_line(tmp_path):
+    out = subprocess.run([PYTHON, "-m", "oomguard", "run", "--workdir", str(tmp_path), "--", *TORCHRUN, "--nnodes",
+                          "2", TINY], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "this node's rank is not known" in out.stderr and "--node-rank" in out.stderr
+
+
+# -- the protocol ----------------------------------------------------------------------------------------------------
+def group(tmp: Path, node: int, nodes: int = 2, timeout: float = 30) -> Group:
+    return Group(Membership(node=node, nodes=nodes, root=str(tmp), job="j"), timeout=timeout, beat=False)
+
+
+def test_the_leader_decides_and_the_follower_adopts_its_end(tmp_path):
+    lead, follow = group(tmp_path, 0), group(tmp_path, 1)
+    lead.open()
+    follow.open(wait=2)
+    lead.assemble(wait=2)
+    assert follow.session == lead.session
+    lead.publish(1, {"kind": "probe", "plan": {"overrides": {"num_generations": 2}}})
+    assert follow.next_step(1, wait=2)["plan"]["overrides"] == {"num_generations": 2}
+    follow.ended(1, {"returncode": 0, "interrupted": None, "host_oom": ["oom-kill counter rose"]})
+    assert lead.gather(1)[1]["host_oom"] == ["oom-kill counter rose"]
+    lead.finish({"status": "stable", "exit_code": 0, "report": {"status": "stable"}})
+    assert follow.next_step(2, wait=2)["kind"] == "final"
+    assert follow.trouble() == "the leader (node 0) has ended the job"
+
+
+def test_a_follower_never_joins_a_finished_or_dead_session(tmp_path):
+    old = group(tmp_path, 0)
+    old.open()
+    old.finish({"status": "stable", "exit_code": 0, "report": {}})  # an earlier job in the same directory
+    with pytest.raises(GroupError, match="no leader"):
+        group(tmp_path, 1).open(wait=0.6)
+    new = group(tmp_path, 0)
+    time.sleep(1.1)  # a new session name
+    new.open()
+    follow = group(tmp_path, 1)
+    follow.open(wait=2)
+    assert follow.session == new.session != old.session
+
+
+def test_a_silent_node_ends_the_group_with_its_name(tmp_path):
+    lead, follow = group(tmp_path, 0, timeout=0.5), group(tmp_path, 1, timeout=0.5)
+    lead.open()
+    follow.open(wait=2)
+    lead.assemble(wait=2)
+    lead.publish(1, {"kind": "run", "plan": {}})
+    time.sleep(0.7)  # node 1 writes nothing more: it died with its node
+    with pytest.raises(GroupError, match=r"node 1 .*stopped answering.*not an OOM"):
+        lead.gather(1)
+    lead.fail("node 1 died")
+    with pytest.raises(GroupError, match="node 1 died"):
+        follow.next_step(2, wait=1)
+
+
+def test_a_node_that_never_joins_is_named(tmp_path):
+    lead = group(tmp_path, 0, nodes=3)
+    lead.open()
+    group(tmp_path, 1, nodes=3).open(wait=1)
+    with pytest.raises(GroupError, match=r"node\(s\) 2 did not join"):
+        lead.assemble(wait=0.6)
+
+
+# -- two nodes on this machine ----------------------------------------------------------------------------------------
+def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str) -> list[subprocess.Popen]:
+    port, procs = free_port(), []
+    for node in (0, 1):
+        cmd = [PYTHON, "-m", "oomguard", "run", "--report", str(tmp / f"report-{node}.json"), "--lock",
+               str(tmp / f"lock-{node}.json"), "--workdir", str(tmp / f"wd-{node}"), "--group", str(tmp / "group"),
+               *options, "--", *TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "job", TINY,
+               "--model", model, "--output-dir", str(tmp / "out")]
+        procs.append(subprocess.Popen(cmd, cwd=tmp, env={**os.environ, **env, "PYTHONPATH": str(SCRIPTS)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    return procs
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model):
+    env = {"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1",
+           "OOMGUARD_TEST_MARKER": str(tmp_path / "acted")}  # rank 1 (node 1) runs out of memory once
+    procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe")
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    reports = [json.loads((tmp_path / f"report-{n}.json").read_text()) for n in (0, 1)]
+    for key in ("status", "stable", "diff", "attempts", "exit_code"):
+        assert reports[0][key] == reports[1][key], key
+    lead = reports[0]
+    assert lead["status"] == "stable" and [a["outcome"] for a in lead["attempts"]] == ["oom", "ok"]
+    assert lead["diff"] and [r["node"] for r in (lead["group"], reports[1]["group"])] == [0, 1]
+    assert json.loads((tmp_path / "lock-1.json").read_text())["overrides"] == \
+        json.loads((tmp_path / "lock-0.json").read_text())["overrides"]
+    session = Path(lead["group"]["session"])
+    ended = [json.loads(line) for n in (0, 1) for line in
+             (session / "attempt-2" / f"events-node{n}.jsonl").read_text().splitlines()
+             if '"train_end"' in line]
+    assert sorted(e["rank"] for e in ended) == [0, 1]  # both ranks trained, one on each node
+    assert "node 0 decides" in outs[1][1] and "as node 0 decided" in outs[1][1]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_node_that_dies_ends_the_job_with_a_message_naming_it(tmp_path, tiny_model):
+    env = {"OOMGUARD_GROUP_TIMEOUT": "6", "OOMGUARD_TEST_ENDING": "sleep", "OOMGUARD_TEST_ENDING_RANK": "1"}
+    lead, follow = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe")
+    session = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # node 1's rank is in training: its node dies now (oomguard and all)
+        found = list((tmp_path / "group" / "job").glob("*/attempt-1/events-node1.jsonl"))
+        if found and '"train_begin"' in found[0].read_text():
+            session = found[0].parent.parent
+            break
+        time.sleep(0.5)
+    assert session is not None, follow.communicate(timeout=5)[1][-3000:]
+    rank = next(json.loads(line)["pid"] for line in (session / "attempt-1" / "events-node1.jsonl").read_text()
+                .splitlines() if '"train_begin"' in line)
+    os.killpg(os.getpgid(follow.pid), signal.SIGKILL)
+    os.killpg(os.getpgid(rank), signal.SIGKILL)
+    _, err = lead.communicate(timeout=300)
+    assert lead.returncode != 0 and "Traceback (most recent call last)" not in err.split("oomguard attempt 1")[-1]
+    report = json.loads((tmp_path / "report-0.json").read_text())
+    assert report["status"] == "failed" and "node 1" in report["message"]
+    assert "stopped answering" in report["message"] and "not an OOM" in report["message"]
+    assert (session / "failed.json").exists()
