@@ -61,3 +61,24 @@ def test_the_zero3_rung_generated_from_the_users_config_keeps_their_settings(tmp
     assert cfg["steps_per_print"] == 7 and cfg["zero_optimization"]["reduce_bucket_size"] == 1048576
     assert cfg["zero_optimization"]["contiguous_gradients"] is True
     assert json.loads(user.read_text())["zero_optimization"]["stage"] == 2  # the user's file is never changed
+
+
+def test_the_ladder_climbs_from_no_zero_to_zero2_and_the_lock_replays_it(tmp_path, wide_model):
+    """Plain DDP on two ranks runs out of memory (DDP keeps a bucket copy of the gradients); the multi-gpu ladder
+    climbs to ZeRO-2 through a generated DeepSpeed config; both ranks train; the lock replays the same config."""
+    cmd = torchrun(2, TINY, "--model", wide_model, "--output-dir", str(tmp_path / "out"))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "320MiB", "--no-probe", "--no-predict", "--ladder",
+                            "multi-gpu", "--", *cmd, env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert rep["attempts"][0]["outcome"] == "oom" and rep["stable"]["zero_stage"] == 2
+    knobs = {r["knob"] for r in rep["diff"]}
+    assert {"zero_stage", "deepspeed config"} <= knobs
+    last = len(rep["attempts"])
+    assert sorted(e["rank"] for e in events(tmp_path, last) if e["event"] == "train_end") == [0, 1]
+    lock = tmp_path / "lock.json"
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    out, rep2 = run_oomguard(replay, "--simulate-gpu", "320MiB", "--config", str(lock), "--", *cmd,
+                             env=env_without_launchers())
+    assert rep2 is not None and rep2["status"] == "stable", out.stderr[-3000:]
+    assert len(rep2["attempts"]) == 1 and rep2["attempts"][0]["knobs"]["zero_stage"] == 2

@@ -113,3 +113,17 @@ def test_replaying_a_lock_says_what_was_done(tmp_path):
     assert "as it is" not in out.stderr and "nothing changed" not in out.stderr
     assert "replaying the 3 override(s) of" in out.stderr
     assert "replayed the lock's 3 override(s)" in out.stderr and rep["message"].startswith("the locked config fit")
+
+
+def test_a_failure_message_with_brackets_is_printed_as_it_is(tmp_path):
+    """A gloo error names its source as ``[/__w/.../pair.cc:553]``: rich must not read it as markup (it raised
+    MarkupError, and the run ended in a traceback instead of its report)."""
+    from oomguard.vocab.records import RunReport
+
+    rep = _console_reporter()
+    why = "rank 0 (pid 7) raised RuntimeError: Connection closed by peer [/__w/pytorch/gloo/pair.cc:553] [bold]"
+    rep.message(why)
+    rep.finish(RunReport(status="failed", attempts=[], original={}, stable=None, diff=[], message=why),
+               tmp_path / "r[1].json", None)
+    text = rep.out.file.getvalue()
+    assert text.count("[/__w/pytorch/gloo/pair.cc:553] [bold]") == 2 and "r[1].json" in text

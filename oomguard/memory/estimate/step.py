@@ -144,16 +144,21 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     if zs >= 3:
         weights //= n_dev
         reference //= n_dev
-    if k.offload_optimizer or k.fsdp_offload:
+    # The simulated device is the CPU's memory: what a rung offloads to the CPU stays on it, counted as before.
+    offload_opt = bool(k.offload_optimizer or k.fsdp_offload) and not g.simulated
+    offload_params = bool(k.offload_params or k.fsdp_offload) and not g.simulated
+    if (k.offload_optimizer or k.offload_params or k.fsdp_offload) and g.simulated:
+        notes.append("the simulated device counts CPU memory: offloading to the CPU frees nothing on it")
+    if offload_opt:
         opt_state, opt_transient = 0, 0
         notes.append("optimizer state offloaded to the CPU")
-    if k.offload_params or k.fsdp_offload:
+    if offload_params:
         weights = reference = 0
         notes.append("parameters offloaded to the CPU: only the gathered layer is on the device")
     if zs or k.fsdp_offload:
         notes.append("sharding and offload are modelled roughly")
     gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
-              if zs >= 3 or k.offload_params or k.fsdp_offload else 0)
+              if zs >= 3 or offload_params else 0)
     # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
     # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
     # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
