@@ -225,9 +225,12 @@ def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -
 def install_excepthooks(rt: Runtime) -> None:
     """An uncaught OOM writes the CrashRecord (with the full traceback), prints the last frames of the traceback,
     and exits with EXIT_OOM. A traceback handler of the script's own (rich, IPython) is left to print as it does."""
-    from ..oom.parse import is_oom
-
     prev = sys.excepthook
+
+    def is_oom(e: BaseException) -> bool:  # the parsers load only when an exception reaches here
+        from ..oom.parse import is_oom
+
+        return is_oom(e)
 
     def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
         if not is_oom(value):

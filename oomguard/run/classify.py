@@ -29,9 +29,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..oom.analyze import finding, finding_from_crash, finding_from_hit
-from ..oom.diagnose import diagnose
-from ..oom.parse import scan_text
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs
 from ..vocab.oomreport import OOMReport
@@ -203,7 +200,11 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         return attempt, None
     ranks = Ranks.of(events)
     crash = crash_record(adir, warn, skip=ranks.recovered)
+    # What reads an OOM (compiled patterns, the analysis) loads only where one may be: a clean end pays nothing for it.
     if crash is not None:
+        from ..oom.analyze import finding_from_crash
+        from ..oom.diagnose import diagnose
+
         d = diagnose(crash.report, crash.frames, phase=crash.phase)
         attempt.outcome = Outcome.OOM
         attempt.oom = finding_from_crash(str(adir / "crash"), crash)
@@ -229,6 +230,9 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
                   else f"{ranks.who(silent[0])} was killed without a word (the command exited {res.exit_code})")
         report = OOMReport(backend="host", origin="oom-killer",
                            message=f"the training process was {victim}: " + "; ".join(res.host_oom))
+        from ..oom.analyze import finding
+        from ..oom.diagnose import diagnose
+
         d = diagnose(report)
         d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
         attempt.outcome = Outcome.OOM
@@ -236,10 +240,15 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         return attempt, d
     clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
     if not clean and (silent or said is None):  # a process that died before it could say why: read its output
+        from ..oom.parse import scan_text
+
         hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
         if hits:
             hit = hits[-1]
             attempt.outcome = Outcome.OOM
+            from ..oom.analyze import finding_from_hit
+            from ..oom.diagnose import diagnose
+
             attempt.oom = finding_from_hit("stderr", hit)
             return attempt, diagnose(hit.report, hit.frames)
     if clean:

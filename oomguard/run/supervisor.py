@@ -27,7 +27,6 @@ from typing import Any, Protocol
 from ..decide.choose import Choice
 from ..decide.climb import Climb
 from ..decide.ladder import Exhausted, Ladder, Step
-from ..decide.plan import Guide
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
 from ..vocab import allocconf
@@ -143,9 +142,12 @@ class Supervisor:
         simulated = bool(options.simulate_gpu)
         self.sim_context = (context_for(options.simulate_gpu, options.simulate_context) if simulated else None)
         self.device: dict[str, Any] = {}  # what the training process measured about the device (event `device`)
-        self.guide = (Guide(self.capacity, simulated=simulated, context=self.sim_context,
-                            device_name=None if simulated else gpu_name(), warn=reporter.message)
-                      if options.predict and self.capacity else None)
+        self.guide: Any = None  # the memory model (decide.plan.Guide), loaded only where it can judge: a known size
+        if options.predict and self.capacity:
+            from ..decide.plan import Guide
+
+            self.guide = Guide(self.capacity, simulated=simulated, context=self.sim_context,
+                               device_name=None if simulated else gpu_name(), warn=reporter.message)
         self.minimizer = Minimizer()
         self.newly: list[str] = []  # rungs the last choice put in force (taken back if their overrides break)
         self.last_diag: Diagnosis | None = None  # the OOM the climb last answered
@@ -544,7 +546,7 @@ class Supervisor:
             peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
             them = "it" if len(ch.dropped) == 1 else "them"
             why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
-            if self.guide is not None and Guide.load_only(self.climb.facts):
+            if self.guide is not None and self.guide.load_only(self.climb.facts):
                 why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
                        "once GRPOTrainer is built")
             lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
