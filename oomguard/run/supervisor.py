@@ -546,7 +546,9 @@ class Supervisor:
             peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
             them = "it" if len(ch.dropped) == 1 else "them"
             why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
-            if self.guide is not None and self.guide.load_only(self.climb.facts):
+            from ..decide.plan import Guide  # loaded already where a guide judges
+
+            if self.guide is not None and Guide.load_only(self.climb.facts):
                 why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
                        "once GRPOTrainer is built")
             lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
