@@ -35,12 +35,8 @@ def options(knobs: Knobs, climb: Climb) -> dict[str, str]:
     {}
     """
     original = climb.original()
-    opts: dict[str, str] = {}
-    if knobs.expandable_segments and not original.expandable_segments:
-        opts["expandable_segments"] = "True"
-    if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != original.max_split_size_mb:
-        opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
-    return opts
+    return allocconf.added(knobs.expandable_segments, knobs.max_split_size_mb,
+                           had_expandable=original.expandable_segments, had_max_split=original.max_split_size_mb)
 
 
 def apply(knobs: Knobs, climb: Climb, isolate: bool) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..vocab.knobs import Knobs
 from ..vocab.records import REPORT_SCHEMA, AttemptKind, now_iso, publish
-from .command import UsageError
+from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import GroupError, GroupTail
 from .proc import run_attempt
 from .watch import PROBE_DIR_PREFIX, Watch
@@ -56,9 +56,9 @@ def follow(sup: Any) -> int:
                                       sup.interrupts, grace=sup.o.grace, echo=sup.o.echo,
                                       on_tick=lambda w=watch: sup._tick(w))
             except FileNotFoundError:
-                raise UsageError(f"command not found: {sup.argv[0]}", 127) from None
+                raise UsageError(f"command not found: {sup.argv[0]}", EXIT_NOT_FOUND) from None
             except PermissionError:
-                raise UsageError(f"permission denied: {sup.argv[0]} is not executable", 126) from None
+                raise UsageError(f"permission denied: {sup.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
             finally:
                 if scratch is not None:
                     shutil.rmtree(scratch, ignore_errors=True)

@@ -162,6 +162,7 @@ class Group:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = time.time()
+        self.failure: str | None = None  # why the group ended early, once this node knows
 
     # -- forming -------------------------------------------------------------------------------------------------
     def open(self, wait: float | None = None) -> None:
@@ -254,17 +255,20 @@ class Group:
         write_json_atomic(self.attempt_dir(index) / "plan.json", step)
 
     def trouble(self) -> str | None:
-        """Why this node must stop what it runs now: the group failed, the leader finished, or a node is silent."""
+        """Why this node must stop what it runs now: the group failed or a node fell silent (then ``failure`` says
+        why), or the leader ended the job."""
         assert self.session is not None
         failed = self._read(self.session / "failed.json")
         if failed is not None:
-            return str(failed.get("why", "the group failed"))
+            self.failure = str(failed.get("why", "the group failed"))
+            return self.failure
         if not self.m.leader and (self.session / "final.json").exists():
             return "the leader (node 0) has ended the job"
         for i in range(self.m.nodes):
             if i != self.m.node and not (self.session / f"done-node{i}").exists() and \
                     self._age(self._node_file(i)) > self.timeout:
-                return self._dead(i)
+                self.failure = self._dead(i)  # the caller fails the group with it (``fail``)
+                return self.failure
         return None
 
     def _dead(self, i: int) -> str:
@@ -322,6 +326,7 @@ class Group:
     def fail(self, why: str) -> None:
         """Any node: the group cannot go on (a node died); every node ends with ``why``."""
         assert self.session is not None
+        self.failure = why
         if not (self.session / "failed.json").exists():
             write_json_atomic(self.session / "failed.json", {"node": self.m.node, "why": why})
 

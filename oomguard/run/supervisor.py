@@ -290,10 +290,9 @@ class Supervisor:
             if why is None:
                 return None
             w.trouble_at = time.monotonic()
-            if self.group.session is not None and not (self.group.session / "final.json").exists() \
-                    and "stopped answering" in why:
-                self.group_failure = why
-                self.group.fail(why)
+            self.group_failure = self.group.failure
+            if self.group_failure is not None:
+                self.group.fail(self.group_failure)  # every node ends with it (the first word stays)
             self.ui.message(f"stopping this node's command: {why}")
         return signal.SIGKILL if time.monotonic() - w.trouble_at > self.o.grace else signal.SIGTERM
 
@@ -316,12 +315,8 @@ class Supervisor:
 
     def _alloc_options(self, knobs: Knobs) -> dict[str, str]:
         """The allocator options oomguard adds to the user's own for ``knobs``."""
-        opts: dict[str, str] = {}
-        if knobs.expandable_segments and not self.user_expandable:
-            opts["expandable_segments"] = "True"
-        if knobs.max_split_size_mb is not None and knobs.max_split_size_mb != self.user_max_split:
-            opts["max_split_size_mb"] = str(knobs.max_split_size_mb)
-        return opts
+        return allocconf.added(knobs.expandable_segments, knobs.max_split_size_mb,
+                               had_expandable=self.user_expandable, had_max_split=self.user_max_split)
 
     def _env_with(self, plan_path: Path, alloc: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)

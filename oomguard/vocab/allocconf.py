@@ -123,6 +123,21 @@ class UserSettings:
         return f"{self.variable}={self.text}" if self.expandable_segments is False else None
 
 
+def added(expandable_segments: bool | None, max_split_size_mb: int | None, *, had_expandable: bool | None,
+          had_max_split: int | None) -> dict[str, str]:
+    """The options a config adds to those its baseline already has (the user's own settings): nothing it shares.
+
+    >>> added(True, 128, had_expandable=False, had_max_split=128)
+    {'expandable_segments': 'True'}
+    """
+    opts: dict[str, str] = {}
+    if expandable_segments and not had_expandable:
+        opts["expandable_segments"] = "True"
+    if max_split_size_mb is not None and max_split_size_mb != had_max_split:
+        opts["max_split_size_mb"] = str(max_split_size_mb)
+    return opts
+
+
 def user_settings(env: Mapping[str, str]) -> UserSettings:
     """Read the user's own allocator settings from ``env``.
 
