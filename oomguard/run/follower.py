@@ -10,16 +10,13 @@ node names the same stable config and the same attempts.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..vocab.knobs import Knobs
 from ..vocab.records import REPORT_SCHEMA, AttemptKind, now_iso, publish
-from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import GroupError, GroupTail
-from .proc import run_attempt
 from .watch import PROBE_DIR_PREFIX, Watch
 
 EXIT_GROUP = 1  # the group ended early (a node died, the leader vanished)
@@ -50,18 +47,7 @@ def follow(sup: Any) -> int:
             sup.ui.attempt_start(index, int(step.get("max_attempts") or sup.o.max_attempts),
                                  list(step.get("actions") or []), dict(plan.get("overrides") or {}), kind)
             watch = Watch(kind, Knobs(), GroupTail(adir), sup._progress_state(index, kind, plan.get("remedies", [])))
-            try:
-                with sup.ui.live():
-                    res = run_attempt(sup.argv, sup._env_with(sup._write_plan(adir, plan), step.get("alloc") or {}),
-                                      sup.interrupts, grace=sup.o.grace, echo=sup.o.echo,
-                                      on_tick=lambda w=watch: sup._tick(w))
-            except FileNotFoundError:
-                raise UsageError(f"command not found: {sup.argv[0]}", EXIT_NOT_FOUND) from None
-            except PermissionError:
-                raise UsageError(f"permission denied: {sup.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
-            finally:
-                if scratch is not None:
-                    shutil.rmtree(scratch, ignore_errors=True)
+            res = sup._start(sup._env_with(sup._write_plan(adir, plan), step.get("alloc") or {}), watch, scratch)
             g.ended(index, {"returncode": res.returncode, "exit_code": res.exit_code, "interrupted": res.interrupted,
                             "host_oom": res.host_oom, "host_strong": res.host_strong, "survivors": res.survivors,
                             "seconds": round(res.seconds, 3)})

@@ -67,7 +67,7 @@ from .command import (
 from .follower import follow
 from .group import Group, GroupError, GroupTail, Membership
 from .minimize import Minimizer
-from .proc import Interrupts, process_alive, run_attempt
+from .proc import Interrupts, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
 from .verdict import conclude
 from .watch import PROBE_DIR_PREFIX, Watch
@@ -240,17 +240,7 @@ class Supervisor:
             self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
                                        c.actions_in_force(without), "max_attempts": self.o.max_attempts,
                                        "alloc": self._alloc_options(knobs)})
-        try:
-            with self.ui.live():
-                res = run_attempt(self.argv, self._env(self._write_plan(adir, plan), knobs), self.interrupts,
-                                  grace=self.o.grace, echo=self.o.echo, on_tick=lambda: self._tick(watch))
-        except FileNotFoundError:
-            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
-        except PermissionError:
-            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
-        finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+        res = self._start(self._env(self._write_plan(adir, plan), knobs), watch, scratch)
         if self.group is not None:
             self._gather(index, res, watch)
         self._watch(watch, live=False)  # the last lines the process wrote
@@ -274,6 +264,22 @@ class Supervisor:
             attempt.override_error = {"where": broke.where, "error": broke.error}
         self._teach_guide(attempt, diag)
         return attempt, diag
+
+    def _start(self, env: dict[str, str], watch: Watch, scratch: Path | None) -> ProcessResult:
+        """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
+        126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
+        writes a whole copy of it there."""
+        try:
+            with self.ui.live():
+                return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
+                                   on_tick=lambda: self._tick(watch))
+        except FileNotFoundError:
+            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
+        except PermissionError:
+            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
         name = f"plan-node{self.group.m.node}.json" if self.group else "plan.json"
