@@ -124,12 +124,20 @@ def install_exit_records(rt: Runtime) -> None:
 
 
 def install_hooks(rt: Runtime) -> None:
-    from . import patches
+    """The patches load with the first module they patch: a process that never imports TRL or transformers (a
+    launcher's helper, a data-preparation step) never pays for them."""
+    def patching(name: str) -> Any:
+        def patch(m: Any) -> None:
+            from . import patches
+
+            getattr(patches, name)(rt, m)
+
+        return patch
 
     when_imported("torch", lambda m: on_torch(rt, m))
-    when_imported("trl.trainer.grpo_config", lambda m: patches.patch_grpo_config(rt, m))
-    when_imported("trl.trainer.grpo_trainer", lambda m: patches.patch_grpo_trainer(rt, m))
-    when_imported("transformers.modeling_utils", lambda m: patches.patch_from_pretrained(rt, m))
+    when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
+    when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
+    when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
 
 
 def on_torch(rt: Runtime, torch: Any) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 from ..vocab.knobs import TRL_DEFAULTS, Knobs
 from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, Plan
-from ..vocab.records import CrashRecord
 from ..vocab.sizes import format_size
 
 
@@ -185,6 +184,7 @@ class Runtime:
         from ..oom.diagnose import phase_from_frames
         from ..oom.parse import oom_in_chain, report_from_exception
         from ..vocab.oomreport import Frame
+        from ..vocab.records import CrashRecord
 
         with self._lock:
             if self.crashed or not self.plan.crash_dir:

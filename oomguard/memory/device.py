@@ -38,6 +38,8 @@ def nvml_index(cuda_index: int, env: dict[str, str] | None = None) -> int | None
 
 
 def _nvml() -> Any:
+    if not _gpu_present():  # no driver here: NVML cannot answer, and a CPU machine need not load it
+        return None
     try:
         import pynvml
     except ImportError:
@@ -83,8 +85,10 @@ def _warn_once(text: str) -> None:
 
 
 def _gpu_present() -> bool:
-    """The NVIDIA driver's device files: this machine has a GPU, whatever NVML says."""
-    return os.path.exists("/dev/nvidiactl") or bool(_listdir("/proc/driver/nvidia/gpus"))
+    """The NVIDIA driver's device files: this machine has a GPU, whatever NVML says (``/dev/dxg``: WSL 2, where NVML
+    reaches the Windows driver without them)."""
+    return (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/dxg")
+            or bool(_listdir("/proc/driver/nvidia/gpus")))
 
 
 def _listdir(path: str) -> list[str]:

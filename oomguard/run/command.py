@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..vocab.knobs import TRL_DEFAULTS, check_values
-from ..vocab.records import LOCK_SCHEMA, RecordError, check_schema, read_json
+from ..vocab.records import read_json
+from ..vocab.schema import LOCK_SCHEMA, RecordError, check_schema
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)

@@ -189,6 +189,9 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
     src.close()
 
 
+TICK = 0.2  # seconds between looks at an attempt while it runs (signals, the supervisor's watch, host memory)
+
+
 def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts, *, grace: float = 20.0,
                 echo: bool = True, on_stdout: Callable[[bytes], None] | None = None,
                 on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
@@ -217,12 +220,11 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     if interrupts.signum is not None:  # a signal arrived while starting
         _killpg(proc.pid, interrupts.signum)
     killed_at: float | None = None
-    while True:
-        try:
-            rc = proc.wait(timeout=0.2)
-            break
-        except subprocess.TimeoutExpired:
-            pass
+    # A thread blocks in waitpid, so the end is seen the moment it comes: Popen.wait(timeout) polls with sleeps of
+    # up to 50 ms, a delay every attempt would pay.
+    ended = threading.Event()
+    threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
+    while not ended.wait(TICK):
         if interrupts.signum is not None:
             killed_at = killed_at or time.monotonic()
             if time.monotonic() - killed_at > grace:
@@ -232,6 +234,7 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
             if sig is not None:
                 _killpg(proc.pid, sig)
         watch.sample(proc.pid)
+    rc = proc.returncode
     if on_tick is not None:
         on_tick()  # the last events
     # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank): kill the group

@@ -34,7 +34,6 @@ from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
 from ..vocab.protocol import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from ..vocab.records import (
-    LOCK_SCHEMA,
     Attempt,
     AttemptKind,
     CheckpointSaved,
@@ -53,6 +52,7 @@ from ..vocab.records import (
     publish,
     write_json_atomic,
 )
+from ..vocab.schema import LOCK_SCHEMA
 from ..vocab.sizes import format_size
 from .classify import classify
 from .command import (

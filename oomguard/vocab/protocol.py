@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .records import PLAN_SCHEMA, check_schema
+from .schema import PLAN_SCHEMA, check_schema
 
 PLAN_ENV = "OOMGUARD_PLAN"
 SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"

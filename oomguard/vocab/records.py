@@ -27,15 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .oomreport import Frame, OOMReport
-
-CRASH_SCHEMA = "oomguard.crash/1"
-REPORT_SCHEMA = "oomguard.report/1"
-LOCK_SCHEMA = "oomguard.lock/1"
-PLAN_SCHEMA = "oomguard.plan/1"
-
-
-class RecordError(ValueError):
-    """A file that is not the record it should be; the message names the file and the reason."""
+from .schema import CRASH_SCHEMA, REPORT_SCHEMA, RecordError, check_schema
 
 
 def now_iso() -> str:
@@ -146,19 +138,6 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def check_schema(data: Any, expected: str, source: str) -> None:
-    """Raise RecordError unless ``data`` is a record of ``expected``'s kind and major version."""
-    if not isinstance(data, dict):
-        raise RecordError(f"{source}: not an oomguard record (expected a JSON object)")
-    schema = str(data.get("schema", ""))
-    kind, _, major = expected.partition("/")
-    got_kind, _, got_major = schema.partition("/")
-    if got_kind != kind:
-        raise RecordError(f"{source}: not an {kind} record (schema {schema or 'missing'})")
-    if got_major.split(".")[0] != major:
-        raise RecordError(f"{source}: {kind} schema version {got_major} is not supported (this oomguard reads {major})")
 
 
 @dataclass
