@@ -65,6 +65,7 @@ class Config:
     optim: str = "adamw_torch"
     dtype: str = "float32"
     beta: float = 0.0
+    bf16: bool = False  # mixed precision: TRL's default is True, which autocasts to bf16 on the CPU too
     extra: dict[str, Any] = field(default_factory=dict)
 
     def knobs(self) -> Any:
@@ -74,6 +75,7 @@ class Config:
             max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
             gradient_accumulation_steps=self.GA, gradient_checkpointing=self.gc, optim=self.optim, dtype=self.dtype,
             lora_r=self.lora_r, lora_target_modules="all-linear" if self.lora_r else None, beta=self.beta,
+            bf16=self.bf16, fp16=False,
         )
 
     def label(self) -> str:
@@ -82,6 +84,8 @@ class Config:
                  "8bit" if "8bit" in self.optim else "adamw"]
         if self.beta:
             parts.append(f"beta{self.beta}")
+        if self.bf16:
+            parts.append("autocast")
         return " ".join(parts)
 
 
@@ -105,6 +109,15 @@ GRID: list[Config] = [
     replace(BASE, name="qwen-full-nogc-b8", arch="qwen", gc=False, B=8, G=8, C=64),
     replace(BASE, name="qwen-lora16", arch="qwen", lora_r=16),
     replace(BASE, name="qwen-full-bf16-8bit", arch="qwen", dtype="bfloat16", optim="adamw_bnb_8bit"),
+    # TRL's default bf16=True: float32 weights under bf16 autocast, as a script that keeps TRL's defaults runs on CPU
+    replace(BASE, name="llama-full-autocast", bf16=True),
+    replace(BASE, name="llama-full-autocast-b8", bf16=True, B=8, G=8, P=56, C=96),
+    replace(BASE, name="llama-full-autocast-nogc", bf16=True, gc=False),
+    replace(BASE, name="llama-lora16-autocast", bf16=True, lora_r=16),
+    replace(BASE, name="llama-lora16-autocast-nogc", bf16=True, lora_r=16, gc=False),
+    replace(BASE, name="llama-full-autocast-8bit", bf16=True, optim="adamw_bnb_8bit"),
+    replace(BASE, name="qwen-full-autocast", arch="qwen", bf16=True),
+    replace(BASE, name="qwen-lora16-autocast", arch="qwen", bf16=True, lora_r=16),
 ]
 QUICK = ["llama-full-c128", "llama-full-nogc", "llama-lora16", "qwen-full-c128"]
 
@@ -176,7 +189,7 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     dev = simulate.start(64 * 2**30, expandable=False)
 
     trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=64,
-                            model_init_kwargs={"dtype": cfg.dtype}, bf16=False, use_cpu=True)
+                            model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True)
     dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
     resident = dev.model.allocated
     dev.reset_peak()

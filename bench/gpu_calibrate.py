@@ -85,6 +85,7 @@ class GPUConfig(Config):
     optim: str = "adamw_torch_fused"
     qlora: bool = False
     expandable: bool = False
+    bf16: bool = True  # TRL's default: bf16 autocast (the H100 rows ran with it)
 
     def knobs(self) -> Any:
         return super().knobs().replace(load_in_4bit=self.qlora, expandable_segments=self.expandable)
@@ -227,7 +228,7 @@ def train(cfg: GPUConfig, model_dir: str, out_dir: str) -> dict[str, Any]:
             bnb_4bit_use_double_quant=True)
     trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=256,
                             model_init_kwargs={"dtype": "bfloat16" if cfg.qlora else cfg.dtype},
-                            trainer_kwargs=kwargs)
+                            trainer_kwargs=kwargs, bf16=cfg.bf16)
     torch.cuda.synchronize()
     resident = int(torch.cuda.memory_allocated())
     phases = CudaPhases(torch)

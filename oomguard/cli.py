@@ -339,6 +339,8 @@ KNOB_MEANINGS: dict[str, str] = {
                               "(transformers 5: activation_checkpointing)",
     "optim": "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",
     "dtype": "the dtype the model is loaded in: float32, bfloat16, float16 or auto",
+    "bf16": "bf16 mixed precision (autocast), GPU or CPU; TRL turns it on unless fp16 is set",
+    "fp16": "fp16 mixed precision (autocast)",
     "lora_r": "LoRA rank; 0 trains every weight (LoRA is injected as peft_config)",
     "lora_alpha": "LoRA scaling alpha",
     "lora_target_modules": "the modules LoRA adapts: names (q_proj,v_proj) or all-linear",

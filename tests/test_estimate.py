@@ -149,7 +149,7 @@ def test_optimizer_term_in_estimate():
 # -- T7: activations ---------------------------------------------------------------------------------------------------
 
 def _regime(**kw):
-    base = dict(b_w=2, b_res=2, b_c=2, autocast_cast=False, simulated=False, quant4=False, lora=False, r=0,
+    base = dict(b_w=2, b_res=2, b_c=2, autocast=True, autocast_cast=False, simulated=False, quant4=False, lora=False, r=0,
                 targets=frozenset(), b_a=4)
     return _Regime(**{**base, **kw})
 
@@ -158,8 +158,9 @@ def test_activation_bytes_per_token():
     h, i, a = 2048, 8192, 32
     # bf16 full fine-tune: 26h + 8i (research §3 T7) plus the fp32 logsumexp per head
     assert _activation_bytes_per_token(LLAMA1B, _regime()) == 26 * h + 8 * i + 4 * a
-    # fp32 activations (the simulated device without autocast)
-    assert _activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, b_c=4, simulated=True)) == 44 * h + 16 * i + 4 * a
+    # fp32 activations (bf16=False: no autocast, on any device)
+    assert _activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, b_c=4, autocast=False, simulated=True)) == \
+        44 * h + 16 * i + 4 * a
     # fp32 master weights under bf16 autocast: every Linear casts its fp32 input
     assert _activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, autocast_cast=True)) == 36 * h + 8 * i + 4 * a
     # LoRA on a bf16 base, fp32 adapters under autocast: frozen norms save no normalised copy, each adapted Linear
@@ -317,7 +318,8 @@ def test_defaults_follow_trl():
 
 
 # Peaks measured on the simulated device by `python bench/cpu_calibrate.py` (real TRL 1.16 GRPO steps, P=32, B=4,
-# G=4, adamw_torch, tiny random models): the simulated-device coefficients must keep reproducing them.
+# G=4, adamw_torch, tiny random models): the simulated-device coefficients must keep reproducing them. The first five
+# ran with bf16=False (no autocast); the last four with TRL's default bf16=True, which autocasts on the CPU too.
 TINY_LLAMA = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
 TINY_QWEN = ModelSpec(40000, 128, 2, 4, 2, 32, 512, True, qkv_bias=True, model_type="qwen2")
 CPU_MEASURED = [
@@ -326,6 +328,10 @@ CPU_MEASURED = [
     (TINY_LLAMA, dict(max_completion_length=128, optim="adamw_bnb_8bit"), 159_313_920),
     (TINY_LLAMA, dict(max_completion_length=128, dtype="bfloat16", lora_r=16), 95_756_800),
     (TINY_QWEN, dict(max_completion_length=128), 783_294_976),
+    (TINY_LLAMA, dict(max_completion_length=128, bf16=True), int(134.9 * 2**20)),
+    (TINY_LLAMA, dict(max_completion_length=128, bf16=True, gradient_checkpointing=False), int(179.2 * 2**20)),
+    (TINY_LLAMA, dict(max_completion_length=128, bf16=True, lora_r=16), int(102.5 * 2**20)),
+    (TINY_QWEN, dict(max_completion_length=128, bf16=True), int(715.4 * 2**20)),
 ]
 
 
@@ -333,7 +339,7 @@ CPU_MEASURED = [
 def test_simulated_device_calibration(spec, changes, measured):
     k = TRL_DEFAULTS.replace(per_device_train_batch_size=4, num_generations=4,
                              lora_target_modules="all-linear" if changes.get("lora_r") else None,
-                             **{"dtype": "float32", "optim": "adamw_torch", **changes})
+                             **{"dtype": "float32", "optim": "adamw_torch", "bf16": False, **changes})
     e = estimate(spec, k, prompt_tokens=32, simulated=True)  # simulated: Coefficients.for_simulated() by default
     assert e.peak_alloc_bytes == pytest.approx(measured, rel=0.02)
 
@@ -345,7 +351,7 @@ WIDE_ONE_LAYER = ModelSpec(724, 1024, 1, 8, 2, 128, 4096, True)
 
 def test_a_one_layer_models_backward_holds_activations_or_gradients_not_both():
     k = TRL_DEFAULTS.replace(max_completion_length=128, num_generations=4, per_device_train_batch_size=4,
-                             dtype="float32", optim="adamw_bnb_8bit")
+                             dtype="float32", optim="adamw_bnb_8bit", bf16=False)
     e = estimate(WIDE_ONE_LAYER, k, prompt_tokens=14, simulated=True)
     assert e.peak_alloc_bytes == pytest.approx(201_499_136, rel=0.03)  # measured: the scenario's probe and run
 

@@ -66,6 +66,8 @@ AXES: dict[str, list[Any]] = {
     "offload_optimizer": [None, True],
     "offload_params": [None, True],
     "fsdp_offload": [None, True],
+    "bf16": [None, True, False],
+    "fp16": [None, True],
 }
 COEFFICIENTS: dict[str, Coefficients | None] = {
     "default": None,

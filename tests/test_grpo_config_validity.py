@@ -37,7 +37,8 @@ STARTS = [
 
 def grpo_config(knobs, world_size):
     kw = {name: getattr(knobs, name) for name in CONFIG_KNOBS
-          if getattr(knobs, name) is not None and name not in ("use_vllm", "vllm_mode", "dataloader_prefetch_factor")}
+          if getattr(knobs, name) is not None
+          and name not in ("use_vllm", "vllm_mode", "dataloader_prefetch_factor", "bf16", "fp16")}
     kw["activation_checkpointing"] = knobs.gradient_checkpointing
     if knobs.optim and "bnb" not in knobs.optim and "8bit" not in knobs.optim:
         kw["optim"] = knobs.optim

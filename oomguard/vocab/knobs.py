@@ -35,7 +35,8 @@ class Knobs:
     ``expandable_segments`` and ``max_split_size_mb`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
     from the dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
     ``load_in_4bit`` (adapters and quantisation injected at the trainer), ``zero_stage``/``offload_*`` (DeepSpeed
-    through accelerate), ``fsdp_offload``.
+    through accelerate), ``fsdp_offload``. ``bf16``/``fp16`` (mixed precision: autocast) are read from the script for
+    the memory model; no rung changes them.
     """
 
     expandable_segments: bool | None = None
@@ -51,6 +52,8 @@ class Knobs:
     gradient_checkpointing: bool | None = None
     optim: str | None = None
     dtype: str | None = None
+    bf16: bool | None = None
+    fp16: bool | None = None
     lora_r: int | None = None
     lora_alpha: int | None = None
     lora_target_modules: tuple[str, ...] | str | None = None
@@ -317,6 +320,8 @@ TRL_DEFAULTS = Knobs(
     gradient_checkpointing=True,
     optim="adamw_torch_fused",
     dtype="float32",
+    bf16=True,  # TRL 1.16 turns bf16 autocast on unless fp16 is set (GRPOConfig.__post_init__), on CPU too
+    fp16=False,
     lora_r=0,
     lora_alpha=None,
     lora_target_modules=None,
@@ -345,7 +350,7 @@ REACH: dict[str, frozenset[str]] = {
         "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
         "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
         "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing", "zero_stage",
-        "offload_optimizer", "offload_params", "fsdp_offload",
+        "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
     "model": frozenset({"dtype", "load_in_4bit"}),

@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=8)
     p.add_argument("--long-prompts", type=int, default=0, help="this many extra prompts 8x longer")
     p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--trl-precision", action="store_true",
+                   help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
     p.add_argument("--fail-with", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
@@ -103,7 +105,7 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        bf16=False,
+        **({} if a.trl_precision else {"bf16": False}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
         generation_kwargs={"min_new_tokens": a.max_completion_length},

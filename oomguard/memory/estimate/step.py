@@ -44,11 +44,13 @@ def _regime(spec: ModelSpec, k: Knobs, simulated: bool) -> _Regime:
     lora = r > 0
     if quant4 and not lora:
         raise EstimateError("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
-    # GPU: TRL's bf16=True default means bf16 autocast; on the simulated device the script trains without autocast.
-    # PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under 4-bit
-    # (grpo_trainer.py:532-541).
-    return _Regime(b_w=b_w, b_res=b_w, b_c=b_w if simulated else 2, autocast_cast=(not simulated) and b_w == 4,
-                   simulated=simulated, quant4=quant4, lora=lora, r=r,
+    # Mixed precision is what the script asked for: TRL's bf16=True default autocasts matmuls to bf16, on a GPU and
+    # on the CPU (accelerate's autocast on the simulated device too); bf16=False and fp16=False compute in the
+    # weights' dtype. PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under
+    # 4-bit (grpo_trainer.py:532-541).
+    autocast = bool(k.bf16 or k.fp16)
+    return _Regime(b_w=b_w, b_res=b_w, b_c=2 if autocast else b_w, autocast=autocast,
+                   autocast_cast=autocast and b_w == 4, simulated=simulated, quant4=quant4, lora=lora, r=r,
                    targets=frozenset(_targets(k.lora_target_modules)) if lora else frozenset(),
                    b_a=2 if quant4 else 4)
 

@@ -29,7 +29,8 @@ class _Regime:
     b_w: int  # stored weight dtype (non-quantised tensors)
     b_res: int  # residual stream / norms / hidden states
     b_c: int  # matmul outputs and most saved activations
-    autocast_cast: bool  # fp32 master weights under bf16 autocast: every Linear input/weight is cast
+    autocast: bool  # mixed precision (bf16 or fp16 autocast), on a GPU or on the CPU
+    autocast_cast: bool  # fp32 master weights under autocast: every Linear input/weight is cast
     simulated: bool
     quant4: bool
     lora: bool
@@ -60,7 +61,7 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
     norm = 4 * h + (b_res * h if full else 0)
     total = 2 * norm
 
-    autocast = not g.simulated  # on a GPU TRL trains under bf16 autocast (bf16=True by default)
+    autocast = g.autocast
 
     def consumers_of(width: int, modules: tuple[str, ...], b_x: int) -> int:
         """Bytes saved for one input of ``width`` elements and ``b_x`` bytes each, read by ``modules``."""
