@@ -60,6 +60,18 @@ def test_a_graded_knob_is_relaxed_to_the_closest_value_that_fits():
     assert replay(TRL_DEFAULTS, c.rungs)[0] == c.knobs
 
 
+def test_relaxing_stops_where_the_stricter_judge_says_but_the_rungs_are_chosen_by_fits():
+    """Relaxing pushes a config to the device's edge, so the Guide judges it with more room (``relax_fits``): the
+    completions relax only to 352, though 448 is predicted to fit; which rungs are kept still follows ``fits``."""
+    c = choose(TRL_DEFAULTS, rungs("expandable_segments", "shorter_sequences"), lambda k: memory(k) <= 21.3,
+               order=ORDER, relax_fits=lambda k: memory(k) <= 20.3)
+    assert c is not None and c.knobs.max_completion_length == 352, c.knobs
+    assert [r.name for r in c.rungs] == ["expandable_segments", "shorter_sequences"]
+    loose = choose(TRL_DEFAULTS, rungs("expandable_segments", "shorter_sequences"), lambda k: memory(k) <= 21.3,
+                   order=ORDER)
+    assert loose is not None and loose.knobs.max_completion_length == 448
+
+
 def test_a_free_rung_stays_when_it_lets_a_graded_knob_stay_closer_to_yours():
     """Allocator settings trade nothing: with them, completions relax to 288 tokens; without, only 256 fit. The run
     that keeps more of the user's completions wins over the one with one change fewer."""

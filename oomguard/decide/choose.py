@@ -172,12 +172,15 @@ class Preference:
 
 def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool], *, order: Sequence[str] = (),
            facts: RunFacts | None = None, avoid: Collection[Knobs] = (), user: Knobs | None = None,
-           peak: Callable[[Knobs], int | None] | None = None) -> Choice | None:
+           peak: Callable[[Knobs], int | None] | None = None,
+           relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
     """The best config below ``climbed`` that ``fits``; None when none does (not even all of them).
 
     ``start`` is where the rungs replay from (the user's config, with a lock's pins); ``user`` is the user's own config
     that graded knobs relax towards (default ``start``). ``order`` lists the ladder's rung names (its preference);
-    ``peak`` (optional) gives a predicted peak, recorded for each dropped rung.
+    ``peak`` (optional) gives a predicted peak, recorded for each dropped rung. ``relax_fits`` (default ``fits``)
+    judges the configs a graded knob is relaxed to: relaxing pushes a config to the device's edge, so a caller whose
+    predictions can be short there asks for more room.
 
     Two rounds: the subsets predicted to fit with the fewest costly trades (quality, then speed, then host; between
     equals, the earliest-listed) go on; each is relaxed, and the one whose graded knobs end closest to the user's
@@ -195,8 +198,8 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     def knobs_of(keep: Collection[str]) -> Knobs:
         return replay(start, [r for r in climbed if r.name in keep], facts)[0]
 
-    def ok(k: Knobs) -> bool:
-        return k not in avoid_set and fits(k)
+    def ok(k: Knobs, judge: Callable[[Knobs], bool] = fits) -> bool:
+        return k not in avoid_set and judge(k)
 
     def relax(keep: Collection[str]) -> tuple[list[Rung], Knobs, list[tuple[str, Any, Any]]]:
         """The graded rungs kept, the user's least preferred (latest-listed) first, each at the value closest to
@@ -212,7 +215,7 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
                 trial = [r for r in rungs[:first] if r.name != name] + [
                     Rung(remedy, rungs[first].diagnosis, values)] + [r for r in rungs[first + 1:] if r.name != name]
                 new = replay(start, trial, facts)[0]
-                if new != knobs and ok(new):
+                if new != knobs and ok(new, relax_fits or fits):
                     relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
                     rungs, knobs = trial, new
                     break

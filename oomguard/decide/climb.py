@@ -138,7 +138,8 @@ class Climb:
     # -- choosing ----------------------------------------------------------------------------------------------
     def choose_next(self, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
                     subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
-                    peak: Callable[[Knobs], int | None] | None = None) -> Decision:
+                    peak: Callable[[Knobs], int | None] | None = None,
+                    relax_fits: Callable[[Knobs], bool] | None = None) -> Decision:
         """After an out-of-memory attempt (the last one recorded): the config for the next one.
 
         Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
@@ -146,6 +147,7 @@ class Climb:
         the rungs the prediction says are not needed and relaxes graded knobs towards the user's values. When a
         chosen config runs out of memory, the model has learned from it and the choice is made again below the same
         ceiling (putting back part of what was dropped); only when nothing below it fits is the ladder climbed on.
+        ``relax_fits`` (default ``fits``) judges how far graded knobs are relaxed (``choose``).
         """
         before = self.effective()[0]
         start = self.original().merged(self.pinned)
@@ -154,7 +156,7 @@ class Climb:
         skipped: dict[str, str] = {}
         choice = None
         if fits is not None and pruned:
-            choice = self._choose(start, fits, peak)
+            choice = self._choose(start, fits, peak, relax_fits)
         if choice is None:
             ceiling = replay(start, self.climbed, self.facts)[0]
             used = Counter(r.name for r in self.climbed)
@@ -174,7 +176,7 @@ class Climb:
                 for n, why in s.skipped:
                     skipped.setdefault(n, why)
             self.climbed += [Rung(s.remedy, diag) for s in steps]
-            choice = self._choose(start, fits, peak) if fits is not None else None
+            choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
         after = self.effective()[0]
@@ -182,8 +184,8 @@ class Climb:
         return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
                         skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
 
-    def rechoose(self, fits: Callable[[Knobs], bool],
-                 peak: Callable[[Knobs], int | None] | None = None) -> Choice | None:
+    def rechoose(self, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None = None,
+                 relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
         """After a probe fits: make the choice again below the same ceiling, with what the probe taught the model.
 
         The new choice is put in force only when the user would prefer it (``Preference``: fewer or cheaper trades,
@@ -195,7 +197,7 @@ class Climb:
         if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]
-        choice = self._choose(self.original().merged(self.pinned), fits, peak)
+        choice = self._choose(self.original().merged(self.pinned), fits, peak, relax_fits)
         if choice is None or choice.knobs == current:
             return None
         pref = Preference.of(self.climbed, self._order(), self.original())
@@ -220,13 +222,15 @@ class Climb:
     def _order(self) -> list[str]:
         return [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
 
-    def _choose(self, start: Knobs, fits: Callable[[Knobs], bool],
-                peak: Callable[[Knobs], int | None] | None) -> Choice | None:
-        def shown_or_predicted(k: Knobs) -> bool:  # a config a probe ran fits, whatever the model now says
-            return k in self.verified or fits(k)
+    def _choose(self, start: Knobs, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None,
+                relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
+        def shown_or(judge: Callable[[Knobs], bool]) -> Callable[[Knobs], bool]:
+            # a config a probe ran fits, whatever the model now says
+            return lambda k: k in self.verified or judge(k)
 
-        return choose(start, self.climbed, shown_or_predicted, order=self._order(), facts=self.facts,
-                      avoid=self.failed, user=self.original(), peak=peak)
+        return choose(start, self.climbed, shown_or(fits), order=self._order(), facts=self.facts,
+                      avoid=self.failed, user=self.original(), peak=peak,
+                      relax_fits=shown_or(relax_fits) if relax_fits is not None else None)
 
     def take_back(self, names: list[str], why: str) -> None:
         """Take rungs out for good because applying them broke the launch (an error in oomguard's own overrides, not

@@ -23,6 +23,7 @@ from ..memory.calibration import builtin_description, load_calibration, machine_
 from ..memory.estimate import (
     DEVICE_OVERPREDICTION,
     SIMULATED_OVERPREDICTION,
+    SIMULATED_UNDERPREDICTION,
     STOP_ALLOWANCE,
     Coefficients,
     Estimate,
@@ -130,6 +131,9 @@ class Guide:
 
     ``margin`` is kept free on top of the predicted device peak when judging a config: the model's error on real
     GPUs (a few percent) and on the simulated device (about 1%) must not turn a predicted fit into an OOM.
+    ``relax_margin`` is kept free when a graded knob is relaxed towards the user's value: relaxing pushes a config to
+    the device's edge for a few tokens or rows, so it stops where the model can be wrong the other way (on the
+    simulated device, fragmentation up to 12% more than predicted; on a GPU the same ``margin``).
 
     ``doubt`` is the other side of that error: a config predicted over the device by less than this fraction may
     still fit (``plausible``), and only a probe can tell. It is the model's measured over-prediction
@@ -145,6 +149,7 @@ class Guide:
         self.capacity = capacity
         self.simulated = simulated
         self.margin = (0.02 if simulated else 0.05) if margin is None else margin
+        self.relax_margin = (SIMULATED_UNDERPREDICTION if simulated else self.margin) if margin is None else margin
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
@@ -243,14 +248,15 @@ class Guide:
                                    est.peak_alloc_bytes)
             self.coefficients = co
 
-    def judge(self, est: Estimate) -> bool:
-        """Whether a predicted peak fits the device with the margin to spare."""
-        return est.peak_bytes * (1 + self.margin) <= self.capacity
+    def judge(self, est: Estimate, margin: float | None = None) -> bool:
+        """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare."""
+        return est.peak_bytes * (1 + (self.margin if margin is None else margin)) <= self.capacity
 
-    def fits(self, facts: RunFacts) -> Any:
+    def fits(self, facts: RunFacts, margin: float | None = None) -> Any:
         """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
         doubt of one that ran out of memory in this run (or above it) does not fit, whatever the device's size
-        says: the model was wrong about that one, and as wrong about its neighbours."""
+        says: the model was wrong about that one, and as wrong about its neighbours. ``margin`` (default
+        ``self.margin``; ``self.relax_margin`` for relaxing graded knobs) is kept free."""
         spec = self.spec(facts)
         if spec is None:
             return None
@@ -261,14 +267,14 @@ class Guide:
                                       context=self.context)
                 except ValueError:
                     return False
-                return need * (1 + self.margin) <= self.capacity
+                return need * (1 + (self.margin if margin is None else margin)) <= self.capacity
 
             return load_fits
         ceiling = self.failed_ceiling(facts)
 
         def judge(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and self.judge(est) and (ceiling is None or est.peak_bytes < ceiling)
+            return est is not None and self.judge(est, margin) and (ceiling is None or est.peak_bytes < ceiling)
 
         return judge
 

@@ -243,7 +243,8 @@ class Guarded:
         guide = self._guide() if not self.takes_knobs else None
         decision = climb.choose_next(attempt.diagnosis, frozenset(fields), subject="the function",
                                      fits=self._fits(climb),
-                                     peak=guide.peak(climb.facts) if guide is not None else None)
+                                     peak=guide.peak(climb.facts) if guide is not None else None,
+                                     relax_fits=self._fits(climb, relax=True))
         record.climbed, record.skipped = decision.label(), decision.skipped_rows()
         record.choice = decision.choice.to_dict() if decision.choice is not None else None
         self._log_climb(decision, fields if self.takes_knobs else None)
@@ -314,9 +315,11 @@ class Guarded:
             self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), context=context) if cap else None
         return self._guide_obj
 
-    def _fits(self, climb: Climb) -> Any:
+    def _fits(self, climb: Climb, relax: bool = False) -> Any:
         guide = self._guide()
-        return guide.fits(climb.facts) if guide is not None and not self.takes_knobs else None
+        if guide is None or self.takes_knobs:
+            return None
+        return guide.fits(climb.facts, guide.relax_margin if relax else None)
 
 
 def _refuse_distributed() -> None:

@@ -474,7 +474,7 @@ class Supervisor:
         c = self.climb
         guide = self.guide if self.o.refine else None
         if guide is not None and self._room_for(2) and (fits := guide.fits(c.facts)) is not None:
-            choice = c.rechoose(fits, guide.peak(c.facts))
+            choice = c.rechoose(fits, guide.peak(c.facts), guide.fits(c.facts, guide.relax_margin))
             if choice is not None:
                 attempt.choice = {**choice.to_dict(), "after": "probe"}
                 self.ui.message("  re-chose with what the probe measured: a config closer to yours is predicted "
@@ -521,7 +521,8 @@ class Supervisor:
         before = set(c.remedies_in_force())
         fits = self.guide.fits(c.facts) if self.guide is not None else None
         peak = self.guide.peak(c.facts) if self.guide is not None else None
-        decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak)
+        relax = self.guide.fits(c.facts, self.guide.relax_margin) if self.guide is not None else None
+        decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak, relax_fits=relax)
         attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
         if decision.exhausted is not None:
             self.ui.decision([], decision.exhausted, {})

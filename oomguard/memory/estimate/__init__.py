@@ -66,7 +66,13 @@ coefficients and the measured errors), ``terms`` (the byte formulas T1-T9), ``st
 
 from __future__ import annotations
 
-from .coefficients import DEVICE_OVERPREDICTION, SIMULATED_OVERPREDICTION, STOP_ALLOWANCE, Coefficients
+from .coefficients import (
+    DEVICE_OVERPREDICTION,
+    SIMULATED_OVERPREDICTION,
+    SIMULATED_UNDERPREDICTION,
+    STOP_ALLOWANCE,
+    Coefficients,
+)
 from .model import EstimateError, ModelSpec, load_model_spec, lora_trainable_params
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
 from .phases import PHASES
@@ -78,6 +84,7 @@ __all__ = [
     "NF4_BYTES_PER_PARAM",
     "PHASES",
     "SIMULATED_OVERPREDICTION",
+    "SIMULATED_UNDERPREDICTION",
     "STOP_ALLOWANCE",
     "Coefficients",
     "Estimate",

@@ -14,6 +14,10 @@ DEVICE_OVERPREDICTION = 0.064
 # budget each configuration fits in was 1.05 to 1.26 times its allocated peak (bench/min_budget.py) against the fitted
 # 1 + f_frag = 1.14: up to 1.14 / 1.05 * 1.01 - 1 = 9.7% over.
 SIMULATED_OVERPREDICTION = 0.097
+# The other side: how far a config can need more than predicted there: 1.26 / 1.14 * 1.013 - 1 = 12%. Fragmentation
+# on a device of a few hundred MiB depends on the order and sizes of allocations (a real run's varying prompt lengths
+# fragment more than its probe), so a config predicted within this much of the device may run out of memory.
+SIMULATED_UNDERPREDICTION = 0.12
 # Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
 # beyond those on the measured ones.
 STOP_ALLOWANCE = 0.02
