@@ -7,6 +7,7 @@ every step of every ladder, from several starting geometries.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from types import SimpleNamespace
 
@@ -35,6 +36,9 @@ STARTS = [
 ]
 
 
+NEVER_CREATED = os.path.join(tempfile.gettempdir(), "oomguard-test-never-created")
+
+
 def grpo_config(knobs, world_size):
     kw = {name: getattr(knobs, name) for name in CONFIG_KNOBS
           if getattr(knobs, name) is not None
@@ -44,7 +48,8 @@ def grpo_config(knobs, world_size):
         kw["optim"] = knobs.optim
     else:
         kw.pop("optim", None)  # bitsandbytes names are checked by transformers at optimizer creation, not here
-    return trl.GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], **kw)
+    # GRPOConfig never creates its output_dir: a path that does not exist leaves nothing behind
+    return trl.GRPOConfig(output_dir=NEVER_CREATED, use_cpu=True, bf16=False, report_to=[], **kw)
 
 
 @pytest.mark.parametrize("ladder", sorted(available_ladders()))

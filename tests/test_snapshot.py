@@ -131,17 +131,15 @@ def test_real_snapshot_is_a_shortfall_under_its_allowance_not_fragmentation():
     assert "74.82 GiB free" in text and "yet this is not fragmentation" in text
 
 
-def test_a_full_device_infers_no_allowance():
+def test_a_full_device_infers_no_allowance(tmp_path):
     s = summarize(load_snapshot_bytes(pickle.dumps(snapshot())))  # 3 MiB free for a 30 MiB request
     assert s.allowance(s.oom_events[0]) is None
     assert s.to_dict()["oom_events"][0]["limited_by"] == "device"
-    (f,) = analyze_paths([_write(snapshot())]).findings
+    (f,) = analyze_paths([_write(snapshot(), tmp_path)]).findings
     assert f["allowed_bytes"] is None and "allowed_min_bytes" not in f
 
 
-def _write(snap) -> str:
-    import tempfile
-
-    p = Path(tempfile.mkdtemp()) / "snap.pickle"
+def _write(snap, where: Path) -> str:
+    p = where / "snap.pickle"
     p.write_bytes(pickle.dumps(snap))
     return str(p)
