@@ -2,8 +2,8 @@
 
 DeepSpeed installs on the CPU machines from its sdist, without building ops (``pip install --no-build-isolation
 deepspeed==0.19.8 einops``); it builds its shared-memory communication op on first use (about 30 s, then cached in
-``~/.cache/torch_extensions``). These tests are skipped where it is not installed; the suite's own set-up does not
-install it (see README, "Long runs and many GPUs").
+``~/.cache/torch_extensions``). The README's test command installs it; these tests are skipped where it is not
+installed (see README, "Long runs and many GPUs").
 """
 
 from __future__ import annotations
@@ -82,3 +82,20 @@ def test_the_ladder_climbs_from_no_zero_to_zero2_and_the_lock_replays_it(tmp_pat
                              env=env_without_launchers())
     assert rep2 is not None and rep2["status"] == "stable", out.stderr[-3000:]
     assert len(rep2["attempts"]) == 1 and rep2["attempts"][0]["knobs"]["zero_stage"] == 2
+
+
+def test_the_guided_climb_chooses_zero_from_the_per_rank_prediction_without_an_oom(tmp_path, wide_model):
+    """Plain `oomguard run` (the memory model on), as users run it: plain DDP on two ranks is predicted over the
+    device and stopped before it generates; the choice shards (ZeRO, through a generated DeepSpeed config), both
+    ranks train, and no attempt runs out of memory. Before DeepSpeed's own buffers were counted, ZeRO-2 was
+    predicted at 175 MiB per rank, chosen, and ran out of memory in its first optimizer step (288 MiB)."""
+    cmd = torchrun(2, TINY, "--model", wide_model, "--output-dir", str(tmp_path / "out"))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "320MiB", "--no-probe", "--ladder", "multi-gpu", "--",
+                            *cmd, env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    outcomes = [a["outcome"] for a in rep["attempts"]]
+    assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
+    assert rep["stable"]["zero_stage"] in (2, 3)
+    assert {"zero_stage", "deepspeed config"} <= {r["knob"] for r in rep["diff"]}
+    last = len(rep["attempts"])
+    assert sorted(e["rank"] for e in events(tmp_path, last) if e["event"] == "train_end") == [0, 1]

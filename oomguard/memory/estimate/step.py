@@ -131,18 +131,28 @@ def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
 
 
 def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: int) -> _Persistent:
-    """DeepSpeed ZeRO stages and CPU offload (research §3 T5, after DeepSpeed's estimator; rough, not validated
-    here): each stage divides one more term by the number of devices; offloaded parameters leave one gathered
-    layer on the device."""
+    """DeepSpeed ZeRO stages and CPU offload: each stage divides one more term by the number of devices; offloaded
+    parameters leave one gathered layer on the device.
+
+    What DeepSpeed 0.19 adds (``runtime/zero/stage_1_and_2.py``, ``stage3.py``; measured per rank on the simulated
+    device with two ranks, ``bench/zero_calibrate.py``): the optimizer runs on a flat **fp32 master copy** of the
+    rank's partition (``single_partition_of_fp32_groups``), kept whatever the model's dtype, so its states are
+    fp32 and its temporaries are those of one tensor the size of the partition; ZeRO-1/2 gather the partition's
+    gradients into ``grads_in_partition`` sized by the parameters that *start* in the partition (one parameter
+    beyond the even share) and flatten them again into fp32 for the step (``single_grad_partition``)."""
     zs = int(k.zero_stage or 0)
     n_dev = max(1, world_size)
     weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
     notes = list(p.notes)
     if zs >= 1:
-        opt_state //= n_dev
-        opt_transient //= n_dev
+        _, tensors, b_t = _trainable(spec, g)
+        flat = -(-p.trainable // n_dev)  # the rank's share of the flat parameter groups
+        opt_state, opt_transient, _ = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), [flat], 4, g.simulated)
+        opt_state += 4 * flat  # the fp32 master partition
+        if zs < 3:
+            opt_transient += 4 * flat  # single_grad_partition: the gradients flattened into fp32 for the step
     if zs >= 2:
-        grads //= n_dev
+        grads = b_t * min(p.trainable, flat + max(tensors, default=0)) if zs == 2 else grads // n_dev
     if zs >= 3:
         weights //= n_dev
         reference //= n_dev
