@@ -397,3 +397,23 @@ def test_plan_shows_the_alternatives_and_the_context(tmp_path):
     data = json.loads(out.stdout)
     assert data["device"]["context_bytes"] == 800 * 2**20
     assert data["alternatives"] and "max_completion_length" not in data["alternatives"][0]["overrides"]
+
+
+@pytest.mark.parametrize("rank, printed", [(None, True), ("0", True), ("1", False)])
+def test_a_pre_flight_stop_prints_one_line_for_the_job_and_every_rank_records_it(monkeypatch, capsys, rank, printed):
+    """Every rank predicts the same stop; only rank 0 (or a process with no rank) says it, but every rank records
+    its `predicted` event and end, which is how the supervisor reads the ending behind any launcher."""
+    from oomguard.child import preflight
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    seen = []
+    rt = SimpleNamespace(emit=lambda kind, **kw: seen.append(kind), end=lambda kind: seen.append(f"end:{kind}"))
+    with pytest.raises(SystemExit) as stop:
+        preflight._stop(rt, {"capacity": 64 << 20, "margin": 0.117}, 100 << 20, "this config needs 100 MiB",
+                        "generates")
+    assert stop.value.code == preflight.EXIT_PREDICTED
+    assert seen == ["predicted", f"end:{preflight.END_PREDICTED}"]
+    assert ("pre-flight: this config needs 100 MiB, 56% over" in capsys.readouterr().err) is printed

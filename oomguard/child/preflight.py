@@ -33,7 +33,7 @@ from ..memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficient
 from ..vocab.knobs import Knobs
 from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
 from ..vocab.sizes import format_size
-from .runtime import Runtime
+from .runtime import Runtime, rank
 
 DEFAULT_MARGIN = DEVICE_OVERPREDICTION + STOP_ALLOWANCE  # when a plan names none (a plan of an older oomguard)
 
@@ -108,9 +108,11 @@ def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str) ->
     cap = int(pf["capacity"])
     margin = margin_of(pf)
     rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before)
-    sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "
-                     f"device (the stop margin is {100 * margin:.1f}%, {pf.get('margin_source') or 'the model error'}"
-                     f"); stopping before it {before} (--no-preflight runs it anyway)\n")
-    sys.stderr.flush()
+    if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
+        sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "
+                         f"device (the stop margin is {100 * margin:.1f}%, "
+                         f"{pf.get('margin_source') or 'the model error'}); stopping before it {before} "
+                         "(--no-preflight runs it anyway)\n")
+        sys.stderr.flush()
     rt.end(END_PREDICTED)
     raise SystemExit(EXIT_PREDICTED)
