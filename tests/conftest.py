@@ -102,6 +102,22 @@ def _prune(root: Path, keep: Path) -> None:
             pass
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_tmpdir(tmp_path_factory):
+    """The processes the tests start put their temporary files under this session's pytest directory (which pytest
+    prunes), not in the machine's: torchrun leaves a ``torchelastic_*`` log directory per launch, and the suite
+    starts dozens. A test that checks what a run leaves in the temporary directory sets its own ``TMPDIR``."""
+    import tempfile
+
+    scratch = tmp_path_factory.getbasetemp() / "tmp"
+    scratch.mkdir(exist_ok=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TMPDIR", str(scratch))
+    mp.setattr(tempfile, "tempdir", str(scratch))
+    yield scratch
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def build_model(request, tmp_path_factory) -> Callable[[str], str]:
     """``build_model("tiny")`` / ``build_model("wide")``: the path of that variant of tests/scripts/build_tiny_model.py,
