@@ -167,8 +167,10 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     if offload_params:
         weights = reference = 0
         notes.append("parameters offloaded to the CPU: only the gathered layer is on the device")
-    if zs or k.fsdp_offload:
-        notes.append("sharding and offload are modelled roughly")
+    if k.offload_optimizer or k.offload_params or k.fsdp_offload:
+        notes.append("offload is modelled roughly")
+    elif zs and not g.simulated:
+        notes.append("ZeRO's buffers are fitted on CPU ranks; NCCL's buffers on a GPU are not counted")
     gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
               if zs >= 3 or offload_params else 0)
     # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
