@@ -108,3 +108,19 @@ def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_reco
     record = json.loads(crash.read_text())
     assert all(f"in frame_{i}" in record["traceback"] for i in range(41))  # the record keeps everything
     assert len(record["frames"]) >= 41 and str(crash) in out.stderr
+
+
+@pytest.mark.parametrize("script, code, reason", [
+    ("", 2, "it failed before it built a GRPOConfig (its own output above says why)"),  # no such file
+    ("import transformers\nraise ValueError('my own bug')\n", 1, "raised ValueError: my own bug"),
+])
+def test_a_command_that_fails_before_its_grpo_config_says_why_not_that_it_ran_in_full(tmp_path, script, code, reason):
+    """The first attempt is a probe; a command that never builds a GRPOConfig runs in full instead. When it fails
+    before that, the message is its failure (what its training process recorded, else a pointer to its output), not
+    the note about probes."""
+    path = tmp_path / "train.py"
+    if script:
+        path.write_text(script)
+    out, rep = run_oomguard(tmp_path, "--", sys.executable, str(path))
+    assert out.returncode == code and rep["status"] == "failed", out.stderr[-2000:]
+    assert reason in rep["message"] and "ran in full" not in rep["message"]
