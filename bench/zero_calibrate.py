@@ -7,7 +7,7 @@ and ZeRO-3 on the tests' tiny model (activations a large share of its peak) and 
 allocated bytes (the ``train_end`` events); the prediction is ``estimate(..., world_size=2, simulated=True)`` for the
 knobs and prompt length the run itself reported (its RunReport's attempt and facts).
 
-    python bench/zero_calibrate.py               # every configuration (about 8 minutes on 2 CPU cores)
+    python bench/zero_calibrate.py               # every configuration (about 2 minutes on 2 CPU cores)
     python bench/zero_calibrate.py --only wide-z2 --only tiny-z3
     python bench/zero_calibrate.py --json rows.json
 

@@ -102,6 +102,8 @@ class _Persistent:
     gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
     buckets: int  # DistributedDataParallel's gradient buckets (several ranks, no ZeRO): one more copy of the grads
     trainable: int
+    largest: int  # elements of the largest trainable tensor (ZeRO-2's partition boundaries)
+    b_t: int  # bytes per trainable element (its gradient's dtype)
     total_params: int
     notes: tuple[str, ...]
 
@@ -126,7 +128,7 @@ def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
         weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
         grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, buckets=0,
-        trainable=trainable,
+        trainable=trainable, largest=max(train_tensors, default=0), b_t=b_t,
         total_params=spec.params + n_lora, notes=(note,) if note else ())
 
 
@@ -145,14 +147,13 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
     notes = list(p.notes)
     if zs >= 1:
-        _, tensors, b_t = _trainable(spec, g)
         flat = -(-p.trainable // n_dev)  # the rank's share of the flat parameter groups
         opt_state, opt_transient, _ = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), [flat], 4, g.simulated)
         opt_state += 4 * flat  # the fp32 master partition
         if zs < 3:
             opt_transient += 4 * flat  # single_grad_partition: the gradients flattened into fp32 for the step
     if zs >= 2:
-        grads = b_t * min(p.trainable, flat + max(tensors, default=0)) if zs == 2 else grads // n_dev
+        grads = p.b_t * min(p.trainable, flat + p.largest) if zs == 2 else grads // n_dev
     if zs >= 3:
         weights //= n_dev
         reference //= n_dev
