@@ -295,9 +295,9 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
 
         predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
                             coefficients=coefficients)
-        alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, facts,
+        alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, p.rungs, facts,
                                                   lambda x: predict(x).fits(capacity),
-                                                  lambda x: predict(x).peak_bytes)]
+                                                  lambda x: predict(x).peak_bytes, ladder=lad)]
     context = Coefficients().m_ctx
     device = {"context_bytes": context, "context": "the memory model's figure for a CUDA process; `oomguard run "
               "--gpu-memory` measures the training process's own"}
@@ -431,10 +431,12 @@ def ladders(as_json: bool) -> None:
 
     out = console()
     for lad in data:
-        out.print(f"[bold]{lad['name']}[/]  {lad['description']}")
+        chooses = ("the cheapest config for the experiment, the order breaking ties" if lad["choose_by"] == "cost"
+                   else "the first config in this order, keeping only what is needed")
+        out.print(f"[bold]{lad['name']}[/]  {lad['description']}  [dim](chooses {chooses})[/]", soft_wrap=True)
         for i, r in enumerate(lad["rungs"], 1):
             graded = " (graded)" if r["graded"] else ""
-            out.print(f"  {i:>2}. [cyan]{r['remedy']}[/]{graded}  trades {r['trades']}, "
+            out.print(f"  {i:>2}. [cyan]{r['remedy']}[/]{graded}  costs {r['cost']}, "
                       f"checkpoint: {r['resume']}  [dim]{r['summary']}[/]", soft_wrap=True)
         if lad["host_rungs"]:
             out.print(f"      host RAM: {', '.join(lad['host_rungs'])}")

@@ -1,7 +1,9 @@
-"""Choosing the best config below the climbed rungs: drop what memory does not demand, relax graded knobs.
+"""Choosing by the ladder's order (``choose_by = "order"``, the `fastest` and `quality-first` ladders): drop what
+memory does not demand below the climbed rungs, relax graded knobs.
 
 Pure tests (no torch): toy memory models where the right answer is known, the real memory model on the H100
-quickstart case, and a property test that the choice is 1-minimal under any additive memory model.
+quickstart case, and a property test that the choice is 1-minimal under any additive memory model. The default
+ladder's choice by cost is tested in tests/test_cheapest.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from oomguard.strategies import make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from oomguard.vocab.records import Attempt
 
-DEFAULT = load_ladder("default")
+DEFAULT = load_ladder("fastest")  # the earlier default, chosen by its order
 ORDER = [r.name for r in DEFAULT.rungs]
 GiB = 2**30
 QWEN_3B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008,
@@ -154,7 +156,7 @@ def _quickstart_climb() -> tuple[Climb, Guide]:
 
 
 def test_climb_on_the_real_model_chooses_lora_for_the_quickstart_case():
-    """TRL's quickstart shape (fp32, 8 x 512) with Qwen2.5-3B on a 24 GiB card: LoRA alone, predicted to fit."""
+    """By the fastest ladder's order: TRL's quickstart shape (fp32, 8 x 512) with Qwen2.5-3B on a 24 GiB card: LoRA alone, predicted to fit."""
     c, g = _quickstart_climb()
     c.record(Attempt(index=1, knobs=c.effective()[0].to_dict(), remedies=[], outcome="oom", exit_code=86,
                      seconds=1.0))

@@ -99,7 +99,7 @@ def test_decorator_forms_and_unread_fields():
     assert bare() == "ok"
     assert calls == ["adamw_torch_fused", "adamw_bnb_8bit"]  # only optim was read: straight to optimizer_8bit
     skipped = {s["remedy"]: s["reason"] for s in bare.report.attempts[0].skipped}
-    assert "never reads max_completion_length" in skipped["shorter_sequences"]
+    assert "never reads per_device_train_batch_size" in skipped["micro_batch"]
 
     @oomguard.guard(max_attempts=3)
     def with_options(knobs):

@@ -25,8 +25,9 @@ def test_one_warning_per_oom_and_per_climb(caplog):
     warnings = [m for lvl, m in lines if lvl == logging.WARNING]
     assert len(warnings) == 4, lines  # two OOMs, two climbs
     assert "_train() attempt 1/8 ran out of memory: shortfall (2.00 GiB requested)" in warnings[0]
-    assert warnings[1].startswith("climbing fewer_generations: per_device_train_batch_size=4")
-    assert "fewer_generations (again)" in warnings[3]
+    # the cheapest rung that helps: a micro-batch split (the same gradients), halved again
+    assert warnings[1].startswith("climbing micro_batch: per_device_train_batch_size=4")
+    assert "micro_batch (again)" in warnings[3]
     assert any(lvl == logging.INFO and "stable after 3 attempts" in m for lvl, m in lines)
 
 
@@ -44,7 +45,7 @@ def test_lines_are_visible_without_any_logging_setup():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "oomguard: train() attempt 1/8 ran out of memory" in out.stderr
-    assert "oomguard: climbing fewer_generations" in out.stderr
+    assert "oomguard: climbing micro_batch" in out.stderr
     quiet = subprocess.run([sys.executable, "-c", code.replace("guard(train)", "guard(train, verbose=False)")],
                            capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 0 and "oomguard" not in quiet.stderr

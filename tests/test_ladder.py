@@ -34,10 +34,20 @@ def climb_all(ladder, diag, knobs=TRL_DEFAULTS, facts=None, max_steps=40):
 
 
 def test_shipped_ladders_and_default_order():
-    assert {"default", "quality-first"} <= set(available_ladders())
-    names = [r.name for r in load_ladder("default").rungs]
-    assert names[:8] == ["expandable_segments", "empty_cache", "shorter_sequences", "fewer_generations",
-                         "checkpointing", "optimizer_8bit", "lora", "load_4bit"]
+    assert {"default", "quality-first", "fastest", "multi-gpu"} <= set(available_ladders())
+    default = load_ladder("default")
+    names = [r.name for r in default.rungs]
+    # every rung of the design card, plus the micro-batch split and bf16 weights, in the order of their cost classes
+    assert set(names) >= {"expandable_segments", "empty_cache", "shorter_sequences", "fewer_generations",
+                          "checkpointing", "optimizer_8bit", "lora", "load_4bit", "micro_batch", "bf16_load"}
+    ranks = [("none", "speed", "precision", "capacity", "signal").index(r.cost) for r in default.rungs]
+    assert ranks == sorted(ranks) and default.choose_by == "cost"
+    # the earlier default order is one --ladder away, chosen by its order
+    fastest = load_ladder("fastest")
+    assert [r.name for r in fastest.rungs][:8] == ["expandable_segments", "empty_cache", "shorter_sequences",
+                                                   "fewer_generations", "checkpointing", "optimizer_8bit", "lora",
+                                                   "load_4bit"]
+    assert fastest.choose_by == "order" and load_ladder("quality-first").choose_by == "order"
     qf = [r.name for r in load_ladder("quality-first").rungs]
     assert qf.index("micro_batch") < qf.index("fewer_generations") < qf.index("shorter_sequences")
     assert qf.index("bf16_load") < qf.index("micro_batch")
@@ -52,7 +62,7 @@ def test_fragmentation_climbs_allocator_rungs_first():
 def test_shortfall_skips_allocator_rungs_and_says_why():
     steps, _ = climb_all(load_ladder("default"), SHORT)
     first = steps[0]
-    assert first.remedy.name == "shorter_sequences"
+    assert first.remedy.name == "micro_batch"  # the cheapest rung that can help: the same gradients, more steps
     reasons = dict(first.skipped)
     assert "no fragmentation" in reasons["expandable_segments"]
 
@@ -111,14 +121,14 @@ def test_unread_knobs_are_skipped():
     lad = load_ladder("default")
     step = lad.next(Context(knobs=TRL_DEFAULTS, diagnosis=SHORT, read_fields=frozenset({"optim"})))
     assert isinstance(step, Step) and step.remedy.name == "optimizer_8bit"
-    assert "never reads max_completion_length" in dict(step.skipped)["shorter_sequences"]
+    assert "never reads per_device_train_batch_size" in dict(step.skipped)["micro_batch"]
 
 
 def test_load_phase_only_takes_load_remedies():
     load = diagnose(OOMReport("cuda", "allocator", "x", requested=4 * GiB, capacity=16 * GiB, free=1 * GiB),
                     phase="load")
     steps, _ = climb_all(load_ladder("default"), load)
-    assert [s.remedy.name for s in steps] == ["load_4bit"]
+    assert [s.remedy.name for s in steps] == ["bf16_load", "load_4bit"]
 
 
 @pytest.mark.parametrize("text, problem", [
@@ -128,6 +138,7 @@ def test_load_phase_only_takes_load_remedies():
     ("[[rung]]\nremedy = 'lora'\n[[rung]]\nremedy = 'lora'", "listed twice"),
     ("[[rung]\n", "not valid TOML"),
     ("[[rung]]\nfactor = 2", "needs a `remedy"),
+    ("choose_by = 'price'\n[[rung]]\nremedy = 'lora'", "choose_by must be one of 'cost', 'order'"),
 ])
 def test_bad_ladder_files_get_one_line_errors(tmp_path: Path, text: str, problem: str):
     p = tmp_path / "mine.toml"
@@ -138,8 +149,8 @@ def test_bad_ladder_files_get_one_line_errors(tmp_path: Path, text: str, problem
 
 
 def test_unknown_ladder_name_and_directory(tmp_path: Path):
-    with pytest.raises(LadderError, match="no ladder named 'fastest'"):
-        load_ladder("fastest")
+    with pytest.raises(LadderError, match="no ladder named 'slowest'"):
+        load_ladder("slowest")
     with pytest.raises(LadderError, match="is a directory"):
         load_ladder(str(tmp_path))
 

@@ -31,7 +31,14 @@ def test_json_contract_for_a_config_that_does_not_fit():
     assert d["trainable_params"] == 1_235_814_400
     assert sum(d["breakdown"].values()) == d["peak_bytes"]
     assert d["suggest"] and d["fits_after"] is True
-    # shorter_sequences comes before LoRA; the halving to 393 is relaxed to the longest grid length predicted to fit
+    # the default ladder chooses what costs the experiment least: bf16 weights (precision), the completions, the
+    # generations and a full fine-tune stay; LoRA, which changes what is trained, is shown as an alternative
+    assert d["suggest"] == {"dtype": "bfloat16"}, d["suggest"]
+    assert any("lora_r" in a["overrides"] and a["avoids"] == ["precision"] for a in d["alternatives"])
+    # the fastest ladder (the earlier default) shortens the completions instead: the halving to 393 is relaxed to the
+    # longest grid length predicted to fit
+    d = json.loads(plan("--model", LLAMA, "--gpu", "15.73GiB", "--ladder", "fastest", "max_completion_length=786",
+                        "--json").stdout)
     c = d["suggest"]["max_completion_length"]
     assert 393 < c < 786 and c % 32 == 0 and "lora_r" not in d["suggest"]
     longer = plan("--model", LLAMA, "--gpu", "15.73GiB", "max_completion_length=786", f"max_completion_length={c + 32}",

@@ -19,6 +19,7 @@ import pytest
 from oomguard.child import capped
 from oomguard.child.preflight import verdict
 from oomguard.child.simulate import SimulatedDevice
+from oomguard.decide.choose import Rung
 from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder
 from oomguard.decide.plan import Guide
@@ -59,8 +60,9 @@ def test_an_oom_while_loading_larger_than_the_device_is_answered_by_a_smaller_lo
 
 def test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_4bit():
     """TRL's quickstart with Qwen2.5-3B given by name (a float32 load: 11.5 GiB of weights) on an 8 GiB card. The
-    pre-flight judges the load from the checkpoint's config before anything is placed, and the climb's choice is a
-    4-bit load, the one change predicted to fit (LoRA on a 16-bit load needs 9.7 GiB, measured)."""
+    pre-flight judges the load from the checkpoint's config before anything is placed. By the fastest ladder's order
+    the choice is a 4-bit load, the one change predicted to fit (LoRA on a 16-bit load at the user's batch needs
+    9.7 GiB, measured); the default ladder's choice is tested below."""
     spec = ModelSpec.from_config(Q3B)
     original = TRL_DEFAULTS.merged(json.loads((H100 / "report-qwen3b-quickstart-8GiB-default.json").read_text())
                                    ["attempts"][0]["knobs"])
@@ -68,7 +70,7 @@ def test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_
     margin, _ = guide.stop_margin()
     assert verdict({"capacity": 8 * GiB, "margin": margin}, load_bytes(spec, original)) == "over"
     facts = RunFacts(model_source="string", prompt_tokens_max=199, model_config=Q3B)
-    climb = Climb(load_ladder("default"))
+    climb = Climb(load_ladder("fastest"))
     climb.learn(facts)
     climb.observe(original.to_dict(only_set=True))
     decision = climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts))
@@ -76,6 +78,27 @@ def test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_
     assert chosen.load_in_4bit and chosen.lora_r, decision.label()
     assert guide.predict(facts, chosen).peak_bytes * (1 + guide.margin) <= 8 * GiB
     assert "lora" not in climb.remedies_in_force() or "load_4bit" in climb.remedies_in_force()
+
+
+def test_the_8gib_quickstart_by_cost_keeps_the_generations_and_completions():
+    """The same card with the default ladder: LoRA is the costliest change needed (capacity), and a 16-bit base with
+    one row per micro-step fits where the user's batch did not; 4-bit, a larger capacity change, is not needed.
+    Generations, completions and prompts per step stay the user's."""
+    original = TRL_DEFAULTS.merged(json.loads((H100 / "report-qwen3b-quickstart-8GiB-default.json").read_text())
+                                   ["attempts"][0]["knobs"])
+    guide = Guide(8 * GiB)
+    facts = RunFacts(model_source="string", prompt_tokens_max=199, model_config=Q3B)
+    climb = Climb(load_ladder("default"))
+    climb.learn(facts)
+    climb.observe(original.to_dict(only_set=True))
+    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
+                      relax_fits=guide.fits(facts, guide.relax_margin))
+    chosen = climb.effective()[0]
+    assert chosen.lora_r and not chosen.load_in_4bit and chosen.dtype == "bfloat16"
+    assert (chosen.num_generations, chosen.max_completion_length) == (original.num_generations,
+                                                                     original.max_completion_length)
+    assert chosen.prompts_per_step() == original.prompts_per_step()
+    assert guide.predict(facts, chosen).peak_bytes * (1 + guide.margin) <= 8 * GiB
 
 
 # -- the pre-flight's margin: the model's measured error -------------------------------------------------------------
@@ -311,33 +334,76 @@ Q15 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "interm
        "torch_dtype": "bfloat16"}  # Qwen2.5-1.5B's published shape
 
 
-def held_out_climb() -> tuple[Climb, Guide, RunFacts, Knobs]:
+def held_out_climb(ladder: str = "default") -> tuple[Climb, Guide, RunFacts, Knobs]:
     """Issue 17's held-out case: Qwen2.5-1.5B, 16 generations x 16 per device, 1024-token completions, 16 GiB."""
     user = TRL_DEFAULTS.merged(Knobs(num_generations=16, per_device_train_batch_size=16, max_completion_length=1024,
                                      dtype="bfloat16"))
     facts = RunFacts(model_source="string", prompt_tokens_max=128, model_config=Q15)
     guide = Guide(16 * GiB)
-    climb = Climb(load_ladder("default"))
+    climb = Climb(load_ladder(ladder))
     climb.learn(facts)
     climb.observe(user.to_dict(only_set=True))
-    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts))
+    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
+                      relax_fits=guide.fits(facts, guide.relax_margin))
     return climb, guide, facts, user
 
 
+def test_the_default_choice_keeps_the_recipes_completions_and_generations():
+    """Issue 23's H100 finding: this recipe lost half its completions (1024 -> 512) where a micro-batch split and an
+    8-bit optimizer fit with all of them. By cost, the choice keeps 16 generations of 1024 tokens, the prompts per
+    step and a full fine-tune, paying in speed and precision only, and says so."""
+    from oomguard.decide.experiment import summarise
+
+    climb, guide, facts, user = held_out_climb()
+    chosen = climb.effective()[0]
+    assert (chosen.max_completion_length, chosen.num_generations) == (1024, 16)
+    assert chosen.prompts_per_step() == user.prompts_per_step() and not chosen.lora_r and not chosen.load_in_4bit
+    assert {r.remedy.cost for r in climb.applied} <= {"none", "speed", "precision"}, climb.remedies_in_force()
+    assert guide.predict(facts, chosen).peak_bytes * (1 + guide.relax_margin) <= 16 * GiB
+    summary = summarise(user, chosen, [r.remedy for r in climb.applied], climb.effective()[1],
+                        slowdown=guide.slowdown(facts))
+    assert summary.kept == ["16 generations per prompt", "1024-token completions", "1 prompt per step",
+                            "a full fine-tune"]
+    assert any(c.cost == "speed" and c.slowdown is not None and c.slowdown >= 0 for c in summary.changed)
+
+
 def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
+    """By the fastest ladder's order the completions are cut; the alternatives include one that pays nothing in
+    signal, keeping all 1024 tokens and 16 generations, and they trade differently from the choice."""
+    from oomguard.decide.alternatives import alternatives
+
+    climb, guide, facts, user = held_out_climb("fastest")
+    chosen = climb.effective()[0]
+    assert chosen.max_completion_length < 1024  # the fastest ladder's choice follows its order
+    fits = guide.fits(facts, guide.relax_margin)
+    alts = alternatives(user, chosen, climb.applied, facts, fits, guide.peak(facts), ladder=climb.ladder,
+                        slowdown=guide.slowdown(facts))
+    assert 1 <= len(alts) <= 3
+    keeper = next(a for a in alts if a.avoids == ["signal"])
+    assert keeper.knobs.max_completion_length == 1024 and keeper.knobs.num_generations == 16
+    assert keeper.keeps[0].startswith("no signal change (the choice: ")
+    assert all(t.endswith(("(precision)", "predicted)", "(speed)")) for t in keeper.trades), keeper.trades
+    assert keeper.versus_choice is not None and keeper.versus_choice > 0  # slower: it keeps every token
+    assert fits(keeper.knobs) and keeper.predicted_bytes <= 16 * GiB
+    # a choice that changes nothing that costs has no alternatives
+    assert alternatives(user, user.replace(expandable_segments=True),
+                        [Rung(make_remedy("expandable_segments"))], facts, fits) == []
+
+
+def test_the_default_choice_is_shown_with_configs_that_trade_differently():
+    """The default keeps the experiment and pays in speed and precision; the alternatives each leave one of those
+    classes as the user had it (a faster run that cuts completions, say), with its predicted time."""
     from oomguard.decide.alternatives import alternatives
 
     climb, guide, facts, user = held_out_climb()
     chosen = climb.effective()[0]
-    assert chosen.max_completion_length < 1024  # the default choice follows the ladder's order, unchanged
-    alts = alternatives(user, chosen, facts, guide.fits(facts), guide.peak(facts))
-    assert 1 <= len(alts) <= 3
-    best = alts[0]
-    assert best.knobs.max_completion_length == 1024 and best.knobs.num_generations == 16
-    assert best.keeps[0].startswith("max_completion_length 1024 (the choice: ")
-    assert all(t.split(":")[0] in ("speed", "precision") for t in best.trades)
-    assert guide.fits(facts)(best.knobs) and best.predicted_bytes <= 16 * GiB
-    assert alternatives(user, user.replace(expandable_segments=True), facts, guide.fits(facts)) == []
+    alts = alternatives(user, chosen, climb.applied, facts, guide.fits(facts, guide.relax_margin),
+                        guide.peak(facts), ladder=climb.ladder, slowdown=guide.slowdown(facts))
+    paid = {r.remedy.cost for r in climb.applied} - {"none"}
+    assert alts and all(set(a.avoids) <= paid for a in alts)
+    for a in alts:
+        assert not {c.cost for c in a.experiment.changed} & set(a.avoids)
+        assert a.knobs != chosen
 
 
 def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(tmp_path):

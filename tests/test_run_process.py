@@ -64,7 +64,7 @@ def test_command_not_found_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("args, problem", [
     (["--simulate-gpu", "lots", "x.py"], "not a size"),
-    (["--ladder", "fastest", "--", "true"], "no ladder named 'fastest'"),
+    (["--ladder", "slowest", "--", "true"], "no ladder named 'slowest'"),
     (["--config", "missing.lock", "--", "true"], "no such lock file"),
 ])
 def test_usage_errors_are_one_line(tmp_path, args, problem):

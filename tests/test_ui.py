@@ -85,7 +85,7 @@ def test_trade_note_names_only_what_changed():
     rep = _console_reporter()
     rep.decision(_steps(("empty_cache", 1), ("shorter_sequences", 1)), None, {"max_completion_length": 160})
     line = rep.out.file.getvalue()
-    assert "empty_cache + shorter_sequences" in line and "(trades quality: long reasoning is cut off)" in line
+    assert "empty_cache + shorter_sequences" in line and "(costs signal: long reasoning is cut off)" in line
 
 
 def test_a_repeated_rung_reads_the_same_in_the_terminal_and_the_html():

@@ -1,25 +1,26 @@
-"""Configs that fit and keep more of the user's GRPO semantics than the one chosen: the trade-off, shown.
+"""Configs that fit and trade differently from the one chosen: the trade-off, shown.
 
-The climb follows the ladder's order (the mission's: shorter sequences and fewer generations early), which is right
-as a default but can cut half of every reasoning trace where a micro-batch split and an 8-bit optimizer would have
-kept it. When the chosen config trades quality (shorter completions, fewer generations or prompts per step, LoRA,
-4-bit), :func:`alternatives` finds up to three configs the memory model predicts to fit that keep more of what GRPO
-learns from, paying in speed or precision instead. The default choice does not change: they are shown (final
-message, report, ``oomguard plan``) with what each trades and the lock or knobs that run it.
+The default choice costs the experiment least (``oomguard.decide.cheapest``): a micro-batch split before bf16
+weights, bf16 weights before LoRA, LoRA before a single token cut from the completions. A user may weigh it
+otherwise: a faster run that shortens completions, LoRA rather than bf16 master weights. So the end of a run shows,
+for each cost class the choice pays in (speed, precision, capacity, signal), the cheapest config predicted to fit
+that pays nothing in that class, and when the choice pays in several, one that pays in none of them; each with
+what it changes, how much faster or slower a step is predicted, its predicted peak, and the lock that runs it. The
+default choice does not change.
 
-How: from the user's own config, a ladder of the rungs that keep GRPO's semantics (allocator settings, bf16 load,
-micro-batch split, checkpointing, 8-bit optimizer) is climbed to the first prefix predicted to fit, then only what is
-needed is kept (``oomguard.decide.choose``); then the same with one quality trade allowed at a time (LoRA, 4-bit, fewer
-generations, shorter sequences), so a config that needs some quality trade still keeps the rest. Those that keep
-more than the chosen config, and no less on any count, are ranked by how much they keep.
+The rungs searched are those of the run's ladder and of the default ladder (so that a run on the `fastest` ladder is
+shown the micro-batch split it did not list), less those that cannot apply here (``skip``).
 
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+>>> from oomguard.strategies import make_remedy
 >>> user = TRL_DEFAULTS.replace(max_completion_length=1024, num_generations=16, per_device_train_batch_size=16)
->>> chosen = user.replace(max_completion_length=512)
->>> fits = lambda k: k.max_completion_length <= 512 or k.optim == "adamw_bnb_8bit"
->>> alts = alternatives(user, chosen, RunFacts(), fits)
->>> alts[0].keeps, alts[0].trades
-(['max_completion_length 1024 (the choice: 512)'], ['precision: 8-bit moments: about 2 bytes per parameter instead of 8, with a small effect on updates'])
+>>> fits = lambda k: k.per_device_train_batch_size <= 8 or k.max_completion_length <= 768
+>>> chosen = user.replace(per_device_train_batch_size=8, gradient_accumulation_steps=2)   # a micro-batch split
+>>> split = Rung(make_remedy("micro_batch"), values=(("per_device_train_batch_size", 8),
+...                                                   ("gradient_accumulation_steps", 2), ("steps_per_generation", 2)))
+>>> alts = alternatives(user, chosen, [split], RunFacts(), fits)
+>>> alts[0].avoids, alts[0].trades
+(['speed'], ['768-token completions (yours: 1024) (signal)'])
 """
 
 from __future__ import annotations
@@ -28,127 +29,90 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..strategies import Context, make_remedy
+from ..strategies import cost_rank
 from ..vocab.knobs import Knobs, RunFacts
-from .choose import Rung, choose, replay
-from .ladder import Ladder
-
-# Rungs that keep what GRPO learns from (they trade nothing, speed or precision), in the order they are tried.
-KEEPERS = ("expandable_segments", "empty_cache", "bf16_load", "micro_batch", "checkpointing", "optimizer_8bit")
-# Quality trades, one of which an alternative may still need.
-TRADERS = ("lora", "load_4bit", "fewer_generations", "shorter_sequences")
+from .cheapest import CostPreference, pick
+from .choose import Rung, replay
+from .experiment import Experiment, summarise
+from .ladder import Ladder, load_ladder
 
 
 @dataclass(frozen=True)
 class Alternative:
-    """A config that fits and keeps more of the user's GRPO semantics than the chosen one."""
+    """A config predicted to fit that pays nothing in the cost classes ``avoids``, which the chosen config pays in."""
 
     knobs: Knobs
-    keeps: list[str]  # what it keeps that the choice gave up, each "knob value (the choice: value)"
-    trades: list[str]  # "speed: ...", "precision: ...", "quality: ..." against the user's own config
+    keeps: list[str]  # what it keeps that the choice changed: "no speed change (the choice: ...)"
+    trades: list[str]  # its own changes against the user's config, each "what (cost class)"
     predicted_bytes: int | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # what changes from the user's config
     lock: str | None = None  # the lock file that runs it (written by `oomguard run`)
+    avoids: list[str] = field(default_factory=list)  # the cost classes it leaves as the user had them
+    versus_choice: float | None = None  # predicted step time against the chosen config's (-0.2: 20% faster)
+    experiment: Experiment | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"keeps": self.keeps, "trades": self.trades, "predicted_bytes": self.predicted_bytes,
-                "overrides": self.overrides, "lock": self.lock}
+        return {"avoids": self.avoids, "keeps": self.keeps, "trades": self.trades,
+                "predicted_bytes": self.predicted_bytes, "versus_choice": self.versus_choice,
+                "overrides": self.overrides, "lock": self.lock,
+                **({"experiment": self.experiment.to_dict()} if self.experiment is not None else {})}
 
 
-def semantics(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, float]:
-    """How much of the user's GRPO semantics ``k`` keeps, per count (1.0: all of it), higher is better.
+def searched(ladder: Ladder, skip: Sequence[str] = ()) -> Ladder:
+    """The rungs an alternative may use: the run's ladder's, then the default ladder's it lacks, in cost order
+    (stable, so each ladder's own order breaks ties), less ``skip``.
 
-    >>> from oomguard.vocab.knobs import TRL_DEFAULTS
-    >>> semantics(TRL_DEFAULTS, TRL_DEFAULTS.replace(max_completion_length=256, lora_r=16))["max_completion_length"]
-    0.5
+    >>> [r.name for r in searched(load_ladder("fastest")).rungs][2:5]
+    ['checkpointing', 'vllm_memory', 'micro_batch']
     """
-    def ratio(a: Any, b: Any) -> float:
-        return min(1.0, float(b) / float(a)) if a and b else 1.0
-
-    rows_user = user.rows_per_device(world_size) // max(1, user.num_generations or 1)
-    rows_k = k.rows_per_device(world_size) // max(1, k.num_generations or 1)
-    return {
-        "max_completion_length": ratio(user.max_completion_length, k.max_completion_length),
-        "num_generations": ratio(user.num_generations, k.num_generations),
-        "prompts_per_step": ratio(rows_user or 1, rows_k or 1),
-        "full_weights": 0.0 if (k.lora_r and not user.lora_r) else 1.0,
-        "unquantised": 0.0 if (k.load_in_4bit and not user.load_in_4bit) else 1.0,
-    }
+    seen = {r.name for r in ladder.rungs}
+    rungs = [*ladder.rungs, *(r for r in load_ladder("default").rungs if r.name not in seen)]
+    rungs = sorted((r for r in rungs if r.name not in skip), key=lambda r: cost_rank(r.cost))
+    return Ladder(name="alternatives", description="", rungs=tuple(rungs), max_passes=ladder.max_passes)
 
 
-def trades_quality(user: Knobs, k: Knobs, world_size: int = 1) -> bool:
-    """Whether ``k`` gives up any of the user's GRPO semantics."""
-    return any(v < 1.0 for v in semantics(user, k, world_size).values())
+def alternatives(user: Knobs, chosen: Knobs, chosen_rungs: Sequence[Rung], facts: RunFacts,
+                 fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None = None, *,
+                 ladder: Ladder | None = None, limit: int = 3, skip: Sequence[str] = (),
+                 slowdown: Callable[[Knobs, Knobs], float | None] | None = None) -> list[Alternative]:
+    """Up to ``limit`` configs predicted to fit (``fits``) that pay nothing in one of the cost classes ``chosen``
+    pays in (then in all of them), cheapest first; none when ``chosen`` changes nothing that costs.
 
-
-def _keeps_more(user: Knobs, alt: Knobs, chosen: Knobs, world: int) -> list[str] | None:
-    """What ``alt`` keeps that ``chosen`` gave up, or None when it gives up more anywhere (or keeps nothing more)."""
-    a, c = semantics(user, alt, world), semantics(user, chosen, world)
-    if any(a[key] < c[key] - 1e-9 for key in a):
-        return None
-    out = []
-    for key in a:
-        if a[key] > c[key] + 1e-9:
-            if key in ("max_completion_length", "num_generations"):
-                out.append(f"{key} {getattr(alt, key)} (the choice: {getattr(chosen, key)})")
-            elif key == "prompts_per_step":
-                out.append(f"per_device_train_batch_size x gradient_accumulation_steps "
-                           f"{alt.rows_per_device(world)} rows (the choice: {chosen.rows_per_device(world)})")
-            else:
-                out.append({"full_weights": "a full fine-tune (the choice: LoRA)",
-                            "unquantised": "unquantised weights (the choice: 4-bit)"}[key])
-    return out or None
-
-
-def _trades(user: Knobs, rungs: Sequence[Rung], facts: RunFacts) -> list[str]:
-    """What the config of ``rungs`` trades against the user's, per rung that changed something, with its kind."""
-    k, who = replay(user, rungs, facts)
-    changes = {r.knob: r.after for r in user.diff(k)}
-    out = []
-    for rung in rungs:
-        remedy = rung.remedy
-        mine = {knob: v for knob, v in changes.items() if who.get(knob) == rung.name}
-        if not mine or remedy.trades == "nothing":
-            continue
-        note = remedy.trade_for(mine)
-        kind = "precision" if remedy.name in ("bf16_load", "optimizer_8bit") else remedy.trades
-        if note:
-            out.append(f"{kind}: {note}")
-    return list(dict.fromkeys(out))
-
-
-def alternatives(user: Knobs, chosen: Knobs, facts: RunFacts, fits: Callable[[Knobs], bool],
-                 peak: Callable[[Knobs], int | None] | None = None, *, limit: int = 3,
-                 skip: Sequence[str] = ()) -> list[Alternative]:
-    """Up to ``limit`` configs predicted to fit (``fits``) that keep more of ``user``'s GRPO semantics than
-    ``chosen``, most kept first; none when ``chosen`` trades no quality. ``skip``: rungs that cannot apply here (a
-    missing package, say)."""
+    ``chosen_rungs`` are the rungs in force in ``chosen`` (what each changed, and its cost class), ``ladder`` (the run's ladder, default ``default``), ``skip`` (rungs that cannot apply here: a missing package,
+    say), ``slowdown(before, after)`` (optional: predicted extra time of a step of ``after``).
+    """
     world = facts.world_size
-    if not trades_quality(user, chosen, world):
+    pool = searched(ladder or load_ladder("default"), skip)
+    mine = _summary(user, chosen, chosen_rungs, facts, slowdown)
+    paid = sorted({c.cost for c in mine.changed} - {"none"}, key=cost_rank, reverse=True)
+    if not paid:
         return []
+    tries = [[c] for c in paid] + ([paid] if len(paid) > 1 else [])
     found: dict[Knobs, Alternative] = {}
-    for extra in ((), *((q,) for q in TRADERS)):
-        names = [n for n in (*KEEPERS, *extra) if n not in skip]
-        ladder = Ladder(name="alternatives", description="", rungs=tuple(make_remedy(n) for n in names))
-        steps, exhausted = ladder.climb_to_fit(Context(knobs=user, facts=facts), fits)
-        if exhausted is not None or not steps:
-            continue
-        choice = choose(user, [Rung(s.remedy) for s in steps], fits, order=names, facts=facts)
-        if choice is None or choice.knobs in found:
-            continue
-        keeps = _keeps_more(user, choice.knobs, chosen, world)
-        if keeps is None:
+    keys: dict[Knobs, tuple[Any, ...]] = {}
+    for avoid in tries:
+        choice = pick(pool.only([r.name for r in pool.rungs if r.cost not in avoid]), user, facts, fits)
+        if choice is None or choice.knobs == chosen or choice.knobs in found:
             continue
         k = choice.knobs
-        found[k] = Alternative(knobs=k, keeps=keeps, trades=_trades(user, choice.rungs, facts),
+        exp = _summary(user, k, list(choice.rungs), facts, slowdown)
+        keeps = [f"no {c} change (the choice: {', '.join(x.what for x in mine.changed if x.cost == c)})"
+                 for c in avoid]
+        found[k] = Alternative(knobs=k, keeps=keeps, trades=[c.text() for c in exp.changed if c.cost != "none"],
                                predicted_bytes=peak(k) if peak is not None else None,
-                               overrides={r.knob: r.after for r in user.diff(k)})
-
-    def rank(a: Alternative) -> tuple:
-        s = semantics(user, a.knobs, world)
-        return (-sum(s.values()), len(a.trades), a.predicted_bytes or 0)
-
-    return sorted(found.values(), key=rank)[:limit]
+                               overrides={r.knob: r.after for r in user.diff(k)}, avoids=list(avoid),
+                               versus_choice=slowdown(chosen, k) if slowdown is not None else None, experiment=exp)
+        keys[k] = CostPreference.of(list(choice.rungs), [r.name for r in pool.rungs], user, world).key(
+            [r.name for r in choice.rungs], k)
+    return sorted(found.values(), key=lambda a: keys[a.knobs])[:limit]
 
 
-__all__ = ["KEEPERS", "TRADERS", "Alternative", "alternatives", "semantics", "trades_quality"]
+def _summary(user: Knobs, k: Knobs, rungs: Sequence[Rung], facts: RunFacts,
+             slowdown: Callable[[Knobs, Knobs], float | None] | None) -> Experiment:
+    """What ``k`` changes, by the rungs that made it."""
+    who = replay(user, rungs, facts)[1]
+    remedies = list({r.name: r.remedy for r in rungs}.values())
+    return summarise(user, k, remedies, who, world_size=facts.world_size, slowdown=slowdown)
+
+
+__all__ = ["Alternative", "alternatives", "searched"]

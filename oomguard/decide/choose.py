@@ -70,7 +70,7 @@ def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -
         ctx = Context(knobs=knobs, facts=facts, diagnosis=rung.diagnosis, used=dict(used))
         used[rung.name] += 1
         if rung.values is not None:
-            new = knobs.replace(**dict(rung.values))
+            new = rung.remedy.with_values(knobs, dict(rung.values), facts.world_size)
         elif rung.remedy.blocked(ctx):
             continue
         else:
@@ -170,6 +170,41 @@ class Preference:
         return (*self.rank(names), *self.closeness(names, knobs))
 
 
+def relax_rungs(start: Knobs, rungs: Sequence[Rung], names: Sequence[str], user: Knobs, ok: Callable[[Knobs], bool],
+                facts: RunFacts) -> tuple[list[Rung], Knobs, list[tuple[str, Any, Any]]]:
+    """Relax the graded rungs ``names`` of ``rungs``, in that order, each to the value closest to ``user``'s that is
+    ``ok`` (``Remedy.relax`` lists them, closest first); the rest of ``rungs`` stays in force. Returns the rungs (a
+    relaxed one carries its exact values), their knobs and each knob relaxed as ``(knob, climbed, chosen)``.
+
+    >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+    >>> from oomguard.strategies import make_remedy
+    >>> user = TRL_DEFAULTS.replace(max_completion_length=256)
+    >>> rungs = [Rung(make_remedy("shorter_sequences"))]                 # climbed: 256 -> 128
+    >>> _, k, relaxed = relax_rungs(user, rungs, ["shorter_sequences"], user,
+    ...                             lambda k: k.max_completion_length <= 200, RunFacts())
+    >>> k.max_completion_length, relaxed
+    (192, [('max_completion_length', 128, 192)])
+    """
+    rungs = list(rungs)
+    knobs = replay(start, rungs, facts)[0]
+    relaxed: list[tuple[str, Any, Any]] = []
+    for name in names:
+        first = next((i for i, r in enumerate(rungs) if r.name == name), None)
+        if first is None:
+            continue
+        remedy = rungs[first].remedy
+        for cand in remedy.relax(user, knobs, facts.world_size):
+            values = tuple((k, getattr(cand, k)) for k in remedy.changes)
+            trial = [r for r in rungs[:first] if r.name != name] + [
+                Rung(remedy, rungs[first].diagnosis, values)] + [r for r in rungs[first + 1:] if r.name != name]
+            new = replay(start, trial, facts)[0]
+            if new != knobs and ok(new):
+                relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
+                rungs, knobs = trial, new
+                break
+    return rungs, knobs, relaxed
+
+
 def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool], *, order: Sequence[str] = (),
            facts: RunFacts | None = None, avoid: Collection[Knobs] = (), user: Knobs | None = None,
            peak: Callable[[Knobs], int | None] | None = None,
@@ -205,21 +240,8 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
         """The graded rungs kept, the user's least preferred (latest-listed) first, each at the value closest to
         the user's that still fits."""
         rungs = [r for r in climbed if r.name in keep]
-        knobs = replay(start, rungs, facts)[0]
-        relaxed: list[tuple[str, Any, Any]] = []
-        for name in sorted((n for n in keep if by_name[n].graded), key=lambda n: -position[n]):
-            remedy = by_name[name]
-            first = next(i for i, r in enumerate(rungs) if r.name == name)
-            for cand in remedy.relax(user, knobs, facts.world_size):
-                values = tuple((k, getattr(cand, k)) for k in remedy.changes)
-                trial = [r for r in rungs[:first] if r.name != name] + [
-                    Rung(remedy, rungs[first].diagnosis, values)] + [r for r in rungs[first + 1:] if r.name != name]
-                new = replay(start, trial, facts)[0]
-                if new != knobs and ok(new, relax_fits or fits):
-                    relaxed += [(row.knob, row.before, row.after) for row in knobs.diff(new)]
-                    rungs, knobs = trial, new
-                    break
-        return rungs, knobs, relaxed
+        graded = sorted((n for n in keep if by_name[n].graded), key=lambda n: -position[n])
+        return relax_rungs(start, rungs, graded, user, lambda k: ok(k, relax_fits or fits), facts)
 
     finalists: list[list[str]] = []
     if len(names) <= EXHAUSTIVE_LIMIT:
@@ -255,4 +277,5 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=tuple(relaxed), explain=explain)
 
 
-__all__ = ["EXHAUSTIVE_LIMIT", "GRADED_KNOBS", "TRADE_COST", "Choice", "Preference", "Rung", "choose", "distance", "replay"]
+__all__ = ["EXHAUSTIVE_LIMIT", "GRADED_KNOBS", "TRADE_COST", "Choice", "Preference", "Rung", "choose", "distance",
+           "relax_rungs", "replay"]

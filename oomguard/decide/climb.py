@@ -25,6 +25,7 @@ from ..strategies import Context
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
+from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
 from .ladder import Exhausted, Ladder, Step
 
@@ -163,7 +164,7 @@ class Climb:
             ctx = Context(knobs=ceiling, facts=self.facts, diagnosis=diag, used=dict(used), read_fields=read_fields,
                           subject=subject, refused=self.refused)
             if fits is not None:
-                steps, ran_out = self.ladder.climb_to_fit(ctx, fits)
+                steps, ran_out = self._climb(ctx, fits, relax_fits)
                 if ran_out is not None:
                     steps = steps[:1]
             if not steps:
@@ -197,10 +198,10 @@ class Climb:
         if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]
-        choice = self._choose(self.original().merged(self.pinned), fits, peak, relax_fits)
+        choice = self._choose(self.original().merged(self.pinned), fits, peak, relax_fits, headroom_only=True)
         if choice is None or choice.knobs == current:
             return None
-        pref = Preference.of(self.climbed, self._order(), self.original())
+        pref = self.preference()
         if pref.key([r.name for r in choice.rungs], choice.knobs) >= pref.key(self.remedies_in_force(), current):
             return None
         self.fallback = (list(self.applied), self.choice)
@@ -222,12 +223,44 @@ class Climb:
     def _order(self) -> list[str]:
         return [r.name for r in (*self.ladder.rungs, *self.ladder.host_rungs)]
 
+    def preference(self) -> Preference | CostPreference:
+        """How the user ranks configs below the ceiling: by what they cost the experiment (the ladder's ``choose_by
+        = "cost"``) or by the ladder's order."""
+        if self.ladder.choose_by == "cost":
+            return CostPreference.of(self.climbed, self._order(), self.original(), self.facts.world_size)
+        return Preference.of(self.climbed, self._order(), self.original())
+
+    def _climb(self, ctx: Context, fits: Callable[[Knobs], bool],
+               relax_fits: Callable[[Knobs], bool] | None) -> tuple[list[Step], Exhausted | None]:
+        """The ceiling: the ladder climbed to the first config predicted to fit. By cost, with the model's error as
+        headroom (``relax_fits``) where any config has it, so that a first choice is not a coin flip at the device's
+        edge; else with the plain margin (``fits``)."""
+        if self.ladder.choose_by != "cost":
+            return self.ladder.climb_to_fit(ctx, fits)
+        found = self.ladder.climb_by_cost(ctx, relax_fits or fits)
+        if found[1] is not None and relax_fits is not None:
+            found = self.ladder.climb_by_cost(ctx, fits)
+        return found
+
     def _choose(self, start: Knobs, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None,
-                relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
+                relax_fits: Callable[[Knobs], bool] | None = None, headroom_only: bool = False) -> Choice | None:
+        """The best config below the ceiling. By cost: the cheapest that fits with the model's error as headroom
+        (``relax_fits``), else (unless ``headroom_only``) the cheapest that fits with the plain margin. By order:
+        ``oomguard.decide.choose.choose``, whose relaxed graded knobs keep the headroom."""
         def shown_or(judge: Callable[[Knobs], bool]) -> Callable[[Knobs], bool]:
             # a config a probe ran fits, whatever the model now says
             return lambda k: k in self.verified or judge(k)
 
+        if self.ladder.choose_by == "cost":
+            judges = [relax_fits] if relax_fits is not None else []
+            if not (headroom_only and judges):
+                judges.append(fits)
+            for judge in judges:
+                choice = cheapest(start, self.climbed, shown_or(judge), order=self._order(), facts=self.facts,
+                                  avoid=self.failed, user=self.original(), peak=peak)
+                if choice is not None:
+                    return choice
+            return None
         return choose(start, self.climbed, shown_or(fits), order=self._order(), facts=self.facts,
                       avoid=self.failed, user=self.original(), peak=peak,
                       relax_fits=shown_or(relax_fits) if relax_fits is not None else None)

@@ -5,9 +5,15 @@ first rung that can help this diagnosis, is not already in force and changes som
 (shorter sequences, fewer generations) may step again on later passes, down to their floors. Rungs passed over are
 reported with the reason.
 
+With the memory model (the default), a ladder also says how the config is chosen (``choose_by``): ``cost`` (the
+default) picks, from every rung of the ladder, the config predicted to fit whose changes cost the experiment least
+(``oomguard.decide.choose.cheapest``), the ladder's order only breaking ties; ``order`` climbs the ladder's prefix to
+the first config predicted to fit and keeps only what is needed below it (``oomguard.decide.choose.choose``), so the
+ladder's order is the preference. ``--no-predict`` climbs one rung per OOM in the ladder's order either way.
+
 >>> ladder = load_ladder("default")
 >>> [r.name for r in ladder.rungs][:3]
-['expandable_segments', 'empty_cache', 'shorter_sequences']
+['expandable_segments', 'empty_cache', 'micro_batch']
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
 >>> step = ladder.next(Context(knobs=TRL_DEFAULTS))
 >>> step.remedy.name, step.knobs.expandable_segments
@@ -16,8 +22,8 @@ reported with the reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +32,11 @@ try:
 except ImportError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
-from ..strategies import LADDER_DIR, Context, Remedy, make_remedy
+from ..strategies import COST_CLASSES, LADDER_DIR, Context, Remedy, cost_rank, make_remedy
 from ..vocab.knobs import Knobs
+
+# How the memory model chooses a config from a ladder: by what the changes cost the experiment, or the ladder's order.
+CHOOSE_BY = ("cost", "order")
 
 
 class LadderError(ValueError):
@@ -63,17 +72,39 @@ class Ladder:
     host_rungs: tuple[Remedy, ...] = ()
     max_passes: int = 3
     path: Path | None = field(default=None, compare=False)
+    choose_by: str = "cost"  # cost | order: how the memory model chooses (see the module's docstring)
 
     def rungs_for(self, ctx: Context) -> tuple[Remedy, ...]:
         d = ctx.diagnosis
         return self.host_rungs if d is not None and d.kind == "host-ram" else self.rungs
 
+    def blocks(self, rungs: Sequence[Remedy]) -> list[list[Remedy]]:
+        """The groups whose passes ``next`` finishes before it moves on: by cost, each run of rungs of one cost
+        class in the ladder's order (so a graded micro-batch split steps again before a costlier class is tried);
+        by order, the whole ladder (every rung's first pass, then the graded rungs' second, ...).
+
+        >>> [[r.name for r in b] for b in load_ladder("default").blocks(load_ladder("default").rungs)][:2]
+        [['expandable_segments', 'empty_cache'], ['micro_batch', 'checkpointing', 'vllm_memory']]
+        """
+        if self.choose_by != "cost":
+            return [list(rungs)]
+        out: list[list[Remedy]] = []
+        for r in rungs:
+            if out and out[-1][-1].cost == r.cost:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        return out
+
     def next(self, ctx: Context) -> Step | Exhausted:
-        """The next rung to climb from ``ctx.knobs``, or Exhausted."""
+        """The next rung to climb from ``ctx.knobs``, or Exhausted: in the ladder's order, a block at a time
+        (``blocks``), each block's first passes before its graded rungs' later ones."""
         skipped: dict[str, str] = {}
         world = ctx.facts.world_size
-        for pass_no in range(1, self.max_passes + 1):
-            for r in self.rungs_for(ctx):
+        main = self.rungs_for(ctx)
+        blocks = self.blocks(main) if main is self.rungs else [list(main)]
+        for block, pass_no in ((b, p) for b in blocks for p in range(1, self.max_passes + 1)):
+            for r in block:
                 if ctx.used.get(r.name, 0) >= pass_no:
                     continue
                 if pass_no > 1 and not r.graded:
@@ -91,6 +122,10 @@ class Ladder:
                         return Step(r, new, pass_no, tuple(skipped.items()))
                 skipped.setdefault(r.name, reason)
         return Exhausted(tuple(skipped.items()))
+
+    def only(self, names: Collection[str]) -> Ladder:
+        """This ladder with only the rungs named (in its order; host rungs kept)."""
+        return replace(self, rungs=tuple(r for r in self.rungs if r.name in names))
 
     def climb_to_fit(self, ctx: Context, fits: Callable[[Knobs], bool]) -> tuple[list[Step], Exhausted | None]:
         """Climb rung after rung from ``ctx`` (same diagnosis) until ``fits(knobs)`` holds.
@@ -111,6 +146,44 @@ class Ladder:
                           read_fields=cur.read_fields, subject=cur.subject, refused=cur.refused)
             if fits(step.knobs):
                 return steps, None
+
+
+    def climb_by_cost(self, ctx: Context, fits: Callable[[Knobs], bool]) -> tuple[list[Step], Exhausted | None]:
+        """Climb the ladder's rungs of the cheapest cost class, then those of the next class too, and so on (each in
+        the ladder's order), until ``fits(knobs)`` holds; then the rest of that last class: the ceiling below which
+        ``oomguard.decide.cheapest`` chooses. Every rung that can apply, up to the costliest class needed, is in
+        force at its strongest.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> steps, _ = load_ladder("default").climb_by_cost(Context(knobs=TRL_DEFAULTS), lambda k: k.dtype == "bfloat16")
+        >>> [s.remedy.cost for s in steps][-1], steps[-1].remedy.name
+        ('precision', 'bf16_load')
+        """
+        steps: list[Step] = []
+        used = dict(ctx.used)
+        cur = ctx
+        passed: dict[str, str] = {}  # why rungs of the classes climbed in full were passed over
+        for cost in COST_CLASSES:
+            tier = self.only([r.name for r in self.rungs if cost_rank(r.cost) <= cost_rank(cost)])
+            if not tier.rungs:
+                continue
+            taken, ran_out = tier.climb_to_fit(cur, fits)
+            if taken and passed:
+                taken[0] = replace(taken[0], skipped=tuple({**passed, **dict(taken[0].skipped)}.items()))
+                passed = {}
+            for s in taken:
+                used[s.remedy.name] = used.get(s.remedy.name, 0) + 1
+            steps += taken
+            if taken:
+                cur = Context(knobs=taken[-1].knobs, facts=cur.facts, diagnosis=cur.diagnosis, used=dict(used),
+                              read_fields=cur.read_fields, subject=cur.subject, refused=cur.refused)
+            if ran_out is None:
+                # this class is the costliest needed: its other rungs too, at their strongest, so that the choice
+                # below can weigh each of them alone (the fewest and smallest changes of the class)
+                rest, _ = tier.climb_to_fit(cur, lambda _k: False)
+                return steps + rest, None
+            passed.update(ran_out.skipped)
+        return steps, Exhausted(tuple(passed.items()))
 
 
 def available_ladders() -> dict[str, Path]:
@@ -167,9 +240,12 @@ def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None) -> La
     passes = data.get("max_passes", 3)
     if not isinstance(passes, int) or passes < 1:
         raise LadderError(f"{where}max_passes must be a positive integer")
+    choose_by = data.get("choose_by", "cost")
+    if choose_by not in CHOOSE_BY:
+        raise LadderError(f"{where}choose_by must be one of {', '.join(repr(c) for c in CHOOSE_BY)}, not {choose_by!r}")
     name = str(data.get("name") or (path.stem if path else "custom"))
     return Ladder(name=name, description=str(data.get("description", "")), rungs=main, host_rungs=rungs("host_rung"),
-                  max_passes=passes, path=path)
+                  max_passes=passes, path=path, choose_by=choose_by)
 
 
 def describe(ladders: Sequence[Ladder]) -> list[dict[str, Any]]:
@@ -179,7 +255,8 @@ def describe(ladders: Sequence[Ladder]) -> list[dict[str, Any]]:
             "name": lad.name,
             "description": lad.description,
             "path": str(lad.path) if lad.path else None,
-            "rungs": [{"remedy": r.name, "trades": r.trades, "resume": r.resume, "graded": r.graded,
+            "choose_by": lad.choose_by,
+            "rungs": [{"remedy": r.name, "cost": r.cost, "trades": r.trades, "resume": r.resume, "graded": r.graded,
                        "summary": r.summary} for r in lad.rungs],
             "host_rungs": [r.name for r in lad.host_rungs],
         }

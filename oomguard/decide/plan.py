@@ -11,7 +11,7 @@ to skip rungs predicted not to be enough.
 ...                  intermediate_size=8192, tie_word_embeddings=True)
 >>> p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)   # TRL loads a model given by name in float32
 >>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]
-(False, True, 'optimizer_8bit')
+(False, True, 'bf16_load')
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from ..memory.estimate import (
     estimate,
     load_bytes,
 )
+from ..memory.steptime import slowdown
 from ..strategies import Context
 from ..vocab.knobs import Knobs, RunFacts
+from .cheapest import cheapest
 from .choose import Rung, choose
 from .ladder import Ladder, Step, load_ladder
 
@@ -45,6 +47,8 @@ class Plan:
     steps: list[Step] = field(default_factory=list)
     after: Estimate | None = None  # the prediction with the suggested rungs
     exhausted: bool = False
+    rungs: list[Rung] = field(default_factory=list)  # the suggested rungs as the choice keeps them (relaxed values)
+    choose_by: str = "cost"  # how the ladder chose them (its ``choose_by``)
 
     @property
     def fits(self) -> bool:
@@ -107,17 +111,24 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     def fits(k: Knobs) -> bool:
         return predict(k).fits(capacity)
 
-    steps, exhausted = lad.climb_to_fit(Context(knobs=knobs, facts=facts), fits)
+    ctx = Context(knobs=knobs, facts=facts)
+    by_cost = lad.choose_by == "cost"
+    steps, exhausted = lad.climb_by_cost(ctx, fits) if by_cost else lad.climb_to_fit(ctx, fits)
     plan.exhausted = exhausted is not None
     if steps and not plan.exhausted:
         # keep only what memory demands: drop rungs the prediction shows are not needed, relax graded knobs
-        choice = choose(knobs, [Rung(s.remedy) for s in steps], fits, order=[r.name for r in lad.rungs], facts=facts)
+        order = [r.name for r in lad.rungs]
+        climbed = [Rung(s.remedy) for s in steps]
+        choice = (cheapest(knobs, climbed, fits, order=order, facts=facts) if by_cost
+                  else choose(knobs, climbed, fits, order=order, facts=facts))
         if choice is not None:
             kept = {r.name for r in choice.rungs}
-            steps = [s for s in steps if s.remedy.name in kept]
+            steps = list({s.remedy.name: s for s in steps if s.remedy.name in kept}.values())  # one per rung
+            plan.rungs = list(choice.rungs)
             if steps:
                 steps[-1] = replace(steps[-1], knobs=choice.knobs)
     plan.steps = steps
+    plan.choose_by = lad.choose_by
     plan.after = predict(steps[-1].knobs) if steps else None
     return plan
 
@@ -305,6 +316,18 @@ class Guide:
             return est is not None and est.peak_bytes <= limit
 
         return maybe
+
+    def slowdown(self, facts: RunFacts) -> Any:
+        """A (before, after) -> how much longer a step of ``after`` is predicted to take (0.1 for 10%), or None;
+        None without a model (``oomguard.memory.steptime``)."""
+        spec = self.spec(facts)
+        if spec is None:
+            return None
+
+        def longer(before: Knobs, after: Knobs) -> float | None:
+            return slowdown(spec, before, after, prompt_tokens=facts.prompt_tokens_max, world_size=facts.world_size)
+
+        return longer
 
     def peak(self, facts: RunFacts) -> Any:
         """A Knobs -> predicted device peak (bytes or None), for the report's reasons."""

@@ -139,11 +139,12 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     if not p.steps:
         out.print("no rung of the ladder applies")
         return
-    out.print("[bold]cheapest rungs, in the ladder's order[/]")
+    out.print("[bold]the rungs that cost the experiment least[/]" if p.choose_by == "cost"
+              else "[bold]cheapest rungs, in the ladder's order[/]")
     for s in p.steps:
         r = s.remedy
         note = r.trade_for(p.suggest)
-        out.print(f"  [cyan]{r.name}[/]  (trades {r.trades}{': ' + note if note else ''})", soft_wrap=True)
+        out.print(f"  [cyan]{r.name}[/]  (costs {r.cost}{': ' + note if note else ''})", soft_wrap=True)
     out.print("  " + " ".join(f"{k}={_v(v)}" for k, v in p.suggest.items()), soft_wrap=True)
     if p.after is not None:
         verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..decide.experiment import cost_note
 from ..decide.ladder import Exhausted, Step
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport, rung_label
@@ -206,12 +207,9 @@ class ConsoleReporter:
             return
         # named by what each did: a fewer_generations rung that kept num_generations is fewer_prompts_per_step
         names = rung_label([(s.remedy.name_for(changes), s.pass_no) for s in steps])
-        # what is traded: only the rungs whose knobs changed (the memory model may find a climbed rung not needed)
-        acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(changes)] or steps
-        trades = sorted({s.remedy.trades for s in acting})
-        notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(changes) for s in acting) if n))
-        self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim](trades {', '.join(trades)}"
-                  f"{': ' + notes if notes else ''})[/]")
+        # what it costs: only the rungs whose knobs changed (the memory model may find a climbed rung not needed)
+        note = cost_note([s.remedy for s in steps], changes)
+        self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim]({_plain(note)})[/]")
         if len(steps) > 1:
             self._say("  [dim]the memory model predicts that fewer rungs would not be enough[/]")
 
@@ -223,25 +221,47 @@ class ConsoleReporter:
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
             diff_table(self.out, report.diff, title=title)
+        for line in experiment_lines(report.experiment):
+            self._say(_plain(line))
         for line in alternatives_lines(report.alternatives, report.command):
             self._say(_plain(line))
         self._say(_plain(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path
                                                      else "")))
 
 
+def experiment_lines(experiment: dict[str, Any] | None) -> list[str]:
+    """What the stable config kept of the user's experiment and what it changed, in cost classes (the report's
+    ``experiment``).
+
+    >>> experiment_lines({"kept": ["8 generations per prompt"], "changed": [{"remedy": "micro_batch", "cost":
+    ...     "speed", "change": "2 micro-steps of 4 rows per step (yours: 1 of 8)", "slowdown": 0.031}]})
+    ['kept: 8 generations per prompt', 'changed: 2 micro-steps of 4 rows per step (yours: 1 of 8) (speed, about +3% time per step predicted)']
+    """
+    if not experiment:
+        return []
+    from ..decide.experiment import Change, Experiment
+
+    return Experiment(list(experiment.get("kept") or []), [
+        Change(c.get("remedy", ""), c.get("cost", ""), c.get("change", ""), c.get("slowdown"))
+        for c in experiment.get("changed") or []]).lines()
+
+
 def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None) -> list[str]:
-    """The final message's lines for the configs that keep more of the user's GRPO semantics (the choice stays the
-    default): what each keeps, what it trades, its predicted peak, and the lock (or knobs) that run it."""
+    """The final message's lines for the configs predicted to fit that trade differently (the choice stays the
+    default): what each leaves as you had it, how fast a step is against the choice, what it changes instead, its
+    predicted peak, and the lock (or knobs) that run it."""
     if not alts:
         return []
     from ..vocab.sizes import format_size
 
-    lines = ["this choice trades quality; these are also predicted to fit and keep more of your config:"]
+    lines = ["these are also predicted to fit, and trade differently:"]
     tail = shlex.join(command) if command else "COMMAND"
     for n, a in enumerate(alts, 1):
-        peak = f", predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
-        lines.append(f"  {n}. keeps {'; '.join(a['keeps'])}{peak}")
-        lines.append(f"     trades {'; '.join(a['trades']) or 'nothing'}")
+        peak = f"; predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
+        v = a.get("versus_choice")
+        speed = "" if v is None or abs(v) < 0.005 else f", about {abs(v):.0%} {'slower' if v > 0 else 'faster'}"
+        lines.append(f"  {n}. {'; '.join(a['keeps'])}{speed}{peak}")
+        lines.append(f"     changes {', '.join(a['trades']) or 'nothing that costs'}")
         if a.get("lock"):
             lines.append(f"     run it: oomguard run --config {a['lock']} -- {tail}")
         else:

@@ -41,6 +41,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 
 from ..decide.climb import Climb
+from ..decide.experiment import cost_note
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
 from ..vocab import allocconf
@@ -282,12 +283,9 @@ class Guarded:
             self._log(logging.WARNING, f"choosing again with what was learned: {changes}")
         else:
             steps = decision.steps
-            acting = [s for s in steps if not s.remedy.changes or set(s.remedy.changes) & set(decision.changes)]
-            acting = acting or steps  # what is traded: the rungs whose knobs changed
-            notes = "; ".join(dict.fromkeys(n for n in (s.remedy.trade_for(decision.changes) for s in acting) if n))
-            trades = ", ".join(sorted({s.remedy.trades for s in acting}))
+            note = cost_note([s.remedy for s in steps], decision.changes)
             self._log(logging.WARNING, f"climbing {rung_label([(s.remedy.name, s.pass_no) for s in steps])}: "
-                      f"{changes or 'no knob changed'} (trades {trades}{': ' + notes if notes else ''})")
+                      f"{changes or 'no knob changed'} ({note})")
 
     # -- the memory model --------------------------------------------------------------------------------------
     def _guide(self) -> Any:

@@ -1,7 +1,8 @@
 """Undo trials: prove with probes that each change in force is needed, one rung at a time.
 
 The climb's choice is minimal by prediction. Once its probe passes, each rung still in force is tried without
-(quality trades first, the latest-listed first, then speed trades, then free changes), one probe each; a removal that
+(the costliest class first: signal, capacity, precision, speed, then free changes; the latest-listed first within a
+class), one probe each; a removal that
 still fits is kept. Two callers: ``--minimize`` tries every rung (proof, for users who want it); by default only
 the rungs the memory model is unsure of are tried: those whose removal it predicts just over the device, within its
 error (``Guide.plausible``). A trial whose knobs equal those of an attempt already made is skipped, so no config is
@@ -20,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..decide.cheapest import cost_rank
 from ..decide.climb import Climb
 from ..vocab.knobs import Knobs
-
-TRADE_ORDER = {"quality": 0, "speed": 1, "host": 2, "nothing": 3}
 
 
 @dataclass
@@ -38,8 +38,8 @@ class Minimizer:
 
     def start(self, climb: Climb) -> None:
         """Queue the rungs in force, costliest first; every config already run counts as tried."""
-        trades = {r.name: r.remedy.trades for r in climb.applied}
-        self.queue = sorted(reversed(climb.remedies_in_force()), key=lambda n: TRADE_ORDER.get(trades[n], 9))
+        rank = {r.name: cost_rank(r.remedy.cost) for r in climb.applied}
+        self.queue = sorted(reversed(climb.remedies_in_force()), key=lambda n: -rank[n])
         self.tried = [climb.effective()[0], *(Knobs.from_dict(a.knobs) for a in climb.attempts)]
 
     def next_trial(self, climb: Climb, worth: Callable[[Knobs], bool] | None = None) -> str | None:

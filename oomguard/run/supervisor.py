@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from ..decide.choose import Choice
 from ..decide.climb import Climb
+from ..decide.experiment import Experiment, summarise
 from ..decide.ladder import Exhausted, Ladder, Step
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
@@ -584,9 +585,10 @@ class Supervisor:
                                     "remedy": who.get("zero_stage") or who.get("offload_optimizer")
                                     or who.get("offload_params")})
         if status == "stable":
+            final = Knobs.from_dict(report.attempts[-1].knobs)
             try:  # a help to the user: it must never cost the stable run its report and lock
-                report.alternatives = [a.to_dict() for a in
-                                       self._alternatives(Knobs.from_dict(report.attempts[-1].knobs))]
+                report.experiment = self._experiment(final).to_dict()
+                report.alternatives = [a.to_dict() for a in self._alternatives(final)]
             except Exception as e:
                 self.ui.message(f"could not work out alternatives to the stable config ({type(e).__name__}: {e})")
         if self.group is not None:
@@ -605,16 +607,26 @@ class Supervisor:
         return {"node": m.node, "nodes": m.nodes, "leader": 0, "session": str(self.group.session),
                 "source": m.source}
 
+    def _experiment(self, final: Knobs) -> Experiment:
+        """What the stable config kept of the user's experiment and what it changed, in cost classes, with the
+        predicted time of each speed change (oomguard.decide.experiment)."""
+        c = self.climb
+        slowdown = self.guide.slowdown(c.facts) if self.guide is not None else None
+        remedies = list({r.name: r.remedy for r in c.applied}.values())
+        return summarise(c.original(), final, remedies, c.effective()[1], world_size=c.facts.world_size,
+                         slowdown=slowdown)
+
     def _alternatives(self, final: Knobs) -> list[Any]:
-        """Configs predicted to fit that keep more of the user's GRPO semantics than ``final``
+        """Configs predicted to fit, with the model's error as headroom, that trade differently from ``final``
         (oomguard.decide.alternatives), each written as a lock in the run's directory so that one flag runs it."""
         c = self.climb
-        if self.guide is None or self.o.replay or (fits := self.guide.fits(c.facts)) is None:
+        guide = self.guide
+        if guide is None or self.o.replay or (fits := guide.fits(c.facts, guide.relax_margin)) is None:
             return []
         from ..decide.alternatives import alternatives
 
-        alts = alternatives(c.original(), final, c.facts, fits, self.guide.peak(c.facts),
-                            skip=tuple(c.refused))
+        alts = alternatives(c.original(), final, c.applied, c.facts, fits, guide.peak(c.facts), ladder=self.o.ladder,
+                            skip=tuple(c.refused), slowdown=guide.slowdown(c.facts))
         for n, a in enumerate(alts, 1):
             path = self.run_dir / f"alternative-{n}.lock.json"
             write_json_atomic(path, self._lock_data(a.knobs, c.original().to_dict(), a.knobs.to_dict(),

@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import adapters, allocator, batch, checkpointing, distributed, host, precision, sequences, vllm  # noqa: F401
-from .base import REGISTRY, Advice, Context, Remedy
+from .base import COST_CLASSES, REGISTRY, Advice, Context, Remedy, cost_rank
 
 LADDER_DIR = Path(__file__).resolve().parent
 
-__all__ = ["LADDER_DIR", "REGISTRY", "Advice", "Context", "Remedy", "make_remedy"]
+__all__ = ["COST_CLASSES", "LADDER_DIR", "REGISTRY", "Advice", "Context", "Remedy", "cost_rank", "make_remedy"]
 
 
 def make_remedy(name: str, **params: object) -> Remedy:

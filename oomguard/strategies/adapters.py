@@ -12,13 +12,16 @@ from .base import Advice, Context, Remedy, register
 class Lora(Remedy):
     name = "lora"
     summary = "Train LoRA adapters (r=16 on all linear layers) instead of the full model."
-    trades = "quality"
+    cost = "capacity"
     trade_note = "far fewer trainable parameters; full-fine-tune learning rates are usually too low for LoRA"
     resume = "new-run"
     changes = ("lora_r", "lora_alpha", "lora_target_modules")
     helps_optimizer = True
     requires = ("peft",)
     params = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return f"LoRA r={final.lora_r} instead of a full fine-tune"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("lora_r") or ctx.facts.user_peft:

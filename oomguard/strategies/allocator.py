@@ -13,11 +13,14 @@ from .base import Advice, Context, Remedy, register
 class ExpandableSegments(Remedy):
     name = "expandable_segments"
     summary = "Let the allocator grow segments in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."
-    trades = "nothing"
+    cost = "none"
     trade_note = "no cost to speed or results; such memory cannot be shared over CUDA IPC"
     resume = "continue"
     changes = ("expandable_segments",)
     addresses = "fragmentation"
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return "expandable segments in the allocator"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.facts.alloc_conf_locked:
@@ -54,13 +57,16 @@ class EmptyCache(Remedy):
     name = "empty_cache"
     summary = ("Release cached blocks between phases (torch_empty_cache_steps=1) and keep large cached blocks whole "
                "(max_split_size_mb), so small long-lived tensors cannot pin them.")
-    trades = "speed"
+    cost = "none"
     trade_note = "about 10% slower (transformers #31372), plus more device allocations"
     resume = "continue"
     changes = ("torch_empty_cache_steps", "max_split_size_mb")
     addresses = "fragmentation"
     # "auto": 1/32 of the device (at least PyTorch's minimum of 21): blocks that large are worth keeping whole.
     params = {"max_split_size_mb": "auto"}
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return "the cache emptied between phases, large blocks kept whole"
 
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.kind in ("driver", "non-pytorch"):

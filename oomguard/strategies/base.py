@@ -7,9 +7,19 @@ A remedy answers four questions, each a method:
 - ``apply(ctx)``: the new Knobs. Pure: no I/O, no torch.
 - ``advise(diagnosis)``: for ``oomguard analyze``, a reason and, where the figures allow, the bytes it frees.
 
-Class attributes state the trade (``nothing``, ``speed``, ``quality``, ``host``) and whether a checkpoint can continue
-after it (``resume``: ``continue``, ``continue-drift`` with a warning that the data position drifts, or
-``new-run`` from the checkpoint's weights).
+Class attributes state what a remedy costs the experiment (``cost``, one of :data:`COST_CLASSES`, cheapest first)
+and whether a checkpoint can continue after it (``resume``: ``continue``, ``continue-drift`` with a warning that the
+data position drifts, or ``new-run`` from the checkpoint's weights).
+
+The cost classes, cheapest first (the default choice prefers a config whose costliest change is in a lower class):
+
+- ``none``: how memory is handed out (allocator settings, emptying the cache); what is trained and how fast barely
+  change.
+- ``speed``: how the step is computed (a micro-batch split that keeps the generation batch and the effective batch,
+  checkpointing, ZeRO sharding and offload): the same gradients, more time.
+- ``precision``: the numbers the update is made of (bf16 master weights, 8-bit optimizer moments).
+- ``capacity``: what is trained (LoRA adapters instead of the full model, then a 4-bit base).
+- ``signal``: what GRPO learns from (fewer prompts per step, fewer generations per prompt, shorter completions).
 """
 
 from __future__ import annotations
@@ -22,6 +32,20 @@ from oomguard.vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
 REGISTRY: dict[str, type[Remedy]] = {}
+
+# What a remedy costs the experiment, cheapest first (see the module's docstring).
+COST_CLASSES = ("none", "speed", "precision", "capacity", "signal")
+# The older, coarser words for the same (``Remedy.trades``): what reports and ladders listed before cost classes.
+_TRADES = {"none": "nothing", "speed": "speed"}
+
+
+def cost_rank(cost: str) -> int:
+    """A cost class's place, cheapest first (an unknown class counts as the costliest).
+
+    >>> cost_rank("none") < cost_rank("speed") < cost_rank("precision") < cost_rank("capacity") < cost_rank("signal")
+    True
+    """
+    return COST_CLASSES.index(cost) if cost in COST_CLASSES else len(COST_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -59,7 +83,7 @@ def register(cls: type[Remedy]) -> type[Remedy]:
 class Remedy:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
-    trades: ClassVar[str] = "nothing"  # nothing | speed | quality | host
+    cost: ClassVar[str] = "none"  # one of COST_CLASSES: what it costs the experiment
     trade_note: ClassVar[str] = ""
     resume: ClassVar[str] = "continue"  # continue | continue-drift | new-run
     graded: ClassVar[bool] = False
@@ -78,6 +102,16 @@ class Remedy:
             raise ValueError(f"remedy {self.name!r} takes no parameter(s) {', '.join(sorted(unknown))}"
                              + (f"; it takes {', '.join(self.params)}" if self.params else ""))
         self.p = {**self.params, **params}
+
+    @property
+    def trades(self) -> str:
+        """The coarse word for ``cost``: ``nothing``, ``speed`` or ``quality`` (precision, capacity and signal).
+
+        >>> from oomguard.strategies import make_remedy
+        >>> make_remedy("bf16_load").trades, make_remedy("micro_batch").trades
+        ('quality', 'speed')
+        """
+        return _TRADES.get(self.cost, "quality")
 
     def __repr__(self) -> str:
         extra = {k: v for k, v in self.p.items() if self.params.get(k) != v}
@@ -150,6 +184,31 @@ class Remedy:
         'checkpointing'
         """
         return self.name
+
+    def with_values(self, knobs: Knobs, values: Mapping[str, Any], world_size: int = 1) -> Knobs:
+        """``knobs`` with this rung set to ``values``, the values a relaxed rung keeps (one of ``relax``'s
+        candidates, read from the knobs it was relaxed on): as given, unless the rung means them relative to what it
+        applies to (see ``FewerGenerations``), so that a rung before it that changes or leaves the same knobs keeps
+        its own effect.
+
+        >>> from oomguard.strategies import make_remedy
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> make_remedy("shorter_sequences").with_values(TRL_DEFAULTS, {"max_completion_length": 96}).max_completion_length
+        96
+        """
+        return knobs.replace(**values)
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        """What this rung changed of the user's run, in words a user reads at the end ("bf16 weights (yours:
+        float32)"); ``final`` is the whole config in force. Overridden by each remedy; this one names the knobs.
+
+        >>> from oomguard.strategies import make_remedy
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> make_remedy("vllm_memory").describe_change(TRL_DEFAULTS, TRL_DEFAULTS.replace(vllm_gpu_memory_utilization=0.2))
+        'vllm_memory: vllm_gpu_memory_utilization=0.2'
+        """
+        changed = [f"{r.knob}={r.after}" for r in user.diff(final) if r.knob in self.changes]
+        return f"{self.name}: {', '.join(changed)}" if changed else self.name
 
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
         """Knobs between the user's values and ``current`` for this rung's knobs, closest to the user's first.

@@ -20,7 +20,7 @@ from .base import Advice, Context, Remedy, halve_request, register
 class FewerGenerations(Remedy):
     name = "fewer_generations"
     summary = "Generate fewer completions per device: halve num_generations and the rows per generation round."
-    trades = "quality"
+    cost = "signal"
     trade_note = "fewer samples per prompt make group advantages noisier"
     resume = "continue-drift"
     graded = True
@@ -50,6 +50,23 @@ class FewerGenerations(Remedy):
         if self.name_for(changes) == self.ROWS_ONLY:
             return self.ROWS_ONLY_NOTE
         return super().trade_for(changes)
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> user = TRL_DEFAULTS.replace(num_generations=8, per_device_train_batch_size=8)
+        >>> FewerGenerations().describe_change(user, user.replace(num_generations=4, per_device_train_batch_size=4))
+        '4 generations per prompt (yours: 8)'
+        >>> FewerGenerations().describe_change(user, user.replace(per_device_train_batch_size=4))
+        '0.5 prompts per step (yours: 1)'
+        """
+        parts = []
+        g_user, g = user.num_generations or 8, final.num_generations or 8
+        if g != g_user:
+            parts.append(f"{g} generations per prompt (yours: {g_user})")
+        p_user, p = user.prompts_per_step(world_size), final.prompts_per_step(world_size)
+        if abs(p - p_user) > 1e-9:
+            parts.append(f"{p:g} prompts per step (yours: {p_user:g})")
+        return ", ".join(parts) or self.name
 
     def _candidate(self, ctx: Context) -> Knobs | None:
         k = ctx.knobs
@@ -88,6 +105,28 @@ class FewerGenerations(Remedy):
         assert out is not None
         return out
 
+    def with_values(self, knobs: Knobs, values: Mapping[str, Any], world_size: int = 1) -> Knobs:
+        """The relaxed values as the rows generated per device (and the number of generations), laid over the batch
+        split of ``knobs``: a micro-batch split before this rung stays a split of the rows kept, and goes when the
+        split does (the values alone would keep the split they were read with).
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> values = {"num_generations": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+        ...           "steps_per_generation": 2}                       # 4 rows, read in 2 micro-steps of 2
+        >>> k = FewerGenerations().with_values(TRL_DEFAULTS.replace(per_device_train_batch_size=8), values)
+        >>> k.geometry(), k.rows_per_device()                           # without the split: 4 rows at once
+        ((4, 1, 1), 4)
+        """
+        absolute = knobs.replace(**values)
+        rows = absolute.rows_per_device(world_size)
+        _, ga_in, spg_in = knobs.geometry(world_size)
+        if rows % spg_in == 0:
+            out = knobs.replace(num_generations=absolute.num_generations).with_geometry(
+                rows // spg_in, ga_in, spg_in, world_size)
+            if not out.validate(world_size):
+                return out
+        return absolute
+
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
         """Generation counts and rows per device between the climbed and the user's: the most generations first, then
         the most rows, keeping the climbed steps_per_generation.
@@ -125,13 +164,23 @@ class FewerGenerations(Remedy):
 class MicroBatch(Remedy):
     name = "micro_batch"
     summary = "Halve per_device_train_batch_size and double gradient_accumulation_steps: same effective batch."
-    trades = "speed"
+    cost = "speed"
     trade_note = "more, smaller micro-steps; the effective batch and the generation rows stay the same"
     resume = "continue-drift"
     graded = True
     changes = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
     shrinks_shapes = True
     params = {"min_batch": 1}
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=8, gradient_accumulation_steps=2)
+        >>> MicroBatch().describe_change(user, user.replace(per_device_train_batch_size=2, gradient_accumulation_steps=8))
+        '8 micro-steps of 2 rows per step (yours: 2 of 8)'
+        """
+        bs_u, ga_u, _ = user.geometry(world_size)
+        bs, ga, _ = final.geometry(world_size)
+        return f"{ga} micro-steps of {bs} rows per step (yours: {ga_u} of {bs_u})"
 
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.phase == "generation":

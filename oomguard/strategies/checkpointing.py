@@ -12,7 +12,7 @@ from .base import Advice, Context, Remedy, register
 class Checkpointing(Remedy):
     name = "checkpointing"
     summary = "Turn on activation checkpointing (activation_checkpointing=True)."
-    trades = "speed"
+    cost = "speed"
     trade_note = "about 20-30% slower: each layer's forward runs twice"
     resume = "continue"
     changes = ("gradient_checkpointing",)
@@ -24,6 +24,9 @@ class Checkpointing(Remedy):
         if d is not None and d.kind == "impossible":
             return "checkpointing does not shrink the single oversized request"
         return super().helps(d)
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return "gradient checkpointing"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("gradient_checkpointing"):

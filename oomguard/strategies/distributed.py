@@ -18,7 +18,7 @@ from .base import Advice, Context, Remedy, register
 
 
 class _Sharding(Remedy):
-    trades = "speed"
+    cost = "speed"
     resume = "new-run"  # DeepSpeed and FSDP checkpoints are laid out per stage: a new run from the weights
     helps_optimizer = True
 
@@ -114,7 +114,7 @@ class OffloadParams(_Sharding):
 class FsdpOffload(Remedy):
     name = "fsdp_offload"
     summary = "FSDP with parameters and gradients offloaded to the CPU (fsdp='full_shard offload')."
-    trades = "speed"
+    cost = "speed"
     trade_note = "every layer is fetched from host RAM: much slower"
     resume = "new-run"
     changes = ("fsdp_offload",)

@@ -12,7 +12,7 @@ from .base import Advice, Context, Remedy, register
 class FewerWorkers(Remedy):
     name = "fewer_workers"
     summary = "Use fewer dataloader worker processes (each holds a copy of the dataset state)."
-    trades = "speed"
+    cost = "speed"
     trade_note = "data loading moves back into the training process"
     changes = ("dataloader_num_workers",)
     addresses = "host"
@@ -31,7 +31,7 @@ class FewerWorkers(Remedy):
 class SmallerPrefetch(Remedy):
     name = "smaller_prefetch"
     summary = "Prefetch fewer batches per dataloader worker (dataloader_prefetch_factor=1)."
-    trades = "speed"
+    cost = "speed"
     trade_note = "less overlap between loading and training"
     changes = ("dataloader_prefetch_factor",)
     addresses = "host"
@@ -52,7 +52,7 @@ class SmallerPrefetch(Remedy):
 class NoCpuOffload(Remedy):
     name = "no_cpu_offload"
     summary = "Stop offloading optimizer state and parameters to host RAM (DeepSpeed/FSDP offload)."
-    trades = "nothing"
+    cost = "none"
     trade_note = "the offloaded state goes back to the GPU, which must then hold it"
     changes = ("offload_optimizer", "offload_params", "fsdp_offload")
     addresses = "host"

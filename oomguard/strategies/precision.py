@@ -36,12 +36,15 @@ def _can_set_load(ctx: Context) -> str | None:
 class Bf16Load(Remedy):
     name = "bf16_load"
     summary = "Load the model in bfloat16 instead of float32 (TRL loads a model given by name in float32)."
-    trades = "quality"
+    cost = "precision"
     trade_note = "bf16 master weights: half the weights, gradients and AdamW state; slightly less precise updates"
     resume = "new-run"
     changes = ("dtype",)
     helps_at_load = True
     helps_optimizer = True
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return f"bf16 weights (yours: {user.dtype or 'float32'})"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("dtype") in ("bfloat16", "float16") or ctx.value("load_in_4bit"):
@@ -60,12 +63,15 @@ class Bf16Load(Remedy):
 class Optimizer8bit(Remedy):
     name = "optimizer_8bit"
     summary = "Keep optimizer state in 8 bits (bitsandbytes, e.g. optim=adamw_bnb_8bit)."
-    trades = "quality"
+    cost = "precision"
     trade_note = "8-bit moments: about 2 bytes per parameter instead of 8, with a small effect on updates"
     resume = "new-run"
     changes = ("optim",)
     helps_optimizer = True
     requires = ("bitsandbytes",)
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        return f"8-bit optimizer states ({final.optim})"
 
     def blocked(self, ctx: Context) -> str | None:
         optim = str(ctx.value("optim"))
@@ -88,7 +94,7 @@ class Optimizer8bit(Remedy):
 class Load4bit(Remedy):
     name = "load_4bit"
     summary = "Load the base model in 4-bit NF4 with LoRA adapters (QLoRA)."
-    trades = "quality"
+    cost = "capacity"
     trade_note = "4-bit base weights (about 0.52 bytes per parameter) and adapters only"
     resume = "new-run"
     changes = ("load_in_4bit", "lora_r", "dtype")
@@ -96,6 +102,10 @@ class Load4bit(Remedy):
     helps_optimizer = True
     requires = ("bitsandbytes", "peft")
     params = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        lora = "" if user.lora_r else f" and LoRA r={final.lora_r} instead of a full fine-tune"
+        return f"a 4-bit base model{lora}"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("load_in_4bit"):

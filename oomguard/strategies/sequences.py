@@ -15,13 +15,21 @@ from .base import Advice, Context, Remedy, halve_request, register
 class ShorterSequences(Remedy):
     name = "shorter_sequences"
     summary = "Cap completions shorter (max_completion_length) and drop the longest prompts (max_prompt_tokens)."
-    trades = "quality"
+    cost = "signal"
     trade_note = "long reasoning is cut off; the longest prompts leave the dataset"
     resume = "continue"
     graded = True
     changes = ("max_completion_length", "max_prompt_tokens")
     shrinks_shapes = True
     params = {"factor": 0.5, "min_completion_length": 64, "prompt_tail_ratio": 1.25}
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        parts = []
+        if final.max_completion_length != user.max_completion_length:
+            parts.append(f"{final.max_completion_length}-token completions (yours: {user.max_completion_length})")
+        if final.max_prompt_tokens != user.max_prompt_tokens and final.max_prompt_tokens:
+            parts.append(f"prompts over {final.max_prompt_tokens} tokens left out")
+        return ", ".join(parts) or self.name
 
     def blocked(self, ctx: Context) -> str | None:
         c = ctx.value("max_completion_length")

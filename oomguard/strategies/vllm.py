@@ -12,7 +12,7 @@ from .base import Advice, Context, Remedy, register
 class VllmMemory(Remedy):
     name = "vllm_memory"
     summary = "Rebalance vLLM colocate: sleep between generations, or a smaller vllm_gpu_memory_utilization."
-    trades = "speed"
+    cost = "speed"
     trade_note = "sleep mode reloads vLLM's weights each step; a smaller KV cache batches fewer sequences"
     resume = "continue"
     graded = True

@@ -118,6 +118,17 @@ class Knobs:
         bs, _, spg = self.geometry(world_size)
         return bs * spg
 
+    def prompts_per_step(self, world_size: int = 1) -> float:
+        """Prompts per optimizer step, the effective batch GRPO learns from: the completions of one step
+        (micro-batch x accumulation x ranks) over the completions per prompt. A micro-batch split keeps it.
+
+        >>> k = Knobs(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=8)
+        >>> k.prompts_per_step(), k.replace(per_device_train_batch_size=4, gradient_accumulation_steps=4).prompts_per_step()
+        (2.0, 2.0)
+        """
+        bs, ga, _ = self.geometry(world_size)
+        return bs * ga * world_size / max(1, self.num_generations or 8)
+
     def with_geometry(self, bs: int, ga: int, spg: int, world_size: int = 1) -> Knobs:
         """Set the batch geometry, written in the form the user used (generation_batch_size or steps_per_generation)."""
         changes: dict[str, Any] = {"per_device_train_batch_size": bs, "gradient_accumulation_steps": ga}

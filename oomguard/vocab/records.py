@@ -331,8 +331,10 @@ class RunReport:
     finished: str | None = None
     device: dict[str, Any] | None = None
     facts: dict[str, Any] | None = None
-    # configs that keep more (oomguard.decide.alternatives)
+    # configs predicted to fit that trade differently (oomguard.decide.alternatives)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    # what the stable config kept of the user's experiment and what it changed (oomguard.decide.experiment)
+    experiment: dict[str, Any] | None = None
     group: dict[str, Any] | None = None  # a job on several nodes: this node's place in it (oomguard.run.group)
 
     def to_dict(self) -> dict[str, Any]:
@@ -352,6 +354,7 @@ class RunReport:
             "diff": self.diff,
             "facts": self.facts,
             "alternatives": self.alternatives,
+            **({"experiment": self.experiment} if self.experiment is not None else {}),
             **({"group": self.group} if self.group is not None else {}),
         }
 
