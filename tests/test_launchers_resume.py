@@ -25,10 +25,10 @@ def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):
         tiny_model, tmp_path / "out", "--max-steps", "4", "--save-steps", "2", "--oom-at-step", "3",
         "--oom-marker", str(tmp_path / "oomed")))
     a1, a2 = rep["attempts"]
-    assert a1["outcome"] == "oom" and a1["step"] == 3 and a1["climbed"] == "fewer_generations"
+    assert a1["outcome"] == "oom" and a1["step"] == 3 and a1["climbed"] == "micro_batch"
     ckpt2 = tmp_path / "out" / "checkpoint-2"
     assert a2["resume"]["mode"] == "continue" and a2["resume"]["checkpoint"] == str(ckpt2)
-    assert "data position" in a2["resume"]["why"]  # fewer_generations changed the batch geometry
+    assert "data position" in a2["resume"]["why"]  # the micro-batch split changed the batch geometry
     begin = next(e for e in events_of(tmp_path, 2) if e["event"] == "train_begin")
     assert begin["step"] == 2  # resumed at checkpoint-2: the next step trained is step 3
     assert a2["outcome"] == "ok" and a2["step"] == 4 and rep["status"] == "stable"

@@ -1,5 +1,7 @@
 """End to end, with real TRL on CPU and the simulated device: a first attempt runs out of memory, and one rung of
-the default ladder makes the run fit. Every rung of the default ladder is covered at least once.
+the fastest ladder (the design card's order, climbed one rung per OOM) makes the run fit. Every rung of the design
+card is covered at least once; the default ladder's own rungs (the micro-batch split, bf16 weights) and its choice
+by cost are covered in tests/test_choose_e2e.py and tests/test_real_cards.py.
 
 The budgets come from `bench/min_budget.py`, which replays each configuration's allocation trace through the
 allocator model: e.g. `--max-completion-length 64` needs 106 MiB without expandable segments and 100 MiB with them,
@@ -24,7 +26,7 @@ FLOOR = ["--max-completion-length", "64", "--num-generations", "2", "--per-devic
 
 
 def grpo(tmp: Path, model: str, budget: str, *args: str, env: dict | None = None,
-         extra: tuple = ("--no-probe", "--no-predict")):
+         extra: tuple = ("--no-probe", "--no-predict", "--ladder", "fastest")):
     out, rep = run_oomguard(tmp, "--simulate-gpu", budget, *extra, "--", *grpo_tiny(model, tmp / "out", *args),
                             env=env)
     assert rep is not None, out.stderr[-3000:]
@@ -91,9 +93,7 @@ def test_optimizer_8bit(tmp_path, tiny_model):
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
 
 
-@pytest.mark.slow
 def test_lora(tmp_path, tiny_model):
-    """Slow: the default run's test_choose_e2e.py keeps LoRA in the config it chooses at 48 MiB and trains with it."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", *FLOOR, "--optim", "adamw_bnb_8bit")
     assert_rung_fixed_it(out, rep, "lora")
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"lora_r": 16, "lora_alpha": 32,
@@ -152,7 +152,7 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     OOM they cause comes in the first minute; the fix (dropping the prompt tail) is probed, then the real run starts.
     The probes write no checkpoints into the script's output directory."""
     out, rep = grpo(tmp_path, tiny_model, "100MiB", "--rows", "64", "--long-prompts", "2", "--save-steps", "1",
-                    extra=("--no-predict", "--probe-steps", "2"))
+                    extra=("--no-predict", "--probe-steps", "2", "--ladder", "fastest"))
     kinds = [(a["kind"], a["outcome"]) for a in rep["attempts"]]
     assert kinds == [("probe", "oom"), ("probe", "ok"), ("run", "ok")], kinds
     assert rep["status"] == "stable"
@@ -177,7 +177,7 @@ def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_i
     pre-flight stop and the guided choice and checks the choice keeps only what is needed; what this adds is
     --minimize's undo probes (five launches more)."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
-                    extra=("--probe-steps", "2", "--minimize"))
+                    extra=("--probe-steps", "2", "--minimize", "--ladder", "fastest"))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", rep["message"]
     first_ok = next(i for i, a in enumerate(attempts) if a["outcome"] == "ok")

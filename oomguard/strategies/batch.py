@@ -16,6 +16,10 @@ from oomguard.vocab.knobs import Knobs
 from .base import Advice, Context, Remedy, halve_request, register
 
 
+def _rows(n: int) -> str:
+    return f"{n} row{'' if n == 1 else 's'}"
+
+
 @register
 class FewerGenerations(Remedy):
     name = "fewer_generations"
@@ -65,7 +69,7 @@ class FewerGenerations(Remedy):
             parts.append(f"{g} generations per prompt (yours: {g_user})")
         p_user, p = user.prompts_per_step(world_size), final.prompts_per_step(world_size)
         if abs(p - p_user) > 1e-9:
-            parts.append(f"{p:g} prompts per step (yours: {p_user:g})")
+            parts.append(f"{p:g} prompt{'' if p == 1 else 's'} per step (yours: {p_user:g})")
         return ", ".join(parts) or self.name
 
     def _candidate(self, ctx: Context) -> Knobs | None:
@@ -180,7 +184,7 @@ class MicroBatch(Remedy):
         """
         bs_u, ga_u, _ = user.geometry(world_size)
         bs, ga, _ = final.geometry(world_size)
-        return f"{ga} micro-steps of {bs} rows per step (yours: {ga_u} of {bs_u})"
+        return f"{ga} micro-steps of {_rows(bs)} per step (yours: {ga_u} of {bs_u})"
 
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.phase == "generation":
