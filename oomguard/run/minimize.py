@@ -4,8 +4,10 @@ The climb's choice is minimal by prediction. Once its probe passes, each rung st
 (the costliest class first: signal, capacity, precision, speed, then free changes; the latest-listed first within a
 class), one probe each; a removal that
 still fits is kept. Two callers: ``--minimize`` tries every rung (proof, for users who want it); by default only
-the rungs the memory model is unsure of are tried: those whose removal it predicts just over the device, within its
-error (``Guide.plausible``). A trial whose knobs equal those of an attempt already made is skipped, so no config is
+the rungs the memory model is unsure of are tried: those that change what is trained or learned from (capacity and
+signal: LoRA, 4-bit, fewer generations, shorter completions) whose removal it predicts just over the device, within
+its error (``Guide.plausible``). A speed or precision change the model is unsure of stays without a probe: worth a
+launch only with ``--minimize``. A trial whose knobs equal those of an attempt already made is skipped, so no config is
 probed twice (a rung climbed twice is one trial; a rung that changes nothing here is none).
 
 >>> from oomguard.decide.climb import Climb
@@ -18,7 +20,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from ..decide.cheapest import cost_rank
@@ -36,10 +38,13 @@ class Minimizer:
     def started(self) -> bool:
         return self.queue is not None
 
-    def start(self, climb: Climb) -> None:
-        """Queue the rungs in force, costliest first; every config already run counts as tried."""
+    def start(self, climb: Climb, costs: Collection[str] | None = None) -> None:
+        """Queue the rungs in force (only those of the cost classes ``costs``, when given), costliest first; every
+        config already run counts as tried."""
         rank = {r.name: cost_rank(r.remedy.cost) for r in climb.applied}
-        self.queue = sorted(reversed(climb.remedies_in_force()), key=lambda n: -rank[n])
+        cost = {r.name: r.remedy.cost for r in climb.applied}
+        names = [n for n in reversed(climb.remedies_in_force()) if costs is None or cost[n] in costs]
+        self.queue = sorted(names, key=lambda n: -rank[n])
         self.tried = [climb.effective()[0], *(Knobs.from_dict(a.knobs) for a in climb.attempts)]
 
     def next_trial(self, climb: Climb, worth: Callable[[Knobs], bool] | None = None) -> str | None:

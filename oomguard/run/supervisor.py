@@ -78,6 +78,9 @@ BOOT_DIR = Path(__file__).resolve().parents[1] / "child" / "_boot"
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
 # memory model learns from it, so choices after a probe keep that room.
 PROBE_TAIL = 0.01
+# The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
+# what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
+UNDO_BY_DEFAULT = ("capacity", "signal")
 
 
 class Reporter(Protocol):
@@ -490,7 +493,8 @@ class Supervisor:
         doubt = None if guide is None else min(guide.doubt, self._stop_margin()[0]) if self.o.preflight else guide.doubt
         worth = guide.plausible(c.facts, doubt) if guide is not None else None
         if not self.minimizer.started and c.applied and (self.o.minimize or worth is not None):
-            self.minimizer.start(c)
+            # by default only what changes the experiment is worth a launch to undo; --minimize tries every change
+            self.minimizer.start(c, None if self.o.minimize else UNDO_BY_DEFAULT)
         if (self.minimizer.started and self._room_for(2, counted=False)
                 and (name := self.minimizer.next_trial(c, None if self.o.minimize else worth))):
             why = ("--minimize" if self.o.minimize
