@@ -181,6 +181,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     args = list(command)
     if args and args[0] == "--":
         args = args[1:]
+    # what a printed "run it" line repeats: the command in the user's words, with the options that set its device
+    device_options = [w for opt, value in (("--simulate-gpu", simulate_gpu), ("--simulate-context", simulate_context),
+                                           ("--gpu-memory", gpu_memory)) if value is not None for w in (opt, value)]
     try:
         lad = load_ladder(ladder)
         import os
@@ -215,7 +218,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
                          membership=membership)
-    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
+    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
+                                                                  options=device_options)
     try:
         code = Supervisor(argv, options, reporter).run()
     except UsageError as e:

@@ -106,11 +106,16 @@ def status_panel(p: Progress) -> Any:
 class ConsoleReporter:
     """Human-readable progress, one block per attempt, a live status panel on a terminal, the diff at the end."""
 
-    def __init__(self, quiet: bool = False, live: bool | None = None, lock: str | None = None) -> None:
+    def __init__(self, quiet: bool = False, live: bool | None = None, lock: str | None = None,
+                 command: list[str] | None = None, options: list[str] | None = None) -> None:
         from rich.console import Console
 
         self.quiet = quiet
         self.lock = lock  # the lock file replayed with --config, if any
+        # The command in the user's own words, and the options that set its device: what a "run it" line repeats
+        # (the launch uses the resolved command, whose interpreter is an absolute path the user never typed).
+        self.command = command
+        self.options = options or []
         self.out = Console(stderr=True, highlight=False, soft_wrap=True)
         self.live_enabled = (not quiet and self.out.is_terminal) if live is None else live
         self._live: Any = None
@@ -223,27 +228,37 @@ class ConsoleReporter:
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
             diff_table(self.out, report.diff, title=title)
-        for line in alternatives_lines(report.alternatives, report.command):
+        for line in alternatives_lines(report.alternatives, self.command or report.command, self.options):
             self._say(_plain(line))
         self._say(_plain(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path
                                                      else "")))
 
 
-def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None) -> list[str]:
+def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None,
+                       options: list[str] | None = None) -> list[str]:
     """The final message's lines for the configs that keep more of the user's GRPO semantics (the choice stays the
-    default): what each keeps, what it trades, its predicted peak, and the lock (or knobs) that run it."""
+    default): what each keeps, what it trades, its predicted peak, and the lock (or knobs) that run it.
+
+    ``command`` is the user's command as they typed it and ``options`` the oomguard options that set its device, so
+    the "run it" line can be pasted as it is:
+
+    >>> alt = {"keeps": ["num_generations 8 (the choice: 4)"], "trades": ["speed: more, smaller micro-steps"],
+    ...        "lock": "alt-1.lock.json", "overrides": {}}
+    >>> alternatives_lines([alt], ["train.py", "--epochs", "1"], ["--simulate-gpu", "300MiB"])[-1]
+    '     run it: oomguard run --config alt-1.lock.json --simulate-gpu 300MiB -- train.py --epochs 1'
+    """
     if not alts:
         return []
     from ..vocab.sizes import format_size
 
     lines = ["this choice trades quality; these are also predicted to fit and keep more of your config:"]
-    tail = shlex.join(command) if command else "COMMAND"
+    tail = " ".join([*map(shlex.quote, options or []), "--", shlex.join(command) if command else "COMMAND"])
     for n, a in enumerate(alts, 1):
         peak = f", predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
         lines.append(f"  {n}. keeps {'; '.join(a['keeps'])}{peak}")
         lines.append(f"     trades {'; '.join(a['trades']) or 'nothing'}")
         if a.get("lock"):
-            lines.append(f"     run it: oomguard run --config {a['lock']} -- {tail}")
+            lines.append(f"     run it: oomguard run --config {a['lock']} {tail}")
         else:
             lines.append("     knobs: " + " ".join(f"{k}={_plain_value(v)}" for k, v in a["overrides"].items()))
     return lines
