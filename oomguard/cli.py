@@ -129,8 +129,8 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
                    "(skip rungs predicted not to be enough, drop those not needed, relax graded knobs).")
 @click.option("--preflight-margin", type=click.FloatRange(min=0), default=None, metavar="F",
               help="Stop a config before it loads or generates when the memory model predicts it more than F (a "
-                   "fraction) over the device. Default: the model's measured error (8.4%% on a GPU from the H100 "
-                   "rows, or this machine's recorded runs; 11.7%% on the simulated device), printed with each stop.")
+                   "fraction) over the device. Default: the model's measured error (8.4% on a GPU from the H100 "
+                   "rows, or this machine's recorded runs; 11.7% on the simulated device), printed with each stop.")
 @click.option("--no-preflight", is_flag=True, help="Never stop a config on prediction alone; run it and see.")
 @click.option("--minimize", is_flag=True,
               help="After the memory model's choice, also prove it: drop each remaining rung in turn, costliest "
