@@ -26,7 +26,7 @@ Why committed pages and a check, not a build-time hook: the pages read the same 
 built site; a change to an option shows up in review as a change to its page; and ``mkdocs build`` needs nothing
 but the Markdown.
 
->>> render("a\\n<!-- generated: exit-codes -->\\nold\\n<!-- end generated -->\\nb\\n").count("| 75 |")
+>>> render("a\\n<!-- generated: exit-codes -->\\nold\\n<!-- end generated -->\\nb\\n").count("**75**")
 1
 """
 

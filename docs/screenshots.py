@@ -127,9 +127,14 @@ def demo_lines(history: str) -> str:
         if line.startswith("oomguard report:"):
             out.append(line)
             break
+        if "run it: " in line:  # a line to paste stays whole
+            out.append(line)
+            continue
         head = re.match(r"^(oomguard:? +(?:\d+\. +)?)", line)
         indent = " " * (len(head.group(1)) if head else 0)
-        out += textwrap.wrap(line, 118, subsequent_indent=indent, break_on_hyphens=False) or [""]
+        kept = re.sub(r"(\d) (bytes|[KMG]iB)\b", "\\1\u00a0\\2", line)  # a size stays on one line
+        out += [w.replace("\u00a0", " ") for w in
+                textwrap.wrap(kept, 118, subsequent_indent=indent, break_on_hyphens=False)] or [""]
     text = "\n".join(out) + "\n"
     return re.sub(r"\.oomguard/runs/[\w-]+/", ".oomguard/runs/<id>/", text)
 

@@ -116,7 +116,11 @@ def test_the_site_builds_strict(tmp_path):
 
 
 def test_the_generated_parts_match_the_code():
-    stale = _generator().stale()
+    import doctest
+
+    generator = _generator()
+    assert doctest.testmod(generator).failed == 0
+    stale = generator.stale()
     assert not stale, (f"out of date: {', '.join(str(p.relative_to(ROOT)) for p in stale)}; "
                        "run `python docs/generate.py` and commit the pages")
 
@@ -252,3 +256,30 @@ def test_the_command_reader_sees_what_a_shell_would():
         parse(["run", "--max-attempt", "3", "train.py"])
     with pytest.raises(click.BadParameter):
         parse(["run", "--max-attempts", "many", "train.py"])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_demo_prints_what_the_readme_shows(tmp_path):
+    """The README's main job, run as a user runs it: oomguard's lines are the README's demo output (times apart), and
+    the alternative's "run it" line names the script as the user typed it. When the climb changes on purpose,
+    `python docs/screenshots.py` writes the new output (and pictures)."""
+    spec = importlib.util.spec_from_file_location("docs_screenshots", DOCS / "screenshots.py")
+    assert spec and spec.loader
+    shots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shots)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    out = subprocess.run([sys.executable, "-m", "oomguard", *MAIN_JOB.split(" && ")[-1].split()[1:]], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    def same(text: str) -> str:
+        text = re.sub(r"in \d+\.\ds", "in <t>s", text)
+        return "\n".join(line for line in text.splitlines()
+                         if not re.match(r"^oomguard \w+ \d+/\d+: (step \d+|starting)", line))  # no terminal: progress
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = shots.DEMO_BLOCK.search(readme)
+    assert shown and same(shots.demo_lines(out.stderr)) == same(shown.group(2))
+    assert "run it: oomguard run --config .oomguard/runs/<id>/alternative-1.lock.json --simulate-gpu 300MiB -- " \
+           "examples/grpo_gsm8k.py" in shown.group(2)
