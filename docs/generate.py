@@ -52,10 +52,11 @@ def _cell(text: Any) -> str:
 
 
 def _code(text: str) -> str:
-    """Inline code that may hold a pipe: a code span cannot escape one in every Markdown (GitHub, Python-Markdown)."""
+    """Inline code that may hold a pipe (a code span cannot escape one in every Markdown: GitHub, Python-Markdown),
+    kept on one line in a table."""
     import html
 
-    return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
+    return '<code style="white-space:nowrap">' + html.escape(text).replace("|", "&#124;") + "</code>"
 
 
 def _table(head: list[str], rows: list[list[Any]]) -> str:

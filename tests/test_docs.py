@@ -163,7 +163,7 @@ def test_every_option_and_exit_code_is_in_the_reference():
         for p in cmd.params:
             for opt in (*p.opts, *p.secondary_opts):
                 if isinstance(p, click.Option):
-                    assert re.search(rf"<code>[^<]*(?<![\w-]){re.escape(opt)}\b", cli_page), f"oomguard {name} {opt}"
+                    assert re.search(rf"<code[^>]*>[^<]*(?<![\w-]){re.escape(opt)}\b", cli_page), f"oomguard {name} {opt}"
     codes_page = (DOCS / "reference" / "exit-codes.md").read_text(encoding="utf-8")
     from oomguard.run import supervisor
 
