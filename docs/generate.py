@@ -322,7 +322,7 @@ def versions(_: str | None = None) -> str:
     rows = [["Python", project["requires-python"]]]
     rows += [[("DeepSpeed (optional: the ZeRO rungs; the tests pin it)" if name == "deepspeed" else name),
               ", ".join(p.strip() for p in reqs[name].split(","))] for name in VERSIONED if name in reqs]
-    return _table(["", "versions"], [[n, f"`{v}`"] for n, v in rows])
+    return _table(["package", "versions"], [[n, f"`{v}`"] for n, v in rows])
 
 
 GENERATORS: dict[str, Callable[[str | None], str]] = {
