@@ -77,31 +77,32 @@ def cli(name: str) -> str:
     assert cmd is not None, f"no command {name!r}"
     ctx = top if name == "oomguard" else click.Context(cmd, info_name=name, parent=top)
     usage = " ".join(["oomguard", *([] if name == "oomguard" else [name]), *cmd.collect_usage_pieces(ctx)])
-    text = (cmd.help or "").replace("\b\n", "")
-    out = [f"```text\n{usage}\n```\n", _help_text(text)]
+    out = [f"```text\n{usage}\n```\n", _help_text(cmd.help or "")]
     rows = []
     for p in cmd.get_params(ctx):
-        record = p.get_help_record(ctx)
-        if record is None:  # an argument
+        record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+        if record is None:  # an argument: the usage line names it
             continue
         opts, help_ = record
         rows.append([_code(opts), help_])
     out.append(_table(["option", "meaning"], rows))
     if cmd.epilog:
-        out.append("\n" + _help_text(cmd.epilog.replace("\b\n", "")))
+        out.append("\n" + _help_text(cmd.epilog))
     return "\n".join(out)
 
 
 def _help_text(text: str) -> str:
-    """click's help text as Markdown: indented example lines become a code block, paragraphs stay."""
-    paras = [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+    """click's help text as Markdown: a paragraph click prints as it is (marked ``\\b``) becomes a code block, the
+    others stay prose."""
+    import inspect
+    import textwrap
+
     md = []
-    for p in paras:
-        lines = p.splitlines()
-        if all(line.startswith("  ") for line in lines):
-            md.append("```text\n" + "\n".join(line.strip() for line in lines) + "\n```\n")
-        else:
-            md.append(" ".join(line.strip() for line in lines) + "\n")
+    for p in re.split(r"\n\s*\n", inspect.cleandoc(text)):
+        if p.startswith("\b"):
+            md.append("```text\n" + textwrap.dedent(p[1:].strip("\n")) + "\n```\n")
+        elif p.strip():
+            md.append(" ".join(line.strip() for line in p.splitlines()) + "\n")
     return "\n".join(md)
 
 
