@@ -129,8 +129,8 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
                    "(skip rungs predicted not to be enough, drop those not needed, relax graded knobs).")
 @click.option("--preflight-margin", type=click.FloatRange(min=0), default=None, metavar="F",
               help="Stop a config before it loads or generates when the memory model predicts it more than F (a "
-                   "fraction) over the device. Default: the model's measured error (8.4%% on a GPU from the H100 "
-                   "rows, or this machine's recorded runs; 11.7%% on the simulated device), printed with each stop.")
+                   "fraction) over the device. Default: the model's measured error (8.4% on a GPU from the H100 "
+                   "rows, or this machine's recorded runs; 11.7% on the simulated device), printed with each stop.")
 @click.option("--no-preflight", is_flag=True, help="Never stop a config on prediction alone; run it and see.")
 @click.option("--minimize", is_flag=True,
               help="After the memory model's choice, also prove it: drop each remaining rung in turn, costliest "
@@ -181,6 +181,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     args = list(command)
     if args and args[0] == "--":
         args = args[1:]
+    # what a printed "run it" line repeats: the command in the user's words, with the options that set its device
+    device_options = [w for opt, value in (("--simulate-gpu", simulate_gpu), ("--simulate-context", simulate_context),
+                                           ("--gpu-memory", gpu_memory)) if value is not None for w in (opt, value)]
     try:
         lad = load_ladder(ladder)
         import os
@@ -215,7 +218,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
                          membership=membership)
-    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
+    reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
+                                                                  options=device_options)
     try:
         code = Supervisor(argv, options, reporter).run()
     except UsageError as e:

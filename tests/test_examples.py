@@ -1,4 +1,4 @@
-"""The examples as users meet them: no deprecation warnings, nothing left in the checkout, README commands."""
+"""The examples as users meet them: no deprecation warnings, nothing left in the checkout, the commands the docs show."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_examples_write_under_ignored_places():
         assert ignored.returncode == 0, path
 
 
-def test_the_readme_runs_the_guard_examples():
-    readme = (ROOT / "README.md").read_text()
+def test_the_guard_page_runs_the_guard_examples():
+    readme = (ROOT / "docs" / "how-to" / "guard.md").read_text()
     for script in ("examples/custom_loop.py", "examples/notebook_grpo.py"):
         assert re.search(rf"^python {re.escape(script)}\s*(#.*)?$", readme, re.M), script

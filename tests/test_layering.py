@@ -1,9 +1,9 @@
-"""The parts of oomguard and the one way their imports run (README, "Layout").
+"""The parts of oomguard and the one way their imports run (docs/contributing/layout.md).
 
 Every import of every module is read from the source with ``ast``: at module level, inside functions and under
 ``if TYPE_CHECKING:``, so a lazy import cannot hide a dependency. Pure Python, no module is imported.
 
-:data:`MAY_IMPORT` is the rule, and the README's "Layout" section prints the same table (checked below). A new
+:data:`MAY_IMPORT` is the rule, and the documentation's "Layout" page prints the same table (checked below). A new
 module goes into the part it belongs to; a part that needs another part not in its row says so here first, and the
 rows must still form no cycle.
 """
@@ -259,9 +259,9 @@ def test_the_supervisor_never_reaches_torch(module):
     assert not torch, "\n".join(torch)
 
 
-def test_the_readme_shows_the_same_rules():
-    """The README's "Layout" section prints MAY_IMPORT as a table: one row per part, ``-`` for none."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_layout_page_shows_the_same_rules():
+    """The documentation's "Layout" page prints MAY_IMPORT as a table: one row per part, ``-`` for none."""
+    text = (ROOT / "docs" / "contributing" / "layout.md").read_text(encoding="utf-8")
     block = text.split("<!-- layering: tests/test_layering.py MAY_IMPORT -->", 1)[1].split("```", 2)[1]
     rows = {}
     for line in block.strip().splitlines()[1:]:

@@ -77,7 +77,9 @@ def test_every_run_keeps_its_report_and_nothing_earlier_is_lost(tmp_path):
     assert sorted((tmp_path / "wd" / "kept").iterdir()) == kept  # a copy of a kept record is simply replaced
 
 
-def test_run_help_and_the_readme_list_the_same_exit_codes():
+def test_run_help_lists_every_exit_code():
+    """`oomguard run --help` prints RUN_EXIT_CODES; the reference page is generated from the same list
+    (tests/test_docs.py checks it)."""
     from oomguard.cli import RUN_EXIT_CODES
     from oomguard.run import supervisor
 
@@ -87,9 +89,6 @@ def test_run_help_and_the_readme_list_the_same_exit_codes():
     helptext = subprocess.run([sys.executable, "-m", "oomguard", "run", "--help"], capture_output=True,
                               text=True).stdout
     assert all(code in helptext for code in codes)
-    readme = (ROOT / "README.md").read_text()
-    para = readme[readme.index("**Exit codes** (as `oomguard run --help` lists them)"):].split("\n\n")[0]
-    assert set(re.findall(r"\*\*(\d+)\*\*", para)) == codes
 
 
 def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_record(tmp_path):
@@ -124,3 +123,46 @@ def test_a_command_that_fails_before_its_grpo_config_says_why_not_that_it_ran_in
     out, rep = run_oomguard(tmp_path, "--", sys.executable, str(path))
     assert out.returncode == code and rep["status"] == "failed", out.stderr[-2000:]
     assert reason in rep["message"] and "ran in full" not in rep["message"]
+
+
+@pytest.mark.parametrize("typed, launched, repeated", [
+    (["--simulate-gpu", "300MiB", "examples/grpo_gsm8k.py", "--max-steps", "2"],
+     [sys.executable, "examples/grpo_gsm8k.py", "--max-steps", "2"],
+     ["--simulate-gpu", "300MiB", "--", "examples/grpo_gsm8k.py", "--max-steps", "2"]),
+    (["--gpu-memory", "16GiB", "--ladder", "quality-first", "--", "-m", "json.tool", "a b.json"],
+     [sys.executable, "-m", "json.tool", "a b.json"],
+     ["--gpu-memory", "16GiB", "--", "-m", "json.tool", "a b.json"]),
+])
+def test_the_run_it_line_repeats_the_command_as_the_user_typed_it(monkeypatch, typed, launched, repeated):
+    """An alternative's "run it" line is pasted back into a shell: it names the script as the user typed it (not the
+    interpreter's absolute path, which is what is launched) and keeps the options that set the device."""
+    import shlex
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from oomguard.cli import main
+    from oomguard.run import supervisor
+    from oomguard.vocab.records import RunReport
+
+    seen: dict = {}
+    lock = ".oomguard/runs/1/alternative-1.lock.json"
+
+    class Launched:
+        def __init__(self, argv, options, reporter):
+            seen.update(argv=argv, reporter=reporter)
+
+        def run(self) -> int:
+            alt = {"keeps": ["num_generations 8 (the choice: 4)"], "trades": ["speed: more, smaller micro-steps"],
+                   "lock": lock, "overrides": {"optim": "adamw_bnb_8bit"}}
+            report = RunReport("stable", [], {}, {}, [], command=seen["argv"], message="stable", alternatives=[alt])
+            seen["reporter"].finish(report, Path("oomguard-report.json"), Path("oomguard.lock.json"))
+            return 0
+
+    monkeypatch.setattr(supervisor, "Supervisor", Launched)
+    monkeypatch.chdir(ROOT)
+    result = CliRunner().invoke(main, ["run", *typed])
+    assert result.exit_code == 0, result.output
+    assert seen["argv"] == launched  # the launch still uses the resolved command
+    line = next(x for x in result.stderr.splitlines() if "run it:" in x)
+    assert shlex.split(line.split("run it: ", 1)[1]) == ["oomguard", "run", "--config", lock, *repeated]

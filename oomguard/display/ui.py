@@ -107,11 +107,16 @@ def status_panel(p: Progress) -> Any:
 class ConsoleReporter:
     """Human-readable progress, one block per attempt, a live status panel on a terminal, the diff at the end."""
 
-    def __init__(self, quiet: bool = False, live: bool | None = None, lock: str | None = None) -> None:
+    def __init__(self, quiet: bool = False, live: bool | None = None, lock: str | None = None,
+                 command: list[str] | None = None, options: list[str] | None = None) -> None:
         from rich.console import Console
 
         self.quiet = quiet
         self.lock = lock  # the lock file replayed with --config, if any
+        # The command in the user's own words, and the options that set its device: what a "run it" line repeats
+        # (the launch uses the resolved command, whose interpreter is an absolute path the user never typed).
+        self.command = command
+        self.options = options or []
         self.out = Console(stderr=True, highlight=False, soft_wrap=True)
         self.live_enabled = (not quiet and self.out.is_terminal) if live is None else live
         self._live: Any = None
@@ -223,7 +228,7 @@ class ConsoleReporter:
             diff_table(self.out, report.diff, title=title)
         for line in experiment_lines(report.experiment):
             self._say(_plain(line))
-        for line in alternatives_lines(report.alternatives, report.command):
+        for line in alternatives_lines(report.alternatives, self.command or report.command, self.options):
             self._say(_plain(line))
         self._say(_plain(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path
                                                      else "")))
@@ -246,16 +251,26 @@ def experiment_lines(experiment: dict[str, Any] | None) -> list[str]:
         for c in experiment.get("changed") or []]).lines()
 
 
-def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None) -> list[str]:
+def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None,
+                       options: list[str] | None = None) -> list[str]:
     """The final message's lines for the configs predicted to fit that trade differently (the choice stays the
     default): what each leaves as you had it, how fast a step is against the choice, what it changes instead, its
-    predicted peak, and the lock (or knobs) that run it."""
+    predicted peak, and the lock (or knobs) that run it.
+
+    ``command`` is the user's command as they typed it and ``options`` the oomguard options that set its device, so
+    the "run it" line can be pasted as it is:
+
+    >>> alt = {"avoids": ["speed"], "keeps": ["no speed change (the choice: 2 micro-steps of 4 rows per step)"],
+    ...        "trades": ["bf16 weights (yours: float32) (precision)"], "lock": "alt-1.lock.json", "overrides": {}}
+    >>> alternatives_lines([alt], ["train.py", "--epochs", "1"], ["--simulate-gpu", "300MiB"])[-1]
+    '     run it: oomguard run --config alt-1.lock.json --simulate-gpu 300MiB -- train.py --epochs 1'
+    """
     if not alts:
         return []
     from ..vocab.sizes import format_size
 
     lines = ["these are also predicted to fit, and trade differently:"]
-    tail = shlex.join(command) if command else "COMMAND"
+    tail = " ".join([*map(shlex.quote, options or []), "--", shlex.join(command) if command else "COMMAND"])
     for n, a in enumerate(alts, 1):
         peak = f"; predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
         v = a.get("versus_choice")
@@ -263,7 +278,7 @@ def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = N
         lines.append(f"  {n}. {'; '.join(a['keeps'])}{speed}{peak}")
         lines.append(f"     changes {', '.join(a['trades']) or 'nothing that costs'}")
         if a.get("lock"):
-            lines.append(f"     run it: oomguard run --config {a['lock']} -- {tail}")
+            lines.append(f"     run it: oomguard run --config {a['lock']} {tail}")
         else:
             lines.append("     knobs: " + " ".join(f"{k}={_plain_value(v)}" for k, v in a["overrides"].items()))
     return lines
