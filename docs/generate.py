@@ -145,9 +145,9 @@ def remedies(_: str | None = None) -> str:
     for name in sorted(REGISTRY):
         r = REGISTRY[name]
         params = ", ".join(f"`{k} = {json.dumps(v)}`" for k, v in r.params.items()) or "none"
-        trade = f"**{r.trades}**" + (f": {r.trade_note}" if r.trade_note else "")
+        trade = f"**{r.cost}**" + (f": {r.trade_note}" if r.trade_note else "")
         lines = [f"### `{name}`", "", r.summary, "",
-                 f"- trades {trade}",
+                 f"- costs {trade}",
                  f"- checkpoint after it: `{r.resume}`",
                  "- writes " + (", ".join(f"`{k}`" for k in r.changes) or "no knob"),
                  f"- ladder parameters: {params}"]
@@ -193,8 +193,13 @@ REPORT_KEYS = {
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
             "`fewer_prompts_per_step`); when the run did not become stable, what was tried",
     "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages",
-    "alternatives": "configs predicted to fit that keep more of your GRPO config: `keeps`, `trades`, "
-                    "`predicted_bytes`, `overrides`, `lock`",
+    "alternatives": "configs predicted to fit that trade differently: `avoids` (the cost classes of the choice each "
+                    "leaves as you had them), `keeps`, `trades` (its own changes, each with its cost class), "
+                    "`predicted_bytes`, `versus_choice` (predicted step time against the choice's: -0.2 is 20% "
+                    "faster), `overrides`, `lock`, `experiment`",
+    "experiment": "only when stable: what the stable config kept of your experiment and what it changed, "
+                  "`{kept: [...], changed: [{remedy, cost, change, slowdown}]}` (`slowdown`: a speed change's "
+                  "predicted extra time per step)",
     "group": "only in a job on several nodes: `{node, nodes, leader, session, source}`",
     "kept_at": "only in the top-level copy (`--report`): the run's own file it copies",
 }
@@ -245,7 +250,7 @@ def _keys_table(keys: list[str], described: dict[str, str], what: str) -> str:
 def report_fields(_: str | None = None) -> str:
     from oomguard.vocab.records import RunReport
 
-    keys = [*RunReport("stable", [], {}, None, [], group={}).to_dict(), "kept_at"]
+    keys = [*RunReport("stable", [], {}, None, [], group={}, experiment={}).to_dict(), "kept_at"]
     return _keys_table(keys, REPORT_KEYS, "report")
 
 
