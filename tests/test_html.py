@@ -46,6 +46,20 @@ def test_run_page_is_self_contained_and_escaped():
     assert not re.search(r'(src|href)="https?://', page)  # nothing to fetch
 
 
+def test_the_page_says_what_the_experiment_kept_and_what_else_fits():
+    report = {**REPORT, "experiment": {"kept": ["8 generations per prompt", "a full fine-tune"], "changed": [
+        {"remedy": "micro_batch", "cost": "speed", "change": "2 micro-steps of 4 rows per step (yours: 1 of 8)",
+         "slowdown": 0.04}]},
+        "alternatives": [{"avoids": ["speed"], "keeps": ["no speed change <b>"], "trades": ["bf16 weights (precision)"],
+                          "predicted_bytes": 200 * MiB, "versus_choice": -0.1, "overrides": {"dtype": "bfloat16"},
+                          "lock": "alt-1.lock.json"}]}
+    page = run_html(report)
+    assert 'id="experiment"' in page and "kept: 8 generations per prompt, a full fine-tune" in page
+    assert "(speed, about +4% time per step predicted)" in page and "about 10% faster" in page
+    assert "no speed change &lt;b&gt;" in page and "--config alt-1.lock.json" in page
+    assert 'id="experiment"' not in run_html(REPORT)  # nothing to say without a stable choice
+
+
 def test_analyze_page_and_cli(tmp_path):
     page = analyze_html(analyze_paths([str(ROOT / "examples" / "logs")]))
     assert "fragmentation" in page and "vllm-reservation" in page and page.count('class="figures-chart"') == 3

@@ -257,6 +257,13 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
         body.append("<h2>Memory breakdown (memory model, final config)</h2>" + breakdown_chart(breakdown))
     body.append("<h2>Attempts</h2>" + timeline_chart(attempts))
     body.append("<h2>What changed</h2>" + _diff_table(report.get("diff") or []))
+    from .ui import alternatives_lines, experiment_lines
+
+    said = experiment_lines(report.get("experiment")) + alternatives_lines(report.get("alternatives") or [],
+                                                                         report.get("command"))
+    if said:
+        body.append("<h2>What your experiment kept, and what else fits</h2><pre id=\"experiment\">"
+                    + "\n".join(_e(line) for line in said) + "</pre>")
     labels = dict(zip((id(a) for a in attempts), climbed_labels([a.get("climbed") for a in attempts]), strict=True))
     evid = [a for a in attempts if a.get("oom")]
     if evid:
