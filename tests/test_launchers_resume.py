@@ -91,7 +91,7 @@ def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH. This is the default
     run's end-to-end test of the fewer_generations rung on a real (simulated) OOM; test_fewer_generations, one rank,
     is `slow`. Slow itself: the launch matrix climbs under torchrun and accelerate by default."""
-    _out, rep = run_oomguard(tmp_path, *PLAIN, "--simulate-gpu", "100MiB", "--",
+    _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", "fastest", "--simulate-gpu", "100MiB", "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                       "--max-completion-length", "64"), env=env_without_launchers())
     a1, a2 = rep["attempts"]
