@@ -173,7 +173,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
-    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command
+    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command, trl_support
     from .run.group import GroupError, membership_of
     from .run.supervisor import RunOptions, Supervisor
     from .vocab.sizes import SizeError, parse_size_arg
@@ -201,6 +201,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                                  f"{simulate_gpu} for tensors: make it smaller than the device", 2)
         replay = load_lock(config_path) if config_path else None
         argv = resolve_command(args)
+        trl = trl_support(argv)
+        if trl.refused:  # below the floor: one line before anything launches
+            raise UsageError(str(trl.message), 2)
         membership = membership_of(argv, os.environ, group=group_dir, node=node_rank, nodes=nodes, workdir=workdir)
     except GroupError as e:
         _exit(str(e), 2)
@@ -214,7 +217,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
-                         membership=membership)
+                         membership=membership, trl=trl)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path)
     try:
         code = Supervisor(argv, options, reporter).run()

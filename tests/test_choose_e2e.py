@@ -25,6 +25,7 @@ def grpo(tmp: Path, model: str, budget: str, *args: str, extra: tuple = ()):
     return out, rep
 
 
+@pytest.mark.core
 def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_needed(tmp_path, tiny_model):
     """At 48 MiB the user's config is predicted at more than twice the device: it stops before generating, with no
     real OOM. The ladder prefix predicted to fit has five rungs; the choice keeps three and says why the others go.

@@ -114,6 +114,7 @@ def write_lock(tmp: Path, **overrides) -> Path:
     return lock
 
 
+@pytest.mark.core
 def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
     """Also: a script that saves no checkpoints is told how to lose fewer steps, and the trainer is found by its
     interpreter's path with no python on PATH."""
@@ -147,6 +148,7 @@ def test_a_lock_that_no_longer_fits_a_real_grpo_run_is_reported_not_climbed(tmp_
     assert "without --config" in rep["message"]
 
 
+@pytest.mark.core
 def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model):
     """Two prompts are 8x longer than the rest. The probe trains on exactly those, at full completion length, so the
     OOM they cause comes in the first minute; the fix (dropping the prompt tail) is probed, then the real run starts.

@@ -68,10 +68,14 @@ from __future__ import annotations
 
 from .coefficients import (
     DEVICE_OVERPREDICTION,
+    SIMULATED_HEAD_ERROR,
     SIMULATED_OVERPREDICTION,
     SIMULATED_UNDERPREDICTION,
     STOP_ALLOWANCE,
+    UNTESTED_FACTOR,
     Coefficients,
+    ModelError,
+    measured_error,
 )
 from .model import EstimateError, ModelSpec, load_model_spec, lora_trainable_params
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
@@ -83,16 +87,20 @@ __all__ = [
     "DEVICE_OVERPREDICTION",
     "NF4_BYTES_PER_PARAM",
     "PHASES",
+    "SIMULATED_HEAD_ERROR",
     "SIMULATED_OVERPREDICTION",
     "SIMULATED_UNDERPREDICTION",
     "STOP_ALLOWANCE",
+    "UNTESTED_FACTOR",
     "Coefficients",
     "Estimate",
     "EstimateError",
+    "ModelError",
     "ModelSpec",
     "describe",
     "estimate",
     "load_bytes",
     "load_model_spec",
     "lora_trainable_params",
+    "measured_error",
 ]

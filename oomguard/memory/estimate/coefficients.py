@@ -4,6 +4,7 @@ predictions that the pre-flight check and the Guide add as margins.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 # How far above the measured device use the built-in fit's device-level prediction reached on the 22 H100 rows
@@ -21,6 +22,66 @@ SIMULATED_UNDERPREDICTION = 0.12
 # Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
 # beyond those on the measured ones.
 STOP_ALLOWANCE = 0.02
+# The largest errors of the allocated peak on the simulated device, per LM head of the installed TRL (RunFacts.trl_head):
+# "fused" (TRL 1.15 on) and "logits" (TRL 0.29 to 1.14), measured by bench/cpu_calibrate.py under each tested release
+# (the rows are tests/fixtures/trl/cpu-rows-*.json, checked by tests/test_trl_range.py): (the largest over-prediction,
+# the largest under-prediction), as fractions of the measured peak.
+SIMULATED_HEAD_ERROR = {"fused": (0.004, 0.014), "logits": (0.277, 0.03)}
+# A TRL newer than the newest tested release: its memory behaviour is unmeasured. The largest change measured between
+# releases on one config is 2.95x (TRL 1.16's CPU head against 0.29-1.14's logits, the README job: 499 against 169
+# MiB), so the pre-flight stops such a config only when it is predicted over this many times the device.
+UNTESTED_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class ModelError:
+    """How far the memory model's device peak may be from the truth: ``over`` (predicted above what a config needs:
+    the pre-flight stops only beyond it, plus STOP_ALLOWANCE) and ``under`` (needs more than predicted: relaxing stops
+    that far from the edge), and where the figures come from."""
+
+    over: float
+    under: float
+    source: str
+
+
+def measured_error(*, simulated: bool, head: str | None = None, untested: bool = False) -> ModelError:
+    """The memory model's measured error for a device and the installed TRL's LM head (None: the newest, fused).
+
+    On the simulated device: the allocated peak's error for that head and the fragmentation measured by
+    bench/min_budget.py (smallest fitting budget 1.05 to 1.26 times the allocated peak, against the fitted 1.14). On a
+    GPU: the H100 rows, fitted under TRL 1.16 (fused head); the logits head of TRL 0.29 to 1.14 is not measured on a
+    GPU, so its simulated-device error is added on top. A TRL newer than the newest tested (``untested``): over by up
+    to UNTESTED_FACTOR, the largest change measured between releases.
+
+    >>> e = measured_error(simulated=True)
+    >>> e.over, e.under
+    (0.097, 0.12)
+    >>> measured_error(simulated=False, untested=True).over
+    2.0
+    """
+    h = head if head in SIMULATED_HEAD_ERROR else "fused"
+    err_over, err_under = SIMULATED_HEAD_ERROR[h]
+    if simulated:
+        if h == "fused":
+            over, under = SIMULATED_OVERPREDICTION, SIMULATED_UNDERPREDICTION
+        else:
+            over = math.ceil(1000 * (1.14 / 1.05 * (1 + err_over) - 1)) / 1000
+            under = math.ceil(1000 * (1.26 / 1.14 * (1 + err_under) - 1)) / 1000
+        which = "" if h == "fused" else " for the logits LM head of TRL 0.29-1.14"
+        source = f"the simulated device's fit{which}: up to {100 * over:.1f}% over"
+    elif h == "fused":
+        over, under = DEVICE_OVERPREDICTION, DEVICE_OVERPREDICTION
+        source = f"the built-in fit: up to {100 * over:.1f}% over on the H100 rows"
+    else:
+        over = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_over) - 1)) / 1000
+        under = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_under) - 1)) / 1000
+        source = (f"the built-in fit with the logits LM head of TRL 0.29-1.14 (H100 rows; that head measured on the "
+                  f"simulated device only): up to {100 * over:.1f}% over")
+    if untested:
+        return ModelError(UNTESTED_FACTOR - 1, under, f"a TRL newer than the tested releases: only beyond "
+                                                      f"{UNTESTED_FACTOR:g} times the device, the largest change "
+                                                      "measured between releases")
+    return ModelError(over, under, source)
 
 
 @dataclass(frozen=True)
@@ -55,6 +116,7 @@ class Coefficients:
 
     c_act: float = 0.89
     k_logits: float = 12.0
+    k_full_logits: float = 16.0
     f_frag: float = 0.105
     f_frag_expandable: float = 0.05
     m_ctx: int = 800 * 2**20
