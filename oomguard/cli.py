@@ -242,7 +242,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None, world_size: int,
          as_json: bool, knobs: tuple[str, ...]) -> None:
-    """Predict the peak memory of a GRPO configuration (TRL 1.16) and the cheapest rungs that make it fit.
+    """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
       oomguard plan --model ./Llama-3.2-1B-Instruct --gpu 16GiB dtype=bfloat16 max_completion_length=786
@@ -289,7 +289,12 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
                    else {"source": "built-in", "description": builtin_description()})
     coefficients = cal.apply(Coefficients()) if cal else None
-    facts = RunFacts(world_size=world_size)
+    # the LM head of the TRL installed here (0.29-1.14 materialise the logits, 1.15 on fuse the head)
+    from .run.command import trl_support
+    from .vocab.trlrange import head_of
+
+    trl = trl_support([sys.executable]).version
+    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens, coefficients=coefficients)
     alts = []
     if p.steps and p.after is not None and p.after.fits(capacity):
@@ -297,7 +302,7 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         from .decide.plan import predictor
 
         predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
-                            coefficients=coefficients)
+                            coefficients=coefficients, head=facts.trl_head)
         alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, facts,
                                                   lambda x: predict(x).fits(capacity),
                                                   lambda x: predict(x).peak_bytes)]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_oomguard
 from oomguard.child import trlcompat
 from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.decide.plan import Guide
@@ -27,6 +26,7 @@ from oomguard.strategies import Context
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.trlrange import FLOOR, TESTED, head_of, support
 
+from helpers import ROOT, run_oomguard
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is read from the installed TRL
@@ -44,6 +44,43 @@ def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
     assert f.head == head_of(f.version)
     assert f.quantization_via == ("quantization_config" if f.takes("quantization_config") else "model_init_kwargs")
     assert {"peft_config", "callbacks", "processing_class", "train_dataset"} <= f.trainer_args
+    # oomguard's own patch of GRPOTrainer keeps TRL's signature, so the arguments are read the same once it is in
+    import trl.trainer.grpo_trainer as module
+
+    from oomguard.child import patches
+    from oomguard.child.runtime import Runtime
+    from oomguard.vocab.protocol import Plan
+
+    patches.patch_grpo_trainer(Runtime(Plan()), module)
+    try:
+        assert trlcompat.read().trainer_args == f.trainer_args
+    finally:
+        patches.remove()
+
+
+@pytest.mark.core
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_readme_job_first_choice_is_predicted_within_the_measured_error(tmp_path):
+    """The README's main job under the installed TRL: the training process reports its TRL, and the first config
+    oomguard probes (the user's own where it is predicted to fit, else the climb's choice) is predicted within the
+    simulated device's measured error for that TRL's LM head of what the probe then measures (the worst case: the
+    longest prompt, full completions). Slow: about a minute; CI runs it under both ends of the range."""
+    import trl
+
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "300MiB", str(ROOT / "examples" / "grpo_gsm8k.py"),
+                            env={"OOMGUARD_EXAMPLE_CACHE": str(tmp_path / "cache")}, timeout=1500)
+    assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
+    facts = rep["facts"]
+    assert facts["trl_version"] == trl.__version__ and facts["trl_lacks"] == []
+    assert facts["trl_head"] == head_of(trl.__version__)
+    first = next(a for a in rep["attempts"] if a["kind"] == "probe" and a["outcome"] == "ok")
+    over, under = SIMULATED_HEAD_ERROR[facts["trl_head"]]
+    predicted_alloc = first["predicted_bytes"] / (1 + Coefficients.for_simulated().f_frag)
+    err = predicted_alloc / first["peak_bytes"] - 1
+    assert -under <= err <= over, (err, first)
+    run = rep["attempts"][-1]
+    assert run["kind"] == "run" and run["peak_bytes"] <= first["peak_bytes"]  # the worst case was probed
 
 
 def _fake(fields: set[str], params: tuple[str, ...], fused: bool) -> tuple[types.ModuleType, types.ModuleType]:

@@ -7,6 +7,7 @@ knobs. The user's code is never edited; ``remove()`` restores the originals (the
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -233,6 +234,7 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
     orig_train = cls.__dict__.get("train")
     sig = inspect.signature(orig_init)
 
+    @functools.wraps(orig_init)  # its signature stays TRL's (trlcompat reads the arguments this TRL takes)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = sig.bind(self, *args, **kwargs)
         a = bound.arguments

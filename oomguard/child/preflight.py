@@ -97,7 +97,7 @@ def check(rt: Runtime, before: str = "generates") -> None:
         return
     peak = predict(rt, pf)
     if peak is not None and verdict(pf, peak, rt.facts()) is not None:
-        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before)
+        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before, rt.facts())
 
 
 def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
@@ -117,12 +117,13 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
     if verdict(pf, need, rt.facts()) is None:
         return
     how = "4-bit" if knobs.load_in_4bit else knobs.dtype or "float32"
-    _stop(rt, pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads")
+    _stop(rt, pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads", rt.facts())
 
 
-def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str) -> None:
+def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
+          facts: dict[str, Any] | None = None) -> None:
     cap = int(pf["capacity"])
-    margin, source = margin_of(pf, rt.facts())
+    margin, source = margin_of(pf, facts)
     rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before)
     if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
         sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "

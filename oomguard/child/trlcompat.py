@@ -103,7 +103,7 @@ def read(config_module: Any = None, trainer_module: Any = None) -> TrlFeatures:
         import trl.trainer.grpo_trainer as trainer_module
     cfg_cls = config_module.GRPOConfig
     fields = frozenset(getattr(cfg_cls, "__dataclass_fields__", {}))
-    try:
+    try:  # oomguard's own patch keeps TRL's signature (functools.wraps), which inspect follows
         params = frozenset(inspect.signature(trainer_module.GRPOTrainer.__init__).parameters) - {"self"}
     except (TypeError, ValueError):
         params = frozenset()

@@ -97,6 +97,10 @@ class Coefficients:
     - ``k_logits``: bytes per tile element of the chunked LM head's torch-fallback temporaries in backward. TRL 1.16
       only takes that path without Triton (CPU, the simulated device); on CUDA the Triton kernels work in place and
       the term is unused. The default 12 is the research prior for the old materialised-logits backward.
+    - ``k_full_logits``: TRL 0.29 to 1.14 (materialised logits): bytes per ``[B, C, V]`` element at the peak of the
+      loss's backward, in units of a 4-byte log-softmax (halved for 16-bit weights without autocast). Measured on the
+      simulated device under TRL 0.29.1 and 1.10.0 (tests/fixtures/trl/): four fp32 ``[B, C, V]`` tensors, 16. Not
+      measured on a GPU (the H100 rows ran TRL 1.16).
     - ``f_frag`` / ``f_frag_expandable``: reserved-but-unallocated margin, as a fraction of the allocated peak.
       Measured reserved/allocated: 1.02-1.17 over the 17 rows without expandable segments (least squares 1.061,
       median 1.086); 0.105 gives the smallest worst-case error of the reserved peak (the research prior 0.25 made
@@ -148,5 +152,6 @@ class Coefficients:
         segments save nothing reliable on a device this small: the large pool is mapped in 20 MiB granules, a sixth
         of a 120 MiB device, and the smallest budgets were 1.07, 1.12, 1.14 and 1.15 times the allocated peak with
         them (1.10, 1.14, 1.17 without, on the same configs), so ``f_frag_expandable`` is ``f_frag`` too.
+        ``k_full_logits = 16`` (TRL 0.29 to 1.14) is the count measured there (see the class's notes).
         """
         return cls(c_act=0.92, k_logits=29.0, f_frag=0.14, f_frag_expandable=0.14, m_ctx=0, m_workspace=0)
