@@ -20,8 +20,10 @@ TRL 0.28.0 is installed; oomguard supports TRL 0.29 to 1.x (tested: 0.29.1, 1.10
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 # The oldest supported release: from 0.29 on GRPOConfig rests on TRL's _BaseConfig as in 1.x, prompts are no longer
 # truncated by max_prompt_length, and each knob oomguard changes means the same (research notes, issue 24).
@@ -64,10 +66,16 @@ def _range_text() -> str:
 
 
 def _parse(version: str) -> Version | None:
+    from packaging.version import InvalidVersion, Version  # loaded when a version is read, not with the supervisor
+
     try:
         return Version(version)
     except (InvalidVersion, TypeError):
         return None
+
+
+def _release(v: Version) -> Version:
+    return type(v)(v.base_version)
 
 
 def support(version: str | None) -> Support:
@@ -82,11 +90,11 @@ def support(version: str | None) -> Support:
     v = _parse(version) if version else None
     if v is None:
         return Support(version, "unknown")
-    release = Version(v.base_version)
-    if release < Version(FLOOR):
+    release = _release(v)
+    if release < type(v)(FLOOR):
         return Support(version, "older", f"TRL {version} is installed; oomguard supports {_range_text()}: "
                                          f'pip install "{REQUIREMENT}"')
-    if release > Version(TESTED[-1]):
+    if release > type(v)(TESTED[-1]):
         return Support(version, "newer", f"TRL {version} is newer than the newest release oomguard was "
                                          f"tested with ({TESTED[-1]}): its memory behaviour is not measured, so "
                                          "the pre-flight stops only a config far beyond the device and a probe "
@@ -105,4 +113,4 @@ def head_of(version: str | None) -> str | None:
     v = _parse(version) if version else None
     if v is None:
         return None
-    return "fused" if Version(v.base_version) >= Version(FUSED_HEAD_SINCE) else "logits"
+    return "fused" if _release(v) >= type(v)(FUSED_HEAD_SINCE) else "logits"
