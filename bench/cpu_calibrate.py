@@ -11,6 +11,12 @@ forward_backward, optimizer), and this script compares them with
     python bench/cpu_calibrate.py            # the full grid (about 6-8 minutes on 2 CPU cores)
     python bench/cpu_calibrate.py --quick    # a 4-configuration subset
     python bench/cpu_calibrate.py --only qwen-full-c128 --show-phases
+    python bench/cpu_calibrate.py --python /work/venvs/trl-0.29.1/bin/python --json tests/fixtures/trl/cpu-rows-0.29.1.json
+
+``--python`` measures under another environment's interpreter (one per tested TRL release, with oomguard installed
+there: ``pip install --no-deps -e .``); each row records the TRL and transformers it ran under and the LM head the
+training process found (``oomguard.child.trlcompat``), and the prediction models that head. The rows written by
+``--json`` are the test fixtures of ``tests/test_trl_rows.py`` (``tests/fixtures/trl/``).
 
 The table's "measured" column is the simulated device's ``peak`` (max allocated, the analogue of
 ``torch.cuda.max_memory_allocated``) over both steps; "predicted" is ``Estimate.peak_alloc_bytes``.
@@ -204,26 +210,33 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     for rec in steps:
         for k, v in rec.items():
             phases[k] = max(phases.get(k, 0), v)
+    import transformers
+
+    from oomguard.child import trlcompat
+
+    trl = trlcompat.read()
     return {"peak": max(phases.values()), "phases": phases, "steps": steps, "resident": resident,
             "train_seconds": round(time.time() - t0, 1), "trainable": sum(p.numel() for p in trainer.model.parameters()
-                                                                           if p.requires_grad)}
+                                                                           if p.requires_grad),
+            "trl": trl.version, "trl_head": trl.head, "transformers": transformers.__version__}
 
 
 # -------------------------------------------------------------------------------------------------------------------
 # The parent
 
 
-def predict(cfg: Config, coefficients: Any = None) -> Any:
+def predict(cfg: Config, coefficients: Any = None, head: str | None = None) -> Any:
+    """The prediction for ``cfg``, modelling the LM head ``head`` (the one the row's TRL has; None: the newest)."""
     from oomguard.memory.estimate import Coefficients, ModelSpec, estimate
 
     spec = ModelSpec.from_config(ARCHS[cfg.arch])
     coefficients = coefficients or Coefficients.for_simulated()
-    return estimate(spec, cfg.knobs(), prompt_tokens=cfg.P, coefficients=coefficients, simulated=True)
+    return estimate(spec, cfg.knobs(), prompt_tokens=cfg.P, coefficients=coefficients, simulated=True, head=head)
 
 
-def run_one(cfg: Config, model_dirs: dict[str, Path], timeout: float) -> dict[str, Any]:
+def run_one(cfg: Config, model_dirs: dict[str, Path], timeout: float, python: str = sys.executable) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="oomguard-cal-") as out:
-        cmd = [sys.executable, __file__, "--worker", json.dumps(cfg.__dict__), "--model-dir",
+        cmd = [python, __file__, "--worker", json.dumps(cfg.__dict__), "--model-dir",
                str(model_dirs[cfg.arch]), "--out-dir", out]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
@@ -248,7 +261,7 @@ def table(results: list[tuple[Config, dict[str, Any]]], coefficients: Any, show_
         if "error" in res:
             print(f"{cfg.name:<22} {cfg.label():<50} {'':>10} {'FAILED':>10}  {res['error'][:300]}")
             continue
-        est = predict(cfg, coefficients)
+        est = predict(cfg, coefficients, res.get("trl_head"))
         err = 100.0 * (est.peak_alloc_bytes - res["peak"]) / res["peak"]
         errors.append(err)
         print(f"{cfg.name:<22} {cfg.label():<50} {est.peak_alloc_bytes / MiB:>8.1f}Mi {res['peak'] / MiB:>8.1f}Mi "
@@ -277,7 +290,8 @@ def fit(results: list[tuple[Config, dict[str, Any]]]) -> Any:
     for c_act in [x / 100 for x in range(70, 131, 2)]:
         for k_logits in range(16, 41, 1):
             co = replace(Coefficients.for_simulated(), c_act=c_act, k_logits=float(k_logits))
-            errs = sorted(abs(predict(c, co).peak_alloc_bytes - r["peak"]) / r["peak"] for c, r in ok)
+            errs = sorted(abs(predict(c, co, r.get("trl_head")).peak_alloc_bytes - r["peak"]) / r["peak"]
+                          for c, r in ok)
             key = (round(errs[-1], 3), statistics.median(errs))
             if best is None or key < best[0]:
                 best = (key, co)
@@ -297,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the raw measurements to PATH")
     p.add_argument("--from-json", metavar="PATH", help="re-use measurements written by --json instead of measuring")
     p.add_argument("--fit", action="store_true", help="also grid-search c_act and k_logits on these measurements")
+    p.add_argument("--python", default=sys.executable, metavar="PATH",
+                   help="measure under this interpreter (another environment's TRL; oomguard installed there)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -320,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_dirs[arch] = Path(tmp) / arch
                 build_model(model_dirs[arch], ARCHS[arch])
             with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
-                measured = list(pool.map(lambda c: run_one(c, model_dirs, a.timeout), grid))
+                measured = list(pool.map(lambda c: run_one(c, model_dirs, a.timeout, a.python), grid))
     results = list(zip(grid, measured, strict=True))
     if a.json:
         Path(a.json).write_text(json.dumps([{"config": c.__dict__, **r} for c, r in results], indent=1))

@@ -1,4 +1,4 @@
-"""GRPO on GSM8K with Llama-3.2-1B-Instruct: the seed script, ported to TRL 1.16.
+"""GRPO on GSM8K with Llama-3.2-1B-Instruct: the seed script, ported to TRL 1.x (it runs on TRL 0.29 to 1.x).
 
 It trains a model to answer grade-school maths in a ``<reasoning>...</reasoning><answer>...</answer>`` format, with
 rewards for the format and for the right answer (the widely shared GRPO GSM8K demo).
@@ -184,8 +184,19 @@ def resolve_model(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def checkpointing(on: bool) -> dict:
+    """Activation checkpointing named as the installed transformers names it: ``activation_checkpointing`` from
+    transformers 5.23 on (``gradient_checkpointing`` is then its deprecated mirror), ``gradient_checkpointing`` before.
+    The same switch either way; oomguard supports transformers 5.3 to 5.x."""
+    from transformers import TrainingArguments
+
+    fields = getattr(TrainingArguments, "__dataclass_fields__", {})
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": on}
+
+
 def config_kwargs(args: argparse.Namespace, cuda: bool, bf16: bool) -> dict:
-    """The seed's GRPOConfig arguments, in the names TRL 1.16 and transformers 5 use (no deprecation warnings)."""
+    """The seed's GRPOConfig arguments, in the names the installed TRL and transformers use (no deprecation
+    warnings)."""
     tiny = args.model == TINY
     output_dir = args.output_dir or str(example_cache() / "outputs" / "grpo-gsm8k" if tiny else "outputs/grpo-gsm8k")
     return dict(
@@ -207,9 +218,9 @@ def config_kwargs(args: argparse.Namespace, cuda: bool, bf16: bool) -> dict:
         max_steps=args.max_steps or (2 if tiny else -1),
         save_steps=args.save_steps,
         max_grad_norm=0.1,
-        activation_checkpointing=not args.no_gradient_checkpointing,  # transformers 5's name for it
         report_to=args.report_to,
         log_on_each_node=False,
+        **checkpointing(not args.no_gradient_checkpointing),
     )
 
 

@@ -17,6 +17,7 @@ import oomguard
 from oomguard.vocab.records import climbed_labels  # the rungs as the log lines write them: "x + y (again)"
 
 from grpo_gsm8k import (
+    checkpointing,
     correctness_reward_func,
     example_cache,
     load_questions,
@@ -45,7 +46,7 @@ def train_grpo() -> float:
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
-        activation_checkpointing=True,  # TRL's default, named as transformers 5 wants (no FutureWarning)
+        **checkpointing(True),  # TRL's default, named as the installed transformers wants (no FutureWarning)
     )
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(MODEL),

@@ -173,7 +173,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
-    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command
+    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command, trl_support
     from .run.group import GroupError, membership_of
     from .run.supervisor import RunOptions, Supervisor
     from .vocab.sizes import SizeError, parse_size_arg
@@ -204,6 +204,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                                  f"{simulate_gpu} for tensors: make it smaller than the device", 2)
         replay = load_lock(config_path) if config_path else None
         argv = resolve_command(args)
+        trl = trl_support(argv)
+        if trl.refused:  # below the floor: one line before anything launches
+            raise UsageError(str(trl.message), 2)
         membership = membership_of(argv, os.environ, group=group_dir, node=node_rank, nodes=nodes, workdir=workdir)
     except GroupError as e:
         _exit(str(e), 2)
@@ -217,7 +220,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
-                         membership=membership)
+                          membership=membership, trl=trl)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:
@@ -243,7 +246,7 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None, world_size: int,
          as_json: bool, knobs: tuple[str, ...]) -> None:
-    """Predict the peak memory of a GRPO configuration (TRL 1.16) and the cheapest rungs that make it fit.
+    """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
       oomguard plan --model ./Llama-3.2-1B-Instruct --gpu 16GiB dtype=bfloat16 max_completion_length=786
@@ -290,7 +293,12 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
     calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
                    else {"source": "built-in", "description": builtin_description()})
     coefficients = cal.apply(Coefficients()) if cal else None
-    facts = RunFacts(world_size=world_size)
+    # the LM head of the TRL installed here (0.29-1.14 materialise the logits, 1.15 on fuse the head)
+    from .run.command import trl_support
+    from .vocab.trlrange import head_of
+
+    trl = trl_support([sys.executable]).version
+    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens, coefficients=coefficients)
     alts = []
     if p.steps and p.after is not None and p.after.fits(capacity):
@@ -298,7 +306,7 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         from .decide.plan import predictor
 
         predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
-                            coefficients=coefficients)
+                            coefficients=coefficients, head=facts.trl_head)
         alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, p.rungs, facts,
                                                   lambda x: predict(x).fits(capacity),
                                                   lambda x: predict(x).peak_bytes, ladder=lad)]

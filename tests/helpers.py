@@ -94,3 +94,18 @@ def model_from_env(chosen: str | None, fallback: Callable[[], str]) -> str:
         except ForeignModelDir as e:
             warnings.warn(f"OOMGUARD_TEST_MODEL ignored: {e}", stacklevel=2)
     return fallback()
+
+
+def trl_head() -> str:
+    """The LM head of the TRL this interpreter has (``oomguard.child.trlcompat``): ``fused`` (TRL 1.15 on) or
+    ``logits`` (0.29-1.14). The end-to-end budgets are byte-exact, and the two heads take different memory on the
+    simulated device, so a test that runs under both ends of the range (marker ``core``, tests/compat.sh) picks its
+    figures by it."""
+    from oomguard.child import trlcompat
+
+    return trlcompat.features().head
+
+
+def by_head(*, fused, logits):
+    """``fused`` or ``logits``, whichever the installed TRL's LM head is (see :func:`trl_head`)."""
+    return fused if trl_head() == "fused" else logits

@@ -147,6 +147,7 @@ def test_isolated_attempts_run_in_fresh_processes():
         sys.path.remove(str(SCRIPTS))
 
 
+@pytest.mark.core
 @pytest.mark.e2e
 def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
     """A function that builds its own GRPOTrainer: the run patches apply inside each call and are removed after."""

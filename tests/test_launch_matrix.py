@@ -235,6 +235,9 @@ ENDINGS = {e.name: e for e in [
 DEFAULT = {
     ("accelerate-2", "stable"), ("accelerate-2", "rank-1-killed"), ("torchrun-2", "predicted"), ("exit-1", "predicted"),
 }
+# One cell per launcher (plain python, TRL's CLI, accelerate, torchrun) runs under the oldest supported TRL too
+# (marker `core`, tests/compat.sh).
+CORE = {("python", "oom"), ("trl-grpo", "predicted"), ("accelerate-2", "stable"), ("torchrun-2", "predicted")}
 SINGLE = ("fits", "predicted", "stable", "oom-load", "oom", "host-ram", "error")
 MULTI = ("fits", "predicted", "stable", "rank-1-oom", "rank-1-killed", "error")
 
@@ -250,6 +253,8 @@ def _cells() -> list:
             if ending == "stable" and form.name not in STABLE_FORMS:
                 continue
             marks = [] if (form.name, ending) in DEFAULT else [pytest.mark.slow]
+            if (form.name, ending) in CORE:
+                marks.append(pytest.mark.core)
             out.append(pytest.param(form.name, ending, marks=marks, id=f"{form.name}-{ending}"))
     return out
 

@@ -135,9 +135,16 @@ def install_hooks(rt: Runtime) -> None:
         return patch
 
     when_imported("torch", lambda m: on_torch(rt, m))
+    when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
     when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
+
+
+def _check_trl(rt: Runtime, trl: Any) -> None:
+    from .trlcompat import refuse_if_too_old
+
+    refuse_if_too_old(rt, trl)
 
 
 def on_torch(rt: Runtime, torch: Any) -> None:

@@ -7,6 +7,7 @@ knobs. The user's code is never edited; ``remove()`` restores the originals (the
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -151,11 +152,12 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
     def __post_init__(self: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
             from ..vocab.distributed import fsdp_options
+            from .trlcompat import features
 
             rt.observe(observe_config(self))
             rt.emit("config", observed=observe_config(self), world_size=_world(),
                     facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None))),
-                           "missing_packages": missing_packages()})
+                           "missing_packages": missing_packages(), **features().facts()})
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "GRPOConfig"):
             apply_config(rt, self)
@@ -232,6 +234,7 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
     orig_train = cls.__dict__.get("train")
     sig = inspect.signature(orig_init)
 
+    @functools.wraps(orig_init)  # its signature stays TRL's (trlcompat reads the arguments this TRL takes)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = sig.bind(self, *args, **kwargs)
         a = bound.arguments
@@ -310,7 +313,12 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
             mik.pop("torch_dtype", None)
             mik["dtype"] = k_over.dtype
         if k_over.load_in_4bit and quant is None and "quantization_config" not in mik:
-            a["quantization_config"] = _bnb_config(torch)
+            from .trlcompat import features
+
+            if features().quantization_via == "quantization_config":
+                a["quantization_config"] = _bnb_config(torch)
+            else:  # TRL before 1.10: no such trainer argument; TRL loads with model_init_kwargs
+                mik["quantization_config"] = _bnb_config(torch)
             if mik.get("dtype", "float32") == "float32":
                 mik["dtype"] = "bfloat16"
         if mik != dict(args.model_init_kwargs or {}):

@@ -33,21 +33,37 @@ from ..memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficient
 from ..vocab.knobs import Knobs
 from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
 from ..vocab.sizes import format_size
+from ..vocab.trlrange import support
 from .runtime import Runtime, rank
 
 DEFAULT_MARGIN = DEVICE_OVERPREDICTION + STOP_ALLOWANCE  # when a plan names none (a plan of an older oomguard)
 
 
-def verdict(preflight: dict[str, Any], predicted: int) -> str | None:
+def verdict(preflight: dict[str, Any], predicted: int, facts: dict[str, Any] | None = None) -> str | None:
     """``"over"`` when ``predicted`` exceeds the capacity by more than the margin, else None (run as usual)."""
     cap = int(preflight.get("capacity") or 0)
-    if cap <= 0 or predicted <= cap * (1 + margin_of(preflight)):
+    if cap <= 0 or predicted <= cap * (1 + margin_of(preflight, facts)[0]):
         return None
     return "over"
 
 
-def margin_of(preflight: dict[str, Any]) -> float:
-    return float(preflight.get("margin", DEFAULT_MARGIN))
+def margin_of(preflight: dict[str, Any], facts: dict[str, Any] | None = None) -> tuple[float, str]:
+    """The stop margin for the TRL this process runs, and where it comes from: the supervisor sends one per LM head
+    and one for a TRL newer than the tested releases (``margins``, see ``Guide.stop_margins``); ``margin`` when it
+    sends none (``--preflight-margin``, a machine's own calibration, a plan of an older oomguard).
+
+    >>> pf = {"margin": 0.1, "margins": {"logits": [0.2, "logits"], "fused": [0.1, "fused"], "untested": [2.0, "new"]}}
+    >>> margin_of(pf, {"trl_head": "logits", "trl_version": "1.10.0"}), margin_of(pf, {"trl_version": "1.99.0"})
+    ((0.2, 'logits'), (2.0, 'new'))
+    """
+    margins = preflight.get("margins") or {}
+    facts = facts or {}
+    version = facts.get("trl_version")
+    key = "untested" if version and support(version).untested else facts.get("trl_head")
+    if key in margins:
+        m, source = margins[key]
+        return float(m), str(source)
+    return float(preflight.get("margin", DEFAULT_MARGIN)), str(preflight.get("margin_source") or "the model error")
 
 
 def _coefficients(preflight: dict[str, Any]) -> Coefficients:
@@ -65,7 +81,7 @@ def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
         est = estimate(spec, rt.knobs(), world_size=int(facts.get("world_size") or 1),
                        prompt_tokens=facts.get("prompt_tokens_max"), coefficients=_coefficients(preflight),
                        simulated=bool(preflight.get("simulated")), capacity=int(preflight.get("capacity") or 0),
-                       context=preflight.get("context"))
+                       context=preflight.get("context"), head=facts.get("trl_head"))
     except (ValueError, KeyError, TypeError):
         return None
     return est.peak_bytes
@@ -80,8 +96,8 @@ def check(rt: Runtime, before: str = "generates") -> None:
     if not pf:
         return
     peak = predict(rt, pf)
-    if peak is not None and verdict(pf, peak) is not None:
-        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before)
+    if peak is not None and verdict(pf, peak, rt.facts()) is not None:
+        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before, rt.facts())
 
 
 def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
@@ -98,20 +114,20 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
                           context=pf.get("context"))
     except (ValueError, KeyError, TypeError):
         return
-    if verdict(pf, need) is None:
+    if verdict(pf, need, rt.facts()) is None:
         return
     how = "4-bit" if knobs.load_in_4bit else knobs.dtype or "float32"
-    _stop(rt, pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads")
+    _stop(rt, pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads", rt.facts())
 
 
-def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str) -> None:
+def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
+          facts: dict[str, Any] | None = None) -> None:
     cap = int(pf["capacity"])
-    margin = margin_of(pf)
+    margin, source = margin_of(pf, facts)
     rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before)
     if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
         sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "
-                         f"device (the stop margin is {100 * margin:.1f}%, "
-                         f"{pf.get('margin_source') or 'the model error'}); stopping before it {before} "
+                         f"device (the stop margin is {100 * margin:.1f}%, {source}); stopping before it {before} "
                          "(--no-preflight runs it anyway)\n")
         sys.stderr.flush()
     rt.end(END_PREDICTED)

@@ -62,7 +62,7 @@ class Runtime:
         """Append one JSON line to the events file (O_APPEND keeps lines from several processes whole)."""
         if event in ("config", "trainer", "model"):
             self.reached.add(event)
-        if event == "trainer":
+        if event in ("config", "trainer"):
             self._facts.update(data.get("facts") or {})
         if event == "dataset":
             for k in ("prompt_tokens_max", "prompt_tokens_p95"):

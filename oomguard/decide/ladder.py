@@ -113,9 +113,8 @@ class Ladder:
                           or r.blocked(ctx))
                 if reason is None:
                     new = r.apply(ctx)
-                    if new == ctx.knobs:
-                        reason = "it would change nothing"
-                    else:
+                    reason = "it would change nothing" if new == ctx.knobs else r.lacking(ctx, new)
+                    if reason is None:
                         problems = new.validate(world)
                         if problems:
                             raise LadderBug(f"rung {r.name} produced knobs GRPO rejects: {'; '.join(problems)}")

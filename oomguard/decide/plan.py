@@ -21,19 +21,18 @@ from typing import Any
 
 from ..memory.calibration import builtin_description, load_calibration, machine_key, record_run
 from ..memory.estimate import (
-    DEVICE_OVERPREDICTION,
-    SIMULATED_OVERPREDICTION,
-    SIMULATED_UNDERPREDICTION,
     STOP_ALLOWANCE,
     Coefficients,
     Estimate,
     ModelSpec,
     estimate,
     load_bytes,
+    measured_error,
 )
 from ..memory.steptime import slowdown
 from ..strategies import Context
 from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.trlrange import HEADS
 from .cheapest import cheapest
 from .choose import Rung, choose
 from .ladder import Ladder, Step, load_ladder
@@ -85,12 +84,13 @@ class Plan:
 
 
 def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
-              coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None) -> Any:
-    """A function Knobs -> Estimate for one model and device."""
+              coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None,
+              head: str | None = None) -> Any:
+    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``)."""
     def predict(k: Knobs) -> Estimate:
         # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
         return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
-                        simulated=simulated, capacity=capacity, context=context)
+                        simulated=simulated, capacity=capacity, context=context, head=head)
 
     return predict
 
@@ -98,10 +98,11 @@ def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tok
 def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
               facts: RunFacts | None = None, prompt_tokens: int | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False) -> Plan:
-    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the ladder prefix that does."""
+    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the ladder prefix that does. The LM
+    head is ``facts.trl_head`` (the installed TRL's, where the caller knows it), else the newest TRL's."""
     facts = facts or RunFacts()
     predict = predictor(spec, capacity, world_size=facts.world_size, prompt_tokens=prompt_tokens,
-                        coefficients=coefficients, simulated=simulated)
+                        coefficients=coefficients, simulated=simulated, head=facts.trl_head)
     est = predict(knobs)
     plan = Plan(estimate=est, capacity=capacity, knobs=knobs)
     if est.fits(capacity):
@@ -152,6 +153,10 @@ class Guide:
     which depends on the order and sizes of allocations. The pre-flight stops only configs predicted over the device
     by more than it, and a config that ran out of memory in this run makes every config predicted within the doubt of
     it (or above it) count as not fitting (``failed``).
+
+    The error is the one measured for the installed TRL's LM head (``set_trl``; the newest TRL's until the training
+    process reports its own). A TRL newer than the tested releases is stopped before it runs only beyond
+    ``UNTESTED_FACTOR`` times the device; its doubt stays that of its head, since the first probe calibrates the scale.
     """
 
     def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
@@ -160,7 +165,10 @@ class Guide:
         self.capacity = capacity
         self.simulated = simulated
         self.margin = (0.02 if simulated else 0.05) if margin is None else margin
-        self.relax_margin = (SIMULATED_UNDERPREDICTION if simulated else self.margin) if margin is None else margin
+        self.fixed_margin = margin is not None
+        self.head: str | None = None  # the installed TRL's LM head, once known (RunFacts.trl_head)
+        self.untested = False  # the installed TRL is newer than the newest tested release
+        self.relax_margin = self._relax_margin()
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
@@ -173,26 +181,46 @@ class Guide:
         self.coefficients = coefficients or (self.calibration.apply(base) if self.calibration else base)
         self.doubt, self.doubt_source = self.stop_margin()
 
-    def stop_margin(self) -> tuple[float, str]:
+    def _relax_margin(self) -> float:
+        if self.fixed_margin:
+            return self.margin
+        return measured_error(simulated=True, head=self.head).under if self.simulated else self.margin
+
+    def set_trl(self, head: str | None, untested: bool = False) -> None:
+        """The installed TRL's LM head (``fused``/``logits``, None: not known) and whether it is newer than the newest
+        tested release: predictions, margins and doubt follow them from now on."""
+        self.head, self.untested = head, untested
+        self.relax_margin = self._relax_margin()
+        self.doubt, self.doubt_source = self.stop_margin(tested=True)
+
+    def stop_margin(self, head: str | None = None, *, untested: bool | None = None,
+                    tested: bool = False) -> tuple[float, str]:
         """How far over the device a config must be predicted before the pre-flight stops it, and where the figure
         comes from: this machine's recorded runs, once there are enough of them, else the built-in fit's measured
-        over-prediction (H100 rows, or the simulated device's), plus :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`.
+        over-prediction for the installed TRL's LM head (H100 rows, or the simulated device's), plus
+        :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`; for a TRL newer than tested (``untested``, default: as
+        :meth:`set_trl` said) only beyond UNTESTED_FACTOR times the device, unless ``tested`` asks for its head's own.
 
         >>> round(Guide(24 * 2**30).stop_margin()[0], 3), round(Guide(2**28, simulated=True).stop_margin()[0], 3)
         (0.084, 0.117)
+        >>> Guide(2**28, simulated=True).stop_margin(untested=True)[0]
+        2.02
         """
         spread = self.calibration.device_error() if self.calibration is not None else None
         if spread is not None:
             return (max(0.0, spread) + STOP_ALLOWANCE,
                     f"this machine's {self.calibration.runs} recorded runs: up to {100 * spread:.1f}% over, + "
                     f"{100 * STOP_ALLOWANCE:.0f}%")
-        if self.simulated:
-            return (SIMULATED_OVERPREDICTION + STOP_ALLOWANCE,
-                    f"the simulated device's fit: up to {100 * SIMULATED_OVERPREDICTION:.1f}% over, + "
-                    f"{100 * STOP_ALLOWANCE:.0f}%")
-        return (DEVICE_OVERPREDICTION + STOP_ALLOWANCE,
-                f"the built-in fit: up to {100 * DEVICE_OVERPREDICTION:.1f}% over on the H100 rows, + "
-                f"{100 * STOP_ALLOWANCE:.0f}%")
+        untested = self.untested if untested is None else untested
+        err = measured_error(simulated=self.simulated, head=head or self.head, untested=untested and not tested)
+        return err.over + STOP_ALLOWANCE, f"{err.source}, + {100 * STOP_ALLOWANCE:.0f}%"
+
+    def stop_margins(self) -> dict[str, list[Any]]:
+        """The pre-flight's margin for each LM head and for a TRL newer than tested, for the training process to pick
+        the one of the TRL it finds (``child/preflight.py``): ``{key: [margin, source]}``."""
+        out: dict[str, list[Any]] = {h: list(self.stop_margin(h, untested=False)) for h in HEADS}
+        out["untested"] = list(self.stop_margin(untested=True))
+        return out
 
     def set_context(self, context: int) -> None:
         """The context the training process measured outside the allocator (``--gpu-memory``): predictions from now
@@ -205,6 +233,10 @@ class Guide:
             return self.calibration.describe()
         return builtin_description(simulated=self.simulated)
 
+    def head_for(self, facts: RunFacts) -> str | None:
+        """The LM head to model: the one the training process reported, else the one :meth:`set_trl` was told."""
+        return facts.trl_head or self.head
+
     def record(self, facts: RunFacts, knobs: Knobs, peak: int | None, reserved: int | None) -> None:
         """Keep a completed run's measured peaks in this machine's calibration (``oomguard.memory.calibration``)."""
         if self.key is None or not peak:
@@ -215,7 +247,7 @@ class Guide:
         try:
             est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
                            coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
-                           context=self.context)
+                           context=self.context, head=self.head_for(facts))
         except ValueError:
             return
         kw = {"warn": self.warn} if self.warn else {}
@@ -235,7 +267,8 @@ class Guide:
             return None
         try:
             return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                             coefficients=self.coefficients, simulated=self.simulated, context=self.context)(knobs)
+                             coefficients=self.coefficients, simulated=self.simulated, context=self.context,
+                             head=self.head_for(facts))(knobs)
         except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
             return None
 

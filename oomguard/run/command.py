@@ -21,6 +21,7 @@ from typing import Any
 from ..vocab.knobs import TRL_DEFAULTS, check_values
 from ..vocab.records import read_json
 from ..vocab.schema import LOCK_SCHEMA, RecordError, check_schema
+from ..vocab.trlrange import Support, support
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
@@ -58,6 +59,76 @@ def resolve_command(args: list[str]) -> list[str]:
     return list(args)
 
 
+def trl_support(argv: list[str]) -> Support:
+    """How oomguard stands to the TRL the command will import (``oomguard.vocab.trlrange``), read before anything
+    launches: from the installed distribution's ``trl-VERSION.dist-info`` on this interpreter's path, when the
+    command runs in this environment (``train.py`` and ``-m`` forms; a ``python``, console script or launcher from
+    the same ``bin`` directory). Another interpreter's TRL is not read here (``unknown``): the training process
+    refuses a TRL below the floor itself when it imports it (``oomguard.child.trlcompat``). Looks at no more than the
+    names of the directories on the path, so it costs well under a millisecond.
+
+    >>> trl_support([sys.executable, "-c", "pass"]).status in ("tested", "newer", "older", "unknown")
+    True
+    """
+    if not argv or not _same_environment(argv[0]):
+        return support(None)
+    return support(installed_version("trl", sys.path))
+
+
+def installed_version(dist: str, paths: list[str]) -> str | None:
+    """The version of the distribution ``dist`` that the first of ``paths`` holding it has (its ``.dist-info``
+    directory's name, ``trl-1.16.0.dist-info``; an egg-info's ``PKG-INFO`` otherwise), or None.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.mkdir(os.path.join(d, "trl-0.28.0.dist-info"))
+    >>> installed_version("trl", [d]), installed_version("peft", [d])
+    ('0.28.0', None)
+    """
+    prefix = dist.lower().replace("-", "_") + "-"
+    for entry in paths:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in names:
+            low = name.lower()
+            if low.startswith(prefix) and low.endswith(".dist-info"):
+                return name[len(prefix):-len(".dist-info")]
+            if low.startswith(prefix) and low.endswith(".egg-info"):
+                return _pkg_info_version(Path(entry or ".") / name / "PKG-INFO")
+    return None
+
+
+def _pkg_info_version(path: Path) -> str | None:
+    try:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _same_environment(program: str) -> bool:
+    """Whether ``program`` (the command's first word) runs with this interpreter's packages: this interpreter, or a
+    program in its ``bin`` directory (a venv's ``python``, ``torchrun``, ``accelerate``, ``trl``), or a script whose
+    ``#!`` names an interpreter there."""
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    path = shutil.which(program) or program
+    if os.path.dirname(os.path.abspath(path)) == here:
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return False
+    if not first.startswith(b"#!"):
+        return False
+    words = first[2:].decode(errors="replace").split()
+    return bool(words) and os.path.dirname(os.path.abspath(words[0])) == here
+
+
 def load_lock(path: str) -> dict[str, Any]:
     try:
         data = read_json(path)
@@ -91,4 +162,4 @@ def load_lock(path: str) -> dict[str, Any]:
 
 
 __all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "UsageError", "load_lock",
-           "resolve_command"]
+           "resolve_command", "trl_support"]

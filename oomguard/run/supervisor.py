@@ -55,6 +55,7 @@ from ..vocab.records import (
 )
 from ..vocab.schema import LOCK_SCHEMA
 from ..vocab.sizes import format_size
+from ..vocab.trlrange import Support, head_of, support
 from .classify import classify
 from .command import (
     EXIT_BUG,
@@ -122,6 +123,7 @@ class RunOptions:
     preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
     preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
     membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
+    trl: Support | None = None  # the command's TRL as read before launching (run.command.trl_support), if readable
 
 
 class Supervisor:
@@ -152,6 +154,8 @@ class Supervisor:
 
             self.guide = Guide(self.capacity, simulated=simulated, context=self.sim_context,
                                device_name=None if simulated else gpu_name(), warn=reporter.message)
+        self.trl_seen: tuple[str, str | None] | None = None  # the TRL (version, reported head) the guide models
+        self._take_trl(options.trl.version if options.trl else None, None)
         self.minimizer = Minimizer()
         self.newly: list[str] = []  # rungs the last choice put in force (taken back if their overrides break)
         self.last_diag: Diagnosis | None = None  # the OOM the climb last answered
@@ -348,7 +352,11 @@ class Supervisor:
         if self.guide is None or not self.o.preflight or self.o.replay:
             return None
         margin, source = self._stop_margin()
+        # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
+        # finds (the supervisor may not see the command's environment); --preflight-margin sets the one margin
+        margins = self.guide.stop_margins() if self.o.preflight_margin is None else None
         return {"capacity": self.capacity, "margin": margin, "margin_source": source,
+                **({"margins": margins} if margins else {}),
                 "simulated": self.guide.simulated, "context": self.guide.context,
                 "coefficients": dataclasses.asdict(self.guide.coefficients)}
 
@@ -423,6 +431,22 @@ class Supervisor:
                 if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
                     self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
+        self._take_trl(facts.trl_version, facts.trl_head)
+
+    def _take_trl(self, version: str | None, head: str | None) -> None:
+        """The command's TRL, read before launching or reported by the training process: a release newer than the
+        tested ones gets one line, and a probe verifies its first choice even under --no-probe; the guide models its
+        LM head (the reported one, else the one its release is known to have) and its measured error."""
+        if version is None or (version, head) == self.trl_seen:
+            return
+        s = support(version)
+        if s.untested and (self.trl_seen is None or self.trl_seen[0] != version):
+            self.ui.message(str(s.message))
+            if self.o.probe_steps <= 0 and not self.o.replay:
+                self.o.probe_steps = 2
+        self.trl_seen = (version, head)
+        if self.guide is not None:
+            self.guide.set_trl(head or head_of(version), s.untested)
 
     def _teach_guide(self, attempt: Attempt, diag: Diagnosis | None) -> None:
         """The memory model's prediction for the attempt, and what it learns from it (online, and across runs)."""

@@ -229,6 +229,25 @@ class Remedy:
                     f"(pip install {' '.join(lacking)} to let oomguard use it)")
         return None
 
+    def lacking(self, ctx: Context, new: Knobs) -> str | None:
+        """A knob this rung would change (``ctx.knobs`` -> ``new``) that the installed TRL has no way to take (no such
+        GRPOConfig field or trainer argument; the training process reports which, ``RunFacts.trl_lacks``), so the
+        change could not reach the training.
+
+        >>> from oomguard.strategies import make_remedy
+        >>> ctx = Context(knobs=TRL_DEFAULTS, facts=RunFacts(trl_version="9.0.0", trl_lacks=("max_completion_length",)))
+        >>> r = make_remedy("shorter_sequences")
+        >>> r.lacking(ctx, r.apply(ctx))
+        'the installed TRL (9.0.0) has no way to take max_completion_length'
+        """
+        lacks = set(ctx.facts.trl_lacks)
+        if not lacks:
+            return None
+        gone = [row.knob for row in ctx.knobs.diff(new) if row.knob in lacks]
+        if not gone:
+            return None
+        return f"the installed TRL ({ctx.facts.trl_version or 'version unknown'}) has no way to take {', '.join(gone)}"
+
     def unread(self, ctx: Context) -> str | None:
         """The knobs this remedy changes never reach the code that ran (a function that does not read them, or a
         command that built no GRPOConfig), so changing them cannot help."""

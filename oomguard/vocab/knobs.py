@@ -396,10 +396,16 @@ class RunFacts:
     checkpoints: bool | None = None
     fsdp: bool = False  # the run uses FSDP (GRPOConfig.fsdp)
     missing_packages: tuple[str, ...] = ()  # optional packages the training process cannot import (peft, ...)
+    # The installed TRL, as the training process found it (oomguard.child.trlcompat): its version, its LM head
+    # ("fused" from TRL 1.15, "logits" before: what the memory model counts), and the knobs it has no way to take.
+    trl_version: str | None = None
+    trl_head: str | None = None
+    trl_lacks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.missing_packages, tuple):  # JSON gives a list
-            object.__setattr__(self, "missing_packages", tuple(self.missing_packages or ()))
+        for name in ("missing_packages", "trl_lacks"):
+            if not isinstance(getattr(self, name), tuple):  # JSON gives a list
+                object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 
     def replace(self, **changes: Any) -> RunFacts:
         return dataclasses.replace(self, **changes)

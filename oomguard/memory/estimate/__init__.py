@@ -1,4 +1,4 @@
-"""The analytical GPU-memory model of one TRL 1.16 GRPO step: predict the peak before anything runs.
+"""The analytical GPU-memory model of one TRL GRPO step (TRL 0.29 to 1.x): predict the peak before anything runs.
 
 Pure Python: no torch, transformers or trl import. The formulas come from ``research/memory-model.md`` (cited as
 "research §N") and were checked against the installed TRL 1.16.0, transformers 5.23, PEFT 0.21 and bitsandbytes
@@ -40,7 +40,11 @@ The terms (bytes; ``b_w`` weight dtype, ``b_res`` residual-stream dtype, ``b_c``
   ``grad_weight [V, h]`` only when ``lm_head`` trains (full fine-tune). On CUDA with Triton, ``N = B·C`` (only
   completion positions, ``trl/trainer/utils.py:1642-1645``) and the tiles are folded in place; without Triton (CPU, the
   simulated device) every position is scored, ``N = B·(T-1)``, and the torch fallback makes fp32 tile temporaries
-  (``k_logits`` bytes per tile element in backward, 12 B in forward).
+  (``k_logits`` bytes per tile element in backward, 12 B in forward). **TRL 0.29 to 1.14** have no fused head: they
+  materialise the logits of the completion positions, ``[B, C+1, V]`` and a temperature-scaled ``[B, C, V]``, and
+  their backward holds ``k_full_logits`` bytes per ``[B, C, V]`` element (:func:`terms._logits_bytes`). Which head the
+  installed TRL has is read from its code (``oomguard.child.trlcompat``; ``estimate(head=...)``); the two differ by up
+  to 3x on the same config (research notes of issue 24).
 - **T9 generation** HF ``generate`` KV cache ``L·n_kv·d·(P+C)·B_gen·(b_k + b_v)`` (DynamicCache grows by
   ``torch.cat``, ``transformers/cache_utils.py:136``) plus the prefill or the sampling transient; vLLM colocate
   reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator, in every phase unless
@@ -68,10 +72,14 @@ from __future__ import annotations
 
 from .coefficients import (
     DEVICE_OVERPREDICTION,
+    SIMULATED_HEAD_ERROR,
     SIMULATED_OVERPREDICTION,
     SIMULATED_UNDERPREDICTION,
     STOP_ALLOWANCE,
+    UNTESTED_FACTOR,
     Coefficients,
+    ModelError,
+    measured_error,
 )
 from .model import EstimateError, ModelSpec, load_model_spec, lora_trainable_params
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
@@ -83,16 +91,20 @@ __all__ = [
     "DEVICE_OVERPREDICTION",
     "NF4_BYTES_PER_PARAM",
     "PHASES",
+    "SIMULATED_HEAD_ERROR",
     "SIMULATED_OVERPREDICTION",
     "SIMULATED_UNDERPREDICTION",
     "STOP_ALLOWANCE",
+    "UNTESTED_FACTOR",
     "Coefficients",
     "Estimate",
     "EstimateError",
+    "ModelError",
     "ModelSpec",
     "describe",
     "estimate",
     "load_bytes",
     "load_model_spec",
     "lora_trainable_params",
+    "measured_error",
 ]

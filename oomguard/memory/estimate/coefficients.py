@@ -4,6 +4,7 @@ predictions that the pre-flight check and the Guide add as margins.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 # How far above the measured device use the built-in fit's device-level prediction reached on the 22 H100 rows
@@ -21,6 +22,66 @@ SIMULATED_UNDERPREDICTION = 0.12
 # Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
 # beyond those on the measured ones.
 STOP_ALLOWANCE = 0.02
+# The largest errors of the allocated peak on the simulated device, per LM head of the installed TRL (RunFacts.trl_head):
+# "fused" (TRL 1.15 on) and "logits" (TRL 0.29 to 1.14), measured by bench/cpu_calibrate.py under each tested release
+# (the rows are tests/fixtures/trl/cpu-rows-*.json, checked by tests/test_trl_range.py): (the largest over-prediction,
+# the largest under-prediction), as fractions of the measured peak.
+SIMULATED_HEAD_ERROR = {"fused": (0.004, 0.014), "logits": (0.277, 0.03)}
+# A TRL newer than the newest tested release: its memory behaviour is unmeasured. The largest change measured between
+# releases on one config is 2.95x (TRL 1.16's CPU head against 0.29-1.14's logits, the README job: 499 against 169
+# MiB), so the pre-flight stops such a config only when it is predicted over this many times the device.
+UNTESTED_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class ModelError:
+    """How far the memory model's device peak may be from the truth: ``over`` (predicted above what a config needs:
+    the pre-flight stops only beyond it, plus STOP_ALLOWANCE) and ``under`` (needs more than predicted: relaxing stops
+    that far from the edge), and where the figures come from."""
+
+    over: float
+    under: float
+    source: str
+
+
+def measured_error(*, simulated: bool, head: str | None = None, untested: bool = False) -> ModelError:
+    """The memory model's measured error for a device and the installed TRL's LM head (None: the newest, fused).
+
+    On the simulated device: the allocated peak's error for that head and the fragmentation measured by
+    bench/min_budget.py (smallest fitting budget 1.05 to 1.26 times the allocated peak, against the fitted 1.14). On a
+    GPU: the H100 rows, fitted under TRL 1.16 (fused head); the logits head of TRL 0.29 to 1.14 is not measured on a
+    GPU, so its simulated-device error is added on top. A TRL newer than the newest tested (``untested``): over by up
+    to UNTESTED_FACTOR, the largest change measured between releases.
+
+    >>> e = measured_error(simulated=True)
+    >>> e.over, e.under
+    (0.097, 0.12)
+    >>> measured_error(simulated=False, untested=True).over
+    2.0
+    """
+    h = head if head in SIMULATED_HEAD_ERROR else "fused"
+    err_over, err_under = SIMULATED_HEAD_ERROR[h]
+    if simulated:
+        if h == "fused":
+            over, under = SIMULATED_OVERPREDICTION, SIMULATED_UNDERPREDICTION
+        else:
+            over = math.ceil(1000 * (1.14 / 1.05 * (1 + err_over) - 1)) / 1000
+            under = math.ceil(1000 * (1.26 / 1.14 * (1 + err_under) - 1)) / 1000
+        which = "" if h == "fused" else " for the logits LM head of TRL 0.29-1.14"
+        source = f"the simulated device's fit{which}: up to {100 * over:.1f}% over"
+    elif h == "fused":
+        over, under = DEVICE_OVERPREDICTION, DEVICE_OVERPREDICTION
+        source = f"the built-in fit: up to {100 * over:.1f}% over on the H100 rows"
+    else:
+        over = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_over) - 1)) / 1000
+        under = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_under) - 1)) / 1000
+        source = (f"the built-in fit with the logits LM head of TRL 0.29-1.14 (H100 rows; that head measured on the "
+                  f"simulated device only): up to {100 * over:.1f}% over")
+    if untested:
+        return ModelError(UNTESTED_FACTOR - 1, under, f"a TRL newer than the tested releases: only beyond "
+                                                      f"{UNTESTED_FACTOR:g} times the device, the largest change "
+                                                      "measured between releases")
+    return ModelError(over, under, source)
 
 
 @dataclass(frozen=True)
@@ -36,6 +97,10 @@ class Coefficients:
     - ``k_logits``: bytes per tile element of the chunked LM head's torch-fallback temporaries in backward. TRL 1.16
       only takes that path without Triton (CPU, the simulated device); on CUDA the Triton kernels work in place and
       the term is unused. The default 12 is the research prior for the old materialised-logits backward.
+    - ``k_full_logits``: TRL 0.29 to 1.14 (materialised logits): bytes per ``[B, C, V]`` element at the peak of the
+      loss's backward, in units of a 4-byte log-softmax (halved for 16-bit weights without autocast). Measured on the
+      simulated device under TRL 0.29.1 and 1.10.0 (tests/fixtures/trl/): four fp32 ``[B, C, V]`` tensors, 16. Not
+      measured on a GPU (the H100 rows ran TRL 1.16).
     - ``f_frag`` / ``f_frag_expandable``: reserved-but-unallocated margin, as a fraction of the allocated peak.
       Measured reserved/allocated: 1.02-1.17 over the 17 rows without expandable segments (least squares 1.061,
       median 1.086); 0.105 gives the smallest worst-case error of the reserved peak (the research prior 0.25 made
@@ -55,6 +120,7 @@ class Coefficients:
 
     c_act: float = 0.89
     k_logits: float = 12.0
+    k_full_logits: float = 16.0
     f_frag: float = 0.105
     f_frag_expandable: float = 0.05
     m_ctx: int = 800 * 2**20
@@ -86,5 +152,6 @@ class Coefficients:
         segments save nothing reliable on a device this small: the large pool is mapped in 20 MiB granules, a sixth
         of a 120 MiB device, and the smallest budgets were 1.07, 1.12, 1.14 and 1.15 times the allocated peak with
         them (1.10, 1.14, 1.17 without, on the same configs), so ``f_frag_expandable`` is ``f_frag`` too.
+        ``k_full_logits = 16`` (TRL 0.29 to 1.14) is the count measured there (see the class's notes).
         """
         return cls(c_act=0.92, k_logits=29.0, f_frag=0.14, f_frag_expandable=0.14, m_ctx=0, m_workspace=0)

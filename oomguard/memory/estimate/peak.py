@@ -10,8 +10,9 @@ from typing import Any
 
 from ...vocab.knobs import Knobs
 from ...vocab.sizes import MiB, format_size
+from ...vocab.trlrange import HEADS
 from .coefficients import Coefficients
-from .model import _DTYPE_BYTES, ModelSpec
+from .model import _DTYPE_BYTES, EstimateError, ModelSpec
 from .phases import _PHASE_TERMS, PHASES
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
@@ -111,8 +112,8 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
 
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
              coefficients: Coefficients | None = None, simulated: bool = False,
-             capacity: int | None = None, context: int | None = None) -> Estimate:
-    """Predict the peak memory of one steady-state TRL 1.16 GRPO step on one device.
+             capacity: int | None = None, context: int | None = None, head: str | None = None) -> Estimate:
+    """Predict the peak memory of one steady-state TRL GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
     ``prompt_tokens`` is the padded prompt length P (default ``max_prompt_tokens`` or 256); completions are taken at
@@ -121,7 +122,8 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     CPU: no CUDA context, no autocast, the chunked head's torch fallback. ``context`` is the device's memory outside
     the allocator when it is known (measured under ``--gpu-memory``, or the simulated device's
     ``--simulate-context``); by default ``m_ctx``, or 0 on the simulated device. ``capacity`` (device bytes) sizes a
-    colocated vLLM.
+    colocated vLLM. ``head`` is the installed TRL's LM head (``RunFacts.trl_head``): ``fused`` (TRL 1.15 on, the
+    default) or ``logits`` (TRL 0.29 to 1.14, materialised logits); see ``oomguard.child.trlcompat``.
 
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
@@ -138,8 +140,10 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     geo = _geometry(k, world_size, prompt_tokens)
     gc = bool(k.gradient_checkpointing)
     p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
+    if head not in (None, *HEADS):
+        raise EstimateError(f"head must be one of {', '.join(HEADS)}, not {head!r}")
     s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
-              acts=_activations(spec, g, geo, co, gc), context=context)
+              acts=_activations(spec, g, geo, co, gc), context=context, lm_head=head or "fused")
     return _assemble(s, _composition(s, {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}), capacity)
 
 

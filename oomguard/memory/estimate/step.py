@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from ...vocab.knobs import TRL_DEFAULTS, Knobs
 from .coefficients import Coefficients
 from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
-from .terms import _activation_bytes_per_token, _head_bytes, _optimizer_bytes, _Regime, _weight_bytes
+from .terms import _activation_bytes_per_token, _head_bytes, _logits_bytes, _optimizer_bytes, _Regime, _weight_bytes
 
 DEFAULT_PROMPT_TOKENS = 256
 
@@ -264,10 +264,16 @@ class _Step:
     casts: _Casts
     acts: _Activations
     context: int | None = None  # the device's memory outside the allocator, when known (see estimate())
+    lm_head: str = "fused"  # the installed TRL's LM head: "fused" (TRL 1.15 on) or "logits" (0.29 to 1.14)
 
     def head(self) -> dict[str, int]:
-        """T8 over the training micro-batch: Triton (CUDA) scores only completion positions, the fallback every one."""
+        """T8 over the training micro-batch. TRL 1.15 on: the fused, chunked head (Triton on CUDA scores only the
+        completion positions, the CPU fallback every one). TRL 0.29 to 1.14: materialised logits over the completion
+        positions."""
         geo, g = self.geo, self.g
+        if self.lm_head == "logits":
+            return _logits_bytes(self.spec, geo.B, geo.C, b_c=g.b_c, b_w=g.b_w, head_trains=not g.lora,
+                                 autocast=g.autocast, k_full=self.co.k_full_logits)
         N = geo.B * (geo.T - 1) if g.simulated else geo.B * geo.C
         return _head_bytes(self.spec, N, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
                            fallback=g.simulated, k_logits=self.co.k_logits)

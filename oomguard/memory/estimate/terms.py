@@ -151,6 +151,34 @@ def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head
             "grad_weight": grad_weight}
 
 
+def _logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_trains: bool, autocast: bool,
+                  k_full: float) -> dict[str, int]:
+    """T8 for TRL 0.29 to 1.14, which materialise the logits (``_get_per_token_logps_and_entropies``, TRL 1.10
+    ``grpo_trainer.py``; ``selective_log_softmax``, ``trainer/utils.py:480-525``).
+
+    Forward: the LM head runs on the last ``logits_to_keep + 1`` positions only, ``[B, C+1, V]`` in the compute dtype;
+    ``logits[:, :-1] / temperature`` is a new ``[B, C, V]`` (the one autograd keeps for the log-softmax), and the
+    log-softmax runs one row at a time (two fp32 ``[C, V]`` temporaries). The entropy is computed without grad in
+    128-row chunks (small). Backward: ``k_full`` bytes per element of ``[B, C, V]`` in the log-softmax's dtype (fp32
+    under autocast): the saved copy, the gathered and the per-row log-sum-exp gradients and their sum (measured on
+    the simulated device: four such tensors at the peak), then the head's output gradient with the hidden rows' and,
+    when ``lm_head`` trains, the weight's gradient.
+    """
+    h, V = spec.hidden_size, spec.vocab_size
+    E = B * C * V
+    b_sm = 4 if autocast else b_c  # autocast runs the log-softmax in fp32 (its fp32 op list), whatever b_c is
+    out = B * (C + 1) * V * b_c
+    scaled = E * b_c
+    row = 2 * C * V * 4
+    grad_hidden = B * (C + 1) * h * b_c
+    grad_weight = V * h * b_w if head_trains else 0
+    # the logits' gradients (measured: four [B, C, V] tensors at the peak, in fp32 under autocast), then, once they
+    # are freed, the head's output gradient [B, C+1, V] with the hidden rows' and the weight's gradients
+    backward = max(int(k_full * E * b_sm / 4), out + grad_hidden + grad_weight)
+    return {"forward": out + scaled + row, "saved": scaled, "backward": backward, "mm_buf": 0,
+            "grad_weight": grad_weight}
+
+
 def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
                      embeddings: int = 0) -> tuple[int, int, str | None]:
     """T5: (state bytes, transient bytes of one step, note) for the trainable tensors (element counts).

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The other end of the supported TRL range: the core end-to-end tests (marker `core`) under the oldest supported TRL,
+# in a virtual environment of its own. The main suite runs under the newest TRL (the one `pip install -e ".[test]"`
+# resolves); this runs TRL 0.29.1 with transformers 5.3.0, the transformers that was current when it came out.
+#
+#   bash tests/compat.sh                      # the floor (about 1 minute to set up with pip's cache, then the tests)
+#   bash tests/compat.sh 1.10.0               # another release, with the transformers pip resolves for it
+#   OOMGUARD_COMPAT_VENV=DIR bash tests/compat.sh   # the environment's directory (default .venv-trl-RELEASE)
+#
+# It also checks what the issue promises users: installing oomguard into an environment whose TRL and transformers
+# are inside its range leaves both as they were.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+trl_version=${1:-0.29.1}
+if [ "$trl_version" = "0.29.1" ]; then stack=("trl==0.29.1" "transformers==5.3.0"); else stack=("trl==$trl_version"); fi
+venv=${OOMGUARD_COMPAT_VENV:-.venv-trl-$trl_version}
+start=$(date +%s)
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install -q torch==2.13.0
+# TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it.
+"$py" -m pip install -q "${stack[@]}" requests
+before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
+"$py" -m pip install -q -e . "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
+after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
+if [ "$before" != "$after" ]; then
+  echo "installing oomguard changed the environment's TRL or transformers: $(echo "$before" | tr '\n' ' ')-> $(echo "$after" | tr '\n' ' ')" >&2
+  exit 1
+fi
+echo "compat: $(echo "$after" | tr '\n' ' ')kept by pip install -e . ($(( $(date +%s) - start )) s to set up)"
+"$py" -m pytest -q -m core
+echo "compat: TRL $trl_version done in $(( $(date +%s) - start )) s"
