@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..decide.choose import Choice
 from ..decide.climb import Climb
-from ..decide.ladder import Exhausted, Ladder, Step
+from ..decide.ladder import Exhausted, Ladder, Step, load_ladder
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
 from ..vocab import allocconf
@@ -66,6 +66,7 @@ from .command import (
 )
 from .follower import follow
 from .group import Group, GroupError, GroupTail, Membership
+from .launch import MULTI_GPU, facts_reason
 from .minimize import Minimizer
 from .proc import Interrupts, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
@@ -118,6 +119,9 @@ class RunOptions:
     preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
     preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
     membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
+    # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
+    ladder_auto: bool = False
+    ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
 
 
 class Supervisor:
@@ -176,6 +180,8 @@ class Supervisor:
     def run(self) -> int:
         """Launch, classify, decide, until the climb says done or the budget is spent; then write the report."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.o.ladder_reason:
+            self._ladder_line(self.o.ladder_reason)
         if self.group is None:
             return self._lead()
         self._open_group()
@@ -419,6 +425,14 @@ class Supervisor:
                 if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
                     self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
+        if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
+            c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
+            self._ladder_line(why)
+
+    def _ladder_line(self, why: str) -> None:
+        """One line: the ladder oomguard picked by itself, and why."""
+        self.ui.message(f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's "
+                        "buffers, ZeRO stages, offload) come before any trade of quality; --ladder NAME picks another")
 
     def _teach_guide(self, attempt: Attempt, diag: Diagnosis | None) -> None:
         """The memory model's prediction for the attempt, and what it learns from it (online, and across runs)."""
