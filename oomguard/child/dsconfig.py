@@ -90,15 +90,16 @@ def apply(rt: Runtime, cfg: Any) -> None:
         except OSError:
             target = None
         if not getattr(rt, "_deepspeed_emitted", False):
-            replaces = (str(cfg.deepspeed) if isinstance(getattr(cfg, "deepspeed", None), str)
-                        else "accelerate --config_file" if source == "accelerate" else None)
+            own = getattr(cfg, "deepspeed", None)
+            replaces = (str(own) if isinstance(own, str) else "your dict (GRPOConfig.deepspeed)" if own
+                        else "accelerate's, from its --config_file" if source == "accelerate" else None)
             rt.emit("generated", kind="deepspeed", path=target, config=generated, replaces=replaces)
             rt._deepspeed_emitted = True  # type: ignore[attr-defined]
         cfg.deepspeed = target or generated
     if (getattr(cfg, "deepspeed", None) or _flag("ACCELERATE_USE_DEEPSPEED")) and not getattr(cfg, "use_cpu", True) \
             and _deepspeed_on_cpu_ranks():
         cfg.use_cpu = True
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and (rt.plan.attempt or 1) <= 1:  # once a run
             sys.stderr.write("oomguard: DeepSpeed runs on the CPU here and the script does not set use_cpu: setting "
                              f"use_cpu=True so that accelerate counts all {os.environ.get('WORLD_SIZE')} ranks "
                              "(accelerate's DeepSpeed launcher does not pass the YAML's use_cpu on)\n")

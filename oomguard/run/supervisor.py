@@ -31,7 +31,7 @@ from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.knobs import Knobs, RunFacts, reachable
+from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts, reachable
 from ..vocab.protocol import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from ..vocab.records import (
     Attempt,
@@ -595,8 +595,9 @@ class Supervisor:
             who = {r["knob"]: r["remedy"] for r in report.diff}
             for kind, g in last.generated.items():
                 report.diff.append({"knob": f"{kind} config", "from": g.get("replaces"), "to": g.get("path"),
-                                    "remedy": who.get("zero_stage") or who.get("offload_optimizer")
-                                    or who.get("offload_params")})
+                                    "remedy": next((who[k] for k in ("zero_stage", "offload_optimizer",
+                                                                     "offload_params", *DS_SIZE_KNOBS) if who.get(k)),
+                                                   None)})
         if status == "stable":
             try:  # a help to the user: it must never cost the stable run its report and lock
                 report.alternatives = [a.to_dict() for a in
