@@ -168,6 +168,20 @@ def facts_reason(facts: RunFacts) -> str | None:
     return None
 
 
+PORT_ENV = "OOMGUARD_GROUP_PORT"
+
+
+def store_port(port: int, env: Mapping[str, str]) -> int:
+    """The port of a group's store on torchrun's rendezvous host (oomguard/run/rendezvous.py): ``$OOMGUARD_GROUP_PORT``,
+    else the rendezvous port plus one (torchrun's own store there lives only while an attempt runs).
+
+    >>> store_port(29400, {}), store_port(29400, {"OOMGUARD_GROUP_PORT": "31000"})
+    (29401, 31000)
+    """
+    given = env.get(PORT_ENV, "").strip()
+    return int(given) if given.isdigit() else port + 1
+
+
 def rendezvous(argv: Sequence[str]) -> tuple[str, int] | None:
     """Where torchrun's ranks meet: the c10d ``--rdzv-endpoint`` (port 29400 when it names none) or, for the static
     rendezvous, ``--master_addr``/``--master_port`` (29500 by default); None for other launchers, or a single node
@@ -188,4 +202,5 @@ def rendezvous(argv: Sequence[str]) -> tuple[str, int] | None:
     return None
 
 
-__all__ = ["MULTI_GPU", "accelerate_yaml", "distributed_reason", "facts_reason", "rendezvous"]
+__all__ = ["MULTI_GPU", "PORT_ENV", "accelerate_yaml", "distributed_reason", "facts_reason", "rendezvous",
+           "store_port"]

@@ -160,15 +160,34 @@ class Supervisor:
         self.output_dir: str | None = None
         self.warned_no_checkpoints = False
         self.group = Group(options.membership) if options.membership else None
+        self.store_sync: Any = None  # the helper that mirrors the group's directory (oomguard.rendezvous)
         self.group_failure: str | None = None  # why the group ended early (a node died), for the report
 
     def _open_group(self) -> None:
-        """Form the group of a job's nodes before the first launch (oomguard.group)."""
+        """Form the group of a job's nodes before the first launch (oomguard.group): through torchrun's rendezvous
+        host where the command has one and no directory was named (oomguard.rendezvous), else in the directory."""
         assert self.group is not None
         m = self.group.m
+        self.group.notice = self.ui.message
         role = "leads: it decides every attempt" if m.leader else "follows node 0, which decides every attempt"
-        self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets in "
-                        f"{self.group.base}")
+        where = f"in {self.group.base}"
+        if m.store is not None:
+            from .rendezvous import StoreSync, training_python
+
+            sync = StoreSync(m, training_python(self.argv))
+            try:
+                sync.start()
+            except GroupError as e:
+                self.ui.message(f"cannot meet through torchrun's rendezvous host ({e}): the group meets in "
+                                f"{self.group.base} instead, which every node must see (--group DIR)")
+            else:
+                self.store_sync = sync
+                self.group.via = sync.endpoint
+                self.group.tick = sync.poll
+                where = (f"through a store at {sync.endpoint}, torchrun's rendezvous host (this node "
+                         f"{'hosts it' if sync.role == 'host' else 'reaches it' if sync.role else 'waits for it'}), "
+                         f"mirroring {self.group.base}")
+        self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets {where}")
         try:
             self.group.open()
             if m.leader:
@@ -194,6 +213,8 @@ class Supervisor:
             raise
         finally:
             self.group.done()
+            if self.store_sync is not None:  # its last files reach the other nodes before this one leaves
+                self.store_sync.close()
 
     def _lead(self) -> int:
         kind: AttemptKind | None = AttemptKind.PROBE if self.o.probe_steps > 0 else AttemptKind.RUN
