@@ -12,7 +12,7 @@ plugin builds from an ``accelerate launch --config_file`` YAML with ``distribute
 of the two ranks' peak allocated bytes (the ``train_end`` events); the prediction is ``estimate(..., world_size=2,
 simulated=True)`` for the knobs and prompt length the run itself reported (its RunReport's attempt and facts).
 
-    python bench/zero_calibrate.py               # every configuration (about 7 minutes on 2 CPU cores)
+    python bench/zero_calibrate.py               # every configuration (5 min 40 s on 2 busy CPU cores)
     python bench/zero_calibrate.py --only wide-z2 --only tiny-z3
     python bench/zero_calibrate.py --json rows.json
 

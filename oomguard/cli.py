@@ -236,14 +236,15 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--model", "model_path", required=True, metavar="PATH",
               help="A model directory or its config.json (no weights are read).")
 @click.option("--gpu", "gpu_size", required=True, metavar="SIZE", help="The device memory, e.g. 24GiB, 15.73GiB, 80GB.")
-@click.option("--ladder", default="default", show_default=True, metavar="NAME|PATH",
-              help="The ladder whose rungs are suggested, in its order.")
+@click.option("--ladder", default=None, metavar="NAME|PATH",
+              help="The ladder whose rungs are suggested, in its order [default: multi-gpu with --world-size above 1 "
+                   "or a zero_stage, else default].")
 @click.option("--prompt-tokens", type=click.IntRange(1), default=None, metavar="N",
               help="Padded prompt length (default 256).")
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
-def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None, world_size: int,
+def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int | None, world_size: int,
          as_json: bool, knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (TRL 1.16) and the cheapest rungs that make it fit.
 
@@ -278,7 +279,7 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
         spec = load_model_spec(model_path)
-        lad = load_ladder(ladder)
+        lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError) as e:

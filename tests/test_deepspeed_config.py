@@ -174,11 +174,12 @@ def test_the_multi_gpu_ladder_sizes_the_buffers_before_any_quality_trade():
 
 
 def test_plan_suggests_the_buffer_rung_for_a_stage_only_config(tmp_path):
-    """`oomguard plan` for the stage-only ZeRO-2 config at 60% of its peak: the buffers alone make it fit."""
+    """`oomguard plan` for the stage-only ZeRO-2 config at 60% of its peak: the buffers alone make it fit (the
+    multi-gpu ladder, picked for two ranks without --ladder)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(ROWS["tiny-z2-stage"]["config"]))
     out = subprocess.run([PYTHON, "-m", "oomguard", "plan", "--model", str(cfg), "--gpu", "1178MiB", "--world-size",
-                          "2", "--ladder", "multi-gpu", "--json", "zero_stage=2", "dtype=float32", "bf16=false",
+                          "2", "--json", "zero_stage=2", "dtype=float32", "bf16=false",
                           "optim=adamw_torch", "num_generations=4", "per_device_train_batch_size=4",
                           "max_completion_length=64"], capture_output=True, text=True, timeout=120)
     plan = json.loads(out.stdout)

@@ -139,10 +139,9 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
     def __post_init__(self: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
             from ..vocab.distributed import fsdp_options
-
-            rt.observe(observe_config(self))
             from .dsconfig import user_deepspeed
 
+            rt.observe(observe_config(self))
             rt.emit("config", observed=observe_config(self), world_size=_world(),
                     facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None))),
                            "deepspeed": user_deepspeed(self)[1], "missing_packages": missing_packages()})

@@ -193,6 +193,8 @@ class Supervisor:
             if m.leader:
                 self.group.assemble()
         except GroupError as e:
+            if self.store_sync is not None:
+                self.store_sync.close(wait=5)
             raise UsageError(str(e), 1) from None
 
     # -- the loop ----------------------------------------------------------------------------------------------

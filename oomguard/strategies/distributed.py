@@ -71,7 +71,7 @@ class DeepSpeedBuffers(Remedy):
         return Advice(self.name, "Set \"reduce_bucket_size\": \"auto\" (and under ZeRO-3 \"stage3_prefetch_bucket_size\" and "
                                  "\"stage3_param_persistence_threshold\") in the DeepSpeed config: transformers sizes "
                                  "them to the model; DeepSpeed's default bucket is 500,000,000 elements on every rank.",
-                      d.report.requested if getattr(d, "buffer", None) else None)
+                      d.report.requested if d.buffer else None)
 
 
 @register

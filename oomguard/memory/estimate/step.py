@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...vocab.distributed import buffer_elements
-from ...vocab.knobs import DS_SIZE_KNOBS, TRL_DEFAULTS, Knobs
+from ...vocab.knobs import TRL_DEFAULTS, Knobs
 from .coefficients import Coefficients
 from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
 from .terms import _activation_bytes_per_token, _head_bytes, _optimizer_bytes, _Regime, _weight_bytes
@@ -189,7 +189,7 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
     # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
     buckets = p.grads if n_dev > 1 and not zs and not k.fsdp_offload else ipg
-    if bucket + ipg >= 64 * 2**20 and any(getattr(k, key) is None for key in DS_SIZE_KNOBS):
+    if bucket + ipg >= 64 * 2**20 and k.reduce_bucket_size is None:
         notes.append(f"DeepSpeed's reduce bucket: {(bucket or ipg) / 2**20:.0f} MiB per rank (reduce_bucket_size "
                      "left to DeepSpeed's default; \"auto\" sizes it to the model)")
     return replace(p, weights=weights, reference=reference, grads=grads, opt_state=opt_state,
