@@ -3,11 +3,16 @@
 Each configuration is a real two-rank TRL GRPO run of tests/scripts/grpo_tiny.py under ``torchrun`` (gloo, CPU)
 on the simulated device with a budget it cannot reach, so nothing runs out of memory: plain DDP (stage 0), ZeRO-2
 and ZeRO-3 on the tests' tiny model (activations a large share of its peak) and on the wide one-layer model
-(weights, gradients and AdamW state about 95% of it). The measured figure is the larger of the two ranks' peak
-allocated bytes (the ``train_end`` events); the prediction is ``estimate(..., world_size=2, simulated=True)`` for the
-knobs and prompt length the run itself reported (its RunReport's attempt and facts).
+(weights, gradients and AdamW state about 95% of it). The DeepSpeed config takes the forms users write: with its
+buffer sizes left to transformers ("auto", the ``-z2``/``-z3`` rows), the stage alone so that DeepSpeed's own
+defaults size its buffers (``-stage``: a 500,000,000-element reduce bucket, ZeRO-3's prefetch bucket and
+persistence threshold), a JSON file with ``overlap_comm`` (two buckets), and the config accelerate's DeepSpeed
+plugin builds from an ``accelerate launch --config_file`` YAML with ``distributed_type: DEEPSPEED`` and
+``zero_stage`` (``-yaml``, the script without ``use_cpu`` as recipes are written). The measured figure is the larger
+of the two ranks' peak allocated bytes (the ``train_end`` events); the prediction is ``estimate(..., world_size=2,
+simulated=True)`` for the knobs and prompt length the run itself reported (its RunReport's attempt and facts).
 
-    python bench/zero_calibrate.py               # every configuration (about 2 minutes on 2 CPU cores)
+    python bench/zero_calibrate.py               # every configuration (5 min 40 s on 2 busy CPU cores)
     python bench/zero_calibrate.py --only wide-z2 --only tiny-z3
     python bench/zero_calibrate.py --json rows.json
 
@@ -42,6 +47,7 @@ class Config:
     model: str  # a variant of tests/scripts/build_tiny_model.py
     stage: int  # 0: plain DDP
     args: tuple[str, ...] = ()
+    form: str = "auto"  # auto: buffers "auto"; stage: the stage alone; overlap: JSON with overlap_comm; yaml
 
 
 CONFIGS = [
@@ -53,7 +59,60 @@ CONFIGS = [
     Config("wide-z2", "wide", 2),
     Config("wide-z3", "wide", 3),
     Config("wide-z2-g8", "wide", 2, ("--num-generations", "8", "--per-device-train-batch-size", "8")),
+    Config("tiny-z2-stage", "tiny", 2, form="stage"),
+    Config("tiny-z3-stage", "tiny", 3, form="stage"),
+    Config("wide-z2-stage", "wide", 2, form="stage"),
+    Config("wide-z3-stage", "wide", 3, form="stage"),
+    Config("tiny-z2-overlap", "tiny", 2, form="overlap"),
+    Config("tiny-z2-yaml", "tiny", 2, form="yaml"),
+    Config("tiny-z3-yaml", "tiny", 3, form="yaml"),
 ]
+
+# accelerate's DeepSpeed YAML as TRL's examples/accelerate_configs and open-r1's recipes ship it (two processes)
+YAML = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: {init}
+  zero_stage: {stage}
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def launch(cfg: Config, tmp: Path, port: int) -> list[str]:
+    """The launcher and the script's DeepSpeed arguments for ``cfg``'s form."""
+    if cfg.form == "yaml":
+        yaml = tmp / "accelerate.yaml"
+        yaml.write_text(YAML.format(stage=cfg.stage, init=str(cfg.stage == 3).lower()))
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml), "--main_process_port",
+                str(port), str(SCRIPTS / "grpo_tiny.py"), "--no-use-cpu"]
+    ds: list[str] = []
+    if cfg.stage and cfg.form == "auto":
+        ds = ["--deepspeed", str(cfg.stage)]
+    elif cfg.stage and cfg.form == "stage":
+        ds = ["--deepspeed", f"stage{cfg.stage}"]
+    elif cfg.stage and cfg.form == "overlap":
+        path = tmp / "ds_overlap.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": cfg.stage, "overlap_comm": True},
+                                    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                    "train_batch_size": "auto"}))
+        ds = ["--deepspeed", str(path)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+            str(SCRIPTS / "grpo_tiny.py"), *ds]
 
 
 def measure(cfg: Config, model: str, work: Path, timeout: float) -> dict[str, Any]:
@@ -65,14 +124,11 @@ def measure(cfg: Config, model: str, work: Path, timeout: float) -> dict[str, An
         port = s.getsockname()[1]
     tmp = work / cfg.name
     tmp.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "oomguard", "run", "--simulate-gpu", "4GiB", "--simulate-context", "0",
+    cmd = [sys.executable, "-m", "oomguard", "run", "--simulate-gpu", "8GiB", "--simulate-context", "0",
            "--no-probe", "--no-predict", "--no-preflight", "--max-attempts", "1", "--report", str(tmp / "report.json"),
-           "--workdir", str(tmp / "wd"), "--lock", str(tmp / "lock.json"), "--",
-           sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(SCRIPTS / "grpo_tiny.py"), "--model", model, "--output-dir", str(tmp / "out"), "--max-steps", "2",
-           "--max-completion-length", "64", *cfg.args]
-    if cfg.stage:
-        cmd += ["--deepspeed", str(cfg.stage)]
+           "--workdir", str(tmp / "wd"), "--lock", str(tmp / "lock.json"), "--", *launch(cfg, tmp, port),
+           "--model", model, "--output-dir", str(tmp / "out"), "--max-steps", "2", "--max-completion-length", "64",
+           *cfg.args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     t0 = time.monotonic()
@@ -83,7 +139,8 @@ def measure(cfg: Config, model: str, work: Path, timeout: float) -> dict[str, An
     events = next((tmp / "wd").glob("runs/*/attempt-1/events.jsonl"))
     peaks = [e["peak"] for e in map(json.loads, events.read_text().splitlines())
              if e.get("event") == "train_end" and e.get("peak")]
-    return {"name": cfg.name, "stage": cfg.stage, "knobs": rep["attempts"][0]["knobs"], "facts": rep.get("facts") or {},
+    return {"name": cfg.name, "stage": cfg.stage, "form": cfg.form, "knobs": rep["attempts"][0]["knobs"],
+            "facts": rep.get("facts") or {},
             "peaks": peaks, "seconds": round(time.monotonic() - t0, 1), "config": _config(model)}
 
 

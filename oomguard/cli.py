@@ -97,8 +97,9 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 # ----------------------------------------------------------------------------------------------------------------
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
               epilog=_exit_codes_epilog())
-@click.option("--ladder", default="default", show_default=True, metavar="NAME|PATH",
-              help="The remedy ladder: a shipped name (see `oomguard ladders`) or a TOML file.")
+@click.option("--ladder", default=None, metavar="NAME|PATH",
+              help="The remedy ladder: a shipped name (see `oomguard ladders`) or a TOML file [default: multi-gpu "
+                   "for a distributed command (several ranks, DeepSpeed, FSDP), else default].")
 @click.option("--max-attempts", default=8, show_default=True, type=click.IntRange(1, 1000),
               help="Stop after this many launches.")
 @click.option("--max-time", default=None, metavar="SECONDS", type=click.FloatRange(min=0, min_open=True),
@@ -154,7 +155,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--nodes", type=click.IntRange(1), default=None, metavar="N",
               help="How many nodes run the job [default: the launcher's --nnodes/--num_machines, or Slurm's].")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
-def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
+def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
         minimize: bool, no_refine: bool, checkpoint_every: int | None,
@@ -185,8 +186,9 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
     device_options = [w for opt, value in (("--simulate-gpu", simulate_gpu), ("--simulate-context", simulate_context),
                                            ("--gpu-memory", gpu_memory)) if value is not None for w in (opt, value)]
     try:
-        lad = load_ladder(ladder)
         import os
+
+        from .run.launch import MULTI_GPU, distributed_reason
 
         sim_option = "--simulate-gpu"
         if not simulate_gpu and os.environ.get("OOMGUARD_SIMULATE_GPU"):
@@ -207,6 +209,10 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
         trl = trl_support(argv)
         if trl.refused:  # below the floor: one line before anything launches
             raise UsageError(str(trl.message), 2)
+        # no --ladder: a command that is distributed gets the rungs only such runs have (decided again with the
+        # training process's own report, in the supervisor)
+        why = distributed_reason(argv, os.environ) if ladder is None else None
+        lad = load_ladder(ladder or (MULTI_GPU if why else "default"))
         membership = membership_of(argv, os.environ, group=group_dir, node=node_rank, nodes=nodes, workdir=workdir)
     except GroupError as e:
         _exit(str(e), 2)
@@ -220,7 +226,8 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
-                          membership=membership, trl=trl)
+                          membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
+                          ladder_reason=why)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:
@@ -237,14 +244,15 @@ def run(command: tuple[str, ...], ladder: str, max_attempts: int, max_time: floa
 @click.option("--model", "model_path", required=True, metavar="PATH",
               help="A model directory or its config.json (no weights are read).")
 @click.option("--gpu", "gpu_size", required=True, metavar="SIZE", help="The device memory, e.g. 24GiB, 15.73GiB, 80GB.")
-@click.option("--ladder", default="default", show_default=True, metavar="NAME|PATH",
-              help="The ladder whose rungs are suggested, in its order.")
+@click.option("--ladder", default=None, metavar="NAME|PATH",
+              help="The ladder whose rungs are suggested, in its order [default: multi-gpu with --world-size above 1 "
+                   "or a zero_stage, else default].")
 @click.option("--prompt-tokens", type=click.IntRange(1), default=None, metavar="N",
               help="Padded prompt length (default 256).")
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
-def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None, world_size: int,
+def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int | None, world_size: int,
          as_json: bool, knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
@@ -279,7 +287,7 @@ def plan(model_path: str, gpu_size: str, ladder: str, prompt_tokens: int | None,
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
         spec = load_model_spec(model_path)
-        lad = load_ladder(ladder)
+        lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError) as e:
@@ -368,13 +376,19 @@ KNOB_MEANINGS: dict[str, str] = {
     "zero_stage": "DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config",
     "offload_optimizer": "DeepSpeed: keep the optimizer state in host RAM",
     "offload_params": "DeepSpeed: keep the parameters in host RAM",
+    "reduce_bucket_size": "DeepSpeed: elements per gradient reduce bucket, or auto (hidden_size²); unset: DeepSpeed's "
+                          "500,000,000 on every rank",
+    "stage3_prefetch_bucket_size": "DeepSpeed ZeRO-3: parameter elements fetched ahead, or auto (0.9 × hidden_size²)",
+    "stage3_param_persistence_threshold": "DeepSpeed ZeRO-3: parameters smaller than this stay whole on every rank, or "
+                                          "auto (10 × hidden_size)",
+    "overlap_comm": "DeepSpeed: overlap gradient reduction with the backward (ZeRO-1/2: two reduce buckets)",
     "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
 }
 
 
 def _knob_type(annotation: Any) -> str:
     text = str(annotation).replace(" | None", "")
-    return {"tuple[str, ...] | str": "list of str, or all-linear"}.get(text, text)
+    return {"tuple[str, ...] | str": "list of str, or all-linear", "int | str": "int, or auto"}.get(text, text)
 
 
 def describe_knobs() -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, env_without_launchers, run_oomguard, torchrun
+from helpers import ACCELERATE_LAUNCH, TINY, env_without_launchers, free_port, run_oomguard, torchrun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -88,14 +88,129 @@ def test_the_guided_climb_chooses_zero_from_the_per_rank_prediction_without_an_o
     """Plain `oomguard run` (the memory model on), as users run it: plain DDP on two ranks is predicted over the
     device and stopped before it generates; the choice shards (ZeRO, through a generated DeepSpeed config), both
     ranks train, and no attempt runs out of memory. Before DeepSpeed's own buffers were counted, ZeRO-2 was
-    predicted at 175 MiB per rank, chosen, and ran out of memory in its first optimizer step (288 MiB)."""
+    predicted at 175 MiB per rank, chosen, and ran out of memory in its first optimizer step (288 MiB).
+
+    340 MiB: plain DDP is predicted at 383 MiB (stopped: more than 11.7% over), ZeRO-2 at 330 MiB (measured 288 MiB
+    allocated). On 320 MiB ZeRO alone is not predicted to fit any more since ZeRO-3's kept reduce bucket is counted
+    (the model over-predicts the one-layer wide model's ZeRO-3 by 5%), and the choice trades quality there."""
     cmd = torchrun(2, TINY, "--model", wide_model, "--output-dir", str(tmp_path / "out"))
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "320MiB", "--no-probe", "--ladder", "multi-gpu", "--",
-                            *cmd, env=env_without_launchers())
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "340MiB", "--no-probe", "--", *cmd,
+                            env=env_without_launchers())
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
     outcomes = [a["outcome"] for a in rep["attempts"]]
     assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
-    assert rep["stable"]["zero_stage"] in (2, 3)
-    assert {"zero_stage", "deepspeed config"} <= {r["knob"] for r in rep["diff"]}
+    assert rep["stable"]["zero_stage"] in (2, 3) and rep["ladder"] == "multi-gpu"  # picked for torchrun's 2 ranks
+    knobs = {r["knob"] for r in rep["diff"]}
+    assert {"zero_stage", "deepspeed config"} <= knobs and not knobs & {"lora_r", "num_generations"}
     last = len(rep["attempts"])
     assert sorted(e["rank"] for e in events(tmp_path, last) if e["event"] == "train_end") == [0, 1]
+
+
+# -- DeepSpeed's own buffers, in the configuration forms users write ---------------------------------------------------
+# The tiny model's stage-only ZeRO-2 run peaks at 1962 MiB per rank (bench/zero_calibrate.py, tiny-z2-stage), almost
+# all of it DeepSpeed's default reduce bucket: 60% of that is 1178 MiB.
+SIXTY_PERCENT = "1178MiB"
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: {init}
+  zero_stage: {stage}
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def sized_by_the_buffer_rung(rep: dict, stage: int) -> dict:
+    """The report's diff names the DeepSpeed keys the buffer rung changed; returns the generated config."""
+    rows = {r["knob"]: r for r in rep["diff"]}
+    keys = ["reduce_bucket_size"] + (["stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
+                                     if stage == 3 else [])
+    for key in keys:
+        assert rows[key]["from"] is None and rows[key]["to"] == "auto"
+        assert rows[key]["remedy"] == "deepspeed_buffers"
+    assert rows["deepspeed config"]["remedy"] == "deepspeed_buffers"
+    cfg = json.loads(Path(rows["deepspeed config"]["to"]).read_text())
+    assert cfg["zero_optimization"]["stage"] == stage and cfg["zero_optimization"]["reduce_bucket_size"] == "auto"
+    return cfg
+
+
+def both_ranks_trained(tmp: Path, rep: dict) -> None:
+    last = len(rep["attempts"])
+    assert sorted(e["rank"] for e in events(tmp, last) if e["event"] == "train_end") == [0, 1]
+
+
+def test_a_stage_only_zero2_dict_is_stopped_before_it_runs_and_its_buffers_sized(tmp_path, tiny_model):
+    """The issue's run: GRPOConfig(deepspeed={"zero_optimization": {"stage": 2}, batch sizes "auto"}) under torchrun,
+    plain `oomguard run` at 60% of its per-rank peak. The multi-gpu ladder is picked by itself, the memory model sees
+    DeepSpeed's default bucket and stops the config before it generates, the buffer rung is chosen before any quality
+    trade: no real OOM, both ranks trained, the user's own keys in the generated config."""
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, "--",
+                            *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                      "--deepspeed", "stage2"), env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert "ladder multi-gpu: torchrun --nproc_per_node 2 starts 2 ranks" in out.stderr
+    outcomes = [a["outcome"] for a in rep["attempts"]]
+    assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
+    cfg = sized_by_the_buffer_rung(rep, 2)
+    assert cfg["train_batch_size"] == "auto" and cfg["gradient_accumulation_steps"] == "auto"
+    assert {r["knob"] for r in rep["diff"]} == {"reduce_bucket_size", "deepspeed config"}  # nothing else traded
+    both_ranks_trained(tmp_path, rep)
+
+
+def test_a_real_oom_of_the_default_bucket_is_diagnosed_as_the_bucket(tmp_path, tiny_model):
+    """A stage-only JSON file (with a setting of the user's own), climbed one rung per OOM (--no-predict): the
+    1.86 GiB request is diagnosed as DeepSpeed's reduce bucket, not "only smaller shapes", and the next rung is the
+    buffer rung: stable after that one OOM, the user's setting kept, their file unchanged."""
+    user = tmp_path / "ds_zero2.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 7,
+                                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                "train_batch_size": "auto"}))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, "--no-probe", "--no-predict", "--",
+                            *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                      "--deepspeed", str(user)), env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    first = rep["attempts"][0]
+    assert first["outcome"] == "oom" and "reduce bucket" in first["oom"]["evidence"][0]
+    assert "only smaller shapes" not in out.stderr
+    assert [a["outcome"] for a in rep["attempts"]].count("oom") == 1
+    assert first["climbed"] == "deepspeed_buffers"
+    cfg = sized_by_the_buffer_rung(rep, 2)
+    assert cfg["steps_per_print"] == 7
+    assert json.loads(user.read_text())["zero_optimization"] == {"stage": 2}
+    both_ranks_trained(tmp_path, rep)
+
+
+@pytest.mark.parametrize("stage, budget", [(2, SIXTY_PERCENT), (3, "1197MiB")])
+def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model, stage, budget):
+    """`accelerate launch --config_file zero{2,3}.yaml` (open-r1's and TRL's form) with a script that does not set
+    use_cpu, at 60% of its peak: it runs on CPU ranks (oomguard sets use_cpu where DeepSpeed itself runs on the CPU;
+    accelerate's DeepSpeed launcher does not pass the YAML's on), the config accelerate builds is modelled, and the
+    buffer rung rewrites it into a config accelerate accepts: no real OOM, both ranks trained."""
+    yaml = tmp_path / f"zero{stage}.yaml"
+    yaml.write_text(ACCELERATE_YAML.format(stage=stage, init=str(stage == 3).lower()))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", budget, "--",
+                            *ACCELERATE_LAUNCH, "--config_file", str(yaml), "--main_process_port", str(free_port()),
+                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"), "--no-use-cpu",
+                            env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert f"says distributed_type: DEEPSPEED (ZeRO stage {stage})" in out.stderr
+    outcomes = [a["outcome"] for a in rep["attempts"]]
+    assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
+    assert rep["original"]["zero_stage"] == stage
+    cfg = sized_by_the_buffer_rung(rep, stage)
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "none"  # the YAML's settings, kept
+    both_ranks_trained(tmp_path, rep)

@@ -10,8 +10,8 @@ from oomguard.child.patches import apply_config, observe_config
 from oomguard.child.runtime import Runtime
 from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.oom.diagnose import diagnose
-from oomguard.strategies import Context
-from oomguard.vocab.distributed import deepspeed_config, observe_deepspeed
+from oomguard.strategies import Context, make_remedy
+from oomguard.vocab.distributed import deepspeed_config, ds_config_sizes, observe_deepspeed
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from oomguard.vocab.oomreport import OOMReport
 from oomguard.vocab.protocol import Plan
@@ -50,7 +50,8 @@ def test_generated_config_keeps_the_users_settings():
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["zero_optimization"]["overlap_comm"] is True
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert user["zero_optimization"]["stage"] == 2  # the user's dict is not changed
-    assert observe_deepspeed(cfg) == {"zero_stage": 3, "offload_optimizer": True, "offload_params": False}
+    assert observe_deepspeed(cfg) == {"zero_stage": 3, "offload_optimizer": True, "offload_params": False,
+                                      "overlap_comm": True}
     assert deepspeed_config(None, zero_stage=2)["train_micro_batch_size_per_gpu"] == "auto"
 
 
@@ -58,8 +59,9 @@ def test_the_child_writes_the_generated_config_and_points_grpo_config_at_it(tmp_
     user = tmp_path / "ds_zero2.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     events = tmp_path / "events.jsonl"
-    rt = Runtime(Plan(attempt=3, overrides={"zero_stage": 3, "offload_optimizer": True}, crash_dir=str(tmp_path),
-                      events=str(events)))
+    zero3 = make_remedy("zero3").apply(Context(knobs=Knobs(zero_stage=2), facts=RunFacts(world_size=2)))
+    overrides = {**zero3.to_dict(only_set=True), "offload_optimizer": True}
+    rt = Runtime(Plan(attempt=3, overrides=overrides, crash_dir=str(tmp_path), events=str(events)))
     cfg = SimpleNamespace(deepspeed=str(user), fsdp="", per_device_train_batch_size=8, gradient_checkpointing=True,
                           save_strategy="no", save_steps=500)
     assert observe_config(cfg)["zero_stage"] == 2
@@ -81,15 +83,20 @@ def test_fsdp_offload_is_added_to_the_users_fsdp_options(tmp_path):
     assert cfg.fsdp == "full_shard auto_wrap offload"
 
 
-def test_generated_configs_size_deepspeeds_buffers_from_the_model_unless_the_user_did():
-    """DeepSpeed's own default bucket (5e8 elements) is a 1.9 GiB float32 buffer on every rank: a generated config
-    leaves the size to transformers ("auto": from the model's hidden size); a size the user set stays."""
-    cfg = deepspeed_config(None, zero_stage=3)
-    zero = cfg["zero_optimization"]
+def test_the_zero_rungs_size_deepspeeds_buffers_from_the_model_unless_the_user_did():
+    """DeepSpeed's own default bucket (5e8 elements) is a 1.9 GiB float32 buffer on every rank: a ZeRO rung leaves
+    the sizes it writes to transformers ("auto": from the model's hidden size); a size the user set stays."""
+    ctx = Context(knobs=Knobs(), facts=RunFacts(world_size=2))
+    k3 = make_remedy("zero3").apply(ctx)
+    assert k3.reduce_bucket_size == k3.stage3_prefetch_bucket_size == k3.stage3_param_persistence_threshold == "auto"
+    zero = deepspeed_config(None, zero_stage=3, sizes=ds_config_sizes(k3))["zero_optimization"]
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == "auto"
-    assert zero["stage3_param_persistence_threshold"] == "auto"
-    mine = deepspeed_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e7}}, zero_stage=2)
-    assert mine["zero_optimization"]["reduce_bucket_size"] == 2e7
+    mine = Knobs(zero_stage=1, reduce_bucket_size=20_000_000)
+    k2 = make_remedy("zero2").apply(Context(knobs=mine, facts=RunFacts(world_size=2)))
+    assert k2.reduce_bucket_size == 20_000_000 and k2.stage3_prefetch_bucket_size is None
+    cfg = deepspeed_config({"zero_optimization": {"stage": 1, "reduce_bucket_size": 2e7}}, zero_stage=2,
+                           sizes=ds_config_sizes(k2))
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 20_000_000
     assert "reduce_bucket_size" not in deepspeed_config(None, zero_stage=1)["zero_optimization"]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.run import group as group_module
 from oomguard.run.group import Group, GroupError, Membership, membership_of
 
 from helpers import PYTHON, SCRIPTS, TINY, TORCHRUN, free_port
@@ -127,15 +128,108 @@ def test_a_node_that_never_joins_is_named(tmp_path):
         lead.assemble(wait=0.6)
 
 
+def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_path, monkeypatch):
+    """Node-local working directories never meet in their own directories: after 30 s (here 0.3) each node says,
+    once, where it waits, which node is missing, and to pass --group on a directory every node sees."""
+    monkeypatch.setattr(group_module, "NOTICE_AFTER", 0.3)
+    said: list[str] = []
+    lead = group(tmp_path / "wd-0", 0)
+    lead.notice = said.append
+    lead.open()
+    with pytest.raises(GroupError, match=r"node\(s\) 1 did not join.*--group DIR"):
+        lead.assemble(wait=1.0)
+    follow = group(tmp_path / "wd-1", 1)
+    follow.notice = said.append
+    with pytest.raises(GroupError, match="no leader"):
+        follow.open(wait=1.0)
+    assert len(said) == 2
+    assert said[0].startswith("node 0 has waited") and "for node(s) 1 in" in said[0] and "wd-0" in said[0]
+    assert said[1].startswith("node 1 has waited") and "for node 0 (the leader) in" in said[1]
+    assert all("pass --group DIR on a directory every node sees" in s for s in said)
+
+
+def test_a_torchrun_job_on_several_nodes_meets_through_its_rendezvous_host_unless_a_directory_is_named():
+    argv = ["torchrun", "--nnodes", "2", "--node_rank", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "node0:29400", "t.py"]
+    assert membership_of(argv, {}).store == ("node0", 29401)
+    assert membership_of(argv, {"OOMGUARD_GROUP_PORT": "31000"}).store == ("node0", 31000)
+    assert membership_of(argv, {}, group="/shared").store is None
+    assert membership_of(argv, {"OOMGUARD_GROUP": "/shared"}).store is None
+    assert membership_of(["torchrun", "--nnodes", "2", "--node_rank", "0", "t.py"], {}).store is None
+
+
+def test_the_store_mirrors_each_nodes_new_files_and_never_an_older_jobs(tmp_path):
+    """oomguard/child/storesync.py's mirror over a real TCPStore: a file written on one node appears on the other,
+    rewritten when it changes (so a heartbeat's age is its last word's), and a file that was on a node-local disk
+    before (an earlier job's) is never published."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from oomguard.child.storesync import Mirror
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    a, b = tmp_path / "wd-0" / "job", tmp_path / "wd-1" / "job"
+    (b / "old-session").mkdir(parents=True)
+    (b / "old-session" / "final.json").write_text("{}")
+    a.mkdir(parents=True)
+    ma, mb = Mirror(host, a, 0, 2, "job"), Mirror(client, b, 1, 2, "job")
+    (a / "leader.json").write_text('{"session": "s1"}')
+    (a / "s1" / "attempt-1").mkdir(parents=True)
+    (a / "s1" / "attempt-1" / "plan.json").write_text('{"kind": "run"}')
+    (b / "s1").mkdir()
+    (b / "s1" / "node-1.json").write_text('{"beat": 1}')
+    for _ in range(2):
+        ma.step()
+        mb.step()
+    assert (b / "leader.json").read_text() == '{"session": "s1"}'
+    assert (b / "s1" / "attempt-1" / "plan.json").read_text() == '{"kind": "run"}'
+    assert (a / "s1" / "node-1.json").read_text() == '{"beat": 1}'
+    assert not (a / "old-session").exists()
+    before = (a / "s1" / "node-1.json").stat().st_mtime_ns
+    time.sleep(0.02)
+    (b / "s1" / "node-1.json").write_text('{"beat": 2}')
+    mb.step()
+    ma.step()
+    assert (a / "s1" / "node-1.json").read_text() == '{"beat": 2}'
+    assert (a / "s1" / "node-1.json").stat().st_mtime_ns > before
+
+
+def test_without_torch_for_the_store_the_nodes_meet_in_the_directory_and_say_so(tmp_path):
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.display.ui import ConsoleReporter
+    from oomguard.run.supervisor import RunOptions, Supervisor
+
+    m = Membership(node=0, nodes=2, root=str(tmp_path / "group"), job="j", source="torchrun",
+                   store=("localhost", free_port()))
+    sup = Supervisor(["/nonexistent/python", "-m", "torch.distributed.run"],
+                     RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", membership=m),
+                     ConsoleReporter(quiet=True, live=False))
+    said: list[str] = []
+    sup.ui.message = said.append  # type: ignore[method-assign]
+    sup.group.assemble = lambda wait=None: None  # type: ignore[method-assign]  (no other node in this test)
+    sup._open_group()
+    assert sup.store_sync is None and sup.group.via is None
+    assert "cannot meet through torchrun's rendezvous host" in said[0] and "--group DIR" in said[0]
+    assert said[1].endswith(f"the group meets in {sup.group.base}")
+    sup.group.done()
+
+
 # -- two nodes on this machine ----------------------------------------------------------------------------------------
-def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str) -> list[subprocess.Popen]:
+def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str, shared: bool = True,
+                rdzv: bool = True) -> list[subprocess.Popen]:
+    """Two supervisors, one per node of a 2-node torchrun job (c10d rendezvous on localhost): with a shared --group
+    directory, or (``shared=False``) each with only its own working directory, as nodes with local disks."""
     port, procs = free_port(), []
     for node in (0, 1):
+        group = ["--group", str(tmp / "group")] if shared else []
+        meet = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "job"] if rdzv else []
         cmd = [PYTHON, "-m", "oomguard", "run", "--report", str(tmp / f"report-{node}.json"), "--lock",
-               str(tmp / f"lock-{node}.json"), "--workdir", str(tmp / f"wd-{node}"), "--group", str(tmp / "group"),
+               str(tmp / f"lock-{node}.json"), "--workdir", str(tmp / f"wd-{node}"), *group,
                *options, "--", *TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "job", TINY,
-               "--model", model, "--output-dir", str(tmp / "out")]
+               *meet, TINY, "--model", model, "--output-dir", str(tmp / "out")]
         procs.append(subprocess.Popen(cmd, cwd=tmp, env={**os.environ, **env, "PYTHONPATH": str(SCRIPTS)},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))
@@ -144,10 +238,13 @@ def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str) -> li
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-directory", "node-local-through-rendezvous"])
+def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model, shared):
+    """Node 1's rank runs out of memory once: both nodes relaunch with the same remedy and both reports agree. With
+    node-local working directories (no --group), the nodes meet through torchrun's rendezvous host."""
     env = {"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1",
            "OOMGUARD_TEST_MARKER": str(tmp_path / "acted")}  # rank 1 (node 1) runs out of memory once
-    procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe")
+    procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe", shared=shared)
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     reports = [json.loads((tmp_path / f"report-{n}.json").read_text()) for n in (0, 1)]
@@ -159,6 +256,10 @@ def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path,
     assert json.loads((tmp_path / "lock-1.json").read_text())["overrides"] == \
         json.loads((tmp_path / "lock-0.json").read_text())["overrides"]
     session = Path(lead["group"]["session"])
+    if not shared:  # each node's files are on its own disk, the same files on both
+        assert all("the group meets through a store at localhost:" in err for _, err in outs)
+        assert str(session).startswith(str(tmp_path / "wd-0"))
+        assert (tmp_path / "wd-1" / session.relative_to(tmp_path / "wd-0") / "attempt-2" / "events-node0.jsonl").exists()
     ended = [json.loads(line) for n in (0, 1) for line in
              (session / "attempt-2" / f"events-node{n}.jsonl").read_text().splitlines()
              if '"train_end"' in line]
@@ -190,3 +291,19 @@ def test_a_node_that_dies_ends_the_job_with_a_message_naming_it(tmp_path, tiny_m
     assert report["status"] == "failed" and "node 1" in report["message"]
     assert "stopped answering" in report["message"] and "not an OOM" in report["message"]
     assert (session / "failed.json").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_nodes_that_cannot_meet_say_so_within_30_seconds(tmp_path, tiny_model):
+    """Two nodes with node-local working directories and no rendezvous endpoint to meet through: each says, within
+    30 s of waiting, where it waits, who is missing and the way out (then the test stops them)."""
+    procs = start_nodes(tmp_path, tiny_model, {}, "--simulate-gpu", "1GiB", "--no-probe", shared=False, rdzv=False)
+    time.sleep(40)
+    for p in procs:
+        os.killpg(os.getpgid(p.pid), signal.SIGTERM)
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    for node, missing in ((0, "node(s) 1"), (1, "node 0 (the leader)")):
+        where = tmp_path / f"wd-{node}" / "group" / "job"
+        assert f"node {node} has waited 30 s for {missing} in {where}" in errs[node], errs[node][-2000:]
+    assert all(e.count("has waited") == 1 and "pass --group DIR on a directory every node sees" in e for e in errs)

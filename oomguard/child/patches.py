@@ -10,7 +10,6 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-import json
 import math
 import os
 import sys
@@ -67,36 +66,25 @@ def _dtype_name(d: Any) -> str | None:
 
 
 def observe_config(cfg: Any) -> dict[str, Any]:
-    from ..vocab.distributed import fsdp_options, load_user_deepspeed, observe_deepspeed
+    from ..vocab.distributed import fsdp_options
+    from . import dsconfig
 
     out = {name: _plain(getattr(cfg, name)) for name in CONFIG_KNOBS if hasattr(cfg, name)}
     act = getattr(cfg, "activation_checkpointing", None)
     out["gradient_checkpointing"] = act if act is not None else getattr(cfg, "gradient_checkpointing", None)
-    out.update(observe_deepspeed(load_user_deepspeed(getattr(cfg, "deepspeed", None))))
+    out.update(dsconfig.observe(cfg))
     out["fsdp_offload"] = "offload" in fsdp_options(getattr(cfg, "fsdp", None))
     return out
 
 
 def apply_distributed(rt: Runtime, cfg: Any) -> None:
-    """ZeRO stage and offloads through a DeepSpeed config generated from the user's; FSDP offload through fsdp."""
-    from ..vocab.distributed import deepspeed_config, fsdp_options, load_user_deepspeed
+    """ZeRO stage, offloads and buffers through a DeepSpeed config generated from the run's (child/dsconfig.py);
+    FSDP offload through fsdp."""
+    from ..vocab.distributed import fsdp_options
+    from . import dsconfig
 
     ov = rt.overrides
-    if any(v is not None for v in (ov.zero_stage, ov.offload_optimizer, ov.offload_params)):
-        user = load_user_deepspeed(getattr(cfg, "deepspeed", None))
-        generated = deepspeed_config(user, zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
-                                     offload_params=ov.offload_params)
-        target = os.path.join(rt.plan.crash_dir or tempfile.gettempdir(), f"deepspeed-attempt{rt.plan.attempt}.json")
-        try:
-            with open(target, "w", encoding="utf-8") as f:
-                json.dump(generated, f, indent=2)
-        except OSError:
-            target = None
-        if not getattr(rt, "_deepspeed_emitted", False):
-            rt.emit("generated", kind="deepspeed", path=target, config=generated,
-                    replaces=str(cfg.deepspeed) if isinstance(getattr(cfg, "deepspeed", None), str) else None)
-            rt._deepspeed_emitted = True  # type: ignore[attr-defined]
-        cfg.deepspeed = target or generated
+    dsconfig.apply(rt, cfg)
     if ov.fsdp_offload is not None:
         opts = [o for o in fsdp_options(getattr(cfg, "fsdp", None)) if o != "offload"]
         if opts:
@@ -152,12 +140,14 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
     def __post_init__(self: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
             from ..vocab.distributed import fsdp_options
+            from .dsconfig import user_deepspeed
             from .trlcompat import features
 
             rt.observe(observe_config(self))
             rt.emit("config", observed=observe_config(self), world_size=_world(),
                     facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None))),
-                           "missing_packages": missing_packages(), **features().facts()})
+                           "deepspeed": user_deepspeed(self)[1], "missing_packages": missing_packages(),
+                           **features().facts()})
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "GRPOConfig"):
             apply_config(rt, self)

@@ -30,40 +30,62 @@ Two steps, like the ladder-order choice of ``oomguard.decide.choose``:
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..strategies import COST_CLASSES, Context, cost_rank
-from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts
 from .choose import Choice, Rung, relax_rungs, replay
 from .ladder import Ladder
+
+# A rough share of a step's time each speed change adds, to weigh speed changes against each other (never against
+# another class): a halving of the micro-batch (the weights read again per micro-step), checkpointing (a third more
+# training compute, in a step that generation dominates), ZeRO-2 (a reduce-scatter and all-gather, about DDP's
+# all-reduce), ZeRO-3 (parameters gathered in every forward and generation step), offloads (every step through host
+# memory), DeepSpeed's buffers sized to the model (more, smaller collectives).
+SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero3": 0.30, "offload_optimizer": 0.5,
+              "offload_params": 1.0, "fsdp_offload": 1.0, "buffers": 0.01}
 
 
 def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, float]:
     """How far ``k`` moved from ``user`` within each cost class that has graded values (0 for the others): for
     ``signal`` the relative cuts of completion length, generations and prompts per step, summed; for ``speed`` the
-    share of the generation batch each micro-step no longer computes at once (0.5 for two micro-steps), plus a
-    smaller vLLM reservation.
+    share of a step's time its changes add, roughly (:data:`SPEED_COST`; a smaller vLLM reservation by its cut).
 
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
     >>> user = TRL_DEFAULTS.replace(max_completion_length=256, num_generations=8, per_device_train_batch_size=8)
     >>> d = class_distance(user, user.replace(max_completion_length=192, per_device_train_batch_size=4,
     ...                                        gradient_accumulation_steps=2))
     >>> d["signal"], d["speed"]
-    (0.25, 0.5)
+    (0.25, 0.05)
+    >>> class_distance(user, user.replace(zero_stage=3))["speed"] > class_distance(user, user.replace(
+    ...     per_device_train_batch_size=2, gradient_accumulation_steps=4))["speed"]
+    True
     """
     def cut(u: Any, v: Any) -> float:
         return max(0.0, 1.0 - float(v) / float(u)) if u and v else 0.0
 
+    def new(knob: str) -> bool:
+        return bool(getattr(k, knob)) and not getattr(user, knob)
+
     _, _, spg_u = user.geometry(world_size)
     _, _, spg_k = k.geometry(world_size)
+    stage_u, stage_k = user.zero_stage or 0, k.zero_stage or 0
+    zero = {2: SPEED_COST["zero2"], 3: SPEED_COST["zero3"]}
+    speed = (SPEED_COST["micro_halving"] * max(0.0, math.log2(spg_k / max(1, spg_u)))
+             + (SPEED_COST["checkpointing"] if new("gradient_checkpointing") else 0.0)
+             + max(0.0, zero.get(stage_k, 0.0) - zero.get(stage_u, 0.0))
+             + sum(SPEED_COST[n] for n in ("offload_optimizer", "offload_params", "fsdp_offload") if new(n))
+             + (SPEED_COST["buffers"] if any(new(n) for n in DS_SIZE_KNOBS) else 0.0)
+             + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization))
     out = dict.fromkeys(COST_CLASSES, 0.0)
     out["signal"] = round(cut(user.max_completion_length, k.max_completion_length)
                           + cut(user.num_generations or 8, k.num_generations or 8)
                           + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size)), 9)
-    out["speed"] = round(cut(spg_k, spg_u) + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization), 9)
+    out["speed"] = round(speed, 9)
     return out
 
 

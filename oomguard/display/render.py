@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ..vocab.distributed import DS_DEFAULTS
 from ..vocab.sizes import format_size
 
 _BACKEND_NAMES = {"cuda": "CUDA", "hip": "HIP (ROCm)", "xpu": "XPU", "mps": "MPS", "npu": "NPU", "cpu": "CPU allocator",
@@ -94,11 +95,13 @@ def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What 
     for c in ("knob", "original", "stable", "remedy"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["knob"], _v(r["from"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")
+        t.add_row(r["knob"], _v(r["from"], r["knob"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")
     out.print(t)
 
 
-def _v(v: Any) -> str:
+def _v(v: Any, knob: str = "") -> str:
+    if v is None and knob in DS_DEFAULTS:  # a DeepSpeed size the config left out
+        return f"DeepSpeed's default ({DS_DEFAULTS[knob]:,})"
     if v is None:
         return "unset"
     if isinstance(v, (list, tuple)):

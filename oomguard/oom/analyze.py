@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..vocab.diagnosis import Diagnosis
+from ..vocab.distributed import deepspeed_buckets
 from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
 from ..vocab.sizes import GiB, format_size
@@ -99,7 +100,7 @@ def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> d
     """A crash record's OOM, its message parsed again (so an older record gains what the parser learned since),
     diagnosed with the phase the training process recorded, remedies pasted against the knobs it ran with."""
     report = _reparsed(rec.message, rec.report)
-    d = diagnose(report, rec.frames, phase=rec.phase)
+    d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
     return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
 
@@ -123,7 +124,7 @@ def finding_from_attempt(source: str, att: dict[str, Any]) -> dict[str, Any] | N
         return {**oom, "source": source, **extra}
     frames = [Frame.from_dict(f) for f in oom.get("frames") or [] if isinstance(f, dict)]
     knobs = att.get("knobs") if isinstance(att.get("knobs"), dict) else None
-    d = diagnose(report, frames, phase=str(oom.get("phase") or "unknown"))
+    d = diagnose(report, frames, phase=str(oom.get("phase") or "unknown"), buffers=deepspeed_buckets(knobs, None))
     return finding(source, oom.get("line"), report, d, rank=oom.get("rank"), frames=frames, knobs=knobs, extra=extra)
 
 

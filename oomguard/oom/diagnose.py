@@ -16,7 +16,8 @@ request larger than the whole device points at a shape, not a budget.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -114,10 +115,18 @@ SMALLER_SHAPES = ": only smaller shapes (shorter sequences, fewer rows per step)
 SMALLER_LOAD = ": only loading the weights smaller (4-bit, or 16-bit instead of float32) can make it fit."
 
 
-def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None) -> Diagnosis:
+def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
+             buffers: Mapping[str, int] | None = None) -> Diagnosis:
     """Classify an OOM and explain it with the figures it gives.
 
     ``phase`` overrides the phase read from ``frames`` (the training process knows it better at times).
+    ``buffers`` names the framework buffers the run allocates in one piece (``{description: bytes}``, from
+    ``vocab.distributed.deepspeed_buckets``): a request of one's size is that buffer, whose size a config decides.
+
+    >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=2_000_000_000, capacity=1 << 30, free=1 << 29),
+    ...              buffers={"DeepSpeed's gradient reduce bucket": 2_000_000_000})
+    >>> d.kind, d.buffer
+    ('impossible', "DeepSpeed's gradient reduce bucket")
     """
     frames = tuple(frames)
     found_phase, frame = phase_from_frames(frames)
@@ -126,12 +135,53 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     else:
         frame = None
     kind, evidence, report = _classify(report)
-    if kind == "impossible" and phase == "load" and evidence and evidence[0].endswith(SMALLER_SHAPES):
+    buffer = _framework_buffer(report, frames, buffers or {}) if kind not in ("host-ram", "vllm-reservation") \
+        else None
+    if buffer is not None:
+        if kind == "impossible" and evidence and evidence[0].endswith(SMALLER_SHAPES):
+            evidence.pop(0)
+        evidence.insert(0, _buffer_sentence(report, buffer, kind == "impossible"))
+    elif kind == "impossible" and phase == "load" and evidence and evidence[0].endswith(SMALLER_SHAPES):
         evidence[0] = evidence[0][: -len(SMALLER_SHAPES)] + SMALLER_LOAD  # a weight tensor: only its size can change
     if phase != "unknown":
         where = f" in `{frame.name}` ({_short(frame.filename)}:{frame.line})" if frame else ""
         evidence.append(f"It happened during {_PHASE_WORDS[phase]}{where}.")
-    return Diagnosis(kind=kind, phase=phase, evidence=tuple(evidence), report=report, frame=frame)
+    return Diagnosis(kind=kind, phase=phase, evidence=tuple(evidence), report=report, frame=frame, buffer=buffer)
+
+
+# DeepSpeed's default reduce bucket (500,000,000 elements) in 32- and 16-bit gradients, and the function of
+# deepspeed/runtime/zero/stage_1_and_2.py that allocates the bucket at a backward's first gradient.
+_DS_DEFAULT_BUCKETS = {"in float32": 2_000_000_000, "in 16-bit": 1_000_000_000}
+_DS_BUCKET_FRAMES = {"setup_buckets"}
+_MATCH = 0.005  # a message prints sizes to 2 decimals ("1.86 GiB"): within half a percent is the same request
+
+
+def _framework_buffer(r: OOMReport, frames: Sequence[Frame], buffers: Mapping[str, int]) -> str | None:
+    """Which framework buffer the failing request is: one of ``buffers`` by its size, else DeepSpeed's reduce bucket
+    by the frame that allocates it, or by its default size in a traceback through DeepSpeed."""
+    req = r.requested
+    if req:
+        for name, size in buffers.items():
+            if size and abs(req - size) <= _MATCH * size:
+                return name
+    in_deepspeed = [f for f in frames if "deepspeed" in f.filename.replace("\\", "/").lower()]
+    if any(f.name in _DS_BUCKET_FRAMES for f in in_deepspeed):
+        return "DeepSpeed's gradient reduce bucket (reduce_bucket_size)"
+    if req and in_deepspeed:
+        for how, size in _DS_DEFAULT_BUCKETS.items():
+            if abs(req - size) <= _MATCH * size:
+                return (f"DeepSpeed's gradient reduce bucket (reduce_bucket_size: 500,000,000 elements, DeepSpeed's "
+                        f"default where the config leaves it out, {how})")
+    return None
+
+
+def _buffer_sentence(r: OOMReport, buffer: str, whole: bool) -> str:
+    size = f"The request of {_f(r.requested)}" if r.requested else "The failing request"
+    size += " (more than the whole device)" if whole else ""
+    return (f"{size} is {buffer}, allocated on every rank whatever the model's size: its size comes from the "
+            "DeepSpeed config, not from the step's shapes, so shorter sequences or fewer rows do not change it. Size "
+            "it to the model: \"reduce_bucket_size\": \"auto\" in the DeepSpeed config (transformers fills in "
+            "hidden_size²), or a number of elements.")
 
 
 _PHASE_WORDS = {
@@ -365,6 +415,11 @@ def _others_sentence(r: OOMReport) -> str:
     return f"Other processes hold {_f(r.others_total)} of the device ({parts}{more})."
 
 
+# The raylet's summary line: "N Workers (tasks / actors) killed due to memory pressure (OOM), ... (ID: ..., IP: X)"
+_RAYLET = re.compile(r"(?P<n>\d+)\s*Workers\s*\(\s*tasks\s*/\s*actors\s*\)\s*killed\s*due\s*to\s*memory\s*pressure"
+                     r"(?:.*?\bIP\s*:\s*(?P<ip>[\d.:a-fA-F]+))?", re.IGNORECASE | re.DOTALL)
+
+
 def _host_evidence(r: OOMReport) -> list[str]:
     if r.origin in ("oom-killer", "shell"):
         who = f"process {r.pid}" if r.pid else "the process"
@@ -372,6 +427,11 @@ def _host_evidence(r: OOMReport) -> list[str]:
         return [f"The kernel's OOM killer ended {who}{rss}: the host ran out of RAM, not the GPU."]
     if r.origin == "slurm":
         return ["Slurm's cgroup reported an OOM kill: the job exceeded its host-RAM allocation (--mem)."]
+    if r.origin == "ray" and (m := _RAYLET.search(r.message)):
+        node = f" on node {m.group('ip')}" if m.group("ip") else ""
+        return [f"Ray's raylet reports {m.group('n')} worker(s) (tasks or actors) killed by its memory monitor"
+                f"{node}: the node's RAM, not the GPU, ran out. Ray retries such tasks; fewer workers per node or less "
+                "host memory per worker is the fix (RAY_memory_usage_threshold only moves the line)."]
     if r.origin == "ray":
         who = f"the task (pid {r.pid}" + (f", using {_f(r.process)})" if r.process else ")") if r.pid else "a task"
         if r.capacity is not None and r.free is not None:

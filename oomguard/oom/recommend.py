@@ -23,6 +23,7 @@ comes first. The terminal shows the top three, and up to five while the next one
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 from ..strategies import REGISTRY, Advice
 from ..strategies.base import Context
 from ..vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
-from ..vocab.knobs import KNOB_NAMES, REACH, TRL_DEFAULTS, Knobs
+from ..vocab.knobs import DS_SIZE_KNOBS, KNOB_NAMES, REACH, TRL_DEFAULTS, Knobs
 from ..vocab.sizes import format_size
 
 TOP_MIN = 3  # remedies the terminal always shows (when there are that many)
@@ -145,6 +146,8 @@ def _tiers(d: Diagnosis) -> list[list[Advice]]:
                                           "an overflowed or mistaken tensor shape; no memory setting can hold it.",
                             None)]]
     first: list[Advice] = []
+    if d.buffer is not None:  # a framework buffer: its size is set by a config (DeepSpeed's reduce bucket)
+        first.append(REGISTRY["deepspeed_buffers"]().advise(d))
     if d.kind == "neighbour":
         first.append(Advice("free_gpu", f"Other processes hold {format_size(r.others_total)}: stop them or choose an "
                                         "idle GPU (CUDA_VISIBLE_DEVICES).", r.others_total or None))
@@ -204,7 +207,8 @@ def _near_fragmentation(d: Diagnosis) -> Advice | None:
 # --------------------------------------------------------------------------------------------------------------
 # Lines to paste.
 
-_NOT_GRPO = {"zero_stage", "offload_optimizer", "offload_params", "fsdp_offload"}  # accelerate / DeepSpeed configs
+_NOT_GRPO = {"zero_stage", "offload_optimizer", "offload_params", "fsdp_offload", "overlap_comm",
+             *DS_SIZE_KNOBS}  # accelerate / DeepSpeed configs
 
 
 def _base_knobs(knobs: Mapping[str, Any] | Knobs | None) -> Knobs:
@@ -245,6 +249,8 @@ def paste_lines(name: str, d: Diagnosis, base: Knobs = TRL_DEFAULTS) -> tuple[st
     changed = {k: v for k, v in after.to_dict().items() if v != base.to_dict().get(k)}
     if not changed:  # already the default (gradient checkpointing): say it anyway, the script may have changed it
         changed = {k: getattr(after, k) for k in remedy.changes if getattr(after, k) is not None}
+    if not changed and name == "deepspeed_buffers":  # a plain log: the stage is not known, the bucket is
+        changed = {"reduce_bucket_size": "auto"}
     lines = list(_lines(changed, d.report.backend))
     if name == "vllm_memory" and d.report.kv_cache_tokens:
         lines.append(f"GRPOConfig(vllm_max_model_length={d.report.kv_cache_tokens})")
@@ -279,6 +285,10 @@ def _lines(changed: Mapping[str, Any], backend: str) -> list[str]:
         tm = changed.get("lora_target_modules") or "all-linear"
         out.append(f"GRPOTrainer(..., peft_config=LoraConfig(r={r}, lora_alpha={alpha}, target_modules={_py(tm)}, "
                    'task_type="CAUSAL_LM"))')
+    sizes = {k: v for k, v in changed.items() if k in DS_SIZE_KNOBS and v is not None}
+    if sizes:
+        out.append('DeepSpeed config: "zero_optimization": {'
+                   + ", ".join(f'"{k}": {json.dumps(v)}' for k, v in sizes.items()) + "}")
     if changed.get("max_prompt_tokens"):
         n = int(changed["max_prompt_tokens"])
         out.append(f'dataset = dataset.filter(lambda x: len(tokenizer(x["prompt"])["input_ids"]) <= {n})')

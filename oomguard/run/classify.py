@@ -204,8 +204,10 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     if crash is not None:
         from ..oom.analyze import finding_from_crash
         from ..oom.diagnose import diagnose
+        from ..vocab.distributed import deepspeed_buckets
 
-        d = diagnose(crash.report, crash.frames, phase=crash.phase)
+        d = diagnose(crash.report, crash.frames, phase=crash.phase,
+                     buffers=deepspeed_buckets(crash.knobs, crash.model_config))
         attempt.outcome = Outcome.OOM
         attempt.oom = finding_from_crash(str(adir / "crash"), crash)
         attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes

@@ -41,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from ..vocab.records import EventTail, write_json_atomic
+from .launch import rendezvous, store_port
 
 GROUP_ENV = "OOMGUARD_GROUP"  # the shared directory, when --group is not given
 TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node counts as dead
 DEFAULT_TIMEOUT = 120.0
 JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
+NOTICE_AFTER = 30.0  # a node still waiting for the others after this says so, once, with the way out
 BEAT_EVERY = 2.0
 
 
@@ -62,6 +64,9 @@ class Membership:
     root: str  # the shared directory
     job: str = "job"  # the job's name within it (Slurm's job and step, torchrun's --rdzv-id)
     source: str = ""  # where node and nodes were read (for the user)
+    # torchrun's rendezvous host and the port of the group's store there, where the nodes may meet without a shared
+    # directory (oomguard/run/rendezvous.py); None where --group or $OOMGUARD_GROUP names the directory
+    store: tuple[str, int] | None = None
 
     @property
     def leader(self) -> bool:
@@ -144,7 +149,11 @@ def membership_of(argv: Sequence[str], env: Mapping[str, str], *, group: str | N
     job = (f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}" if "SLURM_JOB_ID" in env
            else _flag(argv, "--rdzv-id", "--rdzv_id") or "job")
     root = group or env.get(GROUP_ENV) or str(Path(workdir) / "group")
-    return Membership(node=rank, nodes=total, root=root, job=re.sub(r"[^\w.-]", "_", job), source=source)
+    store = None
+    if not (group or env.get(GROUP_ENV)) and (rdzv := rendezvous(argv)) is not None:
+        store = (rdzv[0], store_port(rdzv[1], env))
+    return Membership(node=rank, nodes=total, root=root, job=re.sub(r"[^\w.-]", "_", job), source=source,
+                      store=store)
 
 
 class Group:
@@ -163,6 +172,9 @@ class Group:
         self._thread: threading.Thread | None = None
         self.started = time.time()
         self.failure: str | None = None  # why the group ended early, once this node knows
+        self.via: str | None = None  # the store the directory is mirrored through (host:port), when it is
+        self.notice: Callable[[str], None] = lambda text: None  # a line for the user (a node that waits too long)
+        self.tick: Callable[[], None] = lambda: None  # called while waiting (the store's helper speaks)
 
     # -- forming -------------------------------------------------------------------------------------------------
     def open(self, wait: float | None = None) -> None:
@@ -180,11 +192,13 @@ class Group:
             self._heartbeat()
             write_json_atomic(self.base / "leader.json", {"session": name, "started": self.started})
         else:
+            waiting = _Waiting(self)
             while (s := self._live_session()) is None:
                 if time.monotonic() > limit:
-                    raise GroupError(f"no leader (node 0) appeared in {self.base} within "
+                    raise GroupError(f"no leader (node 0) appeared {self._where()} within "
                                      f"{self.join_timeout if wait is None else wait:.0f} s: start `oomguard run` on "
-                                     "node 0 too, and make --group a directory every node shares")
+                                     f"node 0 too, and {self._fix()}")
+                waiting.still([0])
                 time.sleep(0.5)
             self.session = s
             self._heartbeat()
@@ -195,12 +209,27 @@ class Group:
     def assemble(self, wait: float | None = None) -> None:
         """Leader: wait until every node has joined its session."""
         limit = time.monotonic() + (self.join_timeout if wait is None else wait)
+        waiting = _Waiting(self)
         while missing := [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]:
             if time.monotonic() > limit:
-                raise GroupError(f"node(s) {', '.join(map(str, missing))} did not join the group in "
-                                 f"{self.session} within {self.join_timeout if wait is None else wait:.0f} s: "
-                                 "start `oomguard run` on every node with the same --group directory")
+                raise GroupError(f"node(s) {', '.join(map(str, missing))} did not join the group "
+                                 f"{self._where(self.session)} within {self.join_timeout if wait is None else wait:.0f} "
+                                 f"s: start `oomguard run` on every node, and {self._fix()}")
+            waiting.still(missing)
             time.sleep(0.5)
+
+    def _where(self, d: Path | None = None) -> str:
+        d = d or self.base
+        return f"through the group's store at {self.via} (mirroring {d})" if self.via else f"in {d}"
+
+    def _fix(self) -> str:
+        if self.via:
+            return (f"let every node reach {self.via} (torchrun's rendezvous host; OOMGUARD_GROUP_PORT names another "
+                    "port), or pass --group DIR on a directory every node sees")
+        return ("if the nodes do not share this directory (node-local working directories), pass --group DIR on a "
+                "directory every node sees" + ("" if self.m.store is None else
+                                               "; under torchrun the nodes meet through its rendezvous host instead "
+                                               "when torch can be imported there"))
 
     def _live_session(self) -> Path | None:
         try:
@@ -343,6 +372,25 @@ class Group:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+
+class _Waiting:
+    """A node waiting for others at the start: after NOTICE_AFTER seconds it says, once, where it waits, who is
+    missing and the way out (node-local working directories never meet in their own directories)."""
+
+    def __init__(self, g: Group) -> None:
+        self.g = g
+        self.since = time.monotonic()
+        self.said = False
+
+    def still(self, missing: list[int]) -> None:
+        self.g.tick()
+        waited = time.monotonic() - self.since
+        if self.said or waited < NOTICE_AFTER:
+            return
+        self.said = True
+        who = "node 0 (the leader)" if missing == [0] else f"node(s) {', '.join(map(str, missing))}"
+        self.g.notice(f"node {self.g.m.node} has waited {waited:.0f} s for {who} {self.g._where()}: {self.g._fix()}")
 
 
 class GroupTail:

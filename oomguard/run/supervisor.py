@@ -27,12 +27,12 @@ from typing import Any, Protocol
 from ..decide.choose import Choice
 from ..decide.climb import Climb
 from ..decide.experiment import Experiment, summarise
-from ..decide.ladder import Exhausted, Ladder, Step
+from ..decide.ladder import Exhausted, Ladder, Step, load_ladder
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.knobs import Knobs, RunFacts, reachable
+from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts, reachable
 from ..vocab.protocol import EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from ..vocab.records import (
     Attempt,
@@ -68,6 +68,7 @@ from .command import (
 )
 from .follower import follow
 from .group import Group, GroupError, GroupTail, Membership
+from .launch import MULTI_GPU, facts_reason
 from .minimize import Minimizer
 from .proc import Interrupts, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
@@ -124,6 +125,9 @@ class RunOptions:
     preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
     membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
     trl: Support | None = None  # the command's TRL as read before launching (run.command.trl_support), if readable
+    # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
+    ladder_auto: bool = False
+    ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
 
 
 class Supervisor:
@@ -164,26 +168,49 @@ class Supervisor:
         self.output_dir: str | None = None
         self.warned_no_checkpoints = False
         self.group = Group(options.membership) if options.membership else None
+        self.store_sync: Any = None  # the helper that mirrors the group's directory (oomguard.rendezvous)
         self.group_failure: str | None = None  # why the group ended early (a node died), for the report
 
     def _open_group(self) -> None:
-        """Form the group of a job's nodes before the first launch (oomguard.group)."""
+        """Form the group of a job's nodes before the first launch (oomguard.group): through torchrun's rendezvous
+        host where the command has one and no directory was named (oomguard.rendezvous), else in the directory."""
         assert self.group is not None
         m = self.group.m
+        self.group.notice = self.ui.message
         role = "leads: it decides every attempt" if m.leader else "follows node 0, which decides every attempt"
-        self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets in "
-                        f"{self.group.base}")
+        where = f"in {self.group.base}"
+        if m.store is not None:
+            from .rendezvous import StoreSync, training_python
+
+            sync = StoreSync(m, training_python(self.argv))
+            try:
+                sync.start()
+            except GroupError as e:
+                self.ui.message(f"cannot meet through torchrun's rendezvous host ({e}): the group meets in "
+                                f"{self.group.base} instead, which every node must see (--group DIR)")
+            else:
+                self.store_sync = sync
+                self.group.via = sync.endpoint
+                self.group.tick = sync.poll
+                where = (f"through a store at {sync.endpoint}, torchrun's rendezvous host (this node "
+                         f"{'hosts it' if sync.role == 'host' else 'reaches it' if sync.role else 'waits for it'}), "
+                         f"mirroring {self.group.base}")
+        self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets {where}")
         try:
             self.group.open()
             if m.leader:
                 self.group.assemble()
         except GroupError as e:
+            if self.store_sync is not None:
+                self.store_sync.close(wait=5)
             raise UsageError(str(e), 1) from None
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Launch, classify, decide, until the climb says done or the budget is spent; then write the report."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.o.ladder_reason:
+            self._ladder_line(self.o.ladder_reason)
         if self.group is None:
             return self._lead()
         self._open_group()
@@ -196,6 +223,8 @@ class Supervisor:
             raise
         finally:
             self.group.done()
+            if self.store_sync is not None:  # its last files reach the other nodes before this one leaves
+                self.store_sync.close()
 
     def _lead(self) -> int:
         kind: AttemptKind | None = AttemptKind.PROBE if self.o.probe_steps > 0 else AttemptKind.RUN
@@ -432,6 +461,9 @@ class Supervisor:
                     self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
         self._take_trl(facts.trl_version, facts.trl_head)
+        if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
+            c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
+            self._ladder_line(why)
 
     def _take_trl(self, version: str | None, head: str | None) -> None:
         """The command's TRL, read before launching or reported by the training process: a release newer than the
@@ -447,6 +479,11 @@ class Supervisor:
         self.trl_seen = (version, head)
         if self.guide is not None:
             self.guide.set_trl(head or head_of(version), s.untested)
+
+    def _ladder_line(self, why: str) -> None:
+        """One line: the ladder oomguard picked by itself, and why."""
+        self.ui.message(f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's "
+                        "buffers, ZeRO stages, offload) come before any trade of quality; --ladder NAME picks another")
 
     def _teach_guide(self, attempt: Attempt, diag: Diagnosis | None) -> None:
         """The memory model's prediction for the attempt, and what it learns from it (online, and across runs)."""
@@ -610,8 +647,9 @@ class Supervisor:
             who = {r["knob"]: r["remedy"] for r in report.diff}
             for kind, g in last.generated.items():
                 report.diff.append({"knob": f"{kind} config", "from": g.get("replaces"), "to": g.get("path"),
-                                    "remedy": who.get("zero_stage") or who.get("offload_optimizer")
-                                    or who.get("offload_params")})
+                                    "remedy": next((who[k] for k in ("zero_stage", "offload_optimizer",
+                                                                     "offload_params", *DS_SIZE_KNOBS) if who.get(k)),
+                                                   None)})
         if status == "stable":
             final = Knobs.from_dict(report.attempts[-1].knobs)
             try:  # a help to the user: it must never cost the stable run its report and lock

@@ -7,7 +7,7 @@ May import: ``oomguard.vocab`` (Knobs, Diagnosis, sizes). Never another part.
 
 >>> from oomguard.strategies import REGISTRY
 >>> sorted(REGISTRY)[:3]
-['bf16_load', 'checkpointing', 'empty_cache']
+['bf16_load', 'checkpointing', 'deepspeed_buffers']
 """
 
 from __future__ import annotations

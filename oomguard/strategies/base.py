@@ -93,6 +93,7 @@ class Remedy:
     shrinks_shapes: ClassVar[bool] = False  # acts on per-step tensors (helps an oversized request)
     helps_at_load: ClassVar[bool] = False  # reduces what model loading itself needs
     helps_optimizer: ClassVar[bool] = False  # reduces persistent state (weights, grads, optimizer states)
+    sizes_buffers: ClassVar[bool] = False  # sizes a framework's own buffers (DeepSpeed's buckets)
     params: ClassVar[Mapping[str, Any]] = {}
     requires: ClassVar[tuple[str, ...]] = ()  # packages the training environment must import for this remedy
 
@@ -140,6 +141,8 @@ class Remedy:
             limit = r.allowed or r.capacity or 0
             if r.requested and limit and r.requested > OVERFLOW_FACTOR * limit:
                 return "the request is an overflowed shape (far larger than the device); fix the shape"
+            if d.buffer is not None:  # a framework's buffer, sized by its config, not by the step's shapes
+                return None if self.sizes_buffers else f"the single request is {d.buffer}; only its size can change it"
             if d.phase == "load" and not self.helps_at_load:  # a weight tensor: only a smaller load shrinks it
                 return "the single request exceeds the device while loading; only a smaller load can help"
             if not self.shrinks_shapes and d.phase != "load":

@@ -1,8 +1,12 @@
 """Distributed remedies: shard what every rank holds (DeepSpeed ZeRO through the training arguments, or FSDP), then
 move it to host RAM. They only apply to runs with several ranks.
 
-The DeepSpeed configuration is generated from the user's own (``GRPOConfig.deepspeed``, a path or a dict) with the
-ZeRO stage and offload settings changed, and handed to transformers through the same field; the report shows it.
+The DeepSpeed configuration is generated from the user's own (``GRPOConfig.deepspeed``, a path or a dict, or the
+one accelerate builds from its ``--config_file`` YAML) with the ZeRO stage, offload settings and buffer sizes
+changed, and handed to transformers through ``GRPOConfig.deepspeed``; the report shows it. A config that leaves
+DeepSpeed's buffers to DeepSpeed gets 500,000,000-element buckets on every rank (1.86 GiB in float32, whatever the
+model's size): ``deepspeed_buffers`` sizes them to the model as transformers' "auto" does, and the ZeRO rungs do the
+same for the stage they write.
 
 >>> deepspeed_config(None, zero_stage=3, offload_optimizer=True)["zero_optimization"]["offload_optimizer"]
 {'device': 'cpu', 'pin_memory': True}
@@ -11,7 +15,7 @@ ZeRO stage and offload settings changed, and handed to transformers through the 
 from __future__ import annotations
 
 from oomguard.vocab.diagnosis import Diagnosis
-from oomguard.vocab.distributed import deepspeed_config, load_user_deepspeed, observe_deepspeed  # noqa: F401  (re-exported)
+from oomguard.vocab.distributed import STAGE_BUFFERS, deepspeed_config, load_user_deepspeed, observe_deepspeed  # noqa: F401
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
@@ -30,13 +34,52 @@ class _Sharding(Remedy):
         return None
 
 
+def _sized(knobs: Knobs, stage: int) -> Knobs:
+    """``knobs`` with every buffer size of ``stage`` that the config leaves to DeepSpeed set to "auto" (transformers
+    sizes it from the model's hidden size); sizes the user set stay."""
+    return knobs.replace(**{key: "auto" for key in STAGE_BUFFERS.get(stage, ()) if getattr(knobs, key) is None})
+
+
+@register
+class DeepSpeedBuffers(Remedy):
+    name = "deepspeed_buffers"
+    summary = ("Size DeepSpeed's buffers to the model (transformers' \"auto\": hidden_size² elements) where the config "
+               "leaves them to DeepSpeed's defaults (500,000,000 elements, 1.86 GiB in float32 on every rank).")
+    cost = "speed"
+    trade_note = "smaller communication buckets: more, smaller collectives per step"
+    resume = "continue"  # bucket sizes are not part of a checkpoint
+    changes = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    requires = ("deepspeed",)
+    sizes_buffers = True
+    helps_optimizer = True  # ZeRO-3 keeps its bucket all the step
+
+    def blocked(self, ctx: Context) -> str | None:
+        stage = ctx.knobs.zero_stage or 0
+        if stage <= 0:
+            return "the run does not use DeepSpeed ZeRO"
+        keys = STAGE_BUFFERS.get(stage, ())
+        if all(getattr(ctx.knobs, key) is not None for key in keys):
+            return f"the DeepSpeed config already sizes its buffers ({', '.join(keys)})"
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        return _sized(ctx.knobs, ctx.knobs.zero_stage or 0)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "Set \"reduce_bucket_size\": \"auto\" (and under ZeRO-3 \"stage3_prefetch_bucket_size\" and "
+                                 "\"stage3_param_persistence_threshold\") in the DeepSpeed config: transformers sizes "
+                                 "them to the model; DeepSpeed's default bucket is 500,000,000 elements on every rank.",
+                      d.report.requested if d.buffer else None)
+
+
 @register
 class Zero2(_Sharding):
     name = "zero2"
     summary = "DeepSpeed ZeRO stage 2: shard optimizer state and gradients across ranks."
     trade_note = "more communication per step"
-    changes = ("zero_stage",)
+    changes = ("zero_stage", "reduce_bucket_size")
     requires = ("deepspeed",)
+    sizes_buffers = True
 
     def blocked(self, ctx: Context) -> str | None:
         if (ctx.knobs.zero_stage or 0) >= 2:
@@ -44,7 +87,7 @@ class Zero2(_Sharding):
         return super().blocked(ctx)
 
     def apply(self, ctx: Context) -> Knobs:
-        return ctx.knobs.replace(zero_stage=2)
+        return _sized(ctx.knobs.replace(zero_stage=2), 2)
 
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "With N ranks, ZeRO-2 keeps 1/N of the optimizer state and gradients on each GPU.")
@@ -55,9 +98,10 @@ class Zero3(_Sharding):
     name = "zero3"
     summary = "DeepSpeed ZeRO stage 3: shard the parameters too."
     trade_note = "parameters are gathered for every forward and generation: slower, more communication"
-    changes = ("zero_stage",)
+    changes = ("zero_stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     requires = ("deepspeed",)
     helps_at_load = True
+    sizes_buffers = True
 
     def blocked(self, ctx: Context) -> str | None:
         if (ctx.knobs.zero_stage or 0) >= 3:
@@ -65,7 +109,7 @@ class Zero3(_Sharding):
         return super().blocked(ctx)
 
     def apply(self, ctx: Context) -> Knobs:
-        return ctx.knobs.replace(zero_stage=3)
+        return _sized(ctx.knobs.replace(zero_stage=3), 3)
 
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "ZeRO-3 also keeps 1/N of the weights on each GPU (gathered layer by layer).")

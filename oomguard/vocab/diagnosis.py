@@ -48,6 +48,9 @@ class Diagnosis:
     evidence: tuple[str, ...]
     report: OOMReport
     frame: Frame | None = None  # the frame that decided the phase
+    # The framework buffer the failing request is, when recognised: "DeepSpeed's gradient reduce bucket
+    # (reduce_bucket_size)". Its size comes from a config, not from the step's shapes.
+    buffer: str | None = None
 
     @property
     def shortfall(self) -> int | None:
@@ -58,4 +61,5 @@ class Diagnosis:
         return max(0, r.requested - r.free)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "phase": self.phase, "evidence": list(self.evidence)}
+        return {"kind": self.kind, "phase": self.phase, "evidence": list(self.evidence),
+                **({"buffer": self.buffer} if self.buffer else {})}

@@ -35,7 +35,9 @@ class Knobs:
     ``expandable_segments`` and ``max_split_size_mb`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
     from the dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
     ``load_in_4bit`` (adapters and quantisation injected at the trainer), ``zero_stage``/``offload_*`` (DeepSpeed
-    through accelerate), ``fsdp_offload``. ``bf16``/``fp16`` (mixed precision: autocast) are read from the script for
+    through accelerate), the DeepSpeed buffer sizes ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``,
+    ``stage3_param_persistence_threshold`` (elements, or ``"auto"``: transformers sizes them from the model's hidden
+    size; ``None``: the config leaves them to DeepSpeed's defaults) and ``overlap_comm``, ``fsdp_offload``. ``bf16``/``fp16`` (mixed precision: autocast) are read from the script for
     the memory model; no rung changes them.
     """
 
@@ -69,6 +71,10 @@ class Knobs:
     zero_stage: int | None = None
     offload_optimizer: bool | None = None
     offload_params: bool | None = None
+    reduce_bucket_size: int | str | None = None
+    stage3_prefetch_bucket_size: int | str | None = None
+    stage3_param_persistence_threshold: int | str | None = None
+    overlap_comm: bool | None = None
     fsdp_offload: bool | None = None
 
     # -- construction ----------------------------------------------------------------------------------------
@@ -170,6 +176,10 @@ class Knobs:
             problems.append(f"vllm_gpu_memory_utilization must be in (0, 1], not {u}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             problems.append(f"zero_stage must be 0, 1, 2 or 3, not {self.zero_stage}")
+        for name in DS_SIZE_KNOBS:
+            v = getattr(self, name)
+            if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                problems.append(f"{name} must be a number of elements or \"auto\", not {v!r}")
         if self.max_split_size_mb is not None and self.max_split_size_mb <= 20:
             problems.append(f"max_split_size_mb must be more than 20 (PyTorch's minimum), not {self.max_split_size_mb}")
         if self.beta is not None and self.beta < 0:
@@ -202,9 +212,11 @@ class DiffRow:
 
 
 KNOB_NAMES = frozenset(f.name for f in fields(Knobs))
+# DeepSpeed's buffer sizes: a number of elements, or "auto" (transformers fills it from the model's hidden size)
+DS_SIZE_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 _BOOL_KNOBS = {f.name for f in fields(Knobs) if "bool" in str(f.type)}
-_INT_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("int")}
+_INT_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("int")} - set(DS_SIZE_KNOBS)
 _FLOAT_KNOBS = {f.name for f in fields(Knobs) if str(f.type).startswith("float")}
 
 
@@ -244,6 +256,13 @@ def parse_knob(name: str, text: str) -> Any:
             raise ValueError(f"{name} takes a number, not {text!r}")
     if name == "lora_target_modules":
         return t if t == "all-linear" else tuple(p.strip() for p in t.split(",") if p.strip())
+    if name in DS_SIZE_KNOBS:
+        if t.lower() == "auto":
+            return "auto"
+        try:
+            return int(float(t))
+        except ValueError:
+            raise ValueError(f"{name} takes a number of elements (5e7) or auto, not {text!r}")
     return t
 
 
@@ -273,6 +292,8 @@ def _type_problem(name: str, v: Any) -> str | None:
         return f"{name} must be a number, not {v!r}"
     if name in _STR_KNOBS and not isinstance(v, str):
         return f"{name} must be a string, not {v!r}"
+    if name in DS_SIZE_KNOBS and v != "auto" and (isinstance(v, bool) or not isinstance(v, int)):
+        return f"{name} must be a number of elements or \"auto\", not {v!r}"
     if name == "lora_target_modules" and not (
             isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))):
         return f"lora_target_modules must be a list of module names or \"all-linear\", not {v!r}"
@@ -348,6 +369,10 @@ TRL_DEFAULTS = Knobs(
     zero_stage=None,
     offload_optimizer=False,
     offload_params=False,
+    reduce_bucket_size=None,
+    stage3_prefetch_bucket_size=None,
+    stage3_param_persistence_threshold=None,
+    overlap_comm=None,
     fsdp_offload=False,
 )
 
@@ -361,7 +386,7 @@ REACH: dict[str, frozenset[str]] = {
         "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
         "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
         "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing", "zero_stage",
-        "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16",
+        "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
     "model": frozenset({"dtype", "load_in_4bit"}),
@@ -395,6 +420,7 @@ class RunFacts:
     launcher: str | None = None
     checkpoints: bool | None = None
     fsdp: bool = False  # the run uses FSDP (GRPOConfig.fsdp)
+    deepspeed: str | None = None  # where the run's DeepSpeed config comes from: "GRPOConfig", "accelerate", or None
     missing_packages: tuple[str, ...] = ()  # optional packages the training process cannot import (peft, ...)
     # The installed TRL, as the training process found it (oomguard.child.trlcompat): its version, its LM head
     # ("fused" from TRL 1.15, "logits" before: what the memory model counts), and the knobs it has no way to take.

@@ -24,7 +24,12 @@ import time
 
 
 def deepspeed_config(arg: str | None) -> dict | str | None:
-    """``--deepspeed 2`` -> a ZeRO-2 config whose batch sizes DeepSpeed takes from the trainer; a path as it is."""
+    """``--deepspeed 2`` -> a ZeRO-2 config whose batch sizes and buffer sizes transformers fills ("auto");
+    ``--deepspeed stage2`` -> the stage alone with "auto" batch sizes, as users write it (DeepSpeed's own defaults for
+    its buffers); a path as it is."""
+    if arg is not None and arg.startswith("stage") and arg[5:].isdigit():
+        return {"zero_optimization": {"stage": int(arg[5:])}, "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
     if arg is None or not arg.isdigit():
         return arg
     zero = {"stage": int(arg), "reduce_bucket_size": "auto"}
@@ -65,8 +70,11 @@ def main() -> None:
                    help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
                         "kernel's OOM killer does")
     p.add_argument("--dataloader-num-workers", type=int, default=0)
-    p.add_argument("--deepspeed", default=None, metavar="STAGE|PATH",
-                   help="a ZeRO stage (a DeepSpeed config with 'auto' batch sizes) or a DeepSpeed JSON file")
+    p.add_argument("--deepspeed", default=None, metavar="STAGE|stageN|PATH",
+                   help="a ZeRO stage (a DeepSpeed config with 'auto' batch and buffer sizes), stageN (the stage "
+                        "alone, DeepSpeed's default buffers) or a DeepSpeed JSON file")
+    p.add_argument("--no-use-cpu", action="store_true",
+                   help="build GRPOConfig without use_cpu=True, as a script written for GPUs does")
     a = p.parse_args()
     if a.fail_with is not None:
         print("failing on purpose", file=sys.stderr)
@@ -104,7 +112,7 @@ def main() -> None:
         learning_rate=1e-5,
         logging_steps=1,
         report_to=[],
-        use_cpu=True,
+        **({} if a.no_use_cpu else {"use_cpu": True}),
         **({} if a.trl_precision else {"bf16": False}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,

@@ -81,6 +81,8 @@ def _forward_backward(s: _Step) -> dict[str, int]:
                                 "gradients": grads_new * grads + (V * h * g.b_w if not g.lora
                                                                   and spec.tie_word_embeddings else 0)}),
     }
+    for moment in ("layer_backward", "backward_end", "embedding_backward"):  # after the first gradient is ready
+        cands[moment]["gradients"] = cands[moment].get("gradients", 0) + s.p.ds_bucket
     for cand in cands.values():
         cand["weights"] = cand.get("weights", 0) + c.transient_w
         cand["activations"] += a.batch_buf

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ...vocab.distributed import buffer_elements
 from ...vocab.knobs import TRL_DEFAULTS, Knobs
 from .coefficients import Coefficients
 from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
@@ -100,7 +101,8 @@ class _Persistent:
     opt_state: int
     opt_transient: int  # one optimizer step's temporaries
     gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
-    buckets: int  # DistributedDataParallel's gradient buckets (several ranks, no ZeRO): one more copy of the grads
+    buckets: int  # gradient buffers kept all the step: DDP's buckets (several ranks, no ZeRO), ZeRO-3's reduce bucket
+    ds_bucket: int  # ZeRO-1/2's reduce bucket(s): allocated at a backward's first gradient, freed at its end
     trainable: int
     largest: int  # elements of the largest trainable tensor (ZeRO-2's partition boundaries)
     b_t: int  # bytes per trainable element (its gradient's dtype)
@@ -127,7 +129,7 @@ def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
     return _Persistent(
         weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
-        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, buckets=0,
+        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, buckets=0, ds_bucket=0,
         trainable=trainable, largest=max(train_tensors, default=0), b_t=b_t,
         total_params=spec.params + n_lora, notes=(note,) if note else ())
 
@@ -141,7 +143,13 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     rank's partition (``single_partition_of_fp32_groups``), kept whatever the model's dtype, so its states are
     fp32 and its temporaries are those of one tensor the size of the partition; ZeRO-1/2 gather the partition's
     gradients into ``grads_in_partition`` sized by the parameters that *start* in the partition (one parameter
-    beyond the even share) and flatten them again into fp32 for the step (``single_grad_partition``)."""
+    beyond the even share) and flatten them again into fp32 for the step (``single_grad_partition``).
+
+    DeepSpeed's own buffers, sized by the config or by DeepSpeed's defaults where it is silent (:func:`_ds_buffers`):
+    ZeRO-1/2 allocate ``reduce_bucket_size`` elements of the gradients' dtype at a backward's first gradient
+    (``setup_buckets``), two with ``overlap_comm``, and free them when the backward ends; ZeRO-3 allocates one such
+    bucket with the optimizer and keeps it, and keeps whole on every rank each parameter smaller than
+    ``stage3_param_persistence_threshold``."""
     zs = int(k.zero_stage or 0)
     n_dev = max(1, world_size)
     weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
@@ -157,6 +165,9 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     if zs >= 3:
         weights //= n_dev
         reference //= n_dev
+    bucket, ipg, persistent = _ds_buffers(p, spec, k, g, zs)
+    if zs >= 3 and n_dev > 1:  # parameters below the persistence threshold stay whole on every rank
+        weights += persistent * g.b_w - persistent * g.b_w // n_dev
     # The simulated device is the CPU's memory: what a rung offloads to the CPU stays on it, counted as before.
     offload_opt = bool(k.offload_optimizer or k.fsdp_offload) and not g.simulated
     offload_params = bool(k.offload_params or k.fsdp_offload) and not g.simulated
@@ -177,9 +188,28 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
     # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
     # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
-    buckets = p.grads if n_dev > 1 and not zs and not k.fsdp_offload else 0
+    buckets = p.grads if n_dev > 1 and not zs and not k.fsdp_offload else ipg
+    if bucket + ipg >= 64 * 2**20 and k.reduce_bucket_size is None:
+        notes.append(f"DeepSpeed's reduce bucket: {(bucket or ipg) / 2**20:.0f} MiB per rank (reduce_bucket_size "
+                     "left to DeepSpeed's default; \"auto\" sizes it to the model)")
     return replace(p, weights=weights, reference=reference, grads=grads, opt_state=opt_state,
-                   opt_transient=opt_transient, gather=gather, buckets=buckets, notes=tuple(notes))
+                   opt_transient=opt_transient, gather=gather, buckets=buckets, ds_bucket=bucket,
+                   notes=tuple(notes))
+
+
+def _ds_buffers(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, zs: int) -> tuple[int, int, int]:
+    """DeepSpeed's buffers under ZeRO stage ``zs``: (ZeRO-1/2's reduce bucket bytes, during a backward; ZeRO-3's
+    reduce bucket bytes, kept; ZeRO-3's persistent parameter elements, kept whole on every rank)."""
+    if not zs:
+        return 0, 0, 0
+    h = spec.hidden_size
+    rb = buffer_elements("reduce_bucket_size", k.reduce_bucket_size, h) * p.b_t
+    if zs < 3:
+        overlap = bool(k.overlap_comm)  # DeepSpeed's default: off below ZeRO-3
+        return rb * (2 if overlap else 1), 0, 0
+    threshold = buffer_elements("stage3_param_persistence_threshold", k.stage3_param_persistence_threshold, h)
+    persistent = sum(t for t in spec.param_tensors() if t < threshold)
+    return 0, rb, persistent
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,23 @@ SLURM: tuple[_Head, ...] = (
     _Head("slurm", re.compile(_words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
 )
 
+# The raylet's summary of the workers its memory monitor killed, printed to the driver (node_manager.cc, the same
+# words since Ray 2.1): "(raylet) ... 1 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers
+# crashed due to other reasons at node (ID: ..., IP: 172.31.183.172) over the last time period." The count must be
+# on the line and above 0: a summary of crashes alone ("0 Workers ... (OOM), 1 Workers crashed") is not an OOM, nor
+# documentation that quotes the words without one.
+_RAYLET_COUNT = re.compile(r"^\s*[1-9]\d*" + _W + r"Workers", _F)
+
 # Ray's memory monitor.
 RAY: tuple[_Head, ...] = (
+    _Head(
+        "ray",
+        re.compile(r"(?:(?<![\w.])\d+" + _W + r")?Workers" + _W + r"\(" + _W + r"tasks" + _W + "/" + _W + r"actors"
+                   + _W + r"\)" + _W + _words("killed due to memory pressure"), _F),
+        backend="host",
+        complete=re.compile(_words("over the last time period"), _F),
+        requires=_RAYLET_COUNT,
+    ),
     # Ray's memory monitor kills workers when the node's RAM passes its threshold: "Task was killed due to the node
     # running low on memory." (Ray <= 2.54), "N worker(s) were killed due to ..." (2.55+).
     _Head(
