@@ -31,9 +31,16 @@ def climb(facts, knobs=TRL_DEFAULTS):
         knobs = step.knobs
 
 
+COSTLY = {"optimizer_8bit", "bf16_load", "lora", "load_4bit", "fewer_generations", "shorter_sequences"}
+
+
 def test_several_ranks_shard_before_trading_quality():
+    """One rung per OOM (--no-predict): ZeRO-2 first, and every sharding and offload rung (speed) before any change of
+    precision, of what is trained or of what GRPO learns from."""
     names, knobs = climb(RunFacts(world_size=4))
-    assert names[:4] == ["zero2", "zero3", "offload_optimizer", "offload_params"]
+    assert names[0] == "zero2"
+    first_costly = min(names.index(n) for n in COSTLY if n in names)
+    assert {"zero2", "zero3", "offload_optimizer", "offload_params"} <= set(names[:first_costly])
     assert knobs.zero_stage == 3 and knobs.offload_optimizer and knobs.offload_params
     assert "fsdp_offload" not in names
 
@@ -41,7 +48,8 @@ def test_several_ranks_shard_before_trading_quality():
 def test_one_rank_skips_sharding_and_fsdp_runs_take_fsdp_offload():
     assert "zero2" not in climb(RunFacts(world_size=1))[0]
     names, knobs = climb(RunFacts(world_size=2, fsdp=True))
-    assert "zero2" not in names and names[0] == "fsdp_offload" and knobs.fsdp_offload
+    assert "zero2" not in names and knobs.fsdp_offload
+    assert names.index("fsdp_offload") < min(names.index(n) for n in COSTLY if n in names)
 
 
 def test_generated_config_keeps_the_users_settings():

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..vocab.knobs import REACH
+from ..vocab.knobs import DS_SIZE_KNOBS, REACH
 from ..vocab.trlrange import support
 
 # Knobs that reach the training process through a GRPOConfig field of another name (or one of several names).
@@ -35,6 +35,7 @@ _CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
     "offload_optimizer": ("deepspeed",),
     "offload_params": ("deepspeed",),
     "fsdp_offload": ("fsdp",),
+    **{knob: ("deepspeed",) for knob in (*DS_SIZE_KNOBS, "overlap_comm")},
 }
 # Knobs that reach the trainer, and what of GRPOTrainer.__init__ (or GRPOConfig) takes them: any one of these.
 _TRAINER_NEEDS: dict[str, tuple[str, ...]] = {
