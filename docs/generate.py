@@ -192,7 +192,9 @@ REPORT_KEYS = {
     "stable": "the knobs of the config that held, or null",
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
             "`fewer_prompts_per_step`); when the run did not become stable, what was tried",
-    "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages",
+    "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages, "
+             "where its DeepSpeed config comes from (`deepspeed`: `GRPOConfig` or `accelerate`), the installed TRL "
+             "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take)",
     "alternatives": "configs predicted to fit that trade differently: `avoids` (the cost classes of the choice each "
                     "leaves as you had them), `keeps`, `trades` (its own changes, each with its cost class), "
                     "`predicted_bytes`, `versus_choice` (predicted step time against the choice's: -0.2 is 20% "
