@@ -155,7 +155,7 @@ def test_the_config_accelerate_builds_from_its_yaml_is_the_one_modelled_and_rewr
 # -- the rung -----------------------------------------------------------------------------------------------------------
 def test_the_buffer_rung_sizes_only_what_the_config_leaves_to_deepspeed():
     rung = make_remedy("deepspeed_buffers")
-    assert rung.blocked(Context(knobs=TRL_DEFAULTS)) == "the run does not use DeepSpeed ZeRO"
+    assert rung.foreign(Context(knobs=TRL_DEFAULTS)) == "the run does not use DeepSpeed ZeRO"
     mine = TRL_DEFAULTS.replace(zero_stage=3, reduce_bucket_size=20_000_000)
     k = rung.apply(Context(knobs=mine))
     assert k.reduce_bucket_size == 20_000_000  # the user's own size stays

@@ -71,7 +71,7 @@ def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -
         used[rung.name] += 1
         if rung.values is not None:
             new = rung.remedy.with_values(knobs, dict(rung.values), facts.world_size)
-        elif rung.remedy.blocked(ctx):
+        elif rung.remedy.foreign(ctx) or rung.remedy.blocked(ctx):
             continue
         else:
             new = rung.remedy.apply(ctx)

@@ -109,6 +109,8 @@ class Ladder:
                     continue
                 if pass_no > 1 and not r.graded:
                     continue
+                if r.foreign(ctx):  # never a candidate for this kind of run: passed over without a word
+                    continue
                 reason = (ctx.refused.get(r.name) or r.helps(ctx.diagnosis) or r.unread(ctx) or r.missing(ctx)
                           or r.blocked(ctx))
                 if reason is None:

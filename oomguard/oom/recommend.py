@@ -114,7 +114,7 @@ def _demote_blocked(tiers: list[list[Advice]], ctx: Context) -> list[list[Advice
         keep = []
         for a in tier:
             cls = REGISTRY.get(a.name)
-            why = cls().blocked(ctx) if cls is not None else None
+            why = (cls().foreign(ctx) or cls().blocked(ctx)) if cls is not None else None
             if why:
                 blocked.append(Advice(a.name, f"{a.reason} Not for this run: {why}.", None))
             else:

@@ -153,6 +153,18 @@ class Remedy:
             return "the OOM came in the optimizer step, whose state does not depend on this knob"
         return None
 
+    def foreign(self, ctx: Context) -> str | None:
+        """Why this rung has nothing to do with this kind of run (no vLLM, no DeepSpeed, one rank), or None. A ladder
+        passes such a rung over without a word: it was never a candidate, unlike a rung ``blocked`` for a reason
+        the user may want to read (already in force, at its floor).
+
+        >>> from oomguard.strategies import make_remedy
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> make_remedy("vllm_memory").foreign(Context(knobs=TRL_DEFAULTS))
+        'the run does not use vLLM'
+        """
+        return None
+
     def blocked(self, ctx: Context) -> str | None:
         return None
 

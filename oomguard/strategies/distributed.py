@@ -26,7 +26,7 @@ class _Sharding(Remedy):
     resume = "new-run"  # DeepSpeed and FSDP checkpoints are laid out per stage: a new run from the weights
     helps_optimizer = True
 
-    def blocked(self, ctx: Context) -> str | None:
+    def foreign(self, ctx: Context) -> str | None:
         if ctx.facts.world_size <= 1:
             return "the run has one rank; sharding needs several"
         if ctx.facts.fsdp:
@@ -53,10 +53,11 @@ class DeepSpeedBuffers(Remedy):
     sizes_buffers = True
     helps_optimizer = True  # ZeRO-3 keeps its bucket all the step
 
+    def foreign(self, ctx: Context) -> str | None:
+        return None if (ctx.knobs.zero_stage or 0) > 0 else "the run does not use DeepSpeed ZeRO"
+
     def blocked(self, ctx: Context) -> str | None:
         stage = ctx.knobs.zero_stage or 0
-        if stage <= 0:
-            return "the run does not use DeepSpeed ZeRO"
         keys = STAGE_BUFFERS.get(stage, ())
         if all(getattr(ctx.knobs, key) is not None for key in keys):
             return f"the DeepSpeed config already sizes its buffers ({', '.join(keys)})"
@@ -165,9 +166,10 @@ class FsdpOffload(Remedy):
     helps_optimizer = True
     helps_at_load = True
 
+    def foreign(self, ctx: Context) -> str | None:
+        return None if ctx.facts.fsdp else "the run does not use FSDP"
+
     def blocked(self, ctx: Context) -> str | None:
-        if not ctx.facts.fsdp:
-            return "the run does not use FSDP"
         return "already in force" if ctx.value("fsdp_offload") else None
 
     def apply(self, ctx: Context) -> Knobs:

@@ -20,9 +20,10 @@ class VllmMemory(Remedy):
     addresses = "vllm"
     params = {"factor": 0.75, "min_utilization": 0.1}
 
+    def foreign(self, ctx: Context) -> str | None:
+        return None if ctx.value("use_vllm") else "the run does not use vLLM"
+
     def blocked(self, ctx: Context) -> str | None:
-        if not ctx.value("use_vllm"):
-            return "the run does not use vLLM"
         if ctx.value("vllm_gpu_memory_utilization") <= self.p["min_utilization"] and ctx.value("vllm_enable_sleep_mode"):
             return "at its floor"
         return None
