@@ -274,7 +274,8 @@ def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = N
     for n, a in enumerate(alts, 1):
         peak = f"; predicted {format_size(a['predicted_bytes'])}" if a.get("predicted_bytes") else ""
         v = a.get("versus_choice")
-        speed = "" if v is None or abs(v) < 0.005 else f", about {abs(v):.0%} {'slower' if v > 0 else 'faster'}"
+        speed = ("" if v is None or abs(v) < 0.005 else f", about {1 + v:.1f}x the time per step" if v >= 1
+                 else f", about {abs(v):.0%} {'slower' if v > 0 else 'faster'} per step")
         lines.append(f"  {n}. {'; '.join(a['keeps'])}{speed}{peak}")
         lines.append(f"     changes {', '.join(a['trades']) or 'nothing that costs'}")
         if a.get("lock"):
