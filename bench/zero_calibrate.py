@@ -69,28 +69,7 @@ CONFIGS = [
 ]
 
 # accelerate's DeepSpeed YAML as TRL's examples/accelerate_configs and open-r1's recipes ship it (two processes)
-YAML = """compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  deepspeed_multinode_launcher: standard
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: {init}
-  zero_stage: {stage}
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+YAML = (Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "deepspeed" / "accelerate-deepspeed.yaml").read_text()
 
 
 def launch(cfg: Config, tmp: Path, port: int) -> list[str]:

@@ -110,28 +110,7 @@ def test_the_guided_climb_chooses_zero_from_the_per_rank_prediction_without_an_o
 # The tiny model's stage-only ZeRO-2 run peaks at 1962 MiB per rank (bench/zero_calibrate.py, tiny-z2-stage), almost
 # all of it DeepSpeed's default reduce bucket: 60% of that is 1178 MiB.
 SIXTY_PERCENT = "1178MiB"
-ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  deepspeed_multinode_launcher: standard
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: {init}
-  zero_stage: {stage}
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+ACCELERATE_YAML = (Path(__file__).parent / "fixtures" / "deepspeed" / "accelerate-deepspeed.yaml").read_text()
 
 
 def sized_by_the_buffer_rung(rep: dict, stage: int) -> dict:

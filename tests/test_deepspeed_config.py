@@ -74,29 +74,9 @@ def test_deepspeeds_own_buffers_are_predicted_per_rank(name):
     assert p == pytest.approx(max(row["peaks"]), rel=0.01)
 
 
-YAML = """compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  deepspeed_multinode_launcher: standard
-  gradient_accumulation_steps: 1
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: {init}
-  zero_stage: {stage}
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: 'no'
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+# the same, with the gradient accumulation accelerate's `config` writes into the YAML's DeepSpeed section
+YAML = (Path(__file__).parent / "fixtures" / "deepspeed" / "accelerate-deepspeed.yaml").read_text().replace(
+    "  offload_optimizer_device", "  gradient_accumulation_steps: 1\n  offload_optimizer_device")
 
 
 def launch_env(yaml: Path) -> dict[str, str]:
