@@ -187,9 +187,9 @@ def main() -> None:
 
 
 def _experiment(e: Mapping[str, Any]) -> list[str]:
-    from oomguard.display.ui import experiment_lines
+    from oomguard.decide.experiment import experiment_lines
 
-    return experiment_lines(dict(e))
+    return experiment_lines(e)
 
 
 if __name__ == "__main__":

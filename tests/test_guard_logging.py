@@ -29,6 +29,10 @@ def test_one_warning_per_oom_and_per_climb(caplog):
     assert warnings[1].startswith("climbing micro_batch: per_device_train_batch_size=4")
     assert "micro_batch (again)" in warnings[3]
     assert any(lvl == logging.INFO and "stable after 3 attempts" in m for lvl, m in lines)
+    # what changed, in cost-class words; no "kept:" line, since the function built no GRPOConfig to keep
+    infos = [m for lvl, m in lines if lvl == logging.INFO]
+    assert "changed: 4 micro-steps of 2 rows per step (yours: 1 of 8) (speed)" in infos, infos
+    assert not any(m.startswith("kept:") for m in infos)
 
 
 def test_verbose_false_keeps_it_at_debug(caplog):

@@ -73,6 +73,23 @@ class Experiment:
     def to_dict(self) -> dict[str, Any]:
         return {"kept": self.kept, "changed": [c.to_dict() for c in self.changed]}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Experiment:
+        """The report's ``experiment`` read back (missing fields empty)."""
+        return cls(list(data.get("kept") or []), [
+            Change(c.get("remedy", ""), c.get("cost", ""), c.get("change", ""), c.get("slowdown"))
+            for c in data.get("changed") or []])
+
+
+def experiment_lines(experiment: Mapping[str, Any] | None) -> list[str]:
+    """The lines that say what a run kept and changed, from the report's ``experiment`` (none without one).
+
+    >>> experiment_lines({"kept": ["8 generations per prompt"], "changed": [{"remedy": "micro_batch", "cost":
+    ...     "speed", "change": "2 micro-steps of 4 rows per step (yours: 1 of 8)", "slowdown": 0.031}]})
+    ['kept: 8 generations per prompt', 'changed: 2 micro-steps of 4 rows per step (yours: 1 of 8) (speed, about +3% time per step predicted)']
+    """
+    return Experiment.from_dict(experiment).lines() if experiment else []
+
 
 def cost_note(remedies: Sequence[Remedy], changes: Mapping[str, Any]) -> str:
     """What a climb costs, for its message: the cost classes of the rungs whose knobs changed (a rung the memory model
@@ -132,4 +149,4 @@ def summarise(user: Knobs, final: Knobs, remedies: Sequence[Remedy], who: Mappin
     return Experiment(kept_of(user, final, world_size), changed)
 
 
-__all__ = ["Change", "Experiment", "cost_note", "kept_of", "summarise"]
+__all__ = ["Change", "Experiment", "cost_note", "experiment_lines", "kept_of", "summarise"]

@@ -257,7 +257,8 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
         body.append("<h2>Memory breakdown (memory model, final config)</h2>" + breakdown_chart(breakdown))
     body.append("<h2>Attempts</h2>" + timeline_chart(attempts))
     body.append("<h2>What changed</h2>" + _diff_table(report.get("diff") or []))
-    from .ui import alternatives_lines, experiment_lines
+    from ..decide.experiment import experiment_lines
+    from .ui import alternatives_lines
 
     said = experiment_lines(report.get("experiment")) + alternatives_lines(report.get("alternatives") or [],
                                                                          report.get("command"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..decide.experiment import cost_note
+from ..decide.experiment import cost_note, experiment_lines
 from ..decide.ladder import Exhausted, Step
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport, rung_label
@@ -232,23 +232,6 @@ class ConsoleReporter:
             self._say(_plain(line))
         self._say(_plain(f"report: {report_path}" + (f"   lock: {lock_path} (replay with --config)" if lock_path
                                                      else "")))
-
-
-def experiment_lines(experiment: dict[str, Any] | None) -> list[str]:
-    """What the stable config kept of the user's experiment and what it changed, in cost classes (the report's
-    ``experiment``).
-
-    >>> experiment_lines({"kept": ["8 generations per prompt"], "changed": [{"remedy": "micro_batch", "cost":
-    ...     "speed", "change": "2 micro-steps of 4 rows per step (yours: 1 of 8)", "slowdown": 0.031}]})
-    ['kept: 8 generations per prompt', 'changed: 2 micro-steps of 4 rows per step (yours: 1 of 8) (speed, about +3% time per step predicted)']
-    """
-    if not experiment:
-        return []
-    from ..decide.experiment import Change, Experiment
-
-    return Experiment(list(experiment.get("kept") or []), [
-        Change(c.get("remedy", ""), c.get("cost", ""), c.get("change", ""), c.get("slowdown"))
-        for c in experiment.get("changed") or []]).lines()
 
 
 def alternatives_lines(alts: list[dict[str, Any]], command: list[str] | None = None,

@@ -41,7 +41,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 
 from ..decide.climb import Climb
-from ..decide.experiment import cost_note
+from ..decide.experiment import Experiment, cost_note, experiment_lines, summarise
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
 from ..vocab import allocconf
@@ -158,10 +158,12 @@ class Guarded:
         last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
         if last.outcome == "ok":
             n = len(climb.attempts)
-            if n > 1:
-                self._log(logging.INFO, f"{self.fn.__name__}() is stable after {n} attempts")
             self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
                                        "the call fit on the first attempt; nothing changed", 0)
+            if n > 1:
+                self._log(logging.INFO, f"{self.fn.__name__}() is stable after {n} attempts")
+                for line in experiment_lines(self.report.experiment):
+                    self._log(logging.INFO, line)
             self._write()
             return last.value
         why = ("no rung left that can help" if climb.exhausted is not None
@@ -262,6 +264,14 @@ class Guarded:
             # A rung may change knobs the function never reads (num_generations beside the batch size of a plain
             # loop); the diff shows what reached the function.
             report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] in ALLOCATOR_KNOBS]
+        if status == "stable" and climb.applied:
+            final, who = climb.effective()
+            guide = self._guide()
+            exp = summarise(climb.original(), final, list({r.name: r.remedy for r in climb.applied}.values()), who,
+                            world_size=climb.facts.world_size,
+                            slowdown=guide.slowdown(climb.facts) if guide is not None else None)
+            # what an experiment keeps is GRPO's: a function that built no GRPOConfig is told only what changed
+            report.experiment = (exp if climb.observed else Experiment([], exp.changed)).to_dict()
         return report
 
     def _write(self) -> None:
