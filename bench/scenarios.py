@@ -25,8 +25,10 @@ What each row measures (read from the RunReport; a field the report lacks is lef
   minimal     checked by the bench itself, with probes: for each remedy in the diff (rows grouped by the diff's
               `remedy` column, so e.g. fewer_generations' num_generations and per_device_train_batch_size are undone
               together), a copy of the stable lock with those knobs set back to the user's original values (the
-              original, never a midpoint) is replayed with `oomguard run --config UNDO.lock --probe-steps 1
-              --max-attempts 1 --no-predict` (a replayed lock never climbs: an OOM ends it). If any undo still fits,
+              original, never a midpoint) is replayed with `oomguard run --config UNDO.lock --probe-steps 2
+              --max-attempts 1 --no-predict` (a replayed lock never climbs: an OOM ends it; two steps, as the runs'
+              own probes, since the second holds the optimizer state: a one-step check passed undos that the runs'
+              two-step probes showed to run out of memory). If any undo still fits,
               the diff is not minimal and the needless remedies are named. An undo the lock loader refuses (GRPO's
               batch rules) cannot be undone alone and counts as needed.
   targets     what the row misses of (undo trials and their OOMs not counted: they buy the minimal diff where the
@@ -445,7 +447,7 @@ class Bench:
             (d / "undo.lock.json").write_text(json.dumps(edited, indent=1))
             t = time.perf_counter()
             try:
-                out = subprocess.run(self.command(s, d, "--config", str(d / "undo.lock.json"), "--probe-steps", "1",
+                out = subprocess.run(self.command(s, d, "--config", str(d / "undo.lock.json"), "--probe-steps", "2",
                                                   "--max-attempts", "1", "--no-predict"),
                                      cwd=d, capture_output=True, text=True, timeout=self.timeout, env=ENV)
                 rc: int | None = out.returncode
