@@ -315,9 +315,12 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
 
         predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
                             coefficients=coefficients, head=facts.trl_head)
-        alts = [a.to_dict() for a in alternatives(k, p.steps[-1].knobs, p.rungs, facts,
-                                                  lambda x: predict(x).fits(capacity),
-                                                  lambda x: predict(x).peak_bytes, ladder=lad)]
+        from .memory.steptime import slowdown
+
+        alts = [a.to_dict() for a in alternatives(
+            k, p.steps[-1].knobs, p.rungs, facts, lambda x: predict(x).fits(capacity),
+            lambda x: predict(x).peak_bytes, ladder=lad,
+            slowdown=lambda a, b: slowdown(spec, a, b, prompt_tokens=prompt_tokens, world_size=world_size))]
     context = Coefficients().m_ctx
     device = {"context_bytes": context, "context": "the memory model's figure for a CUDA process; `oomguard run "
               "--gpu-memory` measures the training process's own"}
