@@ -47,7 +47,9 @@ def test_the_zero3_rung_generated_from_the_users_config_keeps_their_settings(tmp
                                                       "contiguous_gradients": True},
                                 "steps_per_print": 7, "train_micro_batch_size_per_gpu": "auto",
                                 "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}))
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "280MiB", "--no-probe", "--no-predict", "--ladder",
+    # 300 MiB: their ZeRO-2 runs out in its first optimizer step (288 MiB peak), ZeRO-3 peaks at 269 MiB. On 280 MiB
+    # ZeRO-3 fragments too, and the climb goes on to optimizer offload, whose CPU Adam DeepSpeed compiles for minutes.
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "300MiB", "--no-probe", "--no-predict", "--ladder",
                             "multi-gpu", "--", *torchrun(2, TINY, "--model", wide_model, "--output-dir",
                                                          str(tmp_path / "out"), "--deepspeed", str(user)),
                             env=env_without_launchers())
@@ -84,24 +86,25 @@ def test_the_ladder_climbs_from_no_zero_to_zero2_and_the_lock_replays_it(tmp_pat
     assert len(rep2["attempts"]) == 1 and rep2["attempts"][0]["knobs"]["zero_stage"] == 2
 
 
-def test_the_guided_climb_chooses_zero_from_the_per_rank_prediction_without_an_oom(tmp_path, wide_model):
+def test_the_guided_climb_chooses_from_the_per_rank_prediction_without_an_oom(tmp_path, wide_model):
     """Plain `oomguard run` (the memory model on), as users run it: plain DDP on two ranks is predicted over the
-    device and stopped before it generates; the choice shards (ZeRO, through a generated DeepSpeed config), both
-    ranks train, and no attempt runs out of memory. Before DeepSpeed's own buffers were counted, ZeRO-2 was
-    predicted at 175 MiB per rank, chosen, and ran out of memory in its first optimizer step (288 MiB).
+    device and stopped before it generates; the choice, judged per rank, keeps the experiment, both ranks train, and
+    no attempt runs out of memory. Before DeepSpeed's own buffers were counted, ZeRO-2 was predicted at 175 MiB per
+    rank, chosen, and ran out of memory in its first optimizer step (288 MiB).
 
     340 MiB: plain DDP is predicted at 383 MiB (stopped: more than 11.7% over), ZeRO-2 at 330 MiB (measured 288 MiB
-    allocated). On 320 MiB ZeRO alone is not predicted to fit any more since ZeRO-3's kept reduce bucket is counted
-    (the model over-predicts the one-layer wide model's ZeRO-3 by 5%), and the choice trades quality there."""
+    allocated), within the simulated device's 12% of doubt of the edge: sharding alone has no room, so the cheapest
+    config with room is chosen, an 8-bit optimizer (precision), or sharding with it."""
     cmd = torchrun(2, TINY, "--model", wide_model, "--output-dir", str(tmp_path / "out"))
     out, rep = run_oomguard(tmp_path, "--simulate-gpu", "340MiB", "--no-probe", "--", *cmd,
                             env=env_without_launchers())
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
     outcomes = [a["outcome"] for a in rep["attempts"]]
     assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
-    assert rep["stable"]["zero_stage"] in (2, 3) and rep["ladder"] == "multi-gpu"  # picked for torchrun's 2 ranks
+    assert rep["ladder"] == "multi-gpu"  # picked for torchrun's 2 ranks
     knobs = {r["knob"] for r in rep["diff"]}
-    assert {"zero_stage", "deepspeed config"} <= knobs and not knobs & {"lora_r", "num_generations"}
+    assert not knobs & {"lora_r", "load_in_4bit", "num_generations", "max_completion_length"}, rep["diff"]
+    assert {c["cost"] for c in rep["experiment"]["changed"]} <= {"none", "speed", "precision"}
     last = len(rep["attempts"])
     assert sorted(e["rank"] for e in events(tmp_path, last) if e["event"] == "train_end") == [0, 1]
 
