@@ -140,6 +140,23 @@ def test_plausible_means_at_most_doubt_over_the_device():
     assert g.plausible(RunFacts()) is None  # no model config: nothing to predict
 
 
+def test_a_config_predicted_as_large_as_one_that_ran_out_is_not_worth_an_undo_probe():
+    """Under TRL 0.29's logits head the model may over-predict by 40%, so a config predicted just over the device is
+    worth a probe without a change; not when it needs at least what a config that ran out of memory here needed
+    (an accelerate client under TRL 0.29.1 probed without LoRA a config that was the one that had run out, less its
+    8-bit optimizer: a second real OOM)."""
+    facts = RunFacts(model_config=LLAMA, prompt_tokens_max=200)
+    small = TRL_DEFAULTS.replace(max_completion_length=256, optim="adamw_bnb_8bit")
+    big = small.replace(optim="adamw_torch_fused")
+    g = Guide(int(Guide(10 * 2**30).predict(facts, big).peak_bytes / 1.2))
+    g.set_trl("logits")
+    assert g.doubt > 0.3 and g.plausible(facts)(big) and g.plausible(facts)(small)
+    g.failed.append((facts, small))  # the smaller config ran out of memory on the device
+    assert not g.plausible(facts)(big) and not g.plausible(facts)(small)
+    lora = small.replace(lora_r=16)
+    assert g.plausible(facts)(lora)  # less than what ran out: still worth a probe
+
+
 # -- the supervisor's decisions ---------------------------------------------------------------------------------
 
 

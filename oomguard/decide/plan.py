@@ -332,17 +332,26 @@ class Guide:
     def failed_ceiling(self, facts: RunFacts) -> int | None:
         """Below what predicted peak a config must be to be tried after the OOMs of this run: the smallest predicted
         peak of a config that ran out of memory, less the doubt (None before any OOM)."""
-        peaks = [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
+        peaks = self._failed_peaks(facts)
         return int(min(peaks) * (1 - self.doubt)) if peaks else None
+
+    def _failed_peaks(self, facts: RunFacts) -> list[int]:
+        return [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
 
     def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
         """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the
-        device); None without a model.
+        device, and below every config that ran out of memory on the device in this run); None without a model.
 
-        What ``oomguard run`` probes after the chosen config fits, to learn whether a change it kept is needed."""
+        What ``oomguard run`` probes after the chosen config fits, to learn whether a change it kept is needed. The
+        model's error is mostly common to configs of one run, so one predicted to need as much as a config that ran
+        out of memory here (the same, less a change that saves memory) is not worth a probe, however large the
+        model's error is (the logits LM head of TRL 0.29-1.14: 40%)."""
         if self.spec(facts) is None:
             return None
         limit = self.capacity * (1 + (self.doubt if doubt is None else doubt))
+        failed = self._failed_peaks(facts)
+        if failed:
+            limit = min(limit, min(failed) - 1)
 
         def maybe(k: Knobs) -> bool:
             est = self.predict(facts, k)
