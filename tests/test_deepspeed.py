@@ -135,6 +135,7 @@ def both_ranks_trained(tmp: Path, rep: dict) -> None:
     assert sorted(e["rank"] for e in events(tmp, last) if e["event"] == "train_end") == [0, 1]
 
 
+@pytest.mark.core  # tests/compat.sh runs it under the oldest supported TRL too
 def test_a_stage_only_zero2_dict_is_stopped_before_it_runs_and_its_buffers_sized(tmp_path, tiny_model):
     """The issue's run: GRPOConfig(deepspeed={"zero_optimization": {"stage": 2}, batch sizes "auto"}) under torchrun,
     plain `oomguard run` at 60% of its per-rank peak. The multi-gpu ladder is picked by itself, the memory model sees
@@ -176,7 +177,7 @@ def test_a_real_oom_of_the_default_bucket_is_diagnosed_as_the_bucket(tmp_path, t
     both_ranks_trained(tmp_path, rep)
 
 
-@pytest.mark.parametrize("stage, budget", [(2, SIXTY_PERCENT), (3, "1197MiB")])
+@pytest.mark.parametrize("stage, budget", [pytest.param(2, SIXTY_PERCENT, marks=pytest.mark.core), (3, "1197MiB")])
 def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model, stage, budget):
     """`accelerate launch --config_file zero{2,3}.yaml` (open-r1's and TRL's form) with a script that does not set
     use_cpu, at 60% of its peak: it runs on CPU ranks (oomguard sets use_cpu where DeepSpeed itself runs on the CPU;

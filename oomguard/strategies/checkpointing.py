@@ -30,7 +30,8 @@ class Checkpointing(Remedy):
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("gradient_checkpointing"):
-            return "already in force (TRL 1.16 checkpoints by default)"
+            trl = f"TRL {ctx.facts.trl_version}" if ctx.facts.trl_version else "TRL"
+            return f"already in force ({trl} checkpoints by default)"
         return None
 
     def apply(self, ctx: Context) -> Knobs:
@@ -38,4 +39,4 @@ class Checkpointing(Remedy):
 
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "Checkpointing stores one tensor per layer instead of every activation; it is on by "
-                                 "default in TRL 1.16 unless the script turned it off.", None)
+                                 "default in TRL's GRPOConfig (0.29 to 1.16) unless the script turned it off.", None)
