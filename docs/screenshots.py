@@ -145,49 +145,51 @@ def main() -> int:
     args = ap.parse_args()
     IMAGES.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="oomguard-docs-"))
-    (scratch / "examples").symlink_to(ROOT / "examples")  # the command reads as the user types it
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "TERM": "xterm-256color", "COLUMNS": str(COLUMNS), "LINES": str(ROWS)}
-    term = Terminal(DEMO, scratch, env)
-    live = None
     try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            screen = term.screen()
-            if live is None and live_panel_shown(screen):
-                live = screen
-            if "[demo ended]" in plain(screen):
-                break
-            time.sleep(0.25)
+        (scratch / "examples").symlink_to(ROOT / "examples")  # the command reads as the user types it
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               "TERM": "xterm-256color", "COLUMNS": str(COLUMNS), "LINES": str(ROWS)}
+        term = Terminal(DEMO, scratch, env)
+        live = None
+        try:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
+                screen = term.screen()
+                if live is None and live_panel_shown(screen):
+                    live = screen
+                if "[demo ended]" in plain(screen):
+                    break
+                time.sleep(0.25)
+            else:
+                raise SystemExit(f"the demo did not end within 15 minutes; its screen:\n{plain(term.screen())}")
+            history = term.screen(history=True)
+        finally:
+            term.close()
+        if live is None:
+            raise SystemExit(f"the live view never showed the run's step and peak; the demo printed:\n{plain(history)}")
+        profile = scratch / "chrome-profile"
+        page = scratch / "live.html"
+        page.write_text(terminal_page(live, f"$ {DEMO}"), encoding="utf-8")
+        screenshot(page, IMAGES / "live-view.png", 1010, 20 + 17 * ROWS + 40, profile)
+        report = (scratch / "report.html").read_text(encoding="utf-8")
+        for name, first, height in (("report.png", None, 690), ("report-ladder.png", "Attempts", 470)):
+            page = scratch / f"section-{name}.html"
+            page.write_text(report_section(report, first), encoding="utf-8")
+            screenshot(page, IMAGES / name, 1100, height, profile)
+        output = demo_lines(history)
+        for doc in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+            text = doc.read_text(encoding="utf-8")
+            new = DEMO_BLOCK.sub(lambda m: m.group(1) + output + m.group(3), text)
+            if new != text:
+                doc.write_text(new, encoding="utf-8")
+                print(f"wrote the demo's output into {doc.relative_to(ROOT)}")
+        for png in sorted(IMAGES.glob("*.png")):
+            print(f"{png.relative_to(ROOT)}: {png.stat().st_size // 1024} KiB")
+    finally:  # whatever the ending (a demo that never ends, a browser that fails), unless asked to keep it
+        if args.keep:
+            print(f"scratch directory: {scratch}")
         else:
-            raise SystemExit(f"the demo did not end within 15 minutes; its screen:\n{plain(term.screen())}")
-        history = term.screen(history=True)
-    finally:
-        term.close()
-    if live is None:
-        raise SystemExit(f"the live view never showed the run's step and peak; the demo printed:\n{plain(history)}")
-    profile = scratch / "chrome-profile"
-    page = scratch / "live.html"
-    page.write_text(terminal_page(live, f"$ {DEMO}"), encoding="utf-8")
-    screenshot(page, IMAGES / "live-view.png", 1010, 20 + 17 * ROWS + 40, profile)
-    report = (scratch / "report.html").read_text(encoding="utf-8")
-    for name, first, height in (("report.png", None, 690), ("report-ladder.png", "Attempts", 470)):
-        page = scratch / f"section-{name}.html"
-        page.write_text(report_section(report, first), encoding="utf-8")
-        screenshot(page, IMAGES / name, 1100, height, profile)
-    output = demo_lines(history)
-    for doc in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
-        text = doc.read_text(encoding="utf-8")
-        new = DEMO_BLOCK.sub(lambda m: m.group(1) + output + m.group(3), text)
-        if new != text:
-            doc.write_text(new, encoding="utf-8")
-            print(f"wrote the demo's output into {doc.relative_to(ROOT)}")
-    for png in sorted(IMAGES.glob("*.png")):
-        print(f"{png.relative_to(ROOT)}: {png.stat().st_size // 1024} KiB")
-    if args.keep:
-        print(f"scratch directory: {scratch}")
-    else:
-        shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

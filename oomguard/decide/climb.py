@@ -27,6 +27,7 @@ from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
+from .experiment import Experiment, summarise
 from .ladder import Exhausted, Ladder, Step
 
 
@@ -99,6 +100,16 @@ class Climb:
         """What oomguard changes relative to the original: the values a plan carries to the training code."""
         knobs = knobs if knobs is not None else self.effective()[0]
         return {r.knob: r.after for r in self.original().diff(knobs)}
+
+    def experiment(self, final: Knobs | None = None,
+                   slowdown: Callable[[Knobs, Knobs], float | None] | None = None) -> Experiment:
+        """What ``final`` (default: the config in force) keeps of the user's experiment and what it changes, in cost
+        classes, each rung in force once (``oomguard.decide.experiment``); ``slowdown`` predicts a speed change's
+        time."""
+        knobs, who = self.effective()
+        remedies = list({r.name: r.remedy for r in self.applied}.values())
+        return summarise(self.original(), knobs if final is None else final, remedies, who,
+                         world_size=self.facts.world_size, slowdown=slowdown)
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]

@@ -41,7 +41,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
 
 from ..decide.climb import Climb
-from ..decide.experiment import Experiment, cost_note, experiment_lines, summarise
+from ..decide.experiment import Experiment, cost_note, experiment_lines
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
 from ..vocab import allocconf
@@ -265,11 +265,8 @@ class Guarded:
             # loop); the diff shows what reached the function.
             report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] in ALLOCATOR_KNOBS]
         if status == "stable" and climb.applied:
-            final, who = climb.effective()
             guide = self._guide()
-            exp = summarise(climb.original(), final, list({r.name: r.remedy for r in climb.applied}.values()), who,
-                            world_size=climb.facts.world_size,
-                            slowdown=guide.slowdown(climb.facts) if guide is not None else None)
+            exp = climb.experiment(slowdown=guide.slowdown(climb.facts) if guide is not None else None)
             # what an experiment keeps is GRPO's: a function that built no GRPOConfig is told only what changed
             report.experiment = (exp if climb.observed else Experiment([], exp.changed)).to_dict()
         return report

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..decide.choose import Choice
 from ..decide.climb import Climb
-from ..decide.experiment import Experiment, summarise
+from ..decide.experiment import Experiment
 from ..decide.ladder import Exhausted, Ladder, Step, load_ladder
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
@@ -677,10 +677,7 @@ class Supervisor:
         """What the stable config kept of the user's experiment and what it changed, in cost classes, with the
         predicted time of each speed change (oomguard.decide.experiment)."""
         c = self.climb
-        slowdown = self.guide.slowdown(c.facts) if self.guide is not None else None
-        remedies = list({r.name: r.remedy for r in c.applied}.values())
-        return summarise(c.original(), final, remedies, c.effective()[1], world_size=c.facts.world_size,
-                         slowdown=slowdown)
+        return c.experiment(final, self.guide.slowdown(c.facts) if self.guide is not None else None)
 
     def _alternatives(self, final: Knobs) -> list[Any]:
         """Configs predicted to fit, with the model's error as headroom, that trade differently from ``final``
