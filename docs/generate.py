@@ -144,13 +144,13 @@ def remedies(_: str | None = None) -> str:
     out = []
     for name in sorted(REGISTRY):
         r = REGISTRY[name]
-        params = ", ".join(f"`{k} = {json.dumps(v)}`" for k, v in r.params.items()) or "none"
+        params = "; ".join(f"`{k} = {json.dumps(v.default)}` ({v.takes()}: {v.text})" for k, v in r.params.items())
         trade = f"**{r.cost}**" + (f": {r.trade_note}" if r.trade_note else "")
         lines = [f"### `{name}`", "", r.summary, "",
                  f"- costs {trade}",
                  f"- checkpoint after it: `{r.resume}`",
                  "- writes " + (", ".join(f"`{k}`" for k in r.changes) or "no knob"),
-                 f"- ladder parameters: {params}"]
+                 f"- ladder parameters: {params or 'none'}"]
         if r.graded:
             lines.append("- graded: it steps again on later passes, down to its floor")
         if r.requires:

@@ -170,11 +170,10 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
       oomguard run -- trl grpo --config grpo.yaml
       oomguard run --simulate-gpu 300MiB examples/grpo_gsm8k.py
     """
-    from pathlib import Path
 
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
-    from .run.command import EXIT_BUG, UsageError, load_lock, resolve_command, trl_support
+    from .run.command import EXIT_BUG, UsageError, load_lock, output_file, resolve_command, trl_support, work_dir
     from .run.group import GroupError, membership_of
     from .run.supervisor import RunOptions, Supervisor
     from .vocab.sizes import SizeError, parse_size_arg
@@ -205,6 +204,11 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                 raise UsageError(f"--simulate-context {simulate_context} leaves nothing of --simulate-gpu "
                                  f"{simulate_gpu} for tensors: make it smaller than the device", 2)
         replay = load_lock(config_path) if config_path else None
+        # where the results go, checked before anything runs: a run must never end stable without its report and lock
+        report_file = output_file(report_path, "oomguard-report.json", "--report")
+        lock_file = output_file(lock_path, "oomguard.lock.json", "--lock")
+        html_file = output_file(html_path, "oomguard-report.html", "--html") if html_path else None
+        workdir_path = work_dir(workdir)
         argv = resolve_command(args)
         trl = trl_support(argv)
         if trl.refused:  # below the floor: one line before anything launches
@@ -219,13 +223,13 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
     except (UsageError, LadderError, SizeError) as e:
         _usage(str(e)) if not isinstance(e, UsageError) else _exit(str(e), e.code)
     options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,
-                         simulate_gpu=sim, gpu_memory=cap, report_path=Path(report_path), lock_path=Path(lock_path),
-                         workdir=Path(workdir), replay=replay, predict=not no_predict,
+                         simulate_gpu=sim, gpu_memory=cap, report_path=report_file, lock_path=lock_file,
+                         workdir=workdir_path, replay=replay, predict=not no_predict,
                          probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
                          refine=not no_refine,
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
-                         checkpoint_every=checkpoint_every, html_path=Path(html_path) if html_path else None,
+                         checkpoint_every=checkpoint_every, html_path=html_file,
                           membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
                           ladder_reason=why)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
@@ -321,14 +325,17 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
             k, p.steps[-1].knobs, p.rungs, facts, lambda x: predict(x).fits(capacity),
             lambda x: predict(x).peak_bytes, ladder=lad,
             slowdown=lambda a, b: slowdown(spec, a, b, prompt_tokens=prompt_tokens, world_size=world_size))]
+    from .decide.experiment import precision_warning
+
+    warning = precision_warning(k, facts)
     context = Coefficients().m_ctx
     device = {"context_bytes": context, "context": "the memory model's figure for a CUDA process; `oomguard run "
               "--gpu-memory` measures the training process's own"}
     if as_json:
         import json
 
-        click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts},
-                              indent=2))
+        click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts,
+                               "warnings": [warning] if warning else []}, indent=2))
     else:
         from .display.render import console, plan_table
         from .display.ui import alternatives_lines
@@ -339,6 +346,8 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
         click.echo(f"context: {format_size(context)} outside the allocator, counted in the peak: {device['context']}")
         for line in alternatives_lines(alts):
             click.echo(line)
+        if warning:
+            click.echo(f"warning: {warning}")
     sys.exit(0 if p.fits else EXIT_DOES_NOT_FIT)
 
 
@@ -386,6 +395,10 @@ KNOB_MEANINGS: dict[str, str] = {
                                           "auto (10 × hidden_size)",
     "overlap_comm": "DeepSpeed: overlap gradient reduction with the backward (ZeRO-1/2: two reduce buckets)",
     "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
+    "learning_rate": "the optimizer's learning rate; read, never changed: bf16 weights are judged by whether an update "
+                     "of this size survives their rounding",
+    "loss_type": "GRPO's loss normalisation (dapo, grpo, dr_grpo, bnpo, ...); read, never changed: it decides whether "
+                 "a micro-batch split keeps the gradients",
 }
 
 

@@ -98,13 +98,33 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, make, reason):
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read any file")
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file: the next test covers it whoever runs it")
 def test_unreadable_file(tmp_path):
     p = tmp_path / "secret.log"
     p.write_text("MemoryError\n")
     p.chmod(0)
     out = cli(str(p))
     assert out.returncode == 2 and "permission denied" in out.stderr
+
+
+def test_unreadable_file_is_a_note_whoever_runs_it(tmp_path, monkeypatch):
+    """As root (how CI runs) nothing is unreadable, so the open itself is made to fail as it does for a user."""
+    import builtins
+
+    from oomguard.oom.analyze import analyze_paths
+
+    p = tmp_path / "secret.log"
+    p.write_text("MemoryError\n")
+    real_open = builtins.open
+
+    def denied(file, *a, **kw):
+        if str(file) == str(p):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    result = analyze_paths([str(p)])
+    assert result.files_read == 0 and result.notes == [f"{p}: cannot read it (permission denied)"]
 
 
 def test_exit_0_when_something_was_read(tmp_path):

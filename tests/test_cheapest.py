@@ -22,8 +22,11 @@ from oomguard.vocab.records import Attempt
 
 DEFAULT = load_ladder("default")
 ORDER = [r.name for r in DEFAULT.rungs]
+# learning_rate 1e-4: bf16 weights keep the updates of this rate (at TRL's 1e-6 bf16_load is not offered, see
+# test_at_trl_s_learning_rate_bf16_weights_are_never_the_precision_choice)
 USER = TRL_DEFAULTS.replace(max_completion_length=256, num_generations=8, per_device_train_batch_size=8,
-                            gradient_accumulation_steps=1, dtype="float32", gradient_checkpointing=True)
+                            gradient_accumulation_steps=1, dtype="float32", gradient_checkpointing=True,
+                            learning_rate=1e-4)
 
 
 def gib(k: Knobs) -> float:
@@ -70,6 +73,17 @@ def test_a_micro_batch_split_beats_bf16_weights_which_beat_lora_which_beats_any_
         assert k.prompts_per_step() == USER.prompts_per_step()
     signal = choose_from_user(under(2.6))  # even a 4-bit base with one row per micro-step needs more
     assert "signal" in {r.remedy.cost for r in signal.rungs} and signal.knobs.load_in_4bit
+
+
+def test_at_trl_s_learning_rate_bf16_weights_are_never_the_precision_choice():
+    """At 1e-6 a bf16 weight keeps almost no AdamW update: the precision class offers the 8-bit optimizer alone, and
+    where that is not enough the choice trains LoRA (whose float32 adapters learn) rather than freeze the model."""
+    user = USER.replace(learning_rate=1e-6)
+    for limit in (19.0, 13.0, 6.0):
+        c = choose_from_user(under(limit), user=user)
+        k = c.knobs
+        assert k.dtype != "bfloat16" or k.lora_r, (limit, [r.name for r in c.rungs])
+    assert choose_from_user(under(13.0), user=user).knobs.lora_r  # where bf16 weights alone would have done
 
 
 def test_within_a_class_the_smallest_change_wins_over_the_earlier_listed_rung():

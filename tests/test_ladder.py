@@ -131,8 +131,11 @@ def test_unread_knobs_are_skipped():
 def test_load_phase_only_takes_load_remedies():
     load = diagnose(OOMReport("cuda", "allocator", "x", requested=4 * GiB, capacity=16 * GiB, free=1 * GiB),
                     phase="load")
-    steps, _ = climb_all(load_ladder("default"), load)
+    steps, _ = climb_all(load_ladder("default"), load, knobs=TRL_DEFAULTS.replace(learning_rate=1e-4))
     assert [s.remedy.name for s in steps] == ["bf16_load", "load_4bit"]
+    # at TRL's 1e-6 bf16 weights would not learn: only the 4-bit load (with LoRA) is left
+    steps, _ = climb_all(load_ladder("default"), load)
+    assert [s.remedy.name for s in steps] == ["load_4bit"]
 
 
 @pytest.mark.parametrize("text, problem", [

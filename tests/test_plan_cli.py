@@ -31,10 +31,19 @@ def test_json_contract_for_a_config_that_does_not_fit():
     assert d["trainable_params"] == 1_235_814_400
     assert sum(d["breakdown"].values()) == d["peak_bytes"]
     assert d["suggest"] and d["fits_after"] is True
-    # the default ladder chooses what costs the experiment least: bf16 weights (precision), the completions, the
-    # generations and a full fine-tune stay; LoRA, which changes what is trained, is shown as an alternative
+    # at TRL's learning rate (1e-6) bf16 weights would not learn, so the cheapest config that still trains is LoRA
+    # (its float32 adapters learn); the completions and generations stay
+    assert "dtype" not in d["suggest"] and d["suggest"]["lora_r"] == 16, d["suggest"]
+    # at a learning rate bf16 keeps, the default ladder chooses what costs the experiment least: bf16 weights
+    # (precision), the completions, the generations and a full fine-tune stay; LoRA, which changes what is trained,
+    # is shown as an alternative
+    d = json.loads(plan("--model", LLAMA, "--gpu", "15.73GiB", "max_completion_length=786", "learning_rate=1e-4",
+                        "--json").stdout)
     assert d["suggest"] == {"dtype": "bfloat16"}, d["suggest"]
     assert any("lora_r" in a["overrides"] and a["avoids"] == ["precision"] for a in d["alternatives"])
+    assert d["warnings"] == []
+    bf16 = json.loads(plan("--model", LLAMA, "--gpu", "80GiB", "dtype=bfloat16", "--json").stdout)
+    assert bf16["warnings"] and "below bfloat16's resolution at learning rate 1e-06" in bf16["warnings"][0]
     # the fastest ladder (the earlier default) shortens the completions instead: the halving to 393 is relaxed to the
     # longest grid length predicted to fit
     d = json.loads(plan("--model", LLAMA, "--gpu", "15.73GiB", "--ladder", "fastest", "max_completion_length=786",

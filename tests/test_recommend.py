@@ -114,7 +114,11 @@ def test_paste_lines_follow_the_runs_own_knobs():
 def test_remedies_that_cannot_apply_to_the_run_go_last_saying_why():
     d = frag("generation")
     recs = ranked(d, {"use_vllm": False})
-    assert recs[-1].name == "vllm_memory" and "the run does not use vLLM" in recs[-1].advice.reason
+    last = {r.name: r.advice.reason for r in recs[-2:]}
+    assert "the run does not use vLLM" in last["vllm_memory"]
+    # at TRL's learning rate bf16 weights would not learn: offered last, saying so
+    assert "bfloat16's resolution" in last["bf16_load"]
+    assert "bf16_load" not in {r.name for r in ranked(d, {"use_vllm": False, "learning_rate": 1e-4})[-1:]}
     assert [r.name for r in ranked(d)][:3] == ["expandable_segments", "empty_cache", "shorter_sequences"]
 
 

@@ -132,13 +132,28 @@ def install_hooks(rt: Runtime) -> None:
 
             getattr(patches, name)(rt, m)
 
-        return patch
+        return reported(rt, name, patch)
 
-    when_imported("torch", lambda m: on_torch(rt, m))
+    when_imported("torch", reported(rt, "on_torch", lambda m: on_torch(rt, m)))
     when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
     when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
+
+
+def reported(rt: Runtime, name: str, patch: Any) -> Any:
+    """``patch`` that, when it fails, tells the supervisor which patch failed and why (event ``patch_failed``) and
+    says so in one line, instead of breaking the user's import: the run goes on unpatched, and its report says what
+    oomguard could not reach, rather than that the command builds no GRPOConfig."""
+    def run(m: Any) -> None:
+        try:
+            patch(m)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"[:2000]
+            rt.emit("patch_failed", module=getattr(m, "__name__", "?"), patch=name, error=error)
+            sys.stderr.write(f"oomguard: could not patch {getattr(m, '__name__', '?')} ({name}): {error}\n")
+
+    return run
 
 
 def _check_trl(rt: Runtime, trl: Any) -> None:

@@ -25,7 +25,7 @@ CONFIG_KNOBS = (
     "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
     "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
     "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
-    "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16",
+    "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
 )
 _PROMPT_STATS_ROWS = 20000
 
@@ -201,11 +201,16 @@ def _world() -> int:
 # GRPOTrainer
 
 
-def _bnb_config(torch: Any) -> Any:
+def _bnb_config(torch: Any, rt: Runtime) -> Any:
+    """QLoRA's NF4 config, computing in the 16-bit dtype the knobs chose (bfloat16, float16 on a card without it)."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=_half(torch, rt),
                               bnb_4bit_use_double_quant=True)
+
+
+def _half(torch: Any, rt: Runtime) -> Any:
+    return torch.float16 if rt.overrides.dtype == "float16" else torch.bfloat16
 
 
 def _lora_config(rt: Runtime) -> Any:
@@ -306,11 +311,11 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
             from .trlcompat import features
 
             if features().quantization_via == "quantization_config":
-                a["quantization_config"] = _bnb_config(torch)
+                a["quantization_config"] = _bnb_config(torch, rt)
             else:  # TRL before 1.10: no such trainer argument; TRL loads with model_init_kwargs
-                mik["quantization_config"] = _bnb_config(torch)
+                mik["quantization_config"] = _bnb_config(torch, rt)
             if mik.get("dtype", "float32") == "float32":
-                mik["dtype"] = "bfloat16"
+                mik["dtype"] = "float16" if k_over.dtype == "float16" else "bfloat16"
         if mik != dict(args.model_init_kwargs or {}):
             args.model_init_kwargs = mik
     if k_over.lora_r and peft_config is None and not is_peft_model:
@@ -348,6 +353,10 @@ def _after_init(rt: Runtime, trainer: Any) -> None:
         dev.adopt(list(model.parameters()) + list(model.buffers()))
     if rt.model_config is None and model is not None:
         record_model(rt, model)
+    if model is not None:
+        from . import precision
+
+        rt.emit("facts", facts=precision.facts(model, getattr(trainer, "args", None)))
     if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
         inner = trainer._generate_and_score_completions
 
@@ -642,9 +651,9 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             kwargs.pop("torch_dtype", None)
             kwargs["dtype"] = getattr(torch, ov.dtype)
         if ov.load_in_4bit and "quantization_config" not in kwargs:
-            kwargs["quantization_config"] = _bnb_config(torch)
+            kwargs["quantization_config"] = _bnb_config(torch, rt)
             if kwargs.get("dtype") in (None, "auto", torch.float32, "float32"):
-                kwargs["dtype"] = torch.bfloat16
+                kwargs["dtype"] = _half(torch, rt)
         _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
         _zero3_comm()
         model = orig(cls, *args, **kwargs)

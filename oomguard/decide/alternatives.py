@@ -112,7 +112,7 @@ def _summary(user: Knobs, k: Knobs, rungs: Sequence[Rung], facts: RunFacts,
     """What ``k`` changes, by the rungs that made it."""
     who = replay(user, rungs, facts)[1]
     remedies = list({r.name: r.remedy for r in rungs}.values())
-    return summarise(user, k, remedies, who, world_size=facts.world_size, slowdown=slowdown)
+    return summarise(user, k, remedies, who, world_size=facts.world_size, slowdown=slowdown, facts=facts)
 
 
 __all__ = ["Alternative", "alternatives", "searched"]

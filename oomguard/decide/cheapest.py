@@ -22,7 +22,8 @@ Two steps, like the ladder-order choice of ``oomguard.decide.choose``:
 >>> from oomguard.strategies import make_remedy
 >>> climbed = [Rung(make_remedy(n)) for n in ("micro_batch", "bf16_load", "lora", "shorter_sequences")]
 >>> fits = lambda k: k.dtype == "bfloat16" and k.per_device_train_batch_size <= 4   # a toy model
->>> c = cheapest(TRL_DEFAULTS.replace(per_device_train_batch_size=8), climbed, fits)
+>>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=8, learning_rate=1e-4)  # bf16 weights still learn
+>>> c = cheapest(user, climbed, fits)
 >>> [r.name for r in c.rungs], c.knobs.per_device_train_batch_size, c.knobs.gradient_accumulation_steps
 (['micro_batch', 'bf16_load'], 4, 2)
 """
@@ -205,9 +206,11 @@ def pick(ladder: Ladder, user: Knobs, facts: RunFacts, fits: Callable[[Knobs], b
 
     >>> from oomguard.decide.ladder import load_ladder
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
-    >>> c = pick(load_ladder("default"), TRL_DEFAULTS, RunFacts(), lambda k: k.dtype == "bfloat16")
-    >>> [r.name for r in c.rungs]
+    >>> bf16 = lambda k: k.dtype == "bfloat16"
+    >>> [r.name for r in pick(load_ladder("default"), TRL_DEFAULTS.replace(learning_rate=1e-4), RunFacts(), bf16).rungs]
     ['bf16_load']
+    >>> [r.name for r in pick(load_ladder("default"), TRL_DEFAULTS, RunFacts(), bf16).rungs]  # 1e-6: LoRA keeps it
+    ['lora', 'bf16_load']
     """
     steps, ran_out = ladder.climb_by_cost(Context(knobs=user, facts=facts), fits)
     if ran_out is not None or not steps:

@@ -109,7 +109,8 @@ class Climb:
         knobs, who = self.effective()
         remedies = list({r.name: r.remedy for r in self.applied}.values())
         return summarise(self.original(), knobs if final is None else final, remedies, who,
-                         world_size=self.facts.world_size, slowdown=slowdown)
+                         world_size=self.facts.world_size, slowdown=slowdown, facts=self.facts,
+                         seen=bool(self.observed))
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]

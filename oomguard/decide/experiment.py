@@ -8,7 +8,8 @@ and its cost class (``Remedy.cost``); a speed change carries the predicted slowd
 
 >>> from oomguard.strategies import make_remedy
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
->>> user = TRL_DEFAULTS.replace(max_completion_length=256, num_generations=8, per_device_train_batch_size=8)
+>>> user = TRL_DEFAULTS.replace(max_completion_length=256, num_generations=8, per_device_train_batch_size=8,
+...                             learning_rate=1e-4)
 >>> final = user.replace(dtype="bfloat16")
 >>> e = summarise(user, final, [make_remedy("bf16_load")], {"dtype": "bf16_load"})
 >>> e.lines()
@@ -22,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..strategies import Remedy, cost_rank
-from ..vocab.knobs import Knobs
+from ..strategies.precision import frozen, precision_warning
+from ..vocab.knobs import Knobs, RunFacts
+
+# What the end of a run says when the training process never reported a GRPO config: nothing is known to be kept.
+UNSEEN = "nothing known: the command built no GRPOConfig that oomguard could read"
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Experiment:
 
     kept: list[str]
     changed: list[Change] = field(default_factory=list)
+    seen: bool = True  # the user's config was observed; else nothing can be said to be kept
 
     @property
     def costs(self) -> set[str]:
@@ -64,21 +70,28 @@ class Experiment:
 
     def lines(self) -> list[str]:
         out = []
-        if self.kept:
+        if not self.seen:
+            out.append(f"kept: {UNSEEN}")
+        elif self.kept:
             out.append("kept: " + ", ".join(self.kept))
         if self.changed:
             out.append("changed: " + ", ".join(c.text() for c in self.changed))
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kept": self.kept, "changed": [c.to_dict() for c in self.changed]}
+        return {"kept": self.kept, "changed": [c.to_dict() for c in self.changed],
+                **({} if self.seen else {"seen": False})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Experiment:
-        """The report's ``experiment`` read back (missing fields empty)."""
+        """The report's ``experiment`` read back (missing fields empty).
+
+        >>> Experiment.from_dict({"kept": [], "seen": False}).lines()
+        ['kept: nothing known: the command built no GRPOConfig that oomguard could read']
+        """
         return cls(list(data.get("kept") or []), [
             Change(c.get("remedy", ""), c.get("cost", ""), c.get("change", ""), c.get("slowdown"))
-            for c in data.get("changed") or []])
+            for c in data.get("changed") or []], seen=data.get("seen", True) is not False)
 
 
 def experiment_lines(experiment: Mapping[str, Any] | None) -> list[str]:
@@ -105,13 +118,16 @@ def cost_note(remedies: Sequence[Remedy], changes: Mapping[str, Any]) -> str:
     return f"costs {', '.join(costs)}{': ' + notes if notes else ''}"
 
 
-def kept_of(user: Knobs, final: Knobs, world_size: int = 1) -> list[str]:
+def kept_of(user: Knobs, final: Knobs, world_size: int = 1, facts: RunFacts | None = None) -> list[str]:
     """The parts of the user's experiment that ``final`` keeps as they were: generations per prompt, completion length,
-    prompts per optimizer step, and a full fine-tune (or the user's own LoRA).
+    prompts per optimizer step, and a full fine-tune (or the user's own LoRA). A full fine-tune whose weights cannot
+    move (16-bit weights whose updates round away at this learning rate: ``strategies.precision.frozen``) is not one.
 
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
     >>> kept_of(TRL_DEFAULTS, TRL_DEFAULTS.replace(lora_r=16, max_completion_length=128))
     ['8 generations per prompt', '1 prompt per step']
+    >>> kept_of(TRL_DEFAULTS, TRL_DEFAULTS.replace(dtype="bfloat16"))[-1]
+    '1 prompt per step'
     """
     out = []
     if (final.num_generations or 8) == (user.num_generations or 8):
@@ -122,17 +138,20 @@ def kept_of(user: Knobs, final: Knobs, world_size: int = 1) -> list[str]:
     if abs(final.prompts_per_step(world_size) - p) < 1e-9:
         out.append(f"{p:g} prompt{'' if p == 1 else 's'} per step")
     if not user.lora_r and not final.lora_r and not final.load_in_4bit:
-        out.append("a full fine-tune")
+        if frozen(final, facts or RunFacts()) is None:
+            out.append("a full fine-tune")
     elif user.lora_r and final.lora_r == user.lora_r and final.load_in_4bit == user.load_in_4bit:
         out.append(f"your LoRA (r={user.lora_r})")
     return out
 
 
 def summarise(user: Knobs, final: Knobs, remedies: Sequence[Remedy], who: Mapping[str, str], *, world_size: int = 1,
-              slowdown: Callable[[Knobs, Knobs], float | None] | None = None) -> Experiment:
+              slowdown: Callable[[Knobs, Knobs], float | None] | None = None, facts: RunFacts | None = None,
+              seen: bool = True) -> Experiment:
     """What ``final`` keeps of ``user`` and what each remedy in force changed (``who``: knob -> the remedy that set
     it, as ``oomguard.decide.choose.replay`` gives it), costliest change first. ``slowdown(before, after)`` (optional)
-    predicts how much longer a step takes; each speed change is measured against ``final`` without it."""
+    predicts how much longer a step takes; each speed change is measured against ``final`` without it. ``seen``: the
+    user's config was observed (else nothing is said to be kept)."""
     changed = []
     diff = {r.knob: r.after for r in user.diff(final)}
     for remedy in sorted(remedies, key=lambda r: -cost_rank(r.cost)):
@@ -146,7 +165,7 @@ def summarise(user: Knobs, final: Knobs, remedies: Sequence[Remedy], who: Mappin
                 extra = slowdown(without, final)
         changed.append(Change(remedy.name_for({k: diff[k] for k in mine}), remedy.cost,
                               remedy.describe_change(user, final, world_size), extra))
-    return Experiment(kept_of(user, final, world_size), changed)
+    return Experiment(kept_of(user, final, world_size, facts) if seen else [], changed, seen=seen)
 
 
-__all__ = ["Change", "Experiment", "cost_note", "experiment_lines", "kept_of", "summarise"]
+__all__ = ["Change", "Experiment", "cost_note", "experiment_lines", "kept_of", "precision_warning", "summarise"]

@@ -156,7 +156,8 @@ class Ladder:
         force at its strongest.
 
         >>> from oomguard.vocab.knobs import TRL_DEFAULTS
-        >>> steps, _ = load_ladder("default").climb_by_cost(Context(knobs=TRL_DEFAULTS), lambda k: k.dtype == "bfloat16")
+        >>> k = TRL_DEFAULTS.replace(learning_rate=1e-4)  # bf16 weights keep updates of this size
+        >>> steps, _ = load_ladder("default").climb_by_cost(Context(knobs=k), lambda k: k.dtype == "bfloat16")
         >>> [s.remedy.cost for s in steps][-1], steps[-1].remedy.name
         ('precision', 'bf16_load')
         """
@@ -213,8 +214,40 @@ def load_ladder(name_or_path: str | Path) -> Ladder:
     return ladder_from_dict(data, path=path)
 
 
+# The keys a ladder file may have at its top level; anything else is a mistake worth one line (a misspelt
+# ``choose_bye`` would otherwise be ignored, and the ladder chosen by another rule than the one written).
+LADDER_KEYS = ("name", "description", "choose_by", "max_passes", "rung", "host_rung")
+
+
+def _unknown(key: str, known: Sequence[str]) -> str:
+    """``unknown key 'x'``, with the closest known key where one is close."""
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(known)}")
+
+
 def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None) -> Ladder:
+    """A Ladder from a ladder file's content, checked against the schema: the top-level keys (``LADDER_KEYS``), their
+    types, and each rung's remedy and typed parameters (``oomguard.strategies.params``). Every problem is a
+    LadderError of one line.
+
+    >>> ladder_from_dict({"choose_bye": "order", "rung": [{"remedy": "lora"}]})
+    Traceback (most recent call last):
+      ...
+    oomguard.decide.ladder.LadderError: unknown key 'choose_bye' (did you mean 'choose_by'?)
+    >>> ladder_from_dict({"rung": [{"remedy": "lora", "r": -4}]})
+    Traceback (most recent call last):
+      ...
+    oomguard.decide.ladder.LadderError: rung #1: remedy 'lora': r must be an integer between 1 and 4096 (the LoRA rank), not -4
+    """
     where = f"{path}: " if path else ""
+    for key in data:
+        if key not in LADDER_KEYS:
+            raise LadderError(f"{where}{_unknown(key, LADDER_KEYS)}")
+    for key in ("name", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise LadderError(f"{where}{key} must be a string, not {data[key]!r}")
 
     def rungs(key: str) -> tuple[Remedy, ...]:
         out = []
@@ -239,8 +272,8 @@ def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None) -> La
     if dup:
         raise LadderError(f"{where}remedy listed twice: {', '.join(sorted(dup))} (graded rungs step again on their own)")
     passes = data.get("max_passes", 3)
-    if not isinstance(passes, int) or passes < 1:
-        raise LadderError(f"{where}max_passes must be a positive integer")
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise LadderError(f"{where}max_passes must be a positive integer, not {passes!r}")
     choose_by = data.get("choose_by", "cost")
     if choose_by not in CHOOSE_BY:
         raise LadderError(f"{where}choose_by must be one of {', '.join(repr(c) for c in CHOOSE_BY)}, not {choose_by!r}")

@@ -10,8 +10,10 @@ to skip rungs predicted not to be enough.
 >>> spec = ModelSpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
 ...                  intermediate_size=8192, tie_word_embeddings=True)
 >>> p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)   # TRL loads a model given by name in float32
->>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]
-(False, True, 'bf16_load')
+>>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]   # bf16 weights would not learn at 1e-6
+(False, True, 'lora')
+>>> [s.remedy.name for s in make_plan(spec, TRL_DEFAULTS.replace(learning_rate=1e-4), 16 * 2**30).steps][-1]
+'bf16_load'
 """
 
 from __future__ import annotations

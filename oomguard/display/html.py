@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..vocab.files import write_atomic
 from ..vocab.records import climbed_labels
 from ..vocab.sizes import format_size
 
@@ -298,12 +299,7 @@ def analyze_html(result: Any) -> str:
 
 
 def _write(path: str | os.PathLike[str], text: str) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+    return write_atomic(path, text)
 
 
 def write_run_html(path: str | os.PathLike[str], report: dict[str, Any],

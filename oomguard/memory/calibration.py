@@ -28,18 +28,20 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
+from ..vocab.files import write_atomic
 from .estimate import Coefficients
 
 __all__ = ["KEEP", "Calibration", "builtin_description", "cache_dir", "calibration_path", "load_calibration",
@@ -243,30 +245,14 @@ def _read(path: Path, warn: Warn) -> dict[str, list[dict[str, Any]]]:
     return {}
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An advisory lock next to the file for the read-modify-write (none where fcntl does not exist)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: os.replace alone (a concurrent run may win the race)
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(path: Path) -> FileLock:
+    """A lock next to the file for the read-modify-write (filelock: advisory on POSIX, a real lock on Windows)."""
+    return FileLock(str(path.with_name(path.name + ".lock")))
 
 
 def _write(path: Path, machines: dict[str, list[dict[str, Any]]]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     body = json.dumps({"schema": SCHEMA, "machines": {k: {"runs": v} for k, v in machines.items()}}, indent=1)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(body + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, body + "\n")
 
 
 def load_calibration(key: str, *, warn: Warn = _stderr) -> Calibration | None:

@@ -53,10 +53,100 @@ def resolve_command(args: list[str]) -> list[str]:
     if os.sep in first or (os.altsep and os.altsep in first):
         if not Path(first).exists():
             raise UsageError(f"no such command: {first}", EXIT_NOT_FOUND)
+        _executable(first)
         return list(args)
-    if shutil.which(first) is None:
+    found = shutil.which(first)
+    if found is None:
         raise UsageError(f"command not found: {first} (is it installed in this environment?)", EXIT_NOT_FOUND)
+    _executable(found, first)
     return list(args)
+
+
+def _executable(path: str, typed: str | None = None) -> None:
+    """Refuse, before anything runs, a command the kernel would not execute: not a file, no execute permission, or
+    neither a ``#!`` line nor a binary (the shell runs such a script itself; ``exec`` fails with ENOEXEC).
+
+    >>> import tempfile
+    >>> f = tempfile.mkstemp(suffix=".sh")[1]
+    >>> _ = open(f, "w").write("echo hi\\n"); os.chmod(f, 0o755)
+    >>> _executable(f)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    oomguard.run.command.UsageError: cannot execute ...sh: it has no #! line naming its interpreter; add one (#!/usr/bin/env bash), or run it as `oomguard run -- bash ...sh`
+    """
+    name = typed or path
+    if os.path.isdir(path):
+        raise UsageError(f"cannot execute {name}: it is a directory", EXIT_NOT_EXECUTABLE)
+    if not os.access(path, os.X_OK):
+        raise UsageError(f"permission denied: {name} is not executable (chmod +x {name}, or run it through its "
+                         "interpreter)", EXIT_NOT_EXECUTABLE)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return  # exec will say what is wrong
+    if head and not head.startswith((b"#!", b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe")):
+        raise UsageError(f"cannot execute {name}: it has no #! line naming its interpreter; add one "
+                         f"(#!/usr/bin/env bash), or run it as `oomguard run -- bash {name}`", EXIT_NOT_EXECUTABLE)
+
+
+def output_file(text: str, default_name: str, option: str) -> Path:
+    """Where ``option`` (``--report``, ``--lock``, ``--html``) writes: the path given, or ``default_name`` inside it
+    when it names a directory (an existing one, or one written with a trailing ``/``). Checked before anything runs,
+    so that a run never ends stable without its report or lock: a path that cannot be written is one line, exit 2.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> output_file(d, "oomguard-report.json", "--report") == Path(d) / "oomguard-report.json"
+    True
+    >>> output_file(os.path.join(d, "new", "r.json"), "oomguard-report.json", "--report").name
+    'r.json'
+    >>> open(os.path.join(d, "notes"), "w").close()
+    >>> output_file(os.path.join(d, "notes", "r.json"), "x", "--report")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    oomguard.run.command.UsageError: --report .../notes/r.json: .../notes is a file, not a directory; give a path in a directory
+    """
+    path = Path(text).expanduser()
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        path = path / default_name
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{option} {text}: {path} cannot be written (permission denied); give a writable path")
+    _writable_dir(path.parent, option, text)
+    return path
+
+
+def work_dir(text: str, option: str = "--workdir") -> Path:
+    """The working directory oomguard keeps each attempt's plan, events and crash records in: an existing directory
+    it can write in, or one it can create; else one line, exit 2.
+
+    >>> import tempfile
+    >>> f = tempfile.mkstemp()[1]
+    >>> work_dir(f)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    oomguard.run.command.UsageError: --workdir ...: a file, not a directory; give a directory (it is created if missing)
+    """
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {text}: a file, not a directory; give a directory (it is created if missing)")
+    _writable_dir(path, option, text)
+    return path
+
+
+def _writable_dir(path: Path, option: str, text: str) -> None:
+    """``path`` is a directory oomguard can write in, or can be created: its nearest existing ancestor is a directory
+    it can write in."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        missing = "" if probe == path else f"{path} does not exist yet, but "
+        raise UsageError(f"{option} {text}: {missing}{probe} is a file, not a directory; give a path in a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {text}: cannot write in {probe} (permission denied); give a writable path")
 
 
 def trl_support(argv: list[str]) -> Support:
@@ -162,4 +252,4 @@ def load_lock(path: str) -> dict[str, Any]:
 
 
 __all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "UsageError", "load_lock",
-           "resolve_command", "trl_support"]
+           "output_file", "resolve_command", "trl_support", "work_dir"]

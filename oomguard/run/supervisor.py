@@ -15,6 +15,7 @@ other concerns, each in its own module.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import signal
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 from ..decide.choose import Choice
 from ..decide.climb import Climb
-from ..decide.experiment import Experiment
+from ..decide.experiment import Experiment, precision_warning
 from ..decide.ladder import Exhausted, Ladder, Step, load_ladder
 from ..memory.allocmodel import context_for
 from ..memory.device import gpu_name, gpu_total_memory
@@ -47,6 +48,7 @@ from ..vocab.records import (
     OtherEvent,
     Outcome,
     OverrideFailed,
+    PatchFailed,
     RunReport,
     TrainBegin,
     now_iso,
@@ -170,6 +172,8 @@ class Supervisor:
         self.group = Group(options.membership) if options.membership else None
         self.store_sync: Any = None  # the helper that mirrors the group's directory (oomguard.rendezvous)
         self.group_failure: str | None = None  # why the group ended early (a node died), for the report
+        self.warnings: list[str] = []  # one line each, said once and kept in the report
+        self.broken: str | None = None  # the first patch of oomguard's that failed in the training process
 
     def _open_group(self) -> None:
         """Form the group of a job's nodes before the first launch (oomguard.group): through torchrun's rendezvous
@@ -291,9 +295,15 @@ class Supervisor:
         for g in (e for e in events if isinstance(e, ConfigGenerated)):
             attempt.generated = {**(attempt.generated or {}),
                                  g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
+        broken = [e for e in events if isinstance(e, PatchFailed)]
+        for e in broken:
+            self._warn(e.line())
+            self.broken = self.broken or e.line()
         if kind != AttemptKind.RUN and not any(isinstance(e, CodeSeen) and e.point == "config" for e in events):
             attempt.kind = AttemptKind.RUN  # no GRPOConfig to shorten: the "probe" was the whole command
-            if attempt.outcome != Outcome.FAILED:
+            if broken:
+                attempt.note = broken[0].line()
+            elif attempt.outcome != Outcome.FAILED:
                 attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
             elif not attempt.note:  # what a training process said of its failure stays the reason
                 attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
@@ -317,6 +327,11 @@ class Supervisor:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
             raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+        except OSError as e:  # ENOEXEC: a script without a #! line, a binary for another machine
+            why = ("the kernel cannot run it (no #! line naming an interpreter, or a binary for another machine); "
+                   f"add a #! line, or run it through its interpreter (`oomguard run -- bash {self.argv[0]}`)"
+                   if e.errno == errno.ENOEXEC else e.strerror or str(e))
+            raise UsageError(f"cannot execute {self.argv[0]}: {why}", EXIT_NOT_EXECUTABLE) from None
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -460,10 +475,18 @@ class Supervisor:
                 if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
                     self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
+        if facts.bf16_moving is not None:  # measured on the loaded weights: the user's own config may not learn
+            self._warn(precision_warning(c.original(), facts))
         self._take_trl(facts.trl_version, facts.trl_head)
         if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
             c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
             self._ladder_line(why)
+
+    def _warn(self, line: str | None) -> None:
+        """Say ``line`` once, and keep it for the report."""
+        if line and line not in self.warnings:
+            self.warnings.append(line)
+            self.ui.message(f"warning: {line}")
 
     def _take_trl(self, version: str | None, head: str | None) -> None:
         """The command's TRL, read before launching or reported by the training process: a release newer than the
@@ -632,7 +655,7 @@ class Supervisor:
         c = self.climb
         status, code, message = conclude(last, c, signum=self.interrupts.signum, replay=self.o.replay,
                                          reached=bool(self.reached), max_attempts=self.o.max_attempts,
-                                         max_time=self.o.max_time)
+                                         max_time=self.o.max_time, broken=self.broken)
         if self.group_failure is not None and status == "failed":
             message = self.group_failure
         report = c.report(status, message, code, command=self.argv,
@@ -659,6 +682,7 @@ class Supervisor:
                 self.ui.message(f"could not work out alternatives to the stable config ({type(e).__name__}: {e})")
         if self.group is not None:
             report.group = self._group_info()
+        report.warnings = list(self.warnings)
         lock_path = self._write_outputs(report, status)
         if self.group is not None:
             lock = (self._lock_data(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,

@@ -17,9 +17,11 @@ from .command import EXIT_EXHAUSTED
 
 
 def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: dict[str, Any] | None = None,
-             reached: bool = True, max_attempts: int = 8, max_time: float | None = None) -> tuple[str, int, str]:
+             reached: bool = True, max_attempts: int = 8, max_time: float | None = None,
+             broken: str | None = None) -> tuple[str, int, str]:
     """``(status, exit code, message)`` after the last attempt; ``reached``: the command passed through a
-    construction point (GRPOConfig, GRPOTrainer or from_pretrained), so rungs could reach it."""
+    construction point (GRPOConfig, GRPOTrainer or from_pretrained), so rungs could reach it; ``broken``: the line of
+    a patch of oomguard's that failed (``PatchFailed.line``), the reason rungs could not reach it."""
     if signum or last is None or last.outcome == Outcome.INTERRUPTED:
         return "interrupted", 128 + (signum or 2), "interrupted; no retry"
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
@@ -42,6 +44,8 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     if climb.exhausted is not None:
         if replay:
             return "exhausted", EXIT_EXHAUSTED, "the locked config ran out of memory; run without --config to climb again"
+        if not reached and broken:
+            return "exhausted", EXIT_EXHAUSTED, f"no rung can reach this command: {broken}"
         if not reached:
             return "exhausted", EXIT_EXHAUSTED, (
                 "no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no model with "

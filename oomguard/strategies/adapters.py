@@ -6,6 +6,7 @@ from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
+from .params import lora_params
 
 
 @register
@@ -18,7 +19,7 @@ class Lora(Remedy):
     changes = ("lora_r", "lora_alpha", "lora_target_modules")
     helps_optimizer = True
     requires = ("peft",)
-    params = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+    params = lora_params()
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         return f"LoRA r={final.lora_r} instead of a full fine-tune"

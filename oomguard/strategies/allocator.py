@@ -7,6 +7,7 @@ from oomguard.vocab.knobs import Knobs
 from oomguard.vocab.sizes import MiB, format_size
 
 from .base import Advice, Context, Remedy, register
+from .params import Param
 
 
 @register
@@ -63,7 +64,8 @@ class EmptyCache(Remedy):
     changes = ("torch_empty_cache_steps", "max_split_size_mb")
     addresses = "fragmentation"
     # "auto": 1/32 of the device (at least PyTorch's minimum of 21): blocks that large are worth keeping whole.
-    params = {"max_split_size_mb": "auto"}
+    params = {"max_split_size_mb": Param("auto", int, low=21, also=("auto",),
+                                         text="MiB above which cached blocks are never split; PyTorch's minimum is 21")}
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         return "the cache emptied between phases, large blocks kept whole"

@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 from oomguard.vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
+from .params import Param
+
 REGISTRY: dict[str, type[Remedy]] = {}
 
 # What a remedy costs the experiment, cheapest first (see the module's docstring).
@@ -94,15 +96,19 @@ class Remedy:
     helps_at_load: ClassVar[bool] = False  # reduces what model loading itself needs
     helps_optimizer: ClassVar[bool] = False  # reduces persistent state (weights, grads, optimizer states)
     sizes_buffers: ClassVar[bool] = False  # sizes a framework's own buffers (DeepSpeed's buckets)
-    params: ClassVar[Mapping[str, Any]] = {}
+    params: ClassVar[Mapping[str, Param]] = {}  # what a ladder file may set, typed (oomguard.strategies.params)
     requires: ClassVar[tuple[str, ...]] = ()  # packages the training environment must import for this remedy
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.params)
         if unknown:
             raise ValueError(f"remedy {self.name!r} takes no parameter(s) {', '.join(sorted(unknown))}"
-                             + (f"; it takes {', '.join(self.params)}" if self.params else ""))
-        self.p = {**self.params, **params}
+                             + (f"; it takes {', '.join(self.params)}" if self.params else "; it takes none"))
+        for key, value in params.items():
+            problem = self.params[key].check(key, value)
+            if problem:
+                raise ValueError(f"remedy {self.name!r}: {problem}")
+        self.p = {**{k: v.default for k, v in self.params.items()}, **params}
 
     @property
     def trades(self) -> str:
@@ -115,7 +121,7 @@ class Remedy:
         return _TRADES.get(self.cost, "quality")
 
     def __repr__(self) -> str:
-        extra = {k: v for k, v in self.p.items() if self.params.get(k) != v}
+        extra = {k: v for k, v in self.p.items() if self.params[k].default != v}
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in extra.items())})"
 
     # -- the four questions ------------------------------------------------------------------------------------

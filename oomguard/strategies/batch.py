@@ -14,6 +14,27 @@ from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, halve_request, register
+from .params import Param
+
+# TRL's loss types whose gradient does not depend on how a step's rows are split into micro-batches (TRL 1.16's
+# GRPOTrainer._compute_loss): a mean per sequence, a constant (dr_grpo: rows x max_completion_length) or the tokens of
+# the whole generation batch (dapo, cispo, vespo), each divided by the accumulation steps. ``bnpo`` divides each
+# micro-batch by its own token count, so a split weighs tokens differently.
+SPLIT_INVARIANT_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo"})
+
+
+def split_caveat(loss_type: str | None) -> str:
+    """What a micro-batch split does to the gradients under ``loss_type`` beyond time: nothing for the loss types
+    that normalise per sequence or per generation batch, a reweighting for those that normalise per micro-batch.
+
+    >>> split_caveat("dapo"), split_caveat("bnpo")
+    ('', '; bnpo normalises each micro-batch by its own tokens, so the gradients change slightly')
+    """
+    if loss_type is None or loss_type in SPLIT_INVARIANT_LOSSES:
+        return ""
+    if loss_type == "bnpo":
+        return "; bnpo normalises each micro-batch by its own tokens, so the gradients change slightly"
+    return f"; whether loss_type {loss_type} keeps the gradients under a split is not known"
 
 
 def _rows(n: int) -> str:
@@ -31,7 +52,7 @@ class FewerGenerations(Remedy):
     changes = ("num_generations", "per_device_train_batch_size", "steps_per_generation", "generation_batch_size",
                "gradient_accumulation_steps")
     shrinks_shapes = True
-    params = {"min_generations": 2}
+    params = {"min_generations": Param(2, int, low=2, text="the fewest completions per prompt it goes down to")}
 
     ROWS_ONLY = "fewer_prompts_per_step"
     ROWS_ONLY_NOTE = ("fewer prompts per optimizer step (num_generations kept): each step averages over fewer "
@@ -174,17 +195,20 @@ class MicroBatch(Remedy):
     graded = True
     changes = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
     shrinks_shapes = True
-    params = {"min_batch": 1}
+    params = {"min_batch": Param(1, int, low=1, text="the smallest per_device_train_batch_size it goes down to")}
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=8, gradient_accumulation_steps=2)
         >>> MicroBatch().describe_change(user, user.replace(per_device_train_batch_size=2, gradient_accumulation_steps=8))
         '8 micro-steps of 2 rows per step (yours: 2 of 8)'
+        >>> user = user.replace(loss_type="bnpo")
+        >>> MicroBatch().describe_change(user, user.replace(per_device_train_batch_size=4, gradient_accumulation_steps=4))
+        '4 micro-steps of 4 rows per step (yours: 2 of 8); bnpo normalises each micro-batch by its own tokens, so the gradients change slightly'
         """
         bs_u, ga_u, _ = user.geometry(world_size)
         bs, ga, _ = final.geometry(world_size)
-        return f"{ga} micro-steps of {_rows(bs)} per step (yours: {ga_u} of {bs_u})"
+        return f"{ga} micro-steps of {_rows(bs)} per step (yours: {ga_u} of {bs_u}){split_caveat(final.loss_type)}"
 
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.phase == "generation":

@@ -9,6 +9,7 @@ from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, halve_request, register
+from .params import Param, shrink_factor
 
 
 @register
@@ -21,7 +22,10 @@ class ShorterSequences(Remedy):
     graded = True
     changes = ("max_completion_length", "max_prompt_tokens")
     shrinks_shapes = True
-    params = {"factor": 0.5, "min_completion_length": 64, "prompt_tail_ratio": 1.25}
+    params = {"factor": shrink_factor(0.5, "what each step multiplies max_completion_length by"),
+              "min_completion_length": Param(64, int, low=1, text="the shortest completion length it goes down to"),
+              "prompt_tail_ratio": Param(1.25, float, low=1, text="how far the longest prompt may exceed the 95th "
+                                                                  "percentile before the long tail is dropped")}
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         parts = []

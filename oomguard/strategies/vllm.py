@@ -6,6 +6,7 @@ from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, register
+from .params import Param, shrink_factor
 
 
 @register
@@ -18,7 +19,9 @@ class VllmMemory(Remedy):
     graded = True
     changes = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length")
     addresses = "vllm"
-    params = {"factor": 0.75, "min_utilization": 0.1}
+    params = {"factor": shrink_factor(0.75, "what each step multiplies vllm_gpu_memory_utilization by"),
+              "min_utilization": Param(0.1, float, low=0, high=1, low_open=True,
+                                       text="the smallest vllm_gpu_memory_utilization it goes down to")}
 
     def foreign(self, ctx: Context) -> str | None:
         return None if ctx.value("use_vllm") else "the run does not use vLLM"

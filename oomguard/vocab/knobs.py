@@ -38,7 +38,9 @@ class Knobs:
     through accelerate), the DeepSpeed buffer sizes ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``,
     ``stage3_param_persistence_threshold`` (elements, or ``"auto"``: transformers sizes them from the model's hidden
     size; ``None``: the config leaves them to DeepSpeed's defaults) and ``overlap_comm``, ``fsdp_offload``. ``bf16``/``fp16`` (mixed precision: autocast) are read from the script for
-    the memory model; no rung changes them.
+    the memory model; no rung changes them. Nor does any rung change ``learning_rate`` and ``loss_type``: they are read
+    to tell what a change does to training (whether bf16 weights still move at this learning rate, whether a
+    micro-batch split keeps the gradients).
     """
 
     expandable_segments: bool | None = None
@@ -76,6 +78,8 @@ class Knobs:
     stage3_param_persistence_threshold: int | str | None = None
     overlap_comm: bool | None = None
     fsdp_offload: bool | None = None
+    learning_rate: float | None = None
+    loss_type: str | None = None
 
     # -- construction ----------------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> Knobs:
@@ -184,6 +188,8 @@ class Knobs:
             problems.append(f"max_split_size_mb must be more than 20 (PyTorch's minimum), not {self.max_split_size_mb}")
         if self.beta is not None and self.beta < 0:
             problems.append(f"beta must be >= 0, not {self.beta}")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            problems.append(f"learning_rate must be more than 0, not {self.learning_rate}")
         return problems
 
     # -- diff --------------------------------------------------------------------------------------------------
@@ -374,6 +380,8 @@ TRL_DEFAULTS = Knobs(
     stage3_param_persistence_threshold=None,
     overlap_comm=None,
     fsdp_offload=False,
+    learning_rate=1e-6,
+    loss_type="dapo",
 )
 
 
@@ -387,6 +395,7 @@ REACH: dict[str, frozenset[str]] = {
         "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
         "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing", "zero_stage",
         "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
+        "learning_rate", "loss_type",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
     "model": frozenset({"dtype", "load_in_4bit"}),
@@ -427,6 +436,10 @@ class RunFacts:
     trl_version: str | None = None
     trl_head: str | None = None
     trl_lacks: tuple[str, ...] = ()
+    # Measured on the loaded weights at the run's learning rate (oomguard.child.precision): the share of the weights
+    # that one AdamW step moves when they are stored in bfloat16 without a float32 master copy (None: not measured).
+    bf16_moving: float | None = None
+    bf16_supported: bool | None = None  # the device computes in bfloat16 (None: not known; CPUs do)
 
     def __post_init__(self) -> None:
         for name in ("missing_packages", "trl_lacks"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from .files import write_atomic
 from .oomreport import Frame, OOMReport
 from .schema import CRASH_SCHEMA, REPORT_SCHEMA, RecordError, check_schema
 
@@ -35,24 +35,8 @@ def now_iso() -> str:
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_json_default)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    """Write ``data`` as JSON to ``path`` atomically (``oomguard.vocab.files.write_atomic``) and return the path."""
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
 def publish(data: dict[str, Any], kept: str | os.PathLike[str], top: str | os.PathLike[str],
@@ -336,6 +320,9 @@ class RunReport:
     # what the stable config kept of the user's experiment and what it changed (oomguard.decide.experiment)
     experiment: dict[str, Any] | None = None
     group: dict[str, Any] | None = None  # a job on several nodes: this node's place in it (oomguard.run.group)
+    # one line each: what the user should know that is not an OOM (a config whose weights cannot move, a patch of
+    # oomguard's that failed)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -356,6 +343,7 @@ class RunReport:
             "alternatives": self.alternatives,
             **({"experiment": self.experiment} if self.experiment is not None else {}),
             **({"group": self.group} if self.group is not None else {}),
+            **({"warnings": self.warnings} if self.warnings else {}),
         }
 
     def write(self, path: str | os.PathLike[str]) -> Path:
@@ -400,7 +388,8 @@ def climbed_labels(climbed: Sequence[str | None]) -> list[str | None]:
 
 @dataclass(frozen=True)
 class CodeSeen:
-    """``config`` (GRPOConfig built) or ``trainer`` (GRPOTrainer built): the script's own values and run facts."""
+    """``config`` (GRPOConfig built) or ``trainer`` (GRPOTrainer built): the script's own values and run facts;
+    ``facts``: facts measured once the trainer holds its model (``RunFacts.bf16_moving``)."""
 
     point: str
     observed: dict[str, Any] = field(default_factory=dict)
@@ -527,6 +516,25 @@ class OverrideFailed:
 
 
 @dataclass(frozen=True)
+class PatchFailed:
+    """``patch_failed``: one of oomguard's patches (``patch``) raised when ``module`` was imported, so the knobs it
+    carries cannot reach the training process."""
+
+    module: str = ""
+    patch: str = ""
+    error: str = ""
+
+    def line(self) -> str:
+        """What the report and the terminal say.
+
+        >>> PatchFailed("trl.trainer.grpo_config", "patch_grpo_config", "KeyError: '__post_init__'").line()
+        "oomguard's patch of trl.trainer.grpo_config (patch_grpo_config) failed: KeyError: '__post_init__'; the knobs it carries cannot reach the training (please report it)"
+        """
+        return (f"oomguard's patch of {self.module} ({self.patch}) failed: {self.error}; the knobs it carries "
+                "cannot reach the training (please report it)")
+
+
+@dataclass(frozen=True)
 class OtherEvent:
     """Any other event (start, resume, probe_dataset, ...): kept whole, read by nobody in particular."""
 
@@ -535,7 +543,7 @@ class OtherEvent:
 
 
 ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
-              | PreflightStop | ProcessStarted | ProcessEnded | OverrideFailed | OtherEvent)
+              | PreflightStop | ProcessStarted | ProcessEnded | OverrideFailed | PatchFailed | OtherEvent)
 
 
 def _int(v: Any) -> int | None:
@@ -556,7 +564,7 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
     name = d.get("event")
     dict_or = lambda v: v if isinstance(v, dict) else {}  # noqa: E731
     who = {"pid": _int(d.get("pid")), "rank": _int(d.get("rank"))}
-    if name in ("config", "trainer"):
+    if name in ("config", "trainer", "facts"):
         return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")),
                         **who)
     if name == "model":
@@ -588,6 +596,8 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         reached = d.get("reached")
         return ProcessEnded(d["how"], code=_int(d.get("code")), error=d.get("error"), path=d.get("path"),
                             reached=tuple(str(r) for r in reached) if isinstance(reached, list) else (), **who)
+    if name == "patch_failed":
+        return PatchFailed(str(d.get("module") or ""), str(d.get("patch") or ""), str(d.get("error") or ""))
     if name == "override_error":
         return OverrideFailed(str(d.get("where") or ""), str(d.get("error") or ""), tuple(d.get("overrides") or ()))
     return OtherEvent(str(name), dict(d))
