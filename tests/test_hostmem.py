@@ -98,13 +98,13 @@ def test_resident_memory_near_the_limit_is_evidence(tmp_path):
     cg = _cgroup_v2(tmp_path / "cg", kills=0, limit=str(32 * GiB))
     watch = HostOOMWatch(cgroup=cg, kmsg=None, proc=proc)
     watch.start()
-    watch.sample(100, force=True)
+    watch.sample({100, 101}, force=True)
     assert watch.pids == {100, 101}
     (ev,) = watch.evidence()
     assert "29.50 GiB of resident memory, 92% of the cgroup's limit (32.00 GiB)" in ev
     small = HostOOMWatch(cgroup=_cgroup_v2(tmp_path / "cg2", kills=0, limit=str(64 * GiB)), kmsg=None, proc=proc)
     small.start()
-    small.sample(100, force=True)
+    small.sample({100, 101}, force=True)
     assert small.evidence() == [] and "29.50 GiB of the cgroup's limit" in small.describe_absence()
 
 

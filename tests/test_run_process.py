@@ -8,11 +8,12 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from oomguard.run.supervisor import UsageError, resolve_command
 
-from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard
+from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard, torchrun
 
 
 def test_command_forms(tmp_path):
@@ -123,3 +124,60 @@ def test_an_attempt_ends_only_when_its_whole_group_is_gone(tmp_path):
     gpid = int(res.stdout_tail.split()[0])
     assert not pid_alive(gpid)  # checked right away: no grace period
     assert res.returncode == 0 and res.survivors == []
+
+
+def _start_ranks(tmp_path, *flags):
+    """`oomguard run` over torchrun with 2 sleeping ranks; returns the process and the ranks' pids once both are up."""
+    proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", "--report", str(tmp_path / "report.json"),
+                             "--lock", str(tmp_path / "lock.json"), "--workdir", str(tmp_path / "wd"), "--",
+                             *torchrun(2, str(SCRIPTS / "sleeper_ranks.py"), *flags)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    ranks: dict[str, tuple[int, int]] = {}
+    deadline = time.time() + 120
+    while len(ranks) < 2 and time.time() < deadline:
+        m = re.search(r"rank=(\d) pid=(\d+) sid=(\d+)", proc.stdout.readline())
+        if m:
+            ranks[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    assert len(ranks) == 2, proc.stderr.read() if proc.poll() is not None else "ranks not up"
+    pids = [pid for pid, _ in ranks.values()]
+    assert all(sid == pid for pid, sid in ranks.values())  # torchrun gave each rank a session of its own
+    return proc, pids
+
+
+def _gone(pids, timeout=10.0):
+    deadline = time.time() + timeout
+    while any(pid_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.e2e
+def test_sigint_over_torchrun_with_two_ranks_leaves_no_process(tmp_path):
+    proc, ranks = _start_ranks(tmp_path)
+    launcher = psutil.Process(proc.pid).children()[0].pid
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=90) == 130
+    assert _gone([*ranks, launcher], timeout=2) == []  # gone by the time oomguard exits
+
+
+@pytest.mark.e2e
+def test_ranks_whose_launcher_dies_are_ended_with_the_attempt(tmp_path):
+    """torchrun killed outright (as the SIGKILL fallback or the OOM killer does) leaves its ranks, in sessions of
+    their own and deaf to SIGINT and SIGTERM, out of reach of its process group: the attempt still ends them all."""
+    proc, ranks = _start_ranks(tmp_path, "--stubborn")
+    launcher = psutil.Process(proc.pid).children()[0]
+    launcher.kill()
+    assert proc.wait(timeout=90) == 137  # a SIGKILL without OOM evidence: passed through, not retried
+    assert _gone(ranks, timeout=2) == []
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["attempts"]) == 1
+
+
+@pytest.mark.e2e
+def test_a_second_sigint_ends_stubborn_ranks_at_once(tmp_path):
+    proc, ranks = _start_ranks(tmp_path, "--stubborn")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert _gone(ranks, timeout=2) == []

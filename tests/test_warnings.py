@@ -37,8 +37,17 @@ def test_events_that_cannot_be_written_are_one_warning(tmp_path, capsys):
 
 
 class _FakeNVML(types.SimpleNamespace):
+    def nvmlDeviceGetCount(self):
+        return 1
+
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle):
+        return (9, 0)
+
+    def nvmlDeviceGetMigMode(self, handle):
+        return (0, 0)
 
     def nvmlDeviceGetMemoryInfo(self, handle):
         raise RuntimeError("NVMLError_NoPermission: Insufficient Permissions")

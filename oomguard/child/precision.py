@@ -47,8 +47,9 @@ def moving_share(model: Any, lr: float, dtype: str = "bfloat16", sample: int = S
 
 
 def facts(model: Any, args: Any) -> dict[str, Any]:
-    """The precision facts the supervisor reads (``RunFacts.bf16_moving``, ``bf16_supported``) for a trainer's
-    model and arguments; never raises (a model this cannot read simply reports nothing)."""
+    """The facts the supervisor reads once a trainer holds its model (``RunFacts.bf16_moving``, ``bf16_supported``,
+    and ``device_total``, the size of the device this process computes on as CUDA itself reports it); never raises
+    (a model this cannot read simply reports nothing)."""
     out: dict[str, Any] = {}
     try:
         import torch
@@ -58,6 +59,7 @@ def facts(model: Any, args: Any) -> dict[str, Any]:
             out["bf16_moving"] = moving_share(model, lr)
         if torch.cuda.is_available():
             out["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
+            out["device_total"] = int(torch.cuda.mem_get_info()[1])
     except Exception:  # a measurement, never a reason to fail the user's run
         pass
     return out

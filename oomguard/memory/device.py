@@ -3,10 +3,21 @@
 A CUDA context in the supervisor would take about 0.5 GiB from every GPU and seconds of start-up, so the parent
 asks the driver's management library instead. Everything degrades to ``None`` where there is no NVIDIA GPU.
 
->>> gpu_total_memory() is None or gpu_total_memory() > 0
-True
->>> gpu_name() is None or isinstance(gpu_name(), str)
-True
+The device asked about is the one the training process will see as ``cuda:0`` (``visible``): CUDA_VISIBLE_DEVICES'
+first entry, an index in CUDA's order (``CUDA_DEVICE_ORDER``: PCI bus order, which is NVML's, or CUDA's default
+fastest-first order), a ``GPU-<uuid>`` (or a unique prefix of one), or a ``MIG-<uuid>`` slice, whose size is the
+slice's own, not its card's. Where the order cannot be known for sure (fastest first on cards that differ), the
+training process's own ``torch.cuda.mem_get_info`` corrects the size once it runs (``RunFacts.device_total``).
+
+>>> nvml = FakeNVML([("Tesla V100-SXM2-32GB", 32 << 30, (7, 0), "GPU-aaa", []),
+...                  ("NVIDIA H100 80GB HBM3", 80 << 30, (9, 0), "GPU-bbb", [])])
+>>> handle_of(nvml, {}), handle_of(nvml, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})  # CUDA counts the fastest first
+('1', '0')
+>>> [handle_of(nvml, {"CUDA_VISIBLE_DEVICES": v}) for v in ("1", "GPU-aa", "GPU-ccc", "")]
+['0', '0', None, None]
+>>> mig = FakeNVML([("NVIDIA A100-SXM4-80GB", 80 << 30, (8, 0), "GPU-aaa", ["MIG-a1", "MIG-a2"])])
+>>> handle_of(mig, {"CUDA_VISIBLE_DEVICES": "MIG-a2"}), handle_of(mig, {})  # a card with MIG on shows CUDA a slice
+('MIG-a2', 'MIG-a1')
 """
 
 from __future__ import annotations
@@ -16,9 +27,86 @@ import sys
 from typing import Any
 
 
-def _visible_index() -> int:
-    """NVML numbers devices physically; CUDA_VISIBLE_DEVICES decides which one the training process sees first."""
-    return nvml_index(0) or 0
+def handle_of(nvml: Any, env: dict[str, str] | None = None, cuda_index: int = 0) -> Any:
+    """NVML's handle of the device the training process sees as ``cuda:<cuda_index>``, or None when
+    CUDA_VISIBLE_DEVICES names nothing NVML has (a stale UUID, an index out of range, an empty list)."""
+    env = os.environ if env is None else env
+    vis = env.get("CUDA_VISIBLE_DEVICES")
+    count = int(nvml.nvmlDeviceGetCount())
+    order = _cuda_order(nvml, count, env.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST"))
+    if vis is None:
+        return _whole_or_slice(nvml, order[cuda_index]) if cuda_index < len(order) else None
+    parts = [p.strip() for p in vis.split(",") if p.strip()]
+    if cuda_index >= len(parts):
+        return None
+    entry = parts[cuda_index]
+    if entry.isdigit():
+        i = int(entry)
+        return _whole_or_slice(nvml, order[i]) if i < len(order) else None
+    if entry.startswith("MIG-"):
+        return _mig_by_uuid(nvml, count, entry)
+    matches = [h for h in (nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count))
+               if _text(nvml.nvmlDeviceGetUUID(h)).startswith(entry if entry.startswith("GPU-") else f"GPU-{entry}")]
+    return _whole_or_slice(nvml, matches[0]) if len(matches) == 1 else None
+
+
+def _cuda_order(nvml: Any, count: int, order: str) -> list[Any]:
+    """The devices in CUDA's numbering: NVML's (PCI bus) order under ``PCI_BUS_ID``; else CUDA's fastest-first
+    order, taken as the newest compute capability first, then the most memory, PCI order breaking ties (exact for
+    cards that are all alike, the usual node)."""
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    if order.upper() == "PCI_BUS_ID":
+        return handles
+
+    def speed(h: Any) -> tuple[Any, ...]:
+        try:
+            cc = tuple(nvml.nvmlDeviceGetCudaComputeCapability(h))
+        except Exception:
+            cc = (0, 0)
+        try:
+            mem = int(nvml.nvmlDeviceGetMemoryInfo(h).total)
+        except Exception:
+            mem = 0
+        return (-cc[0], -cc[1], -mem)
+
+    return sorted(handles, key=speed)
+
+
+def _whole_or_slice(nvml: Any, handle: Any) -> Any:
+    """A card with MIG on shows CUDA its first slice, not the whole card."""
+    try:
+        current, _ = nvml.nvmlDeviceGetMigMode(handle)
+    except Exception:
+        return handle
+    if not current:
+        return handle
+    for j in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            return nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+        except Exception:
+            continue
+    return handle
+
+
+def _mig_by_uuid(nvml: Any, count: int, uuid: str) -> Any:
+    for i in range(count):
+        parent = nvml.nvmlDeviceGetHandleByIndex(i)
+        try:
+            slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
+        except Exception:
+            continue
+        for j in range(slots):
+            try:
+                h = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, j)
+            except Exception:
+                continue
+            if _text(nvml.nvmlDeviceGetUUID(h)) == uuid:
+                return h
+    return None
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def nvml_index(cuda_index: int, env: dict[str, str] | None = None) -> int | None:
@@ -115,6 +203,30 @@ def _nvml_error() -> str:
     return "it failed once and then worked"
 
 
+def gpu_bf16(index: int | None = None) -> bool | None:
+    """Whether the visible GPU computes in bfloat16 (compute capability 8.0, Ampere, or newer), or None where NVML
+    cannot tell. A V100 (7.0) or T4 (7.5) has no bfloat16: QLoRA computes in float16 there, and bf16 weights are
+    never a rung."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        major, _minor = _ask(nvml, index, _parent_capability(nvml))
+    except Exception:
+        return None
+    return int(major) >= 8
+
+
+def _parent_capability(nvml: Any) -> Any:
+    def cap(h: Any) -> Any:
+        try:
+            return nvml.nvmlDeviceGetCudaComputeCapability(h)
+        except Exception:  # a MIG slice: its card's
+            return nvml.nvmlDeviceGetCudaComputeCapability(nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h))
+
+    return cap
+
+
 def gpu_name(index: int | None = None) -> str | None:
     """Name of the first visible GPU as NVML reports it (``"NVIDIA H100 80GB HBM3"``), or None without NVML or a GPU.
 
@@ -157,11 +269,69 @@ def process_gpu_memory(pid: int, index: int | None = None) -> int | None:
 
 
 def _ask(nvml: Any, index: int | None, query: Any) -> Any:
-    """One NVML query about the visible GPU (``index`` or the first one CUDA sees), shutting NVML down after."""
+    """One NVML query about a GPU (NVML's ``index``, else the one the training process sees first: ``handle_of``),
+    shutting NVML down after."""
     try:
-        return query(nvml.nvmlDeviceGetHandleByIndex(_visible_index() if index is None else index))
+        handle = nvml.nvmlDeviceGetHandleByIndex(index) if index is not None else handle_of(nvml)
+        if handle is None:
+            raise LookupError("CUDA_VISIBLE_DEVICES names no device NVML has")
+        return query(handle)
     finally:
         try:
             nvml.nvmlShutdown()
         except Exception:
             pass
+
+
+class FakeNVML:
+    """An NVML with the cards given, for tests and doctests: ``(name, total bytes, compute capability, uuid, [MIG
+    slice uuids])`` each; a slice has an eighth of its card's memory."""
+
+    class _Mem:
+        def __init__(self, total: int) -> None:
+            self.total, self.used, self.free = total, 0, total
+
+    def __init__(self, cards: list[tuple[str, int, tuple[int, int], str, list[str]]]) -> None:
+        self.cards = cards
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.cards)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        return str(i)
+
+    def _card(self, h: str) -> Any:
+        if h.startswith("MIG-"):
+            return next(c for c in self.cards if h in c[4])
+        return self.cards[int(h)]
+
+    def nvmlDeviceGetUUID(self, h: str) -> str:
+        return h if h.startswith("MIG-") else self._card(h)[3]
+
+    def nvmlDeviceGetName(self, h: str) -> str:
+        return self._card(h)[0]
+
+    def nvmlDeviceGetMemoryInfo(self, h: str) -> Any:
+        total = self._card(h)[1]
+        return self._Mem(total // 8 if h.startswith("MIG-") else total)
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: str) -> tuple[int, int]:
+        if h.startswith("MIG-"):
+            raise RuntimeError("NVMLError_NotSupported")
+        return self._card(h)[2]
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: str) -> str:
+        return str(self.cards.index(self._card(h)))
+
+    def nvmlDeviceGetMigMode(self, h: str) -> tuple[int, int]:
+        on = int(bool(self._card(h)[4]))
+        return on, on
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: str) -> int:
+        return len(self._card(h)[4])
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: str, j: int) -> str:
+        return self._card(h)[4][j]
+
+    def nvmlShutdown(self) -> None:
+        pass

@@ -30,6 +30,7 @@ import errno
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,27 +133,6 @@ def _meminfo_total(proc: Path) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
-def group_members(pid: int, proc: Path = Path("/proc")) -> set[int]:
-    """``pid`` and its descendants that are alive, through ``/proc/PID/task/TID/children``."""
-    seen: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            tasks = os.listdir(proc / str(p) / "task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                todo += [int(c) for c in (proc / str(p) / "task" / t / "children").read_text().split()]
-            except (OSError, ValueError):
-                pass
-    return {p for p in seen if (proc / str(p)).exists()}
-
-
 def peak_rss(pid: int, proc: Path = Path("/proc")) -> int | None:
     """A process's resident-memory high-water mark (``VmHWM``) in bytes."""
     try:
@@ -215,13 +195,14 @@ class HostOOMWatch:
             except OSError:  # not readable for this user (dmesg_restrict), or no such device
                 self._kmsg_fd = None
 
-    def sample(self, pid: int, force: bool = False) -> None:
-        """Note the attempt's processes and their resident-memory high-water marks (at most once a second)."""
+    def sample(self, pids: Iterable[int], force: bool = False) -> None:
+        """Note the attempt's processes (``oomguard.run.proc.Tracker``) and their resident-memory high-water marks (at
+        most once a second)."""
         now = time.monotonic()
         if not force and now - self._last_sample < SAMPLE_EVERY:
             return
         self._last_sample = now
-        for p in group_members(pid, self.proc):
+        for p in pids:
             self.pids.add(p)
             hwm = peak_rss(p, self.proc)
             if hwm is not None:
@@ -295,5 +276,5 @@ class HostOOMWatch:
         return "; ".join(checks)
 
 
-__all__ = ["CGROUP_ENV", "CgroupFiles", "HostOOMWatch", "find_cgroup", "group_members", "kernel_oom_lines",
+__all__ = ["CGROUP_ENV", "CgroupFiles", "HostOOMWatch", "find_cgroup", "kernel_oom_lines",
            "peak_rss"]

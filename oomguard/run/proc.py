@@ -1,8 +1,10 @@
 """Launch one attempt: a fresh process group, output streamed live with a tail kept, signals forwarded.
 
-SIGINT and SIGTERM go to the whole process group of the child, grandchildren included. After the child exits, the
-group is killed and waited for (bounded) until none of its processes is left, so nothing the attempt started outlives
-it or still holds memory when the next attempt starts. While it runs, :class:`~oomguard.run.hostmem.HostOOMWatch`
+SIGINT and SIGTERM go to the whole process group of the child, grandchildren included (a launcher such as torchrun
+forwards them to its ranks). Every process the attempt starts is tracked while it runs (psutil), ranks that a
+launcher starts in sessions of their own included, and after the child exits the group and every tracked process
+are killed and waited for (bounded) until none is left, so nothing the attempt started outlives it or still holds
+memory when the next attempt starts. While it runs, :class:`~oomguard.run.hostmem.HostOOMWatch`
 gathers the evidence that tells a kernel OOM kill from any other SIGKILL.
 """
 
@@ -15,10 +17,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
+
+import psutil
 
 from .hostmem import HostOOMWatch
 
@@ -74,6 +77,7 @@ class Interrupts:
         self.signum: int | None = None
         self.count = 0
         self.pgid: int | None = None
+        self.tracker: Tracker | None = None  # the processes of the attempt running now
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> Interrupts:
@@ -91,8 +95,10 @@ class Interrupts:
         self.signum = self.signum or signum
         self.count += 1
         if self.pgid is not None:
-            # A second Ctrl-C means now.
+            # A second Ctrl-C means now: the ranks in sessions of their own too.
             _killpg(self.pgid, signal.SIGKILL if self.count > 1 else signum)
+            if self.count > 1 and self.tracker is not None:
+                self.tracker.signal(signal.SIGKILL)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -102,54 +108,33 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def process_alive(pid: int, proc: Path = Path("/proc")) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process ``pid`` is alive; a zombie (dead, waiting for its parent to reap it) is not.
 
-    >>> process_alive(os.getpid())
-    True
+    >>> process_alive(os.getpid()), process_alive(2**22 + 1)
+    (True, False)
     """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except PermissionError:
-        pass
-    fields = _stat_fields(proc, pid)
-    return fields is None or fields[0] not in ("Z", "X")  # without /proc, os.kill's answer stands
+    except psutil.AccessDenied:
+        return True
 
 
-def _stat_fields(proc: Path, pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after ``pid (comm)``: state, ppid, pgrp, ...; None when unreadable."""
-    try:
-        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-    return fields or None
-
-
-def group_alive(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+def group_alive(pgid: int) -> list[int]:
     """The processes of group ``pgid`` that are still alive; zombies (dead, waiting to be reaped) do not count.
 
-    >>> group_alive(os.getpgrp()) != []
-    True
+    >>> os.getpid() in group_alive(os.getpgrp()), group_alive(2**22 + 1)
+    (True, [])
     """
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        pass
     alive = []
-    try:
-        entries = os.listdir(proc)
-    except OSError:
-        return []
-    for name in entries:
-        if not name.isdigit():
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                alive.append(p.pid)
+        except (OSError, psutil.Error):
             continue
-        fields = _stat_fields(proc, name)
-        if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            alive.append(int(name))
     return alive
 
 
@@ -161,6 +146,129 @@ def wait_group_gone(pgid: int, timeout: float = GROUP_GONE_TIMEOUT, poll: float 
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(poll)
+
+
+def become_subreaper() -> bool:
+    """Make this process the one that orphans of its descendants are re-parented to (Linux' PR_SET_CHILD_SUBREAPER),
+    so that a rank whose launcher died (torchrun starts each rank in a session of its own, out of reach of a signal
+    to the launcher's process group) stays a descendant that ``Tracker`` finds. False where the kernel has no such
+    thing: there the tracker still knows every process it saw while the attempt ran.
+
+    >>> isinstance(become_subreaper(), bool)
+    True
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+class Tracker:
+    """Every process an attempt started, whatever session or process group it moved to: the descendants of the
+    attempt's command, seen at every tick while it runs, the orphans re-parented to this process (after
+    ``become_subreaper``), and the training processes the attempt's events name (``add``). ``sweep`` ends those still
+    alive and waits until they are gone, so none outlives the attempt or holds memory the next one needs.
+
+    A process is known by its PID and start time (psutil), so a PID the kernel gave to another process since is
+    never signalled.
+
+    >>> import subprocess, sys
+    >>> child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    >>> t = Tracker(os.getpid())
+    >>> t.look(); child.pid in t.pids()
+    True
+    >>> t.sweep(), process_alive(child.pid)
+    ([], False)
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.started = time.time()
+        self.me = psutil.Process()
+        try:  # this process's own helpers (a group's store helper), never the attempt's
+            self.before = {c.pid for c in self.me.children()} - {root}
+        except psutil.Error:
+            self.before = set()
+        self.procs: dict[int, psutil.Process] = {}
+
+    def pids(self) -> set[int]:
+        return set(self.procs)
+
+    def look(self) -> None:
+        """Note the attempt's processes as they are now."""
+        found: list[psutil.Process] = []
+        try:
+            found += psutil.Process(self.root).children(recursive=True)
+        except psutil.Error:
+            pass
+        try:
+            for c in self.me.children():
+                if c.pid in self.before or c.pid == self.root:
+                    continue
+                found.append(c)  # an orphan of the attempt, re-parented here
+                found += c.children(recursive=True)
+        except psutil.Error:
+            pass
+        for p in found:
+            self.procs.setdefault(p.pid, p)
+
+    def add(self, pid: int) -> None:
+        """A process the attempt's events name (a training process): ours only if it started with the attempt."""
+        if pid in self.procs or pid == self.root:
+            return
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() >= self.started - 1:
+                self.procs[pid] = p
+        except psutil.Error:
+            pass
+
+    def alive(self) -> list[psutil.Process]:
+        out = []
+        for p in self.procs.values():
+            try:
+                if p.is_running() and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    def signal(self, sig: int) -> None:
+        for p in self.alive():
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def sweep(self, timeout: float = GROUP_GONE_TIMEOUT) -> list[int]:
+        """Kill every process of the attempt still alive, reap those that are this process's children, and wait
+        until all are gone; returns the PIDs still alive when ``timeout`` ran out."""
+        self.look()
+        alive = self.alive()
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(alive, timeout=timeout)
+        for c in self._zombies():  # orphans re-parented here that ended on their own
+            try:
+                c.wait(timeout=0)
+            except (psutil.Error, psutil.TimeoutExpired):
+                pass
+        return [p.pid for p in left]
+
+    def _zombies(self) -> list[psutil.Process]:
+        try:
+            return [c for c in self.me.children() if c.pid not in self.before and c.pid != self.root
+                    and c.status() == psutil.STATUS_ZOMBIE]
+        except psutil.Error:
+            return []
 
 
 def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None) -> None:
@@ -195,18 +303,23 @@ TICK = 0.2  # seconds between looks at an attempt while it runs (signals, the su
 def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts, *, grace: float = 20.0,
                 echo: bool = True, on_stdout: Callable[[bytes], None] | None = None,
                 on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
-                on_tick: Callable[[], int | None] | None = None) -> ProcessResult:
+                on_tick: Callable[[], int | None] | None = None,
+                named: Callable[[], Iterable[int]] | None = None) -> ProcessResult:
     """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does.
 
     ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
-    the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang).
+    the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang), and to the
+    attempt's processes in sessions of their own. ``named``: the PIDs of training processes the attempt's events
+    name on this machine, tracked with the rest (``Tracker.add``). When it ends, every process the attempt started
+    is killed and waited for (``Tracker.sweep``).
     """
     start = time.monotonic()
     watch = HostOOMWatch()
     watch.start()
     proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, cwd=cwd)
-    interrupts.pgid = proc.pid
+    tracker = Tracker(proc.pid)
+    interrupts.pgid, interrupts.tracker = proc.pid, tracker
     out_tail, err_tail = Tail(), Tail()
     # sys.stdout/sys.stderr as they are now: under the live view they are rich's redirecting proxies.
     threads = [
@@ -225,23 +338,29 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     ended = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
     while not ended.wait(TICK):
+        tracker.look()
+        for pid in named() if named is not None else ():
+            tracker.add(pid)
         if interrupts.signum is not None:
             killed_at = killed_at or time.monotonic()
             if time.monotonic() - killed_at > grace:
                 _killpg(proc.pid, signal.SIGKILL)
+                tracker.signal(signal.SIGKILL)
         if on_tick is not None:
             sig = on_tick()
             if sig is not None:
                 _killpg(proc.pid, sig)
-        watch.sample(proc.pid)
+                tracker.signal(sig)
+        watch.sample({proc.pid, *tracker.pids()})
     rc = proc.returncode
     if on_tick is not None:
         on_tick()  # the last events
-    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank): kill the group
-    # and wait until it is gone, since a killed process still holds its memory until it has finished dying.
+    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank, ranks a dead
+    # launcher left in sessions of their own): kill them and wait until they are gone, since a killed process still
+    # holds its memory until it has finished dying.
     _killpg(proc.pid, signal.SIGKILL)
-    survivors = wait_group_gone(proc.pid)
-    interrupts.pgid = None
+    survivors = sorted(set(tracker.sweep()) | set(wait_group_gone(proc.pid)))
+    interrupts.pgid, interrupts.tracker = None, None
     for t in threads:
         t.join(timeout=5)
     res = ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start,

@@ -30,7 +30,7 @@ from ..decide.climb import Climb
 from ..decide.experiment import Experiment, precision_warning
 from ..decide.ladder import Exhausted, Ladder, Step, load_ladder
 from ..memory.allocmodel import context_for
-from ..memory.device import gpu_name, gpu_total_memory
+from ..memory.device import gpu_bf16, gpu_name, gpu_total_memory
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts, reachable
@@ -49,6 +49,7 @@ from ..vocab.records import (
     Outcome,
     OverrideFailed,
     PatchFailed,
+    ProcessStarted,
     RunReport,
     TrainBegin,
     now_iso,
@@ -72,7 +73,7 @@ from .follower import follow
 from .group import Group, GroupError, GroupTail, Membership
 from .launch import MULTI_GPU, facts_reason
 from .minimize import Minimizer
-from .proc import Interrupts, ProcessResult, process_alive, run_attempt
+from .proc import Interrupts, ProcessResult, become_subreaper, process_alive, run_attempt
 from .resume import resume_plan
 from .verdict import conclude
 from .watch import PROBE_DIR_PREFIX, Watch
@@ -148,9 +149,11 @@ class Supervisor:
             options.ladder,
             pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
             env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": self.user_max_split},
-            facts=RunFacts(alloc_conf_locked=user.locked_text()),
+            facts=RunFacts(alloc_conf_locked=user.locked_text(),
+                           bf16_supported=None if options.simulate_gpu else gpu_bf16()),
         )
         self.capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
+        self.sized_by_nvml = not (options.capacity or options.simulate_gpu or options.gpu_memory)
         simulated = bool(options.simulate_gpu)
         self.sim_context = (context_for(options.simulate_gpu, options.simulate_context) if simulated else None)
         self.device: dict[str, Any] = {}  # what the training process measured about the device (event `device`)
@@ -213,6 +216,7 @@ class Supervisor:
     def run(self) -> int:
         """Launch, classify, decide, until the climb says done or the budget is spent; then write the report."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        become_subreaper()  # orphaned ranks come back to this process, where the attempt's sweep finds them
         if self.o.ladder_reason:
             self._ladder_line(self.o.ladder_reason)
         if self.group is None:
@@ -322,7 +326,7 @@ class Supervisor:
         try:
             with self.ui.live():
                 return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
-                                   on_tick=lambda: self._tick(watch))
+                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch))
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
@@ -335,6 +339,11 @@ class Supervisor:
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+    def _ours(self, w: Watch) -> list[int]:
+        """The training processes of this attempt on this machine, as their events name them (ranks that a launcher
+        started in sessions of their own among them): tracked so that none outlives the attempt."""
+        return [e.pid for e in w.events if isinstance(e, ProcessStarted) and e.pid and e.where == self.here]
 
     def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
         name = f"plan-node{self.group.m.node}.json" if self.group else "plan.json"
@@ -475,12 +484,25 @@ class Supervisor:
                 if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
                     self.guide.set_context(int(ev.data["context_bytes"]))
         c.learn(facts)
+        self._take_device(facts.device_total)
         if facts.bf16_moving is not None:  # measured on the loaded weights: the user's own config may not learn
             self._warn(precision_warning(c.original(), facts))
         self._take_trl(facts.trl_version, facts.trl_head)
         if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
             c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
             self._ladder_line(why)
+
+    def _take_device(self, total: int | None) -> None:
+        """The size of the device the training process computes on, as CUDA reports it there: where the size came
+        from NVML and differs (a device order or a MIG layout NVML could not resolve), it is the one judged."""
+        if not total or not self.sized_by_nvml or total == self.capacity:
+            return
+        old, self.capacity = self.capacity, total
+        if self.guide is not None:
+            self.guide.capacity = total
+        self.ui.message(f"the training process sees a device of {format_size(total)}"
+                        + (f", not the {format_size(old)} NVML reported" if old else "")
+                        + ": predictions use its size from now on")
 
     def _warn(self, line: str | None) -> None:
         """Say ``line`` once, and keep it for the report."""

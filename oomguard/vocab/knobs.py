@@ -440,6 +440,7 @@ class RunFacts:
     # that one AdamW step moves when they are stored in bfloat16 without a float32 master copy (None: not measured).
     bf16_moving: float | None = None
     bf16_supported: bool | None = None  # the device computes in bfloat16 (None: not known; CPUs do)
+    device_total: int | None = None  # the device's size as the training process sees it (torch.cuda.mem_get_info)
 
     def __post_init__(self) -> None:
         for name in ("missing_packages", "trl_lacks"):
