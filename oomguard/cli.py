@@ -296,35 +296,23 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError) as e:
         _usage(str(e))
-    from .memory.calibration import builtin_description, load_calibration, machine_key
     from .memory.device import gpu_name
     from .memory.estimate import Coefficients
 
-    # what earlier runs on this machine learned (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
-    cal = load_calibration(machine_key(gpu_name(), simulated=False))
-    calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
-                   else {"source": "built-in", "description": builtin_description()})
-    coefficients = cal.apply(Coefficients()) if cal else None
     # the LM head of the TRL installed here (0.29-1.14 materialise the logits, 1.15 on fuse the head)
     from .run.command import trl_support
     from .vocab.trlrange import head_of
 
     trl = trl_support([sys.executable]).version
     facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
-    p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens, coefficients=coefficients)
-    alts = []
-    if p.steps and p.after is not None and p.after.fits(capacity):
-        from .decide.alternatives import alternatives
-        from .decide.plan import predictor
-
-        predict = predictor(spec, capacity, world_size=world_size, prompt_tokens=prompt_tokens,
-                            coefficients=coefficients, head=facts.trl_head)
-        from .memory.steptime import slowdown
-
-        alts = [a.to_dict() for a in alternatives(
-            k, p.steps[-1].knobs, p.rungs, facts, lambda x: predict(x).fits(capacity),
-            lambda x: predict(x).peak_bytes, ladder=lad,
-            slowdown=lambda a, b: slowdown(spec, a, b, prompt_tokens=prompt_tokens, world_size=world_size))]
+    # judged as `oomguard run` judges, with what earlier probes of this model on this machine learned
+    # (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
+    p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
+                  device_name=gpu_name() or "unknown GPU")
+    cal = p.guide.calibration if p.guide is not None else None
+    calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
+                   else {"source": "built-in", "description": p.guide.describe() if p.guide else ""})
+    alts = [a.to_dict() for a in p.alternatives()]
     from .decide.experiment import precision_warning
 
     warning = precision_warning(k, facts)

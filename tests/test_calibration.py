@@ -17,10 +17,11 @@ from oomguard.memory.calibration import (
     calibration_path,
     load_calibration,
     machine_key,
+    model_key,
     record_run,
 )
 from oomguard.memory.device import gpu_name
-from oomguard.memory.estimate import Coefficients
+from oomguard.memory.estimate import Coefficients, load_model_spec
 
 GiB = 2**30
 LLAMA = str(Path(__file__).resolve().parent / "fixtures" / "models" / "llama-3.2-1b")
@@ -143,9 +144,12 @@ def test_plan_says_which_calibration_it_used():
     assert "calibration: built-in: fitted to H100 measurements, 2026-11-22" in text.stdout
     before = json.loads(plan("--json").stdout)
     assert before["calibration"] == {"source": "built-in", "description": builtin_description()}
-    # a run on this machine measured 10% less than the built-in model predicted: plan starts from that
+    # a probe of another model on this machine teaches this one nothing
     key = machine_key(gpu_name(), simulated=False)
-    record_run(key, 10 * GiB, 9 * GiB, int(9.5 * GiB))
+    record_run(key, 10 * GiB, 5 * GiB, int(5.5 * GiB), model="L2 h64 i256 a4/4x16 v1000")
+    assert json.loads(plan("--json").stdout)["calibration"]["source"] == "built-in"
+    # a probe of this model measured 10% less than the built-in model predicted: plan starts from that
+    record_run(key, 10 * GiB, 9 * GiB, int(9.5 * GiB), model=model_key(load_model_spec(LLAMA)))
     after = json.loads(plan("--json").stdout)
     assert after["calibration"]["source"] == "machine" and after["calibration"]["runs"] == 1
     assert after["peak_bytes"] < before["peak_bytes"]

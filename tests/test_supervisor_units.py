@@ -101,3 +101,32 @@ def test_minimize_never_probes_the_same_overrides_twice():
     assert "shorter_sequences" in names
     # without lora, load_4bit brings its own LoRA r=16: the same knobs as with it, so that trial is skipped
     assert "lora" not in names
+
+
+def test_the_machine_calibration_keeps_worst_case_probes_of_this_model_only(tmp_path, monkeypatch):
+    """A real run's completions may stop early, so its peak is below the worst case the model predicts; only a
+    passing probe (the worst case) is recorded, under this model's shape, and another model's probes never scale
+    this one's predictions."""
+    from oomguard.decide.plan import Guide
+    from oomguard.memory.calibration import load_calibration, machine_key, model_key
+    from oomguard.memory.estimate import ModelSpec
+
+    monkeypatch.setenv("OOMGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    sup = supervisor(tmp_path)
+    sup.guide = Guide(24 * 2**30, device_name="NVIDIA H100 80GB HBM3")
+    key = machine_key("NVIDIA H100 80GB HBM3", simulated=False)
+    mk = model_key(ModelSpec.from_config(LLAMA))
+    sup._teach_guide(attempt(1, AttemptKind.RUN, Outcome.OK, sup, step=5, peak_bytes=5 * 2**30), None)
+    assert load_calibration(key) is None
+    sup._teach_guide(attempt(2, AttemptKind.PROBE, Outcome.OK, sup, step=2, peak_bytes=9 * 2**30,
+                             peak_reserved_bytes=10 * 2**30), None)
+    cal = load_calibration(key, model=mk)
+    assert cal is not None and cal.runs == 1 and load_calibration(key, model="L2 h64 i256 a4/4x16 v1000") is None
+    # a later run of the same model starts from it; one of another model does not
+    same = Guide(24 * 2**30, device_name="NVIDIA H100 80GB HBM3")
+    same.predict(sup.climb.facts, sup.climb.effective()[0])
+    assert same.calibration is not None and same.coefficients.scale == cal.apply(same.base).scale
+    other = Guide(24 * 2**30, device_name="NVIDIA H100 80GB HBM3")
+    other.predict(RunFacts(model_config={**LLAMA, "num_hidden_layers": 8}, prompt_tokens_max=200),
+                  sup.climb.effective()[0])
+    assert other.calibration is None and other.coefficients == other.base

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..memory.calibration import builtin_description, load_calibration, machine_key, record_run
+from ..memory.calibration import builtin_description, load_calibration, machine_key, model_key, record_run
 from ..memory.estimate import (
     STOP_ALLOWANCE,
     Coefficients,
@@ -32,11 +32,11 @@ from ..memory.estimate import (
     measured_error,
 )
 from ..memory.steptime import slowdown
-from ..strategies import Context
 from ..vocab.knobs import Knobs, RunFacts
 from ..vocab.trlrange import HEADS
-from .cheapest import cheapest
-from .choose import Rung, choose
+from .alternatives import Alternative, alternatives
+from .choose import Rung
+from .climb import Climb
 from .ladder import Ladder, Step, load_ladder
 
 
@@ -50,6 +50,15 @@ class Plan:
     exhausted: bool = False
     rungs: list[Rung] = field(default_factory=list)  # the suggested rungs as the choice keeps them (relaxed values)
     choose_by: str = "cost"  # how the ladder chose them (its ``choose_by``)
+    guide: Guide | None = None  # the judge, as `oomguard run` would judge
+    facts: RunFacts | None = None
+    climb: Climb | None = None  # the choice as `oomguard run` makes it (None when the config fits as it is)
+
+    def alternatives(self) -> list[Alternative]:
+        """Configs predicted to fit that trade differently from the suggestion (``Guide.alternatives``)."""
+        if self.guide is None or self.climb is None or not self.steps or self.after is None:
+            return []
+        return self.guide.alternatives(self.climb, self.steps[-1].knobs)
 
     @property
     def fits(self) -> bool:
@@ -99,40 +108,38 @@ def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tok
 
 def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
               facts: RunFacts | None = None, prompt_tokens: int | None = None,
-              coefficients: Coefficients | None = None, simulated: bool = False) -> Plan:
-    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the ladder prefix that does. The LM
-    head is ``facts.trl_head`` (the installed TRL's, where the caller knows it), else the newest TRL's."""
-    facts = facts or RunFacts()
-    predict = predictor(spec, capacity, world_size=facts.world_size, prompt_tokens=prompt_tokens,
-                        coefficients=coefficients, simulated=simulated, head=facts.trl_head)
-    est = predict(knobs)
-    plan = Plan(estimate=est, capacity=capacity, knobs=knobs)
+              coefficients: Coefficients | None = None, simulated: bool = False,
+              device_name: str | None = None) -> Plan:
+    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the config ``oomguard run`` would
+    choose: the same ``Climb.choose_next`` judged by the same ``Guide`` (the model's error kept free as headroom where
+    a config has it), so plan never recommends a config run would not pick. The LM head is ``facts.trl_head`` (the
+    installed TRL's, where the caller knows it), else the newest TRL's; ``device_name`` (NVML's) loads what earlier
+    probes of this model on this machine taught, unless ``coefficients`` are given."""
+    facts = (facts or RunFacts()).replace(model_source=(facts.model_source if facts else None) or "string",
+                                          prompt_tokens_max=prompt_tokens)
+    guide = Guide(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
+    guide.set_trl(facts.trl_head)
+    est = guide.predict(facts, knobs)
+    assert est is not None  # the spec is fixed: only knobs the model cannot judge fail, and those raise
+    plan = Plan(estimate=est, capacity=capacity, knobs=knobs, guide=guide, facts=facts)
     if est.fits(capacity):
         return plan
     lad = ladder or load_ladder("default")
-
-    def fits(k: Knobs) -> bool:
-        return predict(k).fits(capacity)
-
-    ctx = Context(knobs=knobs, facts=facts)
-    by_cost = lad.choose_by == "cost"
-    steps, exhausted = lad.climb_by_cost(ctx, fits) if by_cost else lad.climb_to_fit(ctx, fits)
-    plan.exhausted = exhausted is not None
-    if steps and not plan.exhausted:
-        # keep only what memory demands: drop rungs the prediction shows are not needed, relax graded knobs
-        order = [r.name for r in lad.rungs]
-        climbed = [Rung(s.remedy) for s in steps]
-        choice = (cheapest(knobs, climbed, fits, order=order, facts=facts) if by_cost
-                  else choose(knobs, climbed, fits, order=order, facts=facts))
-        if choice is not None:
-            kept = {r.name for r in choice.rungs}
-            steps = list({s.remedy.name: s for s in steps if s.remedy.name in kept}.values())  # one per rung
-            plan.rungs = list(choice.rungs)
-            if steps:
-                steps[-1] = replace(steps[-1], knobs=choice.knobs)
-    plan.steps = steps
+    climb = Climb(lad, base=knobs, facts=facts)
+    decision = climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
+                                 relax_fits=guide.fits(facts, guide.relax_margin))
+    plan.climb = climb
     plan.choose_by = lad.choose_by
-    plan.after = predict(steps[-1].knobs) if steps else None
+    if decision.exhausted is not None:
+        plan.exhausted = True
+        return plan
+    final = climb.effective()[0]
+    kept = {r.name for r in climb.applied}
+    steps = list({s.remedy.name: s for s in decision.steps if s.remedy.name in kept}.values())  # one per rung
+    if steps:
+        steps[-1] = replace(steps[-1], knobs=final)
+    plan.steps, plan.rungs = steps, list(climb.applied)
+    plan.after = guide.predict(facts, final) if steps else None
     return plan
 
 
@@ -163,7 +170,7 @@ class Guide:
 
     def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
                  coefficients: Coefficients | None = None, context: int | None = None,
-                 device_name: str | None = None, warn: Any = None) -> None:
+                 device_name: str | None = None, warn: Any = None, spec: ModelSpec | None = None) -> None:
         self.capacity = capacity
         self.simulated = simulated
         self.margin = (0.02 if simulated else 0.05) if margin is None else margin
@@ -178,10 +185,31 @@ class Guide:
         # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
         self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
         self.warn = warn
-        kw = {"warn": warn} if warn else {}
-        self.calibration = load_calibration(self.key, **kw) if self.key else None
-        self.coefficients = coefficients or (self.calibration.apply(base) if self.calibration else base)
+        self.fixed_spec = spec  # `oomguard plan`: the model is known before anything runs
+        # what earlier probes of the same model on this machine learned: loaded once the model is known
+        self.calibration = None
+        self.calibrated_for: str | None = None
+        self.given = coefficients is not None
+        self.coefficients = coefficients or base
+        if spec is not None:
+            self._calibrate(spec)
         self.doubt, self.doubt_source = self.stop_margin()
+
+    def _calibrate(self, spec: ModelSpec) -> None:
+        """Load what earlier worst-case probes of this model on this machine taught (``memory.calibration``), the
+        first time the model is known and before this run has taught anything: another model's runs never apply."""
+        mk = model_key(spec)
+        if self.key is None or self.given or mk == self.calibrated_for:
+            return
+        first = self.calibrated_for is None
+        self.calibrated_for = mk
+        if not first:
+            return  # the coefficients already carry what this run learned
+        kw = {"warn": self.warn} if self.warn else {}
+        self.calibration = load_calibration(self.key, model=mk, **kw)
+        if self.calibration is not None:
+            self.coefficients = self.calibration.apply(self.base)
+            self.doubt, self.doubt_source = self.stop_margin()
 
     def _relax_margin(self) -> float:
         if self.fixed_margin:
@@ -240,7 +268,8 @@ class Guide:
         return facts.trl_head or self.head
 
     def record(self, facts: RunFacts, knobs: Knobs, peak: int | None, reserved: int | None) -> None:
-        """Keep a completed run's measured peaks in this machine's calibration (``oomguard.memory.calibration``)."""
+        """Keep a passing worst-case probe's measured peaks in this machine's calibration for this model
+        (``oomguard.memory.calibration``): the probe runs the worst case the prediction is for."""
         if self.key is None or not peak:
             return
         spec = self.spec(facts)
@@ -253,15 +282,20 @@ class Guide:
         except ValueError:
             return
         kw = {"warn": self.warn} if self.warn else {}
-        record_run(self.key, est.peak_alloc_bytes, peak, reserved, expandable=bool(knobs.expandable_segments), **kw)
+        record_run(self.key, est.peak_alloc_bytes, peak, reserved, expandable=bool(knobs.expandable_segments),
+                   model=model_key(spec), **kw)
 
     def spec(self, facts: RunFacts) -> ModelSpec | None:
+        if self.fixed_spec is not None:
+            return self.fixed_spec
         if not facts.model_config:
             return None
         try:
-            return ModelSpec.from_config(facts.model_config)
+            spec = ModelSpec.from_config(facts.model_config)
         except (ValueError, KeyError, TypeError):
             return None
+        self._calibrate(spec)
+        return spec
 
     def predict(self, facts: RunFacts, knobs: Knobs) -> Estimate | None:
         spec = self.spec(facts)
@@ -360,6 +394,16 @@ class Guide:
             return est is not None and est.peak_bytes <= limit
 
         return maybe
+
+    def alternatives(self, climb: Climb, final: Knobs) -> list[Alternative]:
+        """Configs predicted to fit with the model's error as headroom that trade differently from ``final``, the
+        config ``climb`` chose (``oomguard.decide.alternatives``): one computation for `oomguard run`'s end and
+        `oomguard plan`."""
+        fits = self.fits(climb.facts, self.relax_margin)
+        if fits is None:
+            return []
+        return alternatives(climb.original(), final, climb.applied, climb.facts, fits, self.peak(climb.facts),
+                            ladder=climb.ladder, skip=tuple(climb.refused), slowdown=self.slowdown(climb.facts))
 
     def slowdown(self, facts: RunFacts) -> Any:
         """A (before, after) -> how much longer a step of ``after`` is predicted to take (0.1 for 10%), or None;

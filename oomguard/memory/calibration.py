@@ -2,10 +2,16 @@
 
 The built-in :class:`~oomguard.memory.estimate.Coefficients` are fitted to one H100 with torch 2.11 and TRL 1.16.
 Another GPU, driver, torch or TRL version shifts the allocated peak by a few percent and the allocator's margin more. So
-every run that completes records what the built-in model predicted next to what the process measured, keyed by GPU
-name + torch version + TRL version, and later runs and ``oomguard plan`` on the same machine start from the robust
-aggregate of the last :data:`KEEP` runs: the median of measured/predicted (applied as ``scale``) and the median
-reserved/allocated margin (``f_frag``, or ``f_frag_expandable`` for runs with expandable segments).
+every probe that passes records what the built-in model predicted next to what the process measured, keyed by GPU
+name + torch version + TRL version and by the model's shape (``model_key``), and later runs and ``oomguard plan`` of
+the same model on the same machine start from the robust aggregate of the last :data:`KEEP` of them: the median of
+measured/predicted (applied as ``scale``) and the median reserved/allocated margin (``f_frag``, or
+``f_frag_expandable`` for runs with expandable segments).
+
+Like is compared with like: a probe runs the worst case the prediction is for (full-length completions, the
+longest prompts), where a real run's completions may stop early and its peak be lower than the worst case, which
+would teach every later prediction to be too low. Another model's runs never scale this one's predictions, and the
+spread of recorded runs replaces the pre-flight's built-in margin only above a floor (:data:`ERROR_FLOOR`).
 
 One JSON file, ``calibration.json`` in ``$OOMGUARD_CACHE_DIR``, else ``$XDG_CACHE_HOME/oomguard``, else
 ``~/.cache/oomguard``. Writes are atomic (a temporary file, then ``os.replace``) under an advisory lock, so two
@@ -44,8 +50,8 @@ from filelock import FileLock
 from ..vocab.files import write_atomic
 from .estimate import Coefficients
 
-__all__ = ["KEEP", "Calibration", "builtin_description", "cache_dir", "calibration_path", "load_calibration",
-           "machine_key", "record_run"]
+__all__ = ["ERROR_FLOOR", "KEEP", "Calibration", "builtin_description", "cache_dir", "calibration_path",
+           "load_calibration", "machine_key", "model_key", "record_run"]
 
 SCHEMA = "oomguard.calibration/1"
 FILE_NAME = "calibration.json"
@@ -53,6 +59,9 @@ KEEP = 20  # runs kept per machine key: the median of the last KEEP is what appl
 RATIO_BOUNDS = (0.5, 2.0)  # a measured/predicted outside these is a broken record, not a calibration
 FRAG_BOUNDS = (0.0, 1.0)
 SPREAD_RUNS = 3  # runs with a reserved peak before their own spread sets the pre-flight's margin
+# The least over-prediction the recorded spread may claim for the pre-flight's margin: a few runs that happened to
+# agree must not take the margin to nothing (the built-in fit's own error is 3.4% on the H100 rows).
+ERROR_FLOOR = 0.02
 
 Warn = Callable[[str], None]
 
@@ -91,6 +100,17 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "none"
+
+
+def model_key(spec: Any) -> str:
+    """The model's shape, which a calibration is also valid for: layers, widths, heads, vocabulary, tying.
+
+    >>> from oomguard.memory.estimate import ModelSpec
+    >>> model_key(ModelSpec(128256, 2048, 16, 32, 8, 64, 8192, True))
+    'L16 h2048 i8192 a32/8x64 v128256 tied'
+    """
+    return (f"L{spec.num_layers} h{spec.hidden_size} i{spec.intermediate_size} a{spec.num_heads}/{spec.num_kv_heads}"
+            f"x{spec.head_dim} v{spec.vocab_size}{' tied' if spec.tie_word_embeddings else ''}")
 
 
 def machine_key(device_name: str | None, *, simulated: bool) -> str:
@@ -153,6 +173,8 @@ class Calibration:
         ...              for m in (95, 100, 105))
         >>> round(Calibration("k", runs).device_error(), 3), Calibration("k", runs[:2]).device_error() is None
         (0.053, True)
+        >>> Calibration("k", runs[1:2] * 3).device_error() == ERROR_FLOOR  # three runs that agree: the floor
+        True
         """
         used = [e for e in self.entries if e.get("reserved")]
         if len(used) < SPREAD_RUNS:
@@ -162,7 +184,7 @@ class Calibration:
             frag = (self.frag_expandable if e.get("expandable") else self.frag) or 0.0
             predicted = e["predicted"] * self.alloc_ratio * (1 + frag)
             worst = max(worst, predicted / e["reserved"] - 1)
-        return worst
+        return max(worst, ERROR_FLOOR)
 
     def apply(self, base: Coefficients) -> Coefficients:
         """``base`` corrected by these runs: ``scale`` times the median ratio, and the measured margins.
@@ -255,26 +277,33 @@ def _write(path: Path, machines: dict[str, list[dict[str, Any]]]) -> None:
     write_atomic(path, body + "\n")
 
 
-def load_calibration(key: str, *, warn: Warn = _stderr) -> Calibration | None:
-    """The calibration recorded under ``key``, or None (no file, no runs for this key, or an unusable file)."""
-    entries = _read(calibration_path(), warn).get(key)
-    return Calibration(key, tuple(entries)) if entries else None
+def load_calibration(key: str, *, model: str | None = None, warn: Warn = _stderr) -> Calibration | None:
+    """The calibration recorded under ``key`` for ``model`` (a ``model_key``; None: every entry), or None (no file,
+    no runs for this key and model, or an unusable file)."""
+    return _of_model(key, _read(calibration_path(), warn).get(key) or [], model)
+
+
+def _of_model(key: str, entries: list[dict[str, Any]], model: str | None) -> Calibration | None:
+    mine = [e for e in entries if model is None or e.get("model") == model]
+    return Calibration(key, tuple(mine)) if mine else None
 
 
 def record_run(key: str, predicted_alloc: int, measured_alloc: int, measured_reserved: int | None, *,
-               expandable: bool = False, warn: Warn = _stderr) -> Calibration | None:
-    """Add one completed run under ``key`` and return the updated calibration (None if nothing could be stored).
+               expandable: bool = False, model: str | None = None, warn: Warn = _stderr) -> Calibration | None:
+    """Add one worst-case probe under ``key`` (and ``model``, its ``model_key``) and return the updated calibration
+    of that model (None if nothing could be stored).
 
-    ``predicted_alloc`` is what the *built-in* coefficients (scale 1) predicted, so corrections never compound;
-    ``measured_alloc`` / ``measured_reserved`` are the run's ``max_memory_allocated`` / ``max_memory_reserved``.
-    Record only runs that completed their steps: an OOM's peak is not the configuration's. A cache that cannot be
-    written gives one warning line and the run goes on.
+    ``predicted_alloc`` is what the *built-in* coefficients (scale 1) predicted for the probe's worst case, so
+    corrections never compound; ``measured_alloc`` / ``measured_reserved`` are the probe's ``max_memory_allocated`` /
+    ``max_memory_reserved``. Record only probes that completed their steps: an OOM's peak is not the configuration's,
+    and a real run's may be below its worst case. A cache that cannot be written gives one warning line and the run
+    goes on.
     """
     if predicted_alloc <= 0 or measured_alloc <= 0:
         return None
     entry = {"predicted": int(predicted_alloc), "measured": int(measured_alloc),
              "reserved": int(measured_reserved) if measured_reserved else None, "expandable": bool(expandable),
-             "time": round(time.time(), 1)}
+             "time": round(time.time(), 1), **({"model": model} if model else {})}
     path = calibration_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,4 +315,4 @@ def record_run(key: str, predicted_alloc: int, measured_alloc: int, measured_res
         warn(f"cannot save the calibration to {path} ({e.strerror or e}); set OOMGUARD_CACHE_DIR to a writable "
              "directory to keep what runs learn")
         return None
-    return Calibration(key, tuple(machines[key]))
+    return _of_model(key, machines[key], model)

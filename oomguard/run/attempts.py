@@ -1,0 +1,259 @@
+"""One attempt of ``oomguard run``, from its plan to its record: the plan file and environment of the launch, the
+process watched while it runs (its events, the live view, a rank that died while others hang, a node of a group
+that must stop), and how it ended (``classify``) with what the training process said of itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..decide.climb import Climb
+from ..vocab import allocconf
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.knobs import Knobs
+from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, Plan
+from ..vocab.records import (
+    Attempt,
+    AttemptKind,
+    CheckpointSaved,
+    CodeSeen,
+    ConfigGenerated,
+    EventTail,
+    Outcome,
+    OverrideFailed,
+    PatchFailed,
+    ProcessStarted,
+    TrainBegin,
+    write_json_atomic,
+)
+from .classify import classify
+from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
+from .group import Group, GroupError, GroupTail
+from .options import BOOT_DIR, Reporter, RunOptions
+from .proc import ProcessResult, process_alive, run_attempt
+from .resume import resume_plan
+from .watch import PROBE_DIR_PREFIX, Watch
+
+
+class Attempts:
+    """The Supervisor's part that launches and watches one attempt (a mixin of ``Supervisor``)."""
+
+    # the Supervisor's state these methods read and write (set in Supervisor.__init__)
+    argv: list[str]
+    o: RunOptions
+    ui: Reporter
+    climb: Climb
+    guide: Any
+    group: Group | None
+
+    def _launch(self, kind: AttemptKind) -> tuple[Attempt, Diagnosis | None]:
+        """Run one attempt of ``kind`` to its end and return its record and, for an OOM, its diagnosis."""
+        c = self.climb
+        index = len(c.attempts) + 1
+        without = self.minimizer.trial if kind == AttemptKind.MINIMIZE else None
+        knobs = c.effective(without)[0]
+        adir = self.group.attempt_dir(index) if self.group else self.run_dir / f"attempt-{index}"
+        adir.mkdir(parents=True, exist_ok=True)
+        events_path = self.group.events_path(index) if self.group else adir / "events.jsonl"
+        remedies = c.remedies_in_force(without)
+        # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
+        # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
+        scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
+        probe = ({"steps": self.o.probe_steps, "rows": 64, "output_dir": str(scratch)} if scratch is not None
+                 else None)
+        resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
+                  if kind == AttemptKind.RUN else None)
+        plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
+                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(events_path),
+                    remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
+                    checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN else None)
+        self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides, kind)
+        if resume:
+            self.ui.message(f"  {resume['mode']}: {resume['why']}")
+        watch = Watch(kind, knobs, GroupTail(adir) if self.group else EventTail(events_path),
+                       self._progress_state(index, kind, remedies))
+        if self.group is not None:
+            self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
+                                       c.actions_in_force(without), "max_attempts": self.o.max_attempts,
+                                       "alloc": self._alloc_options(knobs)})
+        res = self._start(self._env(self._write_plan(adir, plan), knobs), watch, scratch)
+        if self.group is not None:
+            self._gather(index, res, watch)
+        self._watch(watch, live=False)  # the last lines the process wrote
+        events = watch.events
+        self._learn(events)
+        attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message)
+        attempt.kind, attempt.resume = kind, resume
+        if self.group_failure is not None:
+            attempt.outcome, attempt.note = Outcome.FAILED, self.group_failure
+            attempt.exit_code = attempt.exit_code or 1
+        for g in (e for e in events if isinstance(e, ConfigGenerated)):
+            attempt.generated = {**(attempt.generated or {}),
+                                 g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
+        broken = [e for e in events if isinstance(e, PatchFailed)]
+        for e in broken:
+            self._warn(e.line())
+            self.broken = self.broken or e.line()
+        if kind != AttemptKind.RUN and not any(isinstance(e, CodeSeen) and e.point == "config" for e in events):
+            attempt.kind = AttemptKind.RUN  # no GRPOConfig to shorten: the "probe" was the whole command
+            if broken:
+                attempt.note = broken[0].line()
+            elif attempt.outcome != Outcome.FAILED:
+                attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
+            elif not attempt.note:  # what a training process said of its failure stays the reason
+                attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
+        # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
+        attempt.knobs = c.effective(without)[0].to_dict()
+        broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
+        if attempt.outcome == Outcome.FAILED and broke is not None:
+            attempt.override_error = {"where": broke.where, "error": broke.error}
+        self._teach_guide(attempt, diag)
+        return attempt, diag
+
+    def _start(self, env: dict[str, str], watch: Watch, scratch: Path | None) -> ProcessResult:
+        """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
+        126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
+        writes a whole copy of it there."""
+        try:
+            with self.ui.live():
+                return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
+                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch))
+        except FileNotFoundError:
+            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
+        except PermissionError:
+            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+        except OSError as e:  # ENOEXEC: a script without a #! line, a binary for another machine
+            why = ("the kernel cannot run it (no #! line naming an interpreter, or a binary for another machine); "
+                   f"add a #! line, or run it through its interpreter (`oomguard run -- bash {self.argv[0]}`)"
+                   if e.errno == errno.ENOEXEC else e.strerror or str(e))
+            raise UsageError(f"cannot execute {self.argv[0]}: {why}", EXIT_NOT_EXECUTABLE) from None
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _ours(self, w: Watch) -> list[int]:
+        """The training processes of this attempt on this machine, as their events name them (ranks that a launcher
+        started in sessions of their own among them): tracked so that none outlives the attempt."""
+        return [e.pid for e in w.events if isinstance(e, ProcessStarted) and e.pid and e.where == self.here]
+
+    def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
+        name = f"plan-node{self.group.m.node}.json" if self.group else "plan.json"
+        return write_json_atomic(adir / name, plan if isinstance(plan, dict) else plan.to_dict())
+
+    def _tick(self, w: Watch) -> int | None:
+        """While an attempt runs: its events (``_watch``), and in a group, whether the group told this node to stop
+        (SIGTERM, then SIGKILL after the grace)."""
+        sig = self._watch(w)
+        if self.group is None or sig is not None:
+            return sig
+        if w.trouble_at is None:
+            why = self.group.trouble()
+            if why is None:
+                return None
+            w.trouble_at = time.monotonic()
+            self.group_failure = self.group.failure
+            if self.group_failure is not None:
+                self.group.fail(self.group_failure)  # every node ends with it (the first word stays)
+            self.ui.message(f"stopping this node's command: {why}")
+        return signal.SIGKILL if time.monotonic() - w.trouble_at > self.o.grace else signal.SIGTERM
+
+    def _gather(self, index: int, res: Any, w: Watch) -> None:
+        """Leader: wait for every node's command to end, and take their word (interrupts, host OOM kills) into
+        ``res``; a node that falls silent ends the group."""
+        assert self.group is not None
+        try:
+            for node, r in sorted(self.group.gather(index, tick=lambda: self._watch(w, live=False)).items()):
+                res.interrupted = res.interrupted or r.get("interrupted")
+                res.host_oom.extend(f"node {node}: {e}" for e in r.get("host_oom") or [])
+                res.host_strong = res.host_strong or bool(r.get("host_strong"))
+                res.survivors.extend(r.get("survivors") or [])
+        except GroupError as e:
+            self.group_failure = str(e)
+            self.group.fail(str(e))
+
+    def _env(self, plan_path: Path, knobs: Knobs) -> dict[str, str]:
+        return self._env_with(plan_path, self._alloc_options(knobs))
+
+    def _alloc_options(self, knobs: Knobs) -> dict[str, str]:
+        """The allocator options oomguard adds to the user's own for ``knobs``."""
+        return allocconf.added(knobs.expandable_segments, knobs.max_split_size_mb,
+                               had_expandable=self.user_expandable, had_max_split=self.user_max_split)
+
+    def _env_with(self, plan_path: Path, alloc: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.o.extra_env)
+        env[PLAN_ENV] = str(plan_path)
+        old = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + old if old else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.o.simulate_gpu:
+            env[SIMULATE_ENV] = str(self.o.simulate_gpu)
+        allocconf.merge(env, alloc)  # into the variable torch reads, keeping the user's other options
+        return env
+
+    def _preflight(self) -> dict[str, Any] | None:
+        """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
+        if self.guide is None or not self.o.preflight or self.o.replay:
+            return None
+        margin, source = self._stop_margin()
+        # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
+        # finds (the supervisor may not see the command's environment); --preflight-margin sets the one margin
+        margins = self.guide.stop_margins() if self.o.preflight_margin is None else None
+        return {"capacity": self.capacity, "margin": margin, "margin_source": source,
+                **({"margins": margins} if margins else {}),
+                "simulated": self.guide.simulated, "context": self.guide.context,
+                "coefficients": dataclasses.asdict(self.guide.coefficients)}
+
+    def _stop_margin(self) -> tuple[float, str]:
+        """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
+        if self.o.preflight_margin is not None:
+            return self.o.preflight_margin, "--preflight-margin"
+        assert self.guide is not None
+        return self.guide.stop_margin()
+
+    def _progress_state(self, index: int, kind: AttemptKind, remedies: list[str]) -> Any:
+        """The live view's state (the console reporter owns one; for others, --json-log, it is kept here)."""
+        state = getattr(self.ui, "state", None)
+        if state is not None:
+            state.capacity = self.capacity
+            return state
+        from ..display.ui import Progress
+
+        return Progress(index=index, max_attempts=self.o.max_attempts, kind=kind, remedies=remedies,
+                        capacity=self.capacity)
+
+    def _watch(self, w: Watch, live: bool = True) -> int | None:
+        """While an attempt runs: follow its new events; end a group whose rank died of OOM but which hangs."""
+        fresh = w.tail.poll()
+        for ev in fresh:
+            w.events.append(ev)
+            w.progress.update(ev)
+            w.ranks.add(ev)
+            if w.kind != AttemptKind.RUN:
+                continue
+            if isinstance(ev, TrainBegin):
+                self.output_dir = ev.output_dir or self.output_dir
+                if "no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints:
+                    self.warned_no_checkpoints = True
+                    self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
+                                    "step 0; add --checkpoint-every N to lose at most N steps")
+            elif isinstance(ev, CheckpointSaved) and ev.path:
+                self.checkpoint, self.checkpoint_knobs = ev.path, w.knobs
+        if fresh and live:
+            self.ui.progress(w.progress)
+        if w.decided_at is None and live and w.ranks.decided(alive=process_alive, here=self.here) is not None:
+            w.decided_at = time.monotonic()
+        if w.decided_at is not None:
+            waited = time.monotonic() - w.decided_at
+            if waited > self.o.oom_grace + self.o.grace:
+                return signal.SIGKILL
+            if waited > self.o.oom_grace:
+                return signal.SIGTERM  # a rank's end decided the attempt; the others are stuck waiting for it
+        return None

@@ -1,0 +1,68 @@
+"""What a run of ``oomguard run`` is given: its options (``RunOptions``), the reporter it talks through, and the
+constants its parts share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..decide.ladder import Exhausted, Ladder, Step
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.records import Attempt, RunReport
+from ..vocab.trlrange import Support
+from .group import Membership
+
+BOOT_DIR = Path(__file__).resolve().parents[1] / "child" / "_boot"
+# The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
+# the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
+# memory model learns from it, so choices after a probe keep that room.
+PROBE_TAIL = 0.01
+# The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
+# what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
+UNDO_BY_DEFAULT = ("capacity", "signal")
+
+
+class Reporter(Protocol):
+    def attempt_start(self, index: int, max_attempts: int, remedies: list[str], changes: dict[str, Any],
+                      kind: str) -> None: ...
+    def attempt_end(self, attempt: Attempt, diagnosis: Diagnosis | None) -> None: ...
+    def decision(self, steps: list[Step], exhausted: Exhausted | None, changes: dict[str, Any],
+                 skipped: list[dict[str, str]] | None = None) -> None: ...
+    def live(self) -> Any: ...
+    def progress(self, state: Any) -> None: ...
+    def message(self, text: str) -> None: ...
+    def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None: ...
+
+
+@dataclass
+class RunOptions:
+    ladder: Ladder
+    max_attempts: int = 8
+    max_time: float | None = None
+    simulate_gpu: int | None = None
+    simulate_context: int | None = None  # the simulated device's memory outside its allocator (None: the default)
+    gpu_memory: int | None = None
+    report_path: Path = Path("oomguard-report.json")
+    lock_path: Path = Path("oomguard.lock.json")
+    workdir: Path = Path(".oomguard")
+    replay: dict[str, Any] | None = None  # a lock file's content: replay it without climbing
+    grace: float = 20.0
+    echo: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+    predict: bool = True  # let the memory model choose (ceiling, drops, relaxed graded knobs)
+    probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
+    minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
+    refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
+    checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
+    oom_grace: float = 10.0  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
+    # how long the others may take to stop before oomguard stops them
+    capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
+    html_path: Path | None = None  # also write a self-contained HTML report
+    preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
+    preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
+    membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
+    trl: Support | None = None  # the command's TRL as read before launching (run.command.trl_support), if readable
+    # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
+    ladder_auto: bool = False
+    ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
