@@ -418,6 +418,8 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path, timeout: float,
                 except subprocess.TimeoutExpired:
                     continue
         reader.join(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
     return proc.returncode, time.monotonic() - t0, cut
 
 

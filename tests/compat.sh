@@ -21,7 +21,7 @@ py="$venv/bin/python"
 # TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it.
 "$py" -m pip install -q "${stack[@]}" requests
 before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
-"$py" -m pip install -q -e . "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
+"$py" -m pip install -q -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
 after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
 if [ "$before" != "$after" ]; then
   echo "installing oomguard changed the environment's TRL or transformers: $(echo "$before" | tr '\n' ' ')-> $(echo "$after" | tr '\n' ' ')" >&2

@@ -26,7 +26,7 @@ from helpers import ROOT
 
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
-MAIN_JOB = ("python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install -q -e . && "
+MAIN_JOB = ("python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install -q -e \".[all]\" && "
             "oomguard run --simulate-gpu 300MiB examples/grpo_gsm8k.py")
 # placeholders the pages use for a user's own files, and the repository's files a test runs them with
 STAND_INS = {"./Llama-3.2-1B-Instruct": "tests/fixtures/models/llama-3.2-1b", "./model": "tests/fixtures/models/llama-3.2-1b",

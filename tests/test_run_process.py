@@ -73,6 +73,12 @@ def test_usage_errors_are_one_line(tmp_path, args, problem):
     assert out.returncode == 2 and problem in out.stderr and "Traceback" not in out.stderr
 
 
+def _ended(proc: subprocess.Popen, timeout: float) -> int:
+    """Wait for ``proc`` and close its pipes (reading what is left); its exit code."""
+    proc.communicate(timeout=timeout)
+    return proc.returncode
+
+
 def _start_sleeper(tmp_path):
     report = tmp_path / "report.json"
     proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", "--report", str(report), "--lock",
@@ -91,7 +97,7 @@ def _start_sleeper(tmp_path):
 def test_interrupt_stops_the_whole_group_without_retry(tmp_path, sig, code):
     proc, child, grandchild, report = _start_sleeper(tmp_path)
     proc.send_signal(sig)
-    assert proc.wait(timeout=60) == code
+    assert _ended(proc, 60) == code
     time.sleep(0.2)
     assert not pid_alive(child) and not pid_alive(grandchild)  # the grandchild ignored the signal: it was killed
     rep = json.loads(report.read_text())
@@ -156,7 +162,7 @@ def test_sigint_over_torchrun_with_two_ranks_leaves_no_process(tmp_path):
     proc, ranks = _start_ranks(tmp_path)
     launcher = psutil.Process(proc.pid).children()[0].pid
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=90) == 130
+    assert _ended(proc, 90) == 130
     assert _gone([*ranks, launcher], timeout=2) == []  # gone by the time oomguard exits
 
 
@@ -167,7 +173,7 @@ def test_ranks_whose_launcher_dies_are_ended_with_the_attempt(tmp_path):
     proc, ranks = _start_ranks(tmp_path, "--stubborn")
     launcher = psutil.Process(proc.pid).children()[0]
     launcher.kill()
-    assert proc.wait(timeout=90) == 137  # a SIGKILL without OOM evidence: passed through, not retried
+    assert _ended(proc, 90) == 137  # a SIGKILL without OOM evidence: passed through, not retried
     assert _gone(ranks, timeout=2) == []
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["attempts"]) == 1
@@ -179,5 +185,5 @@ def test_a_second_sigint_ends_stubborn_ranks_at_once(tmp_path):
     proc.send_signal(signal.SIGINT)
     time.sleep(1)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 130
+    assert _ended(proc, 30) == 130
     assert _gone(ranks, timeout=2) == []

@@ -7,8 +7,9 @@ memory given back after a failed attempt (:mod:`oomguard.inprocess.release`), th
 (:mod:`oomguard.inprocess.isolate`). No module is named ``guard``: the package attribute ``oomguard.guard`` is the
 function, and importing any of these modules leaves it so.
 
-tenacity is the retry engine (its ``Retrying`` holds the attempt budget and the retry predicate): a plain loop would
-need its own counter and exit paths, while here :meth:`Guarded._climb` reads top to bottom. Each attempt drives the
+tenacity is the retry engine (its ``Retrying`` holds the budget, attempts and time composed as one stop condition,
+and the retry predicate): a plain loop would need its own counter, clock and exit paths, while here
+:meth:`Guarded._climb` reads top to bottom. Each attempt drives the
 Climb that ``oomguard run`` uses: ``record`` the attempt, ``learn`` the run's facts, ``choose_next`` on an OOM, or
 ``give_up`` when only a fresh process could help.
 
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_none
+from tenacity import Retrying, retry_if_result, stop_after_attempt, stop_after_delay, stop_never, wait_none
 
 from ..decide.climb import Climb
 from ..decide.experiment import Experiment, cost_note, experiment_lines
@@ -106,12 +107,13 @@ class Guarded:
 
     def __init__(self, fn: Callable[..., Any], ladder: str | Ladder, knobs: Knobs | dict[str, Any] | None,
                  max_attempts: int, simulate_gpu: int | str | None, report: str | os.PathLike[str] | None,
-                 isolate: bool, predict: bool = True, verbose: bool = True) -> None:
+                 isolate: bool, predict: bool = True, verbose: bool = True, max_time: float | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.ladder = ladder if isinstance(ladder, Ladder) else load_ladder(ladder)
         self.initial = knobs if isinstance(knobs, Knobs) else Knobs.from_dict(knobs or {})
         self.max_attempts = max_attempts
+        self.max_time = max_time
         if simulate_gpu in (None, ""):
             simulate_gpu = os.environ.get("OOMGUARD_SIMULATE_GPU") or None  # the rehearsal device, as for `run`
         self.simulate_gpu = parse_size(simulate_gpu) if simulate_gpu not in (None, "") else None
@@ -148,8 +150,11 @@ class Guarded:
                       env_knobs={"expandable_segments": bool(user.expandable_segments),
                                  "max_split_size_mb": user.max_split_size_mb})
         reads: set[str] = set()
+        began = time.monotonic()
         retryer = Retrying(
-            stop=stop_after_attempt(self.max_attempts),
+            # the budget: attempts, and time (no new attempt once max_time seconds have passed since the first)
+            stop=stop_after_attempt(self.max_attempts) | (stop_after_delay(self.max_time) if self.max_time
+                                                          else stop_never),
             wait=wait_none(),
             retry=retry_if_result(lambda a: a.outcome == "oom" and a.record.climbed is not None),
             retry_error_callback=lambda state: state.outcome.result(),
@@ -166,7 +171,9 @@ class Guarded:
                     self._log(logging.INFO, line)
             self._write()
             return last.value
+        late = self.max_time is not None and time.monotonic() - began >= self.max_time
         why = ("no rung left that can help" if climb.exhausted is not None
+               else f"stopped after {len(climb.attempts)} attempt(s) and {self.max_time:g} s (max_time)" if late
                else f"stopped after {self.max_attempts} attempts (max_attempts)")
         self.report = self._report(climb, reads, "exhausted", f"{why}; last OOM: {last.message}", None)
         self._write()
@@ -342,14 +349,15 @@ def _refuse_distributed() -> None:
 def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "default",
           knobs: Knobs | dict[str, Any] | None = None, max_attempts: int = 8, simulate_gpu: int | str | None = None,
           report: str | os.PathLike[str] | None = None, isolate: bool = False, predict: bool = True,
-          verbose: bool = True) -> Any:
+          verbose: bool = True, max_time: float | None = None) -> Any:
     """Retry ``fn`` on OOM, climbing the ladder between attempts. Usable bare, with options, or as a call.
 
     ``@oomguard.guard``, ``@oomguard.guard(max_attempts=4)`` and ``oomguard.guard(fn, simulate_gpu="300MiB")`` all
     work. Returns the function's own value; raises :class:`OOMGuardExhausted` when nothing fits. With ``predict``
     (the default), once the function has built a GRPO model the memory model skips rungs predicted not to be enough.
     With ``verbose`` (the default), each OOM and each climb is one WARNING line on the ``oomguard`` logger, shown
-    even when logging is not configured (``verbose=False`` logs them at DEBUG instead).
+    even when logging is not configured (``verbose=False`` logs them at DEBUG instead). ``max_time``: no new attempt
+    after this many seconds from the first (the budget besides ``max_attempts``).
 
     >>> @guard(max_attempts=4)
     ... def steps(knobs):
@@ -359,9 +367,12 @@ def guard(fn: Callable[..., Any] | None = None, *, ladder: str | Ladder = "defau
     """
     if max_attempts < 1:
         raise ValueError("max_attempts must be at least 1")
+    if max_time is not None and not max_time > 0:
+        raise ValueError("max_time must be a number of seconds above 0")
     if fn is None:
-        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
-    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose)
+        return lambda f: Guarded(f, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose,
+                                 max_time)
+    return Guarded(fn, ladder, knobs, max_attempts, simulate_gpu, report, isolate, predict, verbose, max_time)
 
 
 __all__ = ["Guarded", "OOMGuardExhausted", "TrackedKnobs", "guard"]

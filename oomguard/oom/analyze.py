@@ -3,9 +3,9 @@
 Each input becomes zero or more findings (one per OOM, in file order) plus notes for inputs that could not be read.
 Text logs are streamed, so a gigabyte of log is read in bounded memory.
 
->>> import tempfile, os
->>> p = os.path.join(tempfile.mkdtemp(), "train.log")
->>> _ = open(p, "w").write("step 1\\nMemoryError\\n")
+>>> import tempfile, pathlib
+>>> p = pathlib.Path(tempfile.mkdtemp(), "train.log")
+>>> _ = p.write_text("step 1\\nMemoryError\\n")
 >>> result = analyze_paths([p])
 >>> [(f["line"], f["backend"], f["kind"]) for f in result.findings]
 [(2, 'host', 'host-ram')]

@@ -68,7 +68,7 @@ def _executable(path: str, typed: str | None = None) -> None:
 
     >>> import tempfile
     >>> f = tempfile.mkstemp(suffix=".sh")[1]
-    >>> _ = open(f, "w").write("echo hi\\n"); os.chmod(f, 0o755)
+    >>> _ = Path(f).write_text("echo hi\\n"); os.chmod(f, 0o755)
     >>> _executable(f)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
       ...

@@ -184,6 +184,7 @@ class Tracker:
     True
     >>> t.sweep(), process_alive(child.pid)
     ([], False)
+    >>> _ = child.wait()  # already reaped by the sweep: Popen learns it is gone
     """
 
     def __init__(self, root: int) -> None:
