@@ -26,7 +26,6 @@ then waits (60 s at most) until every node has said goodbye, so that none misses
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -37,7 +36,10 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import click
 
 POLL = 0.25
 SAY_EVERY = 30.0
@@ -165,16 +167,22 @@ class Mirror:
         self.fetch()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--node", type=int, required=True)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--job", default="job")
-    p.add_argument("--join-timeout", type=float, default=900.0)
-    a = p.parse_args(argv)
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--dir", "directory", required=True)
+@click.option("--host", required=True)
+@click.option("--port", type=int, required=True)
+@click.option("--node", type=int, required=True)
+@click.option("--nodes", type=int, required=True)
+@click.option("--job", default="job")
+@click.option("--join-timeout", type=float, default=900.0)
+def cli(**options: Any) -> None:
+    sys.exit(main(**options))
+
+
+def main(directory: str, host: str, port: int, node: int, nodes: int, job: str = "job",
+         join_timeout: float = 900.0) -> int:
+    a = SimpleNamespace(dir=directory, host=host, port=port, node=node, nodes=nodes, job=job,
+                        join_timeout=join_timeout)
     closed = threading.Event()
 
     def watch_stdin() -> None:  # the supervisor closes our stdin when it is done (or dies)
@@ -217,4 +225,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

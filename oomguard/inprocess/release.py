@@ -29,7 +29,11 @@ from ..oom.parse import is_oom
 def loaded_torch() -> Any:
     """torch when the process has imported it, else None (never imported here).
 
-    >>> loaded_torch() is None or loaded_torch().__name__ == "torch"
+    >>> import subprocess, sys
+    >>> code = "from oomguard.inprocess.release import loaded_torch; print(loaded_torch())"
+    >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
+    'None'
+    >>> import torch; loaded_torch() is torch
     True
     """
     return sys.modules.get("torch")
@@ -38,7 +42,8 @@ def loaded_torch() -> Any:
 def cuda_in_use() -> bool:
     """Whether this process has started CUDA (a process that never touched the GPU has nothing to measure or free).
 
-    >>> isinstance(cuda_in_use(), bool)
+    >>> import torch
+    >>> cuda_in_use() == (torch.cuda.is_available() and torch.cuda.is_initialized())
     True
     """
     torch = loaded_torch()
@@ -48,8 +53,15 @@ def cuda_in_use() -> bool:
 def live_bytes() -> int | None:
     """Bytes of live tensors now: on the simulated device, else on CUDA; None when neither is in use.
 
-    >>> live_bytes() is None or live_bytes() >= 0
+    >>> import torch
+    >>> from oomguard.child import simulate
+    >>> _ = simulate.start(64 << 20)
+    >>> before = live_bytes(); x = torch.ones(1 << 20)  # 4 MiB of float32
+    >>> live_bytes() - before, peak_bytes() >= live_bytes()
+    (4194304, True)
+    >>> del x; reset_peak(); peak_bytes() == live_bytes() == before
     True
+    >>> simulate.stop()
     """
     from ..child import simulate
 
@@ -62,11 +74,8 @@ def live_bytes() -> int | None:
 
 
 def peak_bytes() -> int | None:
-    """The peak of live tensor bytes since :func:`reset_peak`, on the same device as :func:`live_bytes`.
-
-    >>> peak_bytes() is None or peak_bytes() >= 0
-    True
-    """
+    """The peak of live tensor bytes since :func:`reset_peak`, on the same device as :func:`live_bytes` (its
+    example shows both)."""
     from ..child import simulate
 
     dev = simulate.device()
@@ -78,10 +87,7 @@ def peak_bytes() -> int | None:
 
 
 def reset_peak() -> None:
-    """Start a new peak (each attempt reports its own).
-
-    >>> reset_peak()
-    """
+    """Start a new peak (each attempt reports its own; :func:`live_bytes` shows it)."""
     from ..child import simulate
 
     dev = simulate.device()
@@ -106,7 +112,19 @@ def release() -> None:
       engine thread (65 MiB live after a failed attempt in a real 4 GiB-capped run). They are cleared
       (``torch._C._cuda_clearCublasWorkspaces``) and come back on the next matmul.
 
-    >>> release()
+    >>> import torch
+    >>> from oomguard.child import simulate
+    >>> _ = simulate.start(64 << 20)
+    >>> def attempt():
+    ...     held = torch.ones(1 << 20)  # 4 MiB that the failed attempt's frame still holds
+    ...     raise MemoryError("out of memory")
+    >>> try:
+    ...     attempt()
+    ... except MemoryError as e:
+    ...     err = e
+    >>> before = live_bytes(); drop_traceback(err); release(); before - live_bytes()
+    4194304
+    >>> simulate.stop()
     """
     clear_last_oom()
     gc.collect()

@@ -151,14 +151,16 @@ def _writable_dir(path: Path, option: str, text: str) -> None:
 
 def trl_support(argv: list[str]) -> Support:
     """How oomguard stands to the TRL the command will import (``oomguard.vocab.trlrange``), read before anything
-    launches: from the installed distribution's ``trl-VERSION.dist-info`` on this interpreter's path, when the
-    command runs in this environment (``train.py`` and ``-m`` forms; a ``python``, console script or launcher from
+    launches: from the installed distribution's metadata on this interpreter's path (``importlib.metadata``, a
+    millisecond or two), when the command runs in this environment (``train.py`` and ``-m`` forms; a ``python``, console script or launcher from
     the same ``bin`` directory). Another interpreter's TRL is not read here (``unknown``): the training process
-    refuses a TRL below the floor itself when it imports it (``oomguard.child.trlcompat``). Looks at no more than the
-    names of the directories on the path, so it costs well under a millisecond.
+    refuses a TRL below the floor itself when it imports it (``oomguard.child.trlcompat``).
 
-    >>> trl_support([sys.executable, "-c", "pass"]).status in ("tested", "newer", "older", "unknown")
+    >>> from importlib.metadata import version
+    >>> trl_support([sys.executable, "-c", "pass"]).version == version("trl")  # this environment's TRL
     True
+    >>> trl_support(["/elsewhere/venv/bin/python", "train.py"]).status  # another environment's: not read here
+    'unknown'
     """
     if not argv or not _same_environment(argv[0]):
         return support(None)
@@ -166,37 +168,20 @@ def trl_support(argv: list[str]) -> Support:
 
 
 def installed_version(dist: str, paths: list[str]) -> str | None:
-    """The version of the distribution ``dist`` that the first of ``paths`` holding it has (its ``.dist-info``
-    directory's name, ``trl-1.16.0.dist-info``; an egg-info's ``PKG-INFO`` otherwise), or None.
+    """The version of the distribution ``dist`` installed on ``paths`` (the first one that holds it), as
+    ``importlib.metadata`` finds it, or None.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> os.mkdir(os.path.join(d, "trl-0.28.0.dist-info"))
+    >>> _ = Path(d, "trl-0.28.0.dist-info", "METADATA").write_text("Name: trl\\nVersion: 0.28.0\\n")
     >>> installed_version("trl", [d]), installed_version("peft", [d])
     ('0.28.0', None)
     """
-    prefix = dist.lower().replace("-", "_") + "-"
-    for entry in paths:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for name in names:
-            low = name.lower()
-            if low.startswith(prefix) and low.endswith(".dist-info"):
-                return name[len(prefix):-len(".dist-info")]
-            if low.startswith(prefix) and low.endswith(".egg-info"):
-                return _pkg_info_version(Path(entry or ".") / name / "PKG-INFO")
-    return None
+    from importlib import metadata
 
-
-def _pkg_info_version(path: Path) -> str | None:
-    try:
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for found in metadata.distributions(name=dist, path=list(paths)):
+        return found.version
     return None
 
 
