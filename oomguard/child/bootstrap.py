@@ -139,6 +139,20 @@ def install_hooks(rt: Runtime) -> None:
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
     when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
+    # the stacks around TRL, each in its adapter module (child/stacks/)
+    when_imported("trl.generation.vllm_generation", stack(rt, "vllm", "patch_trl"))
+    if rt.plan.simulate_gpu:
+        when_imported("vllm.v1.worker.cpu_worker", stack(rt, "vllm", "size_like_a_gpu"))
+
+
+def stack(rt: Runtime, name: str, function: str) -> Any:
+    """``function`` of the stack adapter ``child/stacks/<name>.py``, loaded when the module it patches is imported."""
+    def patch(m: Any) -> None:
+        import importlib
+
+        getattr(importlib.import_module(f"{__package__}.stacks.{name}"), function)(rt, m)
+
+    return reported(rt, f"{name}.{function}", patch)
 
 
 def reported(rt: Runtime, name: str, patch: Any) -> Any:

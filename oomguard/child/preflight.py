@@ -73,6 +73,12 @@ def _coefficients(preflight: dict[str, Any]) -> Coefficients:
 
 def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
     """The predicted device peak of this attempt's config, or None when the model cannot judge it."""
+    est = predict_estimate(rt, preflight)
+    return est.peak_bytes if est is not None else None
+
+
+def predict_estimate(rt: Runtime, preflight: dict[str, Any]) -> Any:
+    """The memory model's Estimate of this attempt's config, or None when the model cannot judge it."""
     if not rt.model_config:
         return None
     try:
@@ -84,7 +90,7 @@ def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
                        context=preflight.get("context"), head=facts.get("trl_head"))
     except (ValueError, KeyError, TypeError):
         return None
-    return est.peak_bytes
+    return est
 
 
 def check(rt: Runtime, before: str = "generates") -> None:
@@ -95,9 +101,15 @@ def check(rt: Runtime, before: str = "generates") -> None:
     pf = rt.plan.preflight
     if not pf:
         return
-    peak = predict(rt, pf)
-    if peak is not None and verdict(pf, peak, rt.facts()) is not None:
-        _stop(rt, pf, peak, f"this config is predicted to need {format_size(peak)}", before, rt.facts())
+    est = predict_estimate(rt, pf)
+    if est is None:
+        return
+    if verdict(pf, est.peak_bytes, rt.facts()) is not None:
+        _stop(rt, pf, est.peak_bytes, f"this config is predicted to need {format_size(est.peak_bytes)}", before,
+              rt.facts())
+    if est.vllm_lacks:  # vLLM would refuse to start, whatever room the device has
+        note = next((n for n in est.notes if n.startswith("vLLM's reservation")), "vLLM's reservation is too small")
+        _stop(rt, pf, est.peak_bytes, note, before, rt.facts(), over=False)
 
 
 def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
@@ -121,14 +133,16 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
 
 
 def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
-          facts: dict[str, Any] | None = None) -> None:
+          facts: dict[str, Any] | None = None, over: bool = True) -> None:
     cap = int(pf["capacity"])
     margin, source = margin_of(pf, facts)
-    rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before)
+    rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before,
+            **({} if over else {"reason": what}))
     if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
-        sys.stderr.write(f"oomguard: pre-flight: {what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} "
-                         f"device (the stop margin is {100 * margin:.1f}%, {source}); stopping before it {before} "
-                         "(--no-preflight runs it anyway)\n")
+        why = (f"{what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} device (the stop margin is "
+               f"{100 * margin:.1f}%, {source})" if over else what)
+        sys.stderr.write(f"oomguard: pre-flight: {why}; stopping before it {before} (--no-preflight runs it "
+                         "anyway)\n")
         sys.stderr.flush()
     rt.end(END_PREDICTED)
     raise SystemExit(EXIT_PREDICTED)

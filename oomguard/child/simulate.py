@@ -225,6 +225,7 @@ class SimulatedDevice:
         if self._mode is not None:
             return
         import torch
+        from torch._subclasses.fake_tensor import is_fake
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
@@ -237,9 +238,17 @@ class SimulatedDevice:
                 leaves = (out,) if isinstance(out, tensor_type) else tree_flatten(out)[0]
                 for t in leaves:
                     if isinstance(t, tensor_type) and t.device.type == "cpu":
+                        # a compiler's tracing tensors (Dynamo's fake tensors, AOT autograd's functional wrappers
+                        # around them) hold no memory, and their sizes are symbolic: never counted. They are
+                        # subclasses; a plain tensor, nearly every one, is checked by its type alone.
+                        plain = type(t) is tensor_type
+                        if not plain and is_fake(t):
+                            continue
                         try:
                             storage = t.untyped_storage()
                         except (RuntimeError, NotImplementedError, TypeError):
+                            continue
+                        if not plain and not isinstance(storage.nbytes(), int):
                             continue
                         try:
                             device.track(storage)

@@ -18,6 +18,7 @@ to skip rungs predicted not to be enough.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..memory.estimate import (
     load_bytes,
     measured_error,
 )
+from ..memory.estimate.vllm import vllm_memory
 from ..memory.steptime import slowdown
 from ..vocab.knobs import Knobs, RunFacts
 from ..vocab.trlrange import HEADS
@@ -119,6 +121,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
                                           prompt_tokens_max=prompt_tokens)
     guide = Guide(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
     guide.set_trl(facts.trl_head)
+    facts = facts.replace(vllm_min_utilization=guide.vllm_floor(facts, knobs))
     est = guide.predict(facts, knobs)
     assert est is not None  # the spec is fixed: only knobs the model cannot judge fail, and those raise
     plan = Plan(estimate=est, capacity=capacity, knobs=knobs, guide=guide, facts=facts)
@@ -329,8 +332,10 @@ class Guide:
             self.coefficients = co
 
     def judge(self, est: Estimate, margin: float | None = None) -> bool:
-        """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare."""
-        return est.peak_bytes * (1 + (self.margin if margin is None else margin)) <= self.capacity
+        """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare, and a colocated
+        vLLM's reservation holds what vLLM needs to start."""
+        return (est.peak_bytes * (1 + (self.margin if margin is None else margin)) <= self.capacity
+                and not est.vllm_lacks)
 
     def fits(self, facts: RunFacts, margin: float | None = None) -> Any:
         """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
@@ -394,6 +399,27 @@ class Guide:
             return est is not None and est.peak_bytes <= limit
 
         return maybe
+
+    def vllm_floor(self, facts: RunFacts, knobs: Knobs) -> float | None:
+        """The least ``vllm_gpu_memory_utilization`` with which a colocated vLLM starts on this device, with its
+        ``vllm_max_model_length`` no longer than the run's sequences (as the ``vllm_memory`` rung sets it) and the
+        model's margin kept free; None without vLLM colocate or a model.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> cfg = {"vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        ...        "num_key_value_heads": 2, "intermediate_size": 1024, "tie_word_embeddings": True}
+        >>> Guide(150 * 2**20, simulated=True).vllm_floor(RunFacts(model_config=cfg, prompt_tokens_max=20),
+        ...                                               TRL_DEFAULTS.replace(use_vllm=True))
+        0.46
+        """
+        spec = self.spec(facts)
+        if spec is None or not knobs.use_vllm or (knobs.vllm_mode or "colocate") != "colocate":
+            return None
+        length = (facts.prompt_tokens_max or 256) + int(knobs.max_completion_length or 512)
+        v = vllm_memory(spec, knobs.replace(vllm_max_model_length=length), self.capacity)
+        if v is None:
+            return None
+        return min(1.0, math.ceil(100 * v.floor * (1 + self.margin) / self.capacity) / 100)
 
     def alternatives(self, climb: Climb, final: Knobs) -> list[Alternative]:
         """Configs predicted to fit with the model's error as headroom that trade differently from ``final``, the

@@ -90,6 +90,30 @@ _RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
+# vLLM's own start-up, inside TRL's GRPOTrainer.__init__: its weights, the profile run and the sampler's warm-up that
+# size its KV cache, and the KV cache itself (vllm/v1/worker/*, vllm 0.x); what each is, for the evidence.
+_VLLM_STARTUP = {
+    "allocate_kv_cache": "its KV cache", "_allocate_kv_cache_tensors": "its KV cache",
+    "initialize_kv_cache_tensors": "its KV cache", "initialize_kv_cache": "its KV cache",
+    "_dummy_sampler_run": "the sampler's warm-up", "profile_run": "its profile run", "_dummy_run": "its profile run",
+    "determine_available_memory": "its profile run", "warming_up_model": "its warm-up",
+    "compile_or_warm_up_model": "its warm-up", "load_weights": "its weights", "load_model": "its weights",
+}
+
+
+def vllm_startup_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost frame of vLLM's own start-up in a traceback (``_VLLM_STARTUP``), or None.
+
+    >>> vllm_startup_frame([Frame("trl/trainer/grpo_trainer.py", 1107, "__init__"),
+    ...                     Frame("vllm/v1/worker/utils.py", 596, "allocate_kv_cache")]).name
+    'allocate_kv_cache'
+    """
+    for f in reversed(frames):
+        if "vllm/" in f.filename.replace("\\", "/") and f.name in _VLLM_STARTUP:
+            return f
+    return None
+
+
 def phase_from_frames(frames: Sequence[Frame]) -> tuple[str, Frame | None]:
     """The phase the traceback was in, and the frame that shows it.
 
@@ -135,6 +159,11 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     else:
         frame = None
     kind, evidence, report = _classify(report)
+    started = vllm_startup_frame(frames) if kind not in ("host-ram", "vllm-reservation", "impossible") else None
+    if started is not None:  # vLLM's reservation, taken beside what the trainer already holds
+        kind, report = "vllm-reservation", replace(report, origin="vllm-startup")
+        evidence = [_vllm_startup_sentence(report, _VLLM_STARTUP[started.name]), *evidence[1:]]
+        phase, frame = "load", started
     buffer = _framework_buffer(report, frames, buffers or {}) if kind not in ("host-ram", "vllm-reservation") \
         else None
     if buffer is not None:
@@ -449,6 +478,14 @@ def _host_evidence(r: OOMReport) -> list[str]:
         return [f"PyTorch's CPU allocator could not get a block{req}: the host ran out of RAM (or hit a ulimit)."]
     req = f" ({_f(r.requested)} requested)" if r.requested is not None else ""
     return [f"Python raised MemoryError{req}: the host ran out of RAM."]
+
+
+def _vllm_startup_sentence(r: OOMReport, what: str) -> str:
+    asked = f" asked for {_f(r.requested)}" if r.requested is not None else " ran out"
+    free = f" with {_f(r.free)} of {_f(r.capacity)} free" if r.free is not None and r.capacity else ""
+    return (f"vLLM ran out of memory starting up: {what}{asked}{free}, beside what the trainer already holds. Its "
+            "reservation (vllm_gpu_memory_utilization × the device) does not fit with training: a smaller one leaves "
+            "both room.")
 
 
 def _vllm_evidence(r: OOMReport) -> list[str]:

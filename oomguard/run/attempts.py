@@ -141,6 +141,10 @@ class Attempts:
     def _ours(self, w: Watch) -> list[int]:
         """The training processes of this attempt on this machine, as their events name them (ranks that a launcher
         started in sessions of their own among them): tracked so that none outlives the attempt."""
+        # a node of a group reads every node's events; another node's PIDs are never this node's to end (nodes that
+        # share a host, as in a test, name the same host), so it tracks its own process tree only
+        if self.group is not None:
+            return []
         return [e.pid for e in w.events if isinstance(e, ProcessStarted) and e.pid and e.where == self.here]
 
     def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:

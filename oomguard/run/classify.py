@@ -218,9 +218,15 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         stop = ranks.stop
         attempt.outcome = Outcome.PREDICTED
         attempt.predicted_bytes = stop.predicted_bytes
-        attempt.note = (f"stopped before {'loading' if stop.before == 'loads' else 'generating'}: predicted "
-                        f"{format_size(stop.predicted_bytes or 0)}, more than {100 * stop.margin:.1f}% over the "
-                        "capacity")
+        saved = {"loads": "loading", "starts vLLM": "starting vLLM"}.get(stop.before, "generating")
+        if stop.reason is not None:  # vLLM would refuse to start: its reservation, not the device, is too small
+            attempt.note = f"stopped before {saved}: {stop.reason}"
+            from ..oom.diagnose import diagnose
+
+            d = diagnose(OOMReport(backend="vllm", origin="vllm-kv", message=stop.reason))
+            return attempt, dataclasses.replace(d, evidence=(f"{stop.reason}.", *d.evidence))
+        attempt.note = (f"stopped before {saved}: predicted {format_size(stop.predicted_bytes or 0)}, more than "
+                        f"{100 * stop.margin:.1f}% over the capacity")
         return attempt, None
     silent = ranks.silent()
     killed = _sigkill(res.returncode) or bool(silent)

@@ -62,6 +62,8 @@ class Learning:
                                                            "allocator_bytes", "final")}
                 if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
                     self.guide.set_context(int(ev.data["context_bytes"]))
+        if self.guide is not None:  # what vLLM needs on this device, for the rung that shrinks its reservation
+            facts = facts.replace(vllm_min_utilization=self.guide.vllm_floor(facts, c.effective()[0]))
         c.learn(facts)
         self._take_device(facts.device_total)
         if facts.bf16_moving is not None:  # measured on the loaded weights: the user's own config may not learn

@@ -132,11 +132,11 @@ class Remedy:
             return None if d.kind == "host-ram" else "it addresses host RAM, and the GPU ran out"
         if d.kind == "host-ram":
             return "the host ran out of RAM; this remedy changes GPU memory"
-        if self.addresses == "vllm":
-            if d.kind in ("vllm-reservation", "non-pytorch", "neighbour") or d.phase == "generation":
-                return None
-            return "vLLM's reservation was not what ran out"
-        if d.kind == "vllm-reservation":
+        if self.addresses == "vllm":  # a run without vLLM colocate never gets here (``foreign``)
+            if d.kind == "impossible":
+                return "the single request exceeds the whole device, whatever vLLM reserves"
+            return None  # vLLM's own OOM, or training beside its reservation: a smaller one gives training room
+        if d.kind == "vllm-reservation" and d.report.origin != "vllm-startup":
             return "vLLM's own reservation ran out; vllm_gpu_memory_utilization decides it"
         if self.addresses == "fragmentation":
             if d.kind == "fragmentation":
@@ -225,7 +225,8 @@ class Remedy:
 
         >>> from oomguard.strategies import make_remedy
         >>> from oomguard.vocab.knobs import TRL_DEFAULTS
-        >>> make_remedy("vllm_memory").describe_change(TRL_DEFAULTS, TRL_DEFAULTS.replace(vllm_gpu_memory_utilization=0.2))
+        >>> Remedy.describe_change(make_remedy("vllm_memory"), TRL_DEFAULTS,
+        ...                        TRL_DEFAULTS.replace(vllm_gpu_memory_utilization=0.2))
         'vllm_memory: vllm_gpu_memory_utilization=0.2'
         """
         changed = [f"{r.knob}={r.after}" for r in user.diff(final) if r.knob in self.changes]

@@ -224,6 +224,8 @@ class Load4bit(Remedy):
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("load_in_4bit"):
             return "already in force"
+        if ctx.value("use_vllm") and ctx.value("vllm_mode") == "colocate" and ctx.facts.vllm_platform == "cpu":
+            return "vLLM's CPU build has no bitsandbytes quantisation, which TRL asks of vLLM for a 4-bit model"
         if ctx.facts.model_source == "instance":
             return "4-bit needs the model loaded through from_pretrained (or given to GRPOTrainer by name)"
         if ctx.facts.user_peft:

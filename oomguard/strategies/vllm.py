@@ -1,6 +1,24 @@
-"""vLLM colocate: its reservation (weights plus KV cache) sits beside training unless it sleeps."""
+"""vLLM colocate: its reservation (engine, profile activations and KV cache) sits beside training unless it sleeps.
+
+One rung, ``vllm_memory``, that climbs the way the diagnosis points (``VllmMemory.apply``):
+
+- training needs the room (a training-side OOM beside the reservation, vLLM's own start-up beside what training
+  holds, a pre-flight stop): a smaller ``vllm_gpu_memory_utilization``, with ``vllm_max_model_length`` no longer than
+  the run's longest prompt plus its completions (vLLM must hold only one such sequence, so a smaller reservation
+  still starts); at the utilization's floor, sleep mode where the platform has it (CUDA, ROCm; not vLLM's CPU build);
+- one full-length sequence does not fit the KV cache ("... KV cache is needed, which is larger than the available
+  KV cache memory", "No available memory for the cache blocks"): a shorter ``vllm_max_model_length`` (the model's
+  default is its whole context window, 32k tokens and more for released models), else a larger reservation;
+- the start-up check ("Free memory on device ... is less than desired GPU memory utilization", its CPU twin): a
+  reservation that fits what is free.
+
+Its cost is speed: a smaller KV cache batches fewer sequences at once, and sleep mode reloads vLLM's weights for each
+generation; what is generated and trained stays the same.
+"""
 
 from __future__ import annotations
+
+import math
 
 from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
@@ -8,13 +26,31 @@ from oomguard.vocab.knobs import Knobs
 from .base import Advice, Context, Remedy, register
 from .params import Param, shrink_factor
 
+LENGTH_STEP = 64  # vllm_max_model_length is set to the longest sequence rounded up to this
+
+
+def length_needed(ctx: Context) -> int | None:
+    """The longest sequence vLLM must hold in this run: the longest prompt plus ``max_completion_length``, rounded up
+    to ``LENGTH_STEP``; None while the prompts' lengths are not known.
+
+    >>> from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+    >>> length_needed(Context(knobs=TRL_DEFAULTS, facts=RunFacts(prompt_tokens_max=100)))  # 100 + 512
+    640
+    """
+    prompt = ctx.facts.prompt_tokens_max or ctx.value("max_prompt_tokens")
+    if not prompt:
+        return None
+    return LENGTH_STEP * math.ceil((int(prompt) + int(ctx.value("max_completion_length"))) / LENGTH_STEP)
+
 
 @register
 class VllmMemory(Remedy):
     name = "vllm_memory"
-    summary = "Rebalance vLLM colocate: sleep between generations, or a smaller vllm_gpu_memory_utilization."
+    summary = ("Rebalance vLLM colocate: a smaller vllm_gpu_memory_utilization (with vllm_max_model_length no longer "
+               "than the run's sequences), sleep between generations where the platform has it, or room for one "
+               "full-length sequence in its KV cache.")
     cost = "speed"
-    trade_note = "sleep mode reloads vLLM's weights each step; a smaller KV cache batches fewer sequences"
+    trade_note = "a smaller KV cache batches fewer sequences at once; sleep mode reloads vLLM's weights each step"
     resume = "continue"
     graded = True
     changes = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length")
@@ -26,26 +62,63 @@ class VllmMemory(Remedy):
     def foreign(self, ctx: Context) -> str | None:
         return None if ctx.value("use_vllm") else "the run does not use vLLM"
 
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> user = TRL_DEFAULTS.replace(use_vllm=True, vllm_gpu_memory_utilization=0.9)
+        >>> VllmMemory().describe_change(user, user.replace(vllm_gpu_memory_utilization=0.55, vllm_max_model_length=256))
+        "vLLM reserves 0.55 of the device (yours: 0.9), sequences up to 256 tokens (yours: the model's)"
+        """
+        parts = []
+        u_user, u = user.vllm_gpu_memory_utilization or 0.3, final.vllm_gpu_memory_utilization or 0.3
+        if u != u_user:
+            parts.append(f"vLLM reserves {u:g} of the device (yours: {u_user:g})")
+        if final.vllm_max_model_length != user.vllm_max_model_length:
+            parts.append(f"sequences up to {final.vllm_max_model_length} tokens (yours: "
+                         f"{user.vllm_max_model_length or 'the model' + chr(39) + 's'})")
+        if final.vllm_enable_sleep_mode and not user.vllm_enable_sleep_mode:
+            parts.append("vLLM sleeps while training")
+        return ", ".join(parts) or self.name
+
+    def _sleep_possible(self, ctx: Context) -> bool:
+        return bool(ctx.facts.vllm_sleep) and not ctx.value("vllm_enable_sleep_mode")
+
     def blocked(self, ctx: Context) -> str | None:
-        if ctx.value("vllm_gpu_memory_utilization") <= self.p["min_utilization"] and ctx.value("vllm_enable_sleep_mode"):
-            return "at its floor"
+        if ctx.value("vllm_mode") != "colocate":
+            return ("vLLM runs as a server, on its own device: its memory is the server's (trl vllm-serve "
+                    "--gpu_memory_utilization, --max_model_len)")
+        if self.apply(ctx) == ctx.knobs:
+            return "at its floor" + ("" if ctx.facts.vllm_sleep or ctx.facts.vllm_sleep is None
+                                     else " (the platform has no sleep mode)")
         return None
 
     def apply(self, ctx: Context) -> Knobs:
         k = ctx.knobs
         d = ctx.diagnosis
         u = float(ctx.value("vllm_gpu_memory_utilization"))
-        r = d.report if d else None
-        if r is not None and r.origin == "vllm-kv" and u < 0.9:
-            return k.replace(vllm_gpu_memory_utilization=round(min(0.9, u / self.p["factor"]), 3))
-        if r is not None and r.origin == "vllm-startup" and r.free and r.capacity:
-            return k.replace(vllm_gpu_memory_utilization=round(max(self.p["min_utilization"], 0.9 * r.free / r.capacity), 3))
-        if not ctx.value("vllm_enable_sleep_mode") and ctx.value("vllm_mode") == "colocate":
-            return k.replace(vllm_enable_sleep_mode=True)
-        return k.replace(vllm_gpu_memory_utilization=round(max(self.p["min_utilization"], u * self.p["factor"]), 3))
+        # never below what vLLM needs to start on this device, where the memory model knows it
+        floor = max(float(self.p["min_utilization"]), ctx.facts.vllm_min_utilization or 0.0)
+        need = length_needed(ctx)
+        longer = need is not None and (k.vllm_max_model_length is None or k.vllm_max_model_length > need)
+        r = d.report if d is not None else None
+        if r is not None and r.origin == "vllm-kv":  # one full-length sequence does not fit the KV cache
+            if longer:
+                return k.replace(vllm_max_model_length=need)
+            if u < 0.9:
+                return k.replace(vllm_gpu_memory_utilization=round(min(0.9, u / self.p["factor"]), 3))
+            return k
+        out = k.replace(vllm_max_model_length=need) if longer else k
+        if r is not None and r.origin == "vllm-startup" and r.free and r.capacity and u > floor:
+            fits_free = round(max(floor, 0.9 * r.free / r.capacity), 3)
+            if fits_free < u:
+                return out.replace(vllm_gpu_memory_utilization=fits_free)
+        if u > floor:  # training needs the room
+            return out.replace(vllm_gpu_memory_utilization=round(max(floor, u * self.p["factor"]), 3))
+        if self._sleep_possible(ctx):
+            return out.replace(vllm_enable_sleep_mode=True)
+        return out
 
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
-        """vLLM reservations between the climbed and the user's, in steps of 0.05 (largest first), sleep mode as
+        """vLLM reservations between the climbed and the user's, in steps of 0.05 (largest first), the rest as
         climbed. Only a lowered reservation relaxes; one raised for a full-length sequence stays as it is.
 
         >>> from oomguard.vocab.knobs import TRL_DEFAULTS
@@ -65,7 +138,8 @@ class VllmMemory(Remedy):
             return Advice(self.name, f"Set vllm_gpu_memory_utilization below {r.free / r.capacity:.2f} (free / total) "
                                      "or let vLLM sleep between generations.", (r.requested or 0) - r.free or None)
         if r.origin == "vllm-kv":
-            return Advice(self.name, "Raise vllm_gpu_memory_utilization or lower vllm_max_model_length so one "
-                                     "full-length sequence fits in the KV cache.", None)
+            return Advice(self.name, "Set vllm_max_model_length to the run's longest prompt plus "
+                                     "max_completion_length, or raise vllm_gpu_memory_utilization, so one full-length "
+                                     "sequence fits in the KV cache.", None)
         return Advice(self.name, "A colocated vLLM keeps its weights and KV cache resident unless it sleeps "
-                                 "(vllm_enable_sleep_mode) or reserves less.", None)
+                                 "(vllm_enable_sleep_mode) or reserves less (vllm_gpu_memory_utilization).", None)

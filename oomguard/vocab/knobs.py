@@ -441,6 +441,13 @@ class RunFacts:
     bf16_moving: float | None = None
     bf16_supported: bool | None = None  # the device computes in bfloat16 (None: not known; CPUs do)
     device_total: int | None = None  # the device's size as the training process sees it (torch.cuda.mem_get_info)
+    # vLLM beside the trainer, as the training process found it before vLLM started (child/stacks/vllm.py): whether
+    # its platform has sleep mode, and which platform it is ("cuda", "cpu": the CPU build has no bitsandbytes)
+    vllm_sleep: bool | None = None
+    vllm_platform: str | None = None
+    # the least vllm_gpu_memory_utilization with which vLLM starts on this device (its engine, the activations of its
+    # profile run and one of the run's sequences), as the memory model judges it (Guide.vllm_floor); None: not known
+    vllm_min_utilization: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("missing_packages", "trl_lacks"):

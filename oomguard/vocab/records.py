@@ -477,6 +477,7 @@ class PreflightStop:
     pid: int | None = None
     rank: int | None = None
     before: str = "generates"  # what the stop saved: "generates" (trainer built) or "loads" (before the weights)
+    reason: str | None = None  # a stop that is not about the device's size: vLLM's reservation cannot hold it
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,8 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         return ConfigGenerated(str(d["kind"]), d.get("path"), d.get("config"), d.get("replaces"))
     if name == "predicted":
         return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
-                             before=str(d.get("before") or "generates"), **who)
+                             before=str(d.get("before") or "generates"),
+                             reason=d.get("reason") if isinstance(d.get("reason"), str) else None, **who)
     if name == "start":
         return ProcessStarted(where=d.get("where") if isinstance(d.get("where"), str) else None,
                               helper=d.get("helper") is True, **who)

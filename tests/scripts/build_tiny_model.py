@@ -6,7 +6,8 @@
 Variants (``VARIANTS``, ``build(path, **VARIANTS[name])``): ``tiny`` is the tests' default model (4 layers, hidden
 256, ~4M parameters, activations a large share of its GRPO peak); ``wide`` is 1 layer of hidden 1024 with a 4096
 MLP (~16M parameters), so weights, gradients and AdamW state are ~95% of its peak: bench/scenarios.py's
-weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do.
+weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do; ``long`` is
+``tiny`` with a 64k context window, as released models have (tests/test_vllm.py: vLLM holds one sequence of it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 VARIANTS: dict[str, dict[str, int]] = {
     "tiny": {},
     "wide": {"hidden": 1024, "layers": 1, "intermediate": 4096},
+    # the context window of a released model (64k): a vLLM that holds one sequence of it by default needs 64 MiB of
+    # KV cache (tests/test_vllm.py)
+    "long": {"positions": 65536},
 }
 
 # Written last into a finished build: what it was built from. A directory whose stamp differs is not reused.
@@ -61,7 +65,10 @@ def key_of(**shape: int) -> str:
     True
     """
     defaults = {k: p.default for k, p in inspect.signature(build).parameters.items() if k != "path"}
-    return build_key(**{**defaults, **shape})
+    full = {**defaults, **shape}
+    if full["positions"] == 2048:  # a build of the default context window keeps the key it always had
+        del full["positions"]
+    return build_key(**full)
 
 
 def stamp_of(path: Path) -> dict | None:
@@ -74,7 +81,7 @@ def stamp_of(path: Path) -> dict | None:
 
 
 def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 1024, vocab: int = 1024,
-          heads: int = 8, kv_heads: int = 2) -> Path:
+          heads: int = 8, kv_heads: int = 2, positions: int = 2048) -> Path:
     """Build the model in ``path``, or reuse the build there if its stamp matches these parameters exactly.
 
     A build of ours with another key (older builder, other shape or versions) is replaced; a directory without our
@@ -83,6 +90,8 @@ def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 10
     path = Path(path)
     params = {"hidden": hidden, "layers": layers, "intermediate": intermediate, "vocab": vocab, "heads": heads,
               "kv_heads": kv_heads}
+    if positions != 2048:  # a build of the default context window keeps the key it always had
+        params["positions"] = positions
     key = build_key(**params)
     found = stamp_of(path)
     if found is not None and found.get("key") == key:
@@ -107,7 +116,7 @@ def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 10
                                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)

@@ -44,6 +44,7 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    max_positions: int | None = None  # max_position_embeddings: the longest sequence a vLLM of it holds by default
 
     # -- shapes ----------------------------------------------------------------------------------------------------
     @property
@@ -188,7 +189,12 @@ class ModelSpec:
             checkpoint_dtype=dtype if dtype in _DTYPE_BYTES else None,
             o_bias=attention_bias and model_type not in ("qwen2", "qwen3"),
             mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=model_type.startswith("qwen3"),
+            max_positions=_positive(d.get("max_position_embeddings")),
         )
+
+
+def _positive(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def load_model_spec(path: str | os.PathLike[str]) -> ModelSpec:

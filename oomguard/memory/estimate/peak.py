@@ -16,6 +16,7 @@ from .model import _DTYPE_BYTES, EstimateError, ModelSpec
 from .phases import _PHASE_TERMS, PHASES
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
+from .vllm import VllmMemory, vllm_memory
 
 BREAKDOWN_KEYS = ("weights", "reference", "gradients", "optimizer", "activations", "logits", "kv_cache", "vllm",
                   "overhead")
@@ -38,10 +39,11 @@ class Estimate:
     total_params: int
     dominant_phase: str
     notes: tuple[str, ...] = field(default=())
+    vllm_lacks: int = 0  # how far a colocated vLLM's reservation is short of what it needs to start (0: it starts)
 
     def fits(self, capacity: int) -> bool:
-        """Whether the predicted device peak fits in ``capacity`` bytes."""
-        return self.peak_bytes <= capacity
+        """Whether the predicted device peak fits in ``capacity`` bytes (and a colocated vLLM can start)."""
+        return self.peak_bytes <= capacity and not self.vllm_lacks
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (sizes in bytes, plus a readable ``peak`` string)."""
@@ -55,14 +57,21 @@ class Estimate:
         return f"peak {format_size(self.peak_bytes)} in {self.dominant_phase} ({parts})"
 
 
-def _vllm_bytes(k: Knobs, capacity: int | None, notes: list[str]) -> int:
-    """T9: a colocated vLLM reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator."""
-    if not (k.use_vllm and (k.vllm_mode or "colocate") == "colocate"):
-        return 0
-    if capacity:
-        return int(float(k.vllm_gpu_memory_utilization or 0.3) * capacity)
-    notes.append("vLLM colocate reservation not counted: pass capacity")
-    return 0
+def _vllm(s: _Step, capacity: int | None, notes: list[str]) -> VllmMemory | None:
+    """T9b: a colocated vLLM's reservation, ``vllm_gpu_memory_utilization × capacity`` (``estimate.vllm``)."""
+    k = s.k
+    v = vllm_memory(s.spec, k, capacity, prefill_tokens=s.geo.B_gen * s.geo.P)
+    if v is None and k.use_vllm and (k.vllm_mode or "colocate") == "colocate":
+        notes.append("vLLM colocate reservation not counted: pass capacity")
+    if k.use_vllm and k.vllm_mode == "server":
+        notes.append("vLLM server mode: generation runs in the server, on its own device; this device holds none of "
+                     "it (the server's memory is its --gpu_memory_utilization)")
+    if v is not None and v.lacks:
+        notes.append(f"vLLM's reservation ({format_size(v.reservation)}) cannot hold its engine "
+                     f"({format_size(v.engine)}), its profile's activations ({format_size(v.activations)}) and one "
+                     f"sequence of {v.max_model_len:,} tokens ({format_size(v.one_sequence)}): vLLM would refuse to "
+                     "start")
+    return v
 
 
 def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -90,24 +99,32 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
     notes = list(s.p.notes)
     scale = co.scale
     phases = {ph: round(sum(d.values()) * scale) for ph, d in comp.items()}
-    vllm = _vllm_bytes(k, capacity, notes)
+    v = _vllm(s, capacity, notes)
     sleep = bool(k.vllm_enable_sleep_mode)
+
+    def vllm_bytes(ph: str) -> int:
+        """vLLM's part of the device in a phase (``VllmMemory.generating``, ``.training``); asleep, nothing."""
+        if v is None or (sleep and ph != "generation"):
+            return 0
+        return v.generating if ph == "generation" else v.training
+
     frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
     ctx = s.context if s.context is not None else 0 if simulated else int(co.m_ctx)
 
     def device_bytes(ph: str) -> int:
-        awake = vllm if (not sleep or ph == "generation") else 0
-        return ctx + int(phases[ph] * (1 + frag)) + awake
+        return ctx + int(phases[ph] * (1 + frag)) + vllm_bytes(ph)
 
     dominant = max(PHASES, key=lambda ph: (device_bytes(ph), phases[ph]))
     peak_bytes = device_bytes(dominant)
     bd = {key: round(v * scale) for key, v in comp[dominant].items()}
     bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
-    bd["vllm"] = vllm if (not sleep or dominant == "generation") else 0
+    bd["vllm"] = vllm_bytes(dominant)
     bd["overhead"] = peak_bytes - sum(v for key, v in bd.items() if key != "overhead")
-    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()), breakdown=bd, phases=phases,
+    # what torch's allocator counts includes what vLLM keeps allocated (engine and KV cache) while it is awake
+    held = v.held if v is not None and not sleep else 0
+    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()) + held, breakdown=bd, phases=phases,
                     trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
-                    notes=tuple(notes))
+                    notes=tuple(notes), vllm_lacks=v.lacks if v is not None else 0)
 
 
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,

@@ -59,6 +59,23 @@ def strip_prefix(line: str) -> str:
     return line[m.end():] if m else line
 
 
+# The process tags of vLLM's own multiprocessing (``vllm serve``, ``trl vllm-serve``, any engine it starts in
+# processes of its own): a line of the server, never of a colocated vLLM, which runs in the trainer's process.
+_VLLM_PROCESS = re.compile(r"^\s*\((APIServer|EngineCore(?:_DP\d+)?|(?:Vllm)?Worker(?:_\w+)?)\s+pid=(\d+)\)")
+
+
+def vllm_process_of(line: str) -> str | None:
+    """The vLLM server process a log line comes from (``"EngineCore pid=7"``), or None.
+
+    >>> vllm_process_of("(EngineCore_DP0 pid=25890) ERROR 11-26 18:57:01 [core.py:1] ValueError: No available memory")
+    'EngineCore_DP0 pid=25890'
+    >>> vllm_process_of("[rank0]: ValueError: No available memory for the cache blocks.") is None
+    True
+    """
+    m = _VLLM_PROCESS.match(line)
+    return f"{m.group(1)} pid={m.group(2)}" if m else None
+
+
 def rank_of(line: str) -> int | None:
     """The rank named in a line's prefix, if any."""
     m = _RANK.search(line[:40])

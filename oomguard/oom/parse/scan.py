@@ -26,6 +26,7 @@ from .lines import (
     _with_follow,
     rank_of,
     strip_prefix,
+    vllm_process_of,
 )
 from .patterns import _Head
 
@@ -60,6 +61,7 @@ class Hit:
     report: OOMReport
     frames: tuple[Frame, ...] = ()
     rank: int | None = None
+    server: str | None = None  # the vLLM server process whose line it is ("EngineCore pid=7"), if any
 
 
 _HOST_KILLS = ("oom-killer", "shell", "slurm")
@@ -163,7 +165,7 @@ class _Scanner:
                     return None
             elif self._is_repeat((head.origin, report.backend, None), line_no, rank, " ".join(core.split())):
                 return None
-            return Hit(line_no, report, _frames_before(lines, i, rank), rank)
+            return Hit(line_no, report, _frames_before(lines, i, rank), rank, vllm_process_of(raw))
         return None
 
     def _is_host_kill_repeat(self, origin: str, pid: int | None, line_no: int, rank: int | None) -> bool:

@@ -17,6 +17,14 @@ _P_VLLM_FREE = re.compile(
     + _W + r"\)" + r".*?" + _words("utilization") + _W + r"\(" + _W + r"([\d.]+)" + _W + r"," + _W + SIZE,
     _F,
 )
+# vLLM's CPU build words the same check by the NUMA node's memory ("Available memory on node 0 (11.53/13.84 GiB) on
+# startup is less than desired CPU memory utilization (0.9, 12.45 GiB)", vllm/v1/worker/cpu_worker.py), and again
+# when an explicit KV cache size does not fit ("... on kv cache allocation is less than requested memory for kv").
+_P_VLLM_NODE = re.compile(
+    _words("Available memory on node") + _W + r"\d+" + _W + r"\(" + _W + _NUM + _W + r"/" + _W + _NUM + _W + _UNIT
+    + _W + r"\)" + r".*?" + _words("utilization") + _W + r"\(" + _W + r"([\d.]+)" + _W + r"," + _W + SIZE,
+    _F,
+)
 _P_VLLM_KV = re.compile(
     r"\(" + _W + SIZE + _W + _words("KV cache is needed") + r".*?" + _words("KV cache memory") + _W + r"\(" + _W + SIZE, _F
 )
@@ -28,7 +36,7 @@ _P_VLLM_KV_TOKENS = re.compile(_words("stored in KV cache") + _W + r"\(" + _W + 
 def _startup_figures(core: str, text: str) -> dict[str, Any]:
     """Free and total memory, and what the utilization asked for."""
     kw: dict[str, Any] = {}
-    m = _P_VLLM_FREE.search(text)
+    m = _P_VLLM_FREE.search(text) or _P_VLLM_NODE.search(text)
     if m:
         unit = m.group(3)
         kw["free"] = _size(m.group(1), unit)
@@ -41,9 +49,9 @@ def _kv_figures(core: str, text: str) -> dict[str, Any]:
     """The KV cache needed and available, in bytes or in tokens."""
     kw: dict[str, Any] = {}
     m = _P_VLLM_KV.search(text)
-    if m:
-        kw["requested"] = _size(m.group(1), m.group(2))
-        kw["free"] = _size(m.group(3), m.group(4))
+    if m:  # a small model's sizes print as "0.0 GiB": too small to read, not zero
+        kw["requested"] = _size(m.group(1), m.group(2)) or None
+        kw["free"] = _size(m.group(3), m.group(4)) or None
     m = _P_VLLM_SEQ.search(text)
     kw["max_seq_len"] = int(m.group(1)) if m else None
     m = _P_VLLM_KV_TOKENS.search(text)
@@ -64,6 +72,19 @@ ENGINE: tuple[_Head, ...] = (
                    re.IGNORECASE),
         backend="vllm",
         figures=_startup_figures,
+    ),
+    _Head(
+        "vllm-startup",
+        re.compile(_words("Available memory on node") + r".*?" + _words("is less than desired CPU memory utilization"),
+                   re.IGNORECASE),
+        backend="vllm",
+        figures=_startup_figures,
+    ),
+    _Head(
+        "vllm-startup",
+        re.compile(_words("Available memory on node") + r".*?" + _words("on kv cache allocation is less than requested"),
+                   re.IGNORECASE),
+        backend="vllm",
     ),
     _Head(
         "vllm-startup",
