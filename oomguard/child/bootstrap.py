@@ -21,8 +21,9 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "to
              "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
              "deepspeed.launcher.launch", "trl.cli.main", "trl.cli")
 # Console scripts that only start workers. TRL's CLI (`trl grpo ...`) parses the script's arguments into a GRPOConfig
-# and hands them to `accelerate launch`: the training runs in the process it starts.
-LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl")
+# and hands them to `accelerate launch`: the training runs in the process it starts. ms-swift's `swift rlhf ...` runs
+# `python swift/cli/rlhf.py ...` (under torchrun when NPROC_PER_NODE is set) the same way.
+LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl", "swift")
 
 
 def program_of(orig_argv: list[str]) -> tuple[str, str]:
@@ -141,8 +142,16 @@ def install_hooks(rt: Runtime) -> None:
     when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
     # the stacks around TRL, each in its adapter module (child/stacks/)
     when_imported("trl.generation.vllm_generation", stack(rt, "vllm", "patch_trl"))
+    when_imported("swift.arguments.rlhf_args", stack(rt, "swift", "patch_arguments"))
+    when_imported("swift.rlhf_trainers.arguments", stack(rt, "swift", "patch_config"))
+    when_imported("swift.rlhf_trainers.grpo_trainer", stack(rt, "swift", "patch_trainer"))
+    when_imported("unsloth", stack(rt, "unsloth", "patch_unsloth"))
     if rt.plan.simulate_gpu:
         when_imported("vllm.v1.worker.cpu_worker", stack(rt, "vllm", "size_like_a_gpu"))
+        from .stacks.unsloth import SIMULATED_ENVIRONMENT
+
+        for k, v in SIMULATED_ENVIRONMENT.items():
+            os.environ.setdefault(k, v)
 
 
 def stack(rt: Runtime, name: str, function: str) -> Any:

@@ -224,9 +224,46 @@ def _lora_config(rt: Runtime) -> Any:
 
 
 def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
-    cls = module.GRPOTrainer
-    orig_init = cls.__dict__["__init__"]
-    orig_train = cls.__dict__.get("train")
+    """TRL's GRPOTrainer, and whatever class a stack binds to its name later (Unsloth's generated trainer is a
+    rewritten copy, not a subclass: a patch on TRL's class would never run in it)."""
+    patch_trainer_class(rt, module.GRPOTrainer, module)
+    for name in ("trl", "trl.trainer", module.__name__):
+        if name in sys.modules:
+            watch_rebinding(rt, sys.modules[name], module)
+
+
+def watch_rebinding(rt: Runtime, owner: Any, trainer_module: Any) -> None:
+    """Patch any class bound to ``owner.GRPOTrainer`` from now on, when it is bound: the script builds whatever
+    class that name holds when it runs ``GRPOTrainer(...)``. A module's class may be swapped for a subclass of it
+    (Python allows that for modules); the swap is undone by ``remove()``."""
+    cls = type(owner)
+    if getattr(cls, "_oomguard_watch", False):
+        return
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        cls.__setattr__(self, name, value)
+        if name == "GRPOTrainer" and isinstance(value, type):
+            try:
+                patch_trainer_class(rt, value, trainer_module)
+            except Exception as e:  # never break the stack's own import
+                rt.emit("patch_failed", module=getattr(value, "__module__", "?"), patch="GRPOTrainer",
+                        error=f"{type(e).__name__}: {e}"[:2000])
+
+    watched = type(cls.__name__, (cls,), {"__setattr__": __setattr__, "_oomguard_watch": True})
+    try:
+        owner.__class__ = watched
+    except TypeError:
+        return
+    _UNDO.append(lambda: setattr(owner, "__class__", cls))
+
+
+def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
+    """Wrap ``cls.__init__`` (its own or inherited) and ``train``: once per class, and not again in a subclass of a
+    class already patched (the inherited wrapper runs)."""
+    orig_init = cls.__init__
+    if getattr(orig_init, "_oomguard", False):
+        return
+    orig_train = cls.__dict__.get("train") or getattr(cls, "train", None)
     sig = inspect.signature(orig_init)
 
     @functools.wraps(orig_init)  # its signature stays TRL's (trlcompat reads the arguments this TRL takes)
@@ -239,7 +276,10 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
         rt.trainer = self
         _after_init(rt, self)
 
+    __init__._oomguard = True  # type: ignore[attr-defined]
     _set(cls, "__init__", __init__)
+    if getattr(orig_train, "_oomguard", False):
+        return
     if orig_train is None:
         from transformers import Trainer
 
@@ -261,6 +301,7 @@ def patch_grpo_trainer(rt: Runtime, module: Any) -> None:
                 rt.record_crash(e)
             raise
 
+    train._oomguard = True  # type: ignore[attr-defined]
     _set(cls, "train", train)
 
 
@@ -289,14 +330,16 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         dtype = _dtype_name(getattr(model, "dtype", None))
         # a 4-bit load oomguard made is not the script's own (its rung applies only to a model not loaded in 4-bit)
         in4 = not k_over.load_in_4bit and bool(getattr(model, "is_loaded_in_4bit", False))
-    lora_r = 0
-    if peft_config is not None:
-        lora_r = int(getattr(peft_config, "r", 0) or 0) or 8
-    elif is_peft_model:
+    lora = peft_config
+    if lora is None and is_peft_model:
         cfgs = getattr(model, "peft_config", {}) or {}
-        first = next(iter(cfgs.values()), None) if isinstance(cfgs, dict) else cfgs
-        lora_r = int(getattr(first, "r", 0) or 0) or 8
-    rt.observe({"dtype": dtype, "load_in_4bit": in4, "lora_r": lora_r})
+        lora = next(iter(cfgs.values()), None) if isinstance(cfgs, dict) else cfgs
+    rt.observe({"dtype": dtype, "load_in_4bit": in4, **observed_lora(lora)})
+    if (not isinstance(model, str) and getattr(model, "is_gradient_checkpointing", False)
+            and not rt.knobs().gradient_checkpointing):
+        # enabled on the model already (Unsloth's get_peft_model, a script's own call): the Trainer keeps it on
+        # whatever args.gradient_checkpointing says
+        rt.resolve({"gradient_checkpointing": True})
 
     # Apply what only the trainer can take.
     weights = _weights_checkpoint(rt)
@@ -331,7 +374,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     a["callbacks"] = callbacks
     rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": _world(),
                               "missing_packages": missing_packages()},
-            observed=dict(rt.observed))
+            observed=dict(rt.observed), resolved=dict(rt.resolved))
     mik = dict(args.model_init_kwargs or {})
     if isinstance(model, str) and rt.plan.preflight and not placed_elsewhere(mik):
         # TRL loads it inside GRPOTrainer: judge the whole config from the checkpoint's config, before it loads
@@ -344,19 +387,63 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
             preflight.check(rt, before="loads")
 
 
+def observed_lora(cfg: Any) -> dict[str, Any]:
+    """A LoRA config's knobs (a ``peft_config`` argument, or the config of a model PEFT already wraps); no config:
+    a full fine-tune. A rank PEFT leaves unset is its default, 8.
+
+    >>> from types import SimpleNamespace
+    >>> observed_lora(SimpleNamespace(r=16, lora_alpha=32, target_modules={"v_proj", "q_proj"}))
+    {'lora_r': 16, 'lora_alpha': 32, 'lora_target_modules': ('q_proj', 'v_proj')}
+    >>> observed_lora(None)
+    {'lora_r': 0}
+    """
+    if cfg is None:
+        return {"lora_r": 0}
+    out: dict[str, Any] = {"lora_r": int(getattr(cfg, "r", 0) or 0) or 8}
+    alpha = getattr(cfg, "lora_alpha", None)
+    if isinstance(alpha, (int, float)) and alpha > 0:
+        out["lora_alpha"] = int(alpha)
+    tm = getattr(cfg, "target_modules", None)
+    if isinstance(tm, str) and tm:
+        out["lora_target_modules"] = tm
+    elif isinstance(tm, (list, tuple, set, frozenset)) and tm:
+        out["lora_target_modules"] = tuple(sorted(str(t) for t in tm))
+    return out
+
+
+# GRPOConfig fields a stack may resolve after the script set them (Unsloth turns bf16 off on a CPU without it)
+RESOLVED = ("bf16", "fp16")
+
+
+def resolved_precision(rt: Runtime, args: Any) -> dict[str, Any]:
+    """The precision the trainer really trains in, where it differs from what the script's config said and
+    oomguard did not set it: those values replace the observed ones (they are what the user's command runs)."""
+    out: dict[str, Any] = {}
+    knobs = rt.knobs()
+    for name in RESOLVED:
+        v = getattr(args, name, None)
+        if isinstance(v, bool) and getattr(knobs, name) != v:
+            out[name] = v
+    return rt.resolve(out)
+
+
 def _after_init(rt: Runtime, trainer: Any) -> None:
     from . import simulate
 
     dev = simulate.device()
     model = getattr(trainer, "model", None)
     if dev is not None and model is not None:
-        dev.adopt(list(model.parameters()) + list(model.buffers()))
+        dev.adopt(device_tensors(model))
     if rt.model_config is None and model is not None:
         record_model(rt, model)
     if model is not None:
         from . import precision
 
-        rt.emit("facts", facts=precision.facts(model, getattr(trainer, "args", None)))
+        facts = precision.facts(model, getattr(trainer, "args", None))
+        for stack_facts in rt.stack_facts:  # what a stack around TRL changes (child/stacks/)
+            facts.update(stack_facts(trainer))
+        resolved_precision(rt, getattr(trainer, "args", None))
+        rt.emit("facts", facts=facts, resolved=dict(rt.resolved))
     if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
         inner = trainer._generate_and_score_completions
 
@@ -442,9 +529,7 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
     sample_idx = list(range(0, n, step))
     lengths = prompt_lengths([dataset[i]["prompt"] for i in sample_idx], tok)
     ordered = sorted(lengths)
-    stats = {"rows": n, "prompt_tokens_max": ordered[-1],
-             "prompt_tokens_p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
-             "sampled": step > 1}
+    stats = _stats(n, ordered, step > 1)
     out = dataset
     if limit:
         all_len = lengths if step == 1 else prompt_lengths(list(dataset["prompt"]), tok)
@@ -459,6 +544,19 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
     if rt.plan.probe:
         out = _longest(out, tok, rt, args)
     return out
+
+
+def _stats(rows: int, ordered: list[int], sampled: bool) -> dict[str, Any]:
+    return {"rows": rows, "prompt_tokens_max": ordered[-1],
+            "prompt_tokens_p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "sampled": sampled}
+
+
+def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any) -> None:
+    """The ``dataset`` event for prompts a stack's trainer holds in its own format (the memory model's prompt
+    length); nothing is filtered or reordered."""
+    if not prompts:
+        return
+    rt.emit("dataset", **_stats(len(prompts), sorted(prompt_lengths(prompts, tok)), False))
 
 
 def _probe_prompts(rt: Runtime, args: Any) -> int:
@@ -625,6 +723,18 @@ def _sharded(rt: Runtime) -> bool:
     return (k.zero_stage == 3) or bool(rt.facts().get("fsdp"))
 
 
+def device_tensors(model: Any) -> list[Any]:
+    """What a loaded model keeps on its device: parameters, buffers, and a 4-bit weight's quantisation state
+    (bitsandbytes keeps the absmax and its own quantisation outside ``parameters()``)."""
+    out = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        while qs is not None:
+            out += [t for t in (getattr(qs, "absmax", None), getattr(qs, "code", None)) if t is not None]
+            qs = getattr(qs, "state2", None)
+    return out
+
+
 def _is_policy(cls: type) -> bool:
     return cls.__name__.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel"))
 
@@ -656,6 +766,9 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
                 kwargs["dtype"] = _half(torch, rt)
         _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
         _zero3_comm()
+        from . import simulate
+
+        dev = simulate.device()
         model = orig(cls, *args, **kwargs)
         # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
         # without an override (the first attempt always loads without one).
@@ -667,11 +780,8 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             model._oomguard_from_pretrained = True
         except Exception:
             pass
-        from . import simulate
-
-        dev = simulate.device()
         if dev is not None:
-            dev.adopt(list(model.parameters()) + list(model.buffers()))
+            dev.adopt(device_tensors(model))
         record_model(rt, model)
         return model
 

@@ -26,6 +26,7 @@ class Runtime:
         self.plan = plan
         self.overrides = Knobs.from_dict(plan.overrides)
         self.observed: dict[str, Any] = {}
+        self.resolved: dict[str, Any] = {}  # observed values a stack changed after the script set them
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
         self.crashed = False
@@ -38,12 +39,21 @@ class Runtime:
         self.ended: str | None = None  # how this process ended, once its `end` event is written
         self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
+        self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
 
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any]) -> None:
         """Record what the script set, first value wins (copies of the config must not overwrite it)."""
         for k, v in values.items():
             self.observed.setdefault(k, v)
+
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Values the user's stack resolved after the script set them (what the command really trains with): they
+        replace the observed ones, except where oomguard set the knob. Returns those taken."""
+        taken = {k: v for k, v in values.items() if getattr(self.overrides, k, None) is None}
+        self.observed.update(taken)
+        self.resolved.update(taken)
+        return taken
 
     def knobs(self) -> Knobs:
         """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""
@@ -62,7 +72,7 @@ class Runtime:
         """Append one JSON line to the events file (O_APPEND keeps lines from several processes whole)."""
         if event in ("config", "trainer", "model"):
             self.reached.add(event)
-        if event in ("config", "trainer"):
+        if event in ("config", "trainer", "facts"):
             self._facts.update(data.get("facts") or {})
         if event == "dataset":
             for k in ("prompt_tokens_max", "prompt_tokens_p95"):

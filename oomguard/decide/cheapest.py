@@ -46,9 +46,10 @@ from .ladder import Ladder
 # another class): a halving of the micro-batch (the weights read again per micro-step), checkpointing (a third more
 # training compute, in a step that generation dominates), ZeRO-2 (a reduce-scatter and all-gather, about DDP's
 # all-reduce), ZeRO-3 (parameters gathered in every forward and generation step), offloads (every step through host
-# memory), DeepSpeed's buffers sized to the model (more, smaller collectives).
+# memory; ms-swift's offload while vLLM generates moves the weights and optimizer out and back once a step),
+# DeepSpeed's buffers sized to the model (more, smaller collectives).
 SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero3": 0.30, "offload_optimizer": 0.5,
-              "offload_params": 1.0, "fsdp_offload": 1.0, "buffers": 0.01}
+              "offload_params": 1.0, "fsdp_offload": 1.0, "offload_during_generation": 0.3, "buffers": 0.01}
 
 
 def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, float]:
@@ -79,7 +80,8 @@ def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, floa
     speed = (SPEED_COST["micro_halving"] * max(0.0, math.log2(spg_k / max(1, spg_u)))
              + (SPEED_COST["checkpointing"] if new("gradient_checkpointing") else 0.0)
              + max(0.0, zero.get(stage_k, 0.0) - zero.get(stage_u, 0.0))
-             + sum(SPEED_COST[n] for n in ("offload_optimizer", "offload_params", "fsdp_offload") if new(n))
+             + sum(SPEED_COST[n] for n in ("offload_optimizer", "offload_params", "fsdp_offload",
+                                                  "offload_during_generation") if new(n))
              + (SPEED_COST["buffers"] if any(new(n) for n in DS_SIZE_KNOBS) else 0.0)
              + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization))
     out = dict.fromkeys(COST_CLASSES, 0.0)

@@ -25,6 +25,7 @@ from ..strategies import Context
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
+from ..vocab.stacks import flag
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
 from .experiment import Experiment, summarise
@@ -79,6 +80,13 @@ class Climb:
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+
+    def resolve(self, values: dict[str, Any]) -> None:
+        """Values the user's stack resolved after the script set them: they replace the observed ones (what the
+        user's command trains with when oomguard changes nothing)."""
+        for k, v in values.items():
+            if k in TRL_DEFAULTS.to_dict() and v is not None:
+                self.observed[k] = tuple(v) if isinstance(v, list) else v
 
     def original(self) -> Knobs:
         """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
@@ -297,6 +305,10 @@ class Climb:
         if last is not None:
             final = Knobs.from_dict(last.knobs)
         rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
+        for r in rows:  # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one
+            said = flag(self.facts.stack, r["knob"], r["to"])
+            if said is not None:
+                r["flag"] = said
         changes = {r["knob"]: r["to"] for r in rows}
         for r in rows:  # what the rung did, where that is narrower than its name
             action = self._action(r["remedy"], changes, who) if r["remedy"] else None

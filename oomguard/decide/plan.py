@@ -98,12 +98,14 @@ class Plan:
 
 def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None,
-              head: str | None = None) -> Any:
-    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``)."""
+              head: str | None = None, keeps_dtype_4bit: bool = False) -> Any:
+    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``; whether the
+    run's own loader keeps the dtype under a 4-bit load, ``keeps_dtype_4bit``)."""
     def predict(k: Knobs) -> Estimate:
         # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
         return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
-                        simulated=simulated, capacity=capacity, context=context, head=head)
+                        simulated=simulated, capacity=capacity, context=context, head=head,
+                        keeps_dtype_4bit=keeps_dtype_4bit)
 
     return predict
 
@@ -281,7 +283,8 @@ class Guide:
         try:
             est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
                            coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
-                           context=self.context, head=self.head_for(facts))
+                           context=self.context, head=self.head_for(facts),
+                           keeps_dtype_4bit=facts.load_takes_4bit)
         except ValueError:
             return
         kw = {"warn": self.warn} if self.warn else {}
@@ -307,7 +310,7 @@ class Guide:
         try:
             return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
                              coefficients=self.coefficients, simulated=self.simulated, context=self.context,
-                             head=self.head_for(facts))(knobs)
+                             head=self.head_for(facts), keeps_dtype_4bit=facts.load_takes_4bit)(knobs)
         except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
             return None
 
@@ -349,7 +352,7 @@ class Guide:
             def load_fits(k: Knobs) -> bool:
                 try:
                     need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
-                                      context=self.context)
+                                      context=self.context, keeps_dtype_4bit=facts.load_takes_4bit)
                 except ValueError:
                     return False
                 return need * (1 + (self.margin if margin is None else margin)) <= self.capacity

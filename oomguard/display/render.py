@@ -120,6 +120,30 @@ _TERMS = [
 ]
 
 
+def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str | None) -> None:
+    """One row per card (``oomguard plan --gpu A,B,...``): the config's predicted peak, whether it fits, the largest
+    ``fit`` that does (``--fit``), and what ``oomguard run`` would change where it does not."""
+    out.print(f"[bold]{model}[/]: one row per card, at the settings given")
+    t = Table(header_style="bold")
+    t.add_column("card", justify="right")
+    t.add_column("peak", justify="right")
+    t.add_column("fits")
+    if fit:
+        t.add_column(f"largest {fit}", justify="right")
+    some_short = not all(r["fits"] for r in rows)
+    if some_short:
+        t.add_column("else oomguard run would set")
+    for r in rows:
+        verdict = "[green]yes[/]" if r["fits"] else f"[red]no[/], {size(r['peak_bytes'] - r['capacity_bytes'])} short"
+        cells = [size(r["capacity_bytes"]), size(r["peak_bytes"]), verdict]
+        if fit:
+            cells.append("none fits" if r["fit_value"] is None else f"{r['fit_value']:,}")
+        change = ("" if r["fits"] else "no rung fits it" if not r["suggest"]
+                  else " ".join(f"{k}={_v(v)}" for k, v in r["suggest"].items()))
+        t.add_row(*cells, *([change] if some_short else []))
+    out.print(t)
+
+
 def plan_table(out: Console, p: Any, model: str) -> None:
     """The breakdown, the verdict with headroom, and the suggested rungs."""
     e = p.estimate

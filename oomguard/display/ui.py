@@ -15,6 +15,7 @@ from ..decide.ladder import Exhausted, Step
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport, rung_label
 from ..vocab.sizes import format_size
+from ..vocab.stacks import SAID_AS
 
 
 def _fmt(v: Any) -> str:
@@ -226,6 +227,12 @@ class ConsoleReporter:
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
             diff_table(self.out, report.diff, title=title)
+        said = [r["flag"] for r in report.diff if r.get("flag")]
+        if said and report.status == "stable":
+            stack = (report.facts or {}).get("stack")
+            joined = " ".join(said) if stack == "swift" else "; ".join(said)
+            self._say(_plain(f"{SAID_AS.get(stack or '', 'as the front-end takes them')}: {joined} (the lock "
+                             "replays them: oomguard run --config LOCK -- COMMAND)"))
         for line in experiment_lines(report.experiment):
             self._say(_plain(line))
         for line in alternatives_lines(report.alternatives, self.command or report.command, self.options):

@@ -19,6 +19,7 @@ from ..vocab.records import (
     write_json_atomic,
 )
 from ..vocab.schema import LOCK_SCHEMA
+from ..vocab.stacks import flags
 from .group import Group
 from .options import Reporter, RunOptions
 from .verdict import conclude
@@ -104,9 +105,12 @@ class Ending:
 
     def _lock_data(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
                    diff: list[dict[str, Any]]) -> dict[str, Any]:
+        overrides = self.climb.overrides(knobs)
+        said = flags(self.climb.facts.stack, overrides)
         return {"schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
-                "overrides": self.climb.overrides(knobs), "original": original, "stable": stable,
-                "world_size": self.climb.facts.world_size, "diff": diff}
+                "overrides": overrides, "original": original, "stable": stable,
+                "world_size": self.climb.facts.world_size, "diff": diff,
+                **({"stack": self.climb.facts.stack, "flags": said} if said else {})}
 
     def _write_outputs(self, report: RunReport, status: str) -> Path | None:
         """The report (and HTML), and the lock when stable. Each run keeps its own copies; the top-level files are

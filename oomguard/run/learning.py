@@ -47,6 +47,7 @@ class Learning:
             if isinstance(ev, CodeSeen):
                 self.reached.add(ev.point)
                 c.observe(ev.observed)
+                c.resolve(ev.resolved)
                 facts = facts.replace(**{k: v for k, v in ev.facts.items() if k in RunFacts.__dataclass_fields__})
                 if ev.world_size:
                     facts = facts.replace(world_size=ev.world_size)
@@ -68,7 +69,7 @@ class Learning:
         self._take_device(facts.device_total)
         if facts.bf16_moving is not None:  # measured on the loaded weights: the user's own config may not learn
             self._warn(precision_warning(c.original(), facts))
-        self._take_trl(facts.trl_version, facts.trl_head)
+        self._take_trl(facts.trl_version, facts.trl_head, facts.stack_untested)
         if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
             c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
             self._ladder_line(why)
@@ -91,20 +92,24 @@ class Learning:
             self.warnings.append(line)
             self.ui.message(f"warning: {line}")
 
-    def _take_trl(self, version: str | None, head: str | None) -> None:
+    def _take_trl(self, version: str | None, head: str | None, stack_untested: str | None = None) -> None:
         """The command's TRL, read before launching or reported by the training process: a release newer than the
-        tested ones gets one line, and a probe verifies its first choice even under --no-probe; the guide models its
-        LM head (the reported one, else the one its release is known to have) and its measured error."""
-        if version is None or (version, head) == self.trl_seen:
+        tested ones (or a stack whose memory no measurement covers) gets one line, and a probe verifies its first
+        choice even under --no-probe; the guide models its LM head (the reported one, else the one its release is
+        known to have) and its measured error."""
+        if version is None or (version, head, stack_untested) == self.trl_seen:
             return
         s = support(version)
-        if s.untested and (self.trl_seen is None or self.trl_seen[0] != version):
-            self.ui.message(str(s.message))
+        untested = s.untested or bool(stack_untested)
+        if untested and (self.trl_seen is None or self.trl_seen[0] != version or self.trl_seen[2] != stack_untested):
+            self.ui.message(str(s.message) if s.untested else
+                            f"{stack_untested}: the pre-flight stops only far over the device, and a probe verifies "
+                            "the first choice")
             if self.o.probe_steps <= 0 and not self.o.replay:
                 self.o.probe_steps = 2
-        self.trl_seen = (version, head)
+        self.trl_seen = (version, head, stack_untested)
         if self.guide is not None:
-            self.guide.set_trl(head or head_of(version), s.untested)
+            self.guide.set_trl(head or head_of(version), untested)
 
     def _ladder_line(self, why: str) -> None:
         """One line: the ladder oomguard picked by itself, and why."""

@@ -84,7 +84,7 @@ class Supervisor(Attempts, Learning, Ending):
 
             self.guide = Guide(self.capacity, simulated=simulated, context=self.sim_context,
                                device_name=None if simulated else gpu_name(), warn=reporter.message)
-        self.trl_seen: tuple[str, str | None] | None = None  # the TRL (version, reported head) the guide models
+        self.trl_seen: tuple[str, str | None, str | None] | None = None  # (TRL version, head, stack_untested) modelled
         self._take_trl(options.trl.version if options.trl else None, None)
         self.minimizer = Minimizer()
         self.newly: list[str] = []  # rungs the last choice put in force (taken back if their overrides break)

@@ -268,6 +268,8 @@ class Remedy:
         gone = [row.knob for row in ctx.knobs.diff(new) if row.knob in lacks]
         if not gone:
             return None
+        if ctx.facts.stack:
+            return f"{ctx.facts.stack} has no way to take {', '.join(gone)}"
         return f"the installed TRL ({ctx.facts.trl_version or 'version unknown'}) has no way to take {', '.join(gone)}"
 
     def unread(self, ctx: Context) -> str | None:

@@ -160,9 +160,13 @@ class Bf16Load(Remedy):
         share = frozen(self.apply(ctx), ctx.facts)
         if share is not None:
             lr = ctx.value("learning_rate")
-            return (f"it would freeze the model: at learning rate {lr:g}, {share:.0%} of the weights' AdamW updates "
-                    "are below bfloat16's resolution and no float32 master copy keeps them (LoRA, DeepSpeed ZeRO or "
-                    "a larger learning rate would)")
+            # before the command has built its config, its learning rate (and its LoRA) are TRL's defaults: say so
+            unseen = ctx.read_fields is not None and "learning_rate" not in ctx.read_fields
+            which = f"TRL's default learning rate {lr:g} (the command's own is not known yet)" if unseen else \
+                f"learning rate {lr:g}"
+            return (f"it would freeze the model: at {which}, {share:.0%} of the weights' AdamW updates are below "
+                    "bfloat16's resolution and no float32 master copy keeps them (LoRA, DeepSpeed ZeRO or a larger "
+                    "learning rate would)")
         return _can_set_load(ctx)
 
     def apply(self, ctx: Context) -> Knobs:
@@ -228,7 +232,7 @@ class Load4bit(Remedy):
             return "vLLM's CPU build has no bitsandbytes quantisation, which TRL asks of vLLM for a 4-bit model"
         if ctx.facts.model_source == "instance":
             return "4-bit needs the model loaded through from_pretrained (or given to GRPOTrainer by name)"
-        if ctx.facts.user_peft:
+        if ctx.facts.user_peft and not ctx.facts.load_takes_4bit:
             return "the script passes its own PEFT model, which was loaded before oomguard could quantise it"
         return None
 

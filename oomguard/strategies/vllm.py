@@ -5,15 +5,18 @@ One rung, ``vllm_memory``, that climbs the way the diagnosis points (``VllmMemor
 - training needs the room (a training-side OOM beside the reservation, vLLM's own start-up beside what training
   holds, a pre-flight stop): a smaller ``vllm_gpu_memory_utilization``, with ``vllm_max_model_length`` no longer than
   the run's longest prompt plus its completions (vLLM must hold only one such sequence, so a smaller reservation
-  still starts); at the utilization's floor, sleep mode where the platform has it (CUDA, ROCm; not vLLM's CPU build);
+  still starts); at the utilization's floor, sleep mode where the platform has it (CUDA, ROCm; not vLLM's CPU build),
+  then the trainer's weights and optimizer state in host RAM while vLLM generates where the stack takes it (ms-swift's
+  ``--offload_model --offload_optimizer``; TRL has no such option);
 - one full-length sequence does not fit the KV cache ("... KV cache is needed, which is larger than the available
   KV cache memory", "No available memory for the cache blocks"): a shorter ``vllm_max_model_length`` (the model's
   default is its whole context window, 32k tokens and more for released models), else a larger reservation;
 - the start-up check ("Free memory on device ... is less than desired GPU memory utilization", its CPU twin): a
   reservation that fits what is free.
 
-Its cost is speed: a smaller KV cache batches fewer sequences at once, and sleep mode reloads vLLM's weights for each
-generation; what is generated and trained stays the same.
+Its cost is speed: a smaller KV cache batches fewer sequences at once, sleep mode reloads vLLM's weights for each
+generation, and the offload moves the trainer's state through host memory each step; what is generated and trained
+stays the same.
 """
 
 from __future__ import annotations
@@ -47,13 +50,16 @@ def length_needed(ctx: Context) -> int | None:
 class VllmMemory(Remedy):
     name = "vllm_memory"
     summary = ("Rebalance vLLM colocate: a smaller vllm_gpu_memory_utilization (with vllm_max_model_length no longer "
-               "than the run's sequences), sleep between generations where the platform has it, or room for one "
-               "full-length sequence in its KV cache.")
+               "than the run's sequences), sleep between generations where the platform has it, the trainer's state in "
+               "host RAM while vLLM generates where the stack takes it, or room for one full-length sequence in its "
+               "KV cache.")
     cost = "speed"
-    trade_note = "a smaller KV cache batches fewer sequences at once; sleep mode reloads vLLM's weights each step"
+    trade_note = ("a smaller KV cache batches fewer sequences at once; sleep mode reloads vLLM's weights each step; "
+                  "the offload moves the trainer's weights and optimizer state through host RAM each step")
     resume = "continue"
     graded = True
-    changes = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length")
+    changes = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
+               "offload_during_generation")
     addresses = "vllm"
     params = {"factor": shrink_factor(0.75, "what each step multiplies vllm_gpu_memory_utilization by"),
               "min_utilization": Param(0.1, float, low=0, high=1, low_open=True,
@@ -77,10 +83,18 @@ class VllmMemory(Remedy):
                          f"{user.vllm_max_model_length or 'the model' + chr(39) + 's'})")
         if final.vllm_enable_sleep_mode and not user.vllm_enable_sleep_mode:
             parts.append("vLLM sleeps while training")
+        if final.offload_during_generation and not user.offload_during_generation:
+            parts.append("the trainer's weights and optimizer wait in host RAM while vLLM generates")
         return ", ".join(parts) or self.name
 
     def _sleep_possible(self, ctx: Context) -> bool:
         return bool(ctx.facts.vllm_sleep) and not ctx.value("vllm_enable_sleep_mode")
+
+    def _offload_possible(self, ctx: Context) -> bool:
+        """The stack takes ``offload_during_generation`` (the training process reported what it lacks, and this is
+        not among it) and it is not on yet."""
+        lacks = ctx.facts.trl_lacks
+        return bool(lacks) and "offload_during_generation" not in lacks and not ctx.value("offload_during_generation")
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("vllm_mode") != "colocate":
@@ -115,6 +129,8 @@ class VllmMemory(Remedy):
             return out.replace(vllm_gpu_memory_utilization=round(max(floor, u * self.p["factor"]), 3))
         if self._sleep_possible(ctx):
             return out.replace(vllm_enable_sleep_mode=True)
+        if self._offload_possible(ctx):
+            return out.replace(offload_during_generation=True)
         return out
 
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:

@@ -31,16 +31,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 class Knobs:
     """Every value oomguard may change. ``None`` means "not set": TRL's default (or the user's value) applies.
 
-    Field names follow ``GRPOConfig`` where one exists; the others are oomguard's own:
-    ``expandable_segments`` and ``max_split_size_mb`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped
-    from the dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
+    Field names follow ``GRPOConfig`` where one exists; the others are oomguard's own: ``expandable_segments`` and
+    ``max_split_size_mb`` (the allocator config), ``max_prompt_tokens`` (prompts longer than this are dropped from the
+    dataset, since TRL 1.16 has no ``max_prompt_length``), ``dtype`` (the load dtype), ``lora_*`` and
     ``load_in_4bit`` (adapters and quantisation injected at the trainer), ``zero_stage``/``offload_*`` (DeepSpeed
     through accelerate), the DeepSpeed buffer sizes ``reduce_bucket_size``, ``stage3_prefetch_bucket_size``,
     ``stage3_param_persistence_threshold`` (elements, or ``"auto"``: transformers sizes them from the model's hidden
-    size; ``None``: the config leaves them to DeepSpeed's defaults) and ``overlap_comm``, ``fsdp_offload``. ``bf16``/``fp16`` (mixed precision: autocast) are read from the script for
-    the memory model; no rung changes them. Nor does any rung change ``learning_rate`` and ``loss_type``: they are read
-    to tell what a change does to training (whether bf16 weights still move at this learning rate, whether a
-    micro-batch split keeps the gradients).
+    size; ``None``: the config leaves them to DeepSpeed's defaults) and ``overlap_comm``, ``fsdp_offload``;
+    ``offload_during_generation`` (the trainer's weights and optimizer state wait in host RAM while a colocated vLLM
+    generates: ms-swift's ``--offload_model --offload_optimizer``; TRL has no such option). ``bf16``/``fp16`` (mixed
+    precision: autocast) are read from the script for the memory model; no rung changes them. Nor does any rung
+    change ``learning_rate`` and ``loss_type``: they are read to tell what a change does to training (whether bf16
+    weights still move at this learning rate, whether a micro-batch split keeps the gradients).
     """
 
     expandable_segments: bool | None = None
@@ -68,6 +70,7 @@ class Knobs:
     vllm_gpu_memory_utilization: float | None = None
     vllm_enable_sleep_mode: bool | None = None
     vllm_max_model_length: int | None = None
+    offload_during_generation: bool | None = None
     dataloader_num_workers: int | None = None
     dataloader_prefetch_factor: int | None = None
     zero_stage: int | None = None
@@ -370,6 +373,7 @@ TRL_DEFAULTS = Knobs(
     vllm_gpu_memory_utilization=0.3,
     vllm_enable_sleep_mode=False,
     vllm_max_model_length=None,
+    offload_during_generation=False,
     dataloader_num_workers=0,
     dataloader_prefetch_factor=None,
     zero_stage=None,
@@ -393,13 +397,19 @@ REACH: dict[str, frozenset[str]] = {
         "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
         "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
         "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
-        "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing", "zero_stage",
+        "offload_during_generation", "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing",
+        "zero_stage",
         "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
         "learning_rate", "loss_type",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
     "model": frozenset({"dtype", "load_in_4bit"}),
 }
+
+
+# Knobs that only a front-end around TRL takes (ms-swift's offload while vLLM generates): every TRL release lacks them,
+# and a stack adapter that takes them leaves them out of what it reports it lacks (child/stacks/swift.py).
+STACK_ONLY: frozenset[str] = frozenset({"offload_during_generation"})
 
 
 def reachable(points: frozenset[str] | set[str]) -> frozenset[str]:
@@ -448,6 +458,12 @@ class RunFacts:
     # the least vllm_gpu_memory_utilization with which vLLM starts on this device (its engine, the activations of its
     # profile run and one of the run's sequences), as the memory model judges it (Guide.vllm_floor); None: not known
     vllm_min_utilization: float | None = None
+    stack: str | None = None  # the front-end around TRL the run trains with ("swift", "unsloth"), None: TRL itself
+    # what of the stack's memory no measurement covers (Unsloth's generated trainer): judged like an untested TRL
+    stack_untested: str | None = None
+    # the script's own loader takes load_in_4bit and prepares the model for the LoRA it adds after (Unsloth's
+    # FastLanguageModel): a 4-bit load reaches a script that passes its own PEFT model
+    load_takes_4bit: bool = False
 
     def __post_init__(self) -> None:
         for name in ("missing_packages", "trl_lacks"):

@@ -389,7 +389,9 @@ def climbed_labels(climbed: Sequence[str | None]) -> list[str | None]:
 @dataclass(frozen=True)
 class CodeSeen:
     """``config`` (GRPOConfig built) or ``trainer`` (GRPOTrainer built): the script's own values and run facts;
-    ``facts``: facts measured once the trainer holds its model (``RunFacts.bf16_moving``)."""
+    ``facts``: facts measured once the trainer holds its model (``RunFacts.bf16_moving``). ``resolved``: values
+    the user's stack changed after the script set them (Unsloth turns bf16 off on a CPU without it), which replace
+    the observed ones."""
 
     point: str
     observed: dict[str, Any] = field(default_factory=dict)
@@ -397,6 +399,7 @@ class CodeSeen:
     world_size: int | None = None
     pid: int | None = None  # the process that passed it: a training process (see ``ProcessEnded``)
     rank: int | None = None
+    resolved: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -567,7 +570,7 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
     who = {"pid": _int(d.get("pid")), "rank": _int(d.get("rank"))}
     if name in ("config", "trainer", "facts"):
         return CodeSeen(str(name), dict_or(d.get("observed")), dict_or(d.get("facts")), _int(d.get("world_size")),
-                        **who)
+                        resolved=dict_or(d.get("resolved")), **who)
     if name == "model":
         reaches = d.get("reaches")
         return ModelSeen(d.get("config") if isinstance(d.get("config"), dict) else None, _int(d.get("params")),

@@ -36,8 +36,9 @@ REQUIREMENT = f"trl>={FLOOR},<{CEILING}"
 TESTED = ("0.29.1", "1.10.0", "1.16.0")
 # TRL 1.15.0 replaced the materialised logits by a fused, chunked LM head (trl/trainer/utils.py add_fused_lm_head).
 FUSED_HEAD_SINCE = "1.15.0"
-# The two memory behaviours of the LM head that the memory model knows (oomguard.memory.estimate).
-HEADS = ("fused", "logits")
+# The memory behaviours of the LM head that the memory model knows (oomguard.memory.estimate): TRL's two, and
+# Unsloth's CPU backend, which routes TRL's fused head to its own row-chunked torch code (child/stacks/unsloth.py).
+HEADS = ("fused", "logits", "rowchunk")
 
 
 @dataclass(frozen=True)

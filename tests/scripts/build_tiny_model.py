@@ -22,13 +22,17 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-VARIANTS: dict[str, dict[str, int]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "wide": {"hidden": 1024, "layers": 1, "intermediate": 4096},
     # the context window of a released model (64k): a vLLM that holds one sequence of it by default needs 64 MiB of
     # KV cache (tests/test_vllm.py)
     "long": {"positions": 65536},
+    # a Qwen2 with ChatML specials, as ms-swift's `qwen` template writes prompts, and a vocabulary padded to 16k as
+    # released models pad theirs: its logits, not its weights, make its GRPO peak (tests/test_swift.py)
+    "qwen": {"arch": "qwen2", "padded_vocab": 16384},
 }
 
 # Written last into a finished build: what it was built from. A directory whose stamp differs is not reused.
@@ -68,6 +72,10 @@ def key_of(**shape: int) -> str:
     full = {**defaults, **shape}
     if full["positions"] == 2048:  # a build of the default context window keeps the key it always had
         del full["positions"]
+    if full["arch"] == "llama":
+        del full["arch"]
+    if not full["padded_vocab"]:
+        del full["padded_vocab"]
     return build_key(**full)
 
 
@@ -81,7 +89,7 @@ def stamp_of(path: Path) -> dict | None:
 
 
 def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 1024, vocab: int = 1024,
-          heads: int = 8, kv_heads: int = 2, positions: int = 2048) -> Path:
+          heads: int = 8, kv_heads: int = 2, positions: int = 2048, arch: str = "llama", padded_vocab: int = 0) -> Path:
     """Build the model in ``path``, or reuse the build there if its stamp matches these parameters exactly.
 
     A build of ours with another key (older builder, other shape or versions) is replaced; a directory without our
@@ -92,6 +100,10 @@ def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 10
               "kv_heads": kv_heads}
     if positions != 2048:  # a build of the default context window keeps the key it always had
         params["positions"] = positions
+    if arch != "llama":
+        params["arch"] = arch
+    if padded_vocab:
+        params["padded_vocab"] = padded_vocab
     key = build_key(**params)
     found = stamp_of(path)
     if found is not None and found.get("key") == key:
@@ -101,25 +113,43 @@ def build(path: Path, hidden: int = 256, layers: int = 4, intermediate: int = 10
                               "choose an empty or new directory")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "answer", "user", "assistant"]
     texts = [" ".join(words[i % len(words):] + words[: i % len(words)]) + f" {i}" for i in range(400)]
     specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>"]
+    if arch == "qwen2":  # ChatML, as ms-swift's `qwen` template writes prompts
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    if arch == "qwen2":
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                            additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+        tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                                   "{% endif %}")
+        cfg = Qwen2Config(vocab_size=max(len(tokenizer), padded_vocab), hidden_size=hidden, intermediate_size=intermediate,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=None,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                            pad_token="<pad>")
+        tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=positions, tie_word_embeddings=True,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
     model.save_pretrained(tmp)

@@ -48,7 +48,8 @@ The terms (bytes; ``b_w`` weight dtype, ``b_res`` residual-stream dtype, ``b_c``
 - **T9 generation** HF ``generate`` KV cache ``L·n_kv·d·(P+C)·B_gen·(b_k + b_v)`` (DynamicCache grows by
   ``torch.cat``, ``transformers/cache_utils.py:136``) plus the prefill or the sampling transient; vLLM colocate
   reserves ``vllm_gpu_memory_utilization × capacity`` outside torch's allocator, in every phase unless
-  ``vllm_enable_sleep_mode`` (then only while generating).
+  ``vllm_enable_sleep_mode`` (then only while generating); with ``offload_during_generation`` (ms-swift) the
+  trainer's weights, reference and optimizer state leave the device while vLLM generates.
 - **T10 context** ``M_ctx``: CUDA context and workspaces, not in torch's statistics (0 on the simulated device).
 - **T11 fragmentation** ``peak_alloc·f_frag``, with the smaller ``f_frag_expandable`` under
   ``expandable_segments:True``.

@@ -22,11 +22,16 @@ SIMULATED_UNDERPREDICTION = 0.12
 # Added to the measured error to make the pre-flight's stop margin: errors on configurations not measured run a little
 # beyond those on the measured ones.
 STOP_ALLOWANCE = 0.02
-# The largest errors of the allocated peak on the simulated device, per LM head of the installed TRL (RunFacts.trl_head):
-# "fused" (TRL 1.15 on) and "logits" (TRL 0.29 to 1.14), measured by bench/cpu_calibrate.py under each tested release
-# (the rows are tests/fixtures/trl/cpu-rows-*.json, checked by tests/test_trl_range.py): (the largest over-prediction,
-# the largest under-prediction), as fractions of the measured peak.
-SIMULATED_HEAD_ERROR = {"fused": (0.004, 0.014), "logits": (0.277, 0.03)}
+# The largest errors of the allocated peak on the simulated device, per LM head (RunFacts.trl_head): "fused" (TRL 1.15
+# on) and "logits" (TRL 0.29 to 1.14), measured by bench/cpu_calibrate.py under each tested release (the rows are
+# tests/fixtures/trl/cpu-rows-*.json, checked by tests/test_trl_range.py), and "rowchunk" (Unsloth's CPU backend,
+# measured by bench/cpu_calibrate.py --stack unsloth: tests/fixtures/stacks/cpu-rows-unsloth.json, checked by
+# tests/test_unsloth_units.py): (the largest over-prediction, the largest under-prediction), as fractions of the
+# measured peak.
+SIMULATED_HEAD_ERROR = {"fused": (0.004, 0.014), "logits": (0.277, 0.03), "rowchunk": (0.104, 0.004)}
+# How each head is named in a margin's source.
+HEAD_NAMES = {"fused": "the fused LM head of TRL 1.15 on", "logits": "the logits LM head of TRL 0.29-1.14",
+              "rowchunk": "Unsloth's row-chunked CPU LM head"}
 # A TRL newer than the newest tested release: its memory behaviour is unmeasured. The largest change measured between
 # releases on one config is 2.95x (TRL 1.16's CPU head against 0.29-1.14's logits, the README job: 499 against 169
 # MiB), so the pre-flight stops such a config only when it is predicted over this many times the device.
@@ -67,7 +72,7 @@ def measured_error(*, simulated: bool, head: str | None = None, untested: bool =
         else:
             over = math.ceil(1000 * (1.14 / 1.05 * (1 + err_over) - 1)) / 1000
             under = math.ceil(1000 * (1.26 / 1.14 * (1 + err_under) - 1)) / 1000
-        which = "" if h == "fused" else " for the logits LM head of TRL 0.29-1.14"
+        which = "" if h == "fused" else f" for {HEAD_NAMES[h]}"
         source = f"the simulated device's fit{which}: up to {100 * over:.1f}% over"
     elif h == "fused":
         over, under = DEVICE_OVERPREDICTION, DEVICE_OVERPREDICTION
@@ -75,8 +80,8 @@ def measured_error(*, simulated: bool, head: str | None = None, untested: bool =
     else:
         over = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_over) - 1)) / 1000
         under = math.ceil(1000 * ((1 + DEVICE_OVERPREDICTION) * (1 + err_under) - 1)) / 1000
-        source = (f"the built-in fit with the logits LM head of TRL 0.29-1.14 (H100 rows; that head measured on the "
-                  f"simulated device only): up to {100 * over:.1f}% over")
+        source = (f"the built-in fit with {HEAD_NAMES[h]} (H100 rows; that head measured on the simulated device "
+                  f"only): up to {100 * over:.1f}% over")
     if untested:
         return ModelError(UNTESTED_FACTOR - 1, under, f"a TRL newer than the tested releases: only beyond "
                                                       f"{UNTESTED_FACTOR:g} times the device, the largest change "

@@ -81,11 +81,16 @@ def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, 
     # forward (main thread) and the backward (autograd's device thread) each hold one (T10, ``m_workspace``)
     base = {"weights": p.weights, "reference": p.reference, "optimizer": p.opt_state, "gradients": p.buckets,
             "overhead": 0 if s.g.simulated else int(s.co.m_workspace)}
+    k = s.k
+    # ms-swift's offload context: while a colocated vLLM generates, the trainer's weights (and the reference model's)
+    # and its optimizer state wait in host RAM
+    away = (("weights", "reference", "optimizer") if k.offload_during_generation and k.use_vllm
+            and (k.vllm_mode or "colocate") == "colocate" else ())
     comp: dict[str, dict[str, int]] = {}
     for ph, parts in phase_parts.items():
         d = dict.fromkeys(BREAKDOWN_KEYS, 0)
         for key, v in base.items():
-            d[key] += v
+            d[key] += 0 if ph == "generation" and key in away else v
         for key, v in parts.items():
             d[key] += int(v)
         comp[ph] = d
@@ -129,7 +134,8 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
 
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
              coefficients: Coefficients | None = None, simulated: bool = False,
-             capacity: int | None = None, context: int | None = None, head: str | None = None) -> Estimate:
+             capacity: int | None = None, context: int | None = None, head: str | None = None,
+             keeps_dtype_4bit: bool = False) -> Estimate:
     """Predict the peak memory of one steady-state TRL GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
@@ -141,6 +147,8 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     ``--simulate-context``); by default ``m_ctx``, or 0 on the simulated device. ``capacity`` (device bytes) sizes a
     colocated vLLM. ``head`` is the installed TRL's LM head (``RunFacts.trl_head``): ``fused`` (TRL 1.15 on, the
     default) or ``logits`` (TRL 0.29 to 1.14, materialised logits); see ``oomguard.child.trlcompat``.
+    ``keeps_dtype_4bit``: the run's own loader takes ``load_in_4bit`` and keeps the dtype asked for the modules it
+    does not quantise (Unsloth's, ``RunFacts.load_takes_4bit``); oomguard's 4-bit load makes them 16-bit.
 
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
@@ -153,7 +161,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
     k = _filled(knobs)
-    g = _regime(spec, k, simulated)
+    g = _regime(spec, k, simulated, keeps_dtype_4bit)
     geo = _geometry(k, world_size, prompt_tokens)
     gc = bool(k.gradient_checkpointing)
     p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
@@ -165,7 +173,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
 
 
 def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,
-               simulated: bool = False, context: int | None = None) -> int:
+               simulated: bool = False, context: int | None = None, keeps_dtype_4bit: bool = False) -> int:
     """Device bytes once ``from_pretrained`` has placed the weights: the context outside the allocator plus the
     stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists.
 
@@ -180,7 +188,7 @@ def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | No
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
     k = _filled(knobs)
-    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
     ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
     return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit))
 

@@ -16,7 +16,15 @@ from ...vocab.distributed import buffer_elements
 from ...vocab.knobs import TRL_DEFAULTS, Knobs
 from .coefficients import Coefficients
 from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
-from .terms import _activation_bytes_per_token, _head_bytes, _logits_bytes, _optimizer_bytes, _Regime, _weight_bytes
+from .terms import (
+    _activation_bytes_per_token,
+    _head_bytes,
+    _logits_bytes,
+    _optimizer_bytes,
+    _Regime,
+    _rowchunk_bytes,
+    _weight_bytes,
+)
 
 DEFAULT_PROMPT_TOKENS = 256
 
@@ -25,21 +33,23 @@ def _filled(knobs: Knobs) -> Knobs:
     return TRL_DEFAULTS.merged(knobs)
 
 
-def _dtype_name(knobs: Knobs, spec: ModelSpec) -> str:
+def _dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) -> str:
     d = knobs.dtype or "float32"
     d = _DTYPE_ALIASES.get(d, d)
     if d == "auto":  # transformers 5.x from_pretrained dtype="auto": the checkpoint's dtype
         d = spec.checkpoint_dtype or "bfloat16"
     if d not in _DTYPE_BYTES:
         raise EstimateError(f"dtype must be one of {', '.join(_DTYPE_BYTES)} or auto, not {knobs.dtype!r}")
-    if knobs.load_in_4bit and d == "float32":
-        d = "bfloat16"  # oomguard's 4-bit load forces a 16-bit dtype (child/patches.py, from_pretrained patch)
+    if knobs.load_in_4bit and d == "float32" and not keeps_dtype_4bit:
+        # oomguard's 4-bit load forces a 16-bit dtype (child/patches.py, from_pretrained patch); a loader that keeps
+        # the dtype asked (Unsloth's FastLanguageModel, RunFacts.load_takes_4bit) leaves its other modules in float32
+        d = "bfloat16"
     return d
 
 
-def _regime(spec: ModelSpec, k: Knobs, simulated: bool) -> _Regime:
+def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False) -> _Regime:
     """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error."""
-    b_w = _DTYPE_BYTES[_dtype_name(k, spec)]
+    b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
     quant4 = bool(k.load_in_4bit)
     r = int(k.lora_r or 0)
     lora = r > 0
@@ -294,13 +304,16 @@ class _Step:
     casts: _Casts
     acts: _Activations
     context: int | None = None  # the device's memory outside the allocator, when known (see estimate())
-    lm_head: str = "fused"  # the installed TRL's LM head: "fused" (TRL 1.15 on) or "logits" (0.29 to 1.14)
+    lm_head: str = "fused"  # the LM head the run has (RunFacts.trl_head, vocab/trlrange.py HEADS)
 
     def head(self) -> dict[str, int]:
         """T8 over the training micro-batch. TRL 1.15 on: the fused, chunked head (Triton on CUDA scores only the
         completion positions, the CPU fallback every one). TRL 0.29 to 1.14: materialised logits over the completion
-        positions."""
+        positions. Unsloth's CPU backend: its row-chunked head over the completion positions."""
         geo, g = self.geo, self.g
+        if self.lm_head == "rowchunk":
+            return _rowchunk_bytes(self.spec, geo.B * geo.C, geo.B * (geo.T - 1), b_c=g.b_c, b_res=g.b_res,
+                                   b_w=g.b_w, head_trains=not g.lora)
         if self.lm_head == "logits":
             return _logits_bytes(self.spec, geo.B, geo.C, b_c=g.b_c, b_w=g.b_w, head_trains=not g.lora,
                                  autocast=g.autocast, k_full=self.co.k_full_logits)

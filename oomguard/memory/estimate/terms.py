@@ -16,6 +16,9 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # trl/kernels/chunked_logprob.py:31 and trl/trainer/utils.py:1506
 TOKEN_CHUNK_SIZE = 4096
 VOCAB_CHUNK_SIZE = 32768
+# unsloth_zoo/cpu/ops.py cpu_chunked_log_probs: rows per LM-head chunk = this many logits / V
+# (env UNSLOTH_CPU_CE_CHUNK_ELEMENTS)
+ROWCHUNK_ELEMENTS = 16 * 1024 * 1024
 # bitsandbytes/optim/optimizer.py: blockwise 8-bit states, min_8bit_size, paged threshold
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
@@ -149,6 +152,45 @@ def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head
         V * h * b_w if head_trains and b_w != 4 else 0)
     return {"forward": fwd, "saved": saved, "backward": max(loop, end), "mm_buf": mm_buf,
             "grad_weight": grad_weight}
+
+
+def _rowchunk_bytes(spec: ModelSpec, N: int, rows_total: int, *, b_c: int, b_res: int, b_w: int,
+                    head_trains: bool) -> dict[str, int]:
+    """T8 under Unsloth's CPU backend, which routes TRL's fused head to ``cpu_chunked_log_probs``
+    (``unsloth_zoo/cpu/ops.py``) over the ``N`` completion positions TRL labels (``hidden_states[mask]``, a copy).
+
+    The rows go in chunks of ``min(N, ROWCHUNK_ELEMENTS // V)``, each an fp32 ``[rows, V]`` tile. Measured on the
+    simulated device (unsloth 2026.10.9, the function alone, V 2048 to 40000, N 300 to 20000):
+
+    - frozen head (LoRA): d log p / d hidden is computed eagerly into a saved ``grad_lp [N, h]``; the forward holds
+      the logits and their softmax (two tiles), and while the second chunk is computed the first chunk's two are
+      still bound (two more of the second chunk's size); the backward only rescales ``grad_lp`` (``dh`` and one
+      product, ``2·N·h``), then the index's ``[B, T-1, h]`` gradient;
+    - trainable head (a full fine-tune): the chunks run under activation checkpointing; three tiles in the
+      forward, and in the backward 5.5 tiles of the first chunk recomputed plus 3.3 of the next, with the fp32
+      weight gradient ``[V, h]``.
+
+    Under autocast the hidden rows and the head's weight are cast to the autocast dtype first.
+    """
+    h, V = spec.hidden_size, spec.vocab_size
+    rows = max(1, min(N, ROWCHUNK_ELEMENTS // max(1, V)))
+    tile = rows * V * 4
+    second = min(rows, max(0, N - rows)) * V * 4  # the next chunk, allocated while the first's tiles are bound
+    gathered = N * h * b_res
+    casts = (N * h * b_c + V * h * b_c) if b_c != b_res else 0
+    outputs = 4 * 5 * N + 4 * 5 * rows_total  # log p, entropy and metrics per row, scattered back to [B, T-1]
+    index_grad = rows_total * h * b_res  # hidden_states[mask]'s backward: a zero [B, T-1, h] filled in place
+    saved = gathered + casts + outputs
+    if head_trains:
+        grad_weight = 4 * V * h
+        backward = saved + N * h * 4 + grad_weight + int(5.5 * tile + 3.3 * second)
+        end = saved + N * h * 4 + grad_weight + index_grad + (V * h * b_w if b_w != 4 else 0)
+        return {"forward": saved + 3 * tile, "saved": saved, "backward": max(backward, end), "mm_buf": 0,
+                "grad_weight": grad_weight}
+    grad_lp = N * h * b_c
+    fwd = saved + grad_lp + 2 * tile + max(2 * second, rows * h * 4)
+    return {"forward": fwd, "saved": saved + grad_lp, "backward": saved + grad_lp + 2 * N * h * b_c + index_grad,
+            "mm_buf": 0, "grad_weight": 0}
 
 
 def _logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_trains: bool, autocast: bool,

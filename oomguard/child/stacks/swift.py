@@ -1,0 +1,228 @@
+"""ms-swift's ``swift rlhf --rlhf_type grpo``: TRL underneath, with its own arguments, config class and trainer.
+
+``swift rlhf`` is a launcher that runs ``python swift/cli/rlhf.py ARGS`` (under torchrun when ``NPROC_PER_NODE`` is
+set), with the flags, a positional YAML/JSON config file or ``RAY_SWIFT_ARGS`` parsed into ``RLHFArguments``. Swift's
+``GRPOConfig`` subclasses TRL's but skips TRL's ``__post_init__``, and its ``GRPOTrainer`` deletes
+``trl.GRPOTrainer.__init__`` when it is imported, so the patches on TRL's classes never run. This adapter patches
+swift's own construction points instead, in the training process (ms-swift 4.x):
+
+- ``swift.arguments.rlhf_args.RLHFArguments.__post_init__``: what the model is loaded and adapted with. The user's
+  own values are recorded (``tuner_type``/``lora_rank`` as ``lora_r``, ``quant_method``/``quant_bits`` as
+  ``load_in_4bit``, ``torch_dtype`` as ``dtype``) and oomguard's knobs are set where swift reads them, before swift
+  derives the rest: ``lora_r`` as ``tuner_type lora --lora_rank``, ``load_in_4bit`` as ``--quant_method bnb
+  --quant_bits 4``, ``dtype`` as ``--torch_dtype``, ZeRO as ``--deepspeed zero2|zero3|zero3_offload``,
+  ``vllm_max_model_length`` as ``--vllm_max_model_len``, vLLM's sleep as ``--sleep_level 1``. A probe writes into a
+  scratch directory, not the user's ``output_dir``.
+- ``swift.rlhf_trainers.arguments.GRPOConfig.__post_init__``: TRL's knobs, which swift names as TRL does
+  (``num_generations``, ``max_completion_length``, ``per_device_train_batch_size``, ...): recorded and set before
+  swift derives ``steps_per_generation`` and ``generation_batch_size`` from them (the same as TRL's GRPOConfig).
+- ``swift.rlhf_trainers.grpo_trainer.GRPOTrainer.__init__``: once built, what TRL's trainer patch does after its
+  init (the model's shape, the prompts' lengths, the progress callback, the pre-flight).
+
+``vocab/stacks.py`` holds the flags the diff and the lock are written in (``SWIFT_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from ...vocab.knobs import STACK_ONLY
+from ..runtime import Runtime
+
+STACK = "swift"
+# knobs swift has no way to take: oomguard drops long prompts from a TRL dataset; swift encodes its own
+CANNOT_TAKE = ("max_prompt_tokens",)
+# knobs swift takes that TRL lacks: the trainer's weights and optimizer wait in host RAM while vLLM generates
+TAKES = tuple(sorted(STACK_ONLY))
+
+
+def observed_offload(args: Any) -> dict[str, Any]:
+    """``--offload_model`` and ``--offload_optimizer`` as the knob ``offload_during_generation`` (both, or not).
+
+    >>> from types import SimpleNamespace
+    >>> observed_offload(SimpleNamespace(offload_model=True, offload_optimizer=False)), observed_offload(object())
+    ({'offload_during_generation': False}, {})
+    """
+    if not hasattr(args, "offload_model"):
+        return {}
+    return {"offload_during_generation": bool(args.offload_model and getattr(args, "offload_optimizer", False))}
+
+
+def apply_offload(rt: Runtime, args: Any) -> None:
+    """oomguard's ``offload_during_generation`` as swift's two flags (only ever turned on)."""
+    if rt.overrides.offload_during_generation and hasattr(args, "offload_model"):
+        args.offload_model = args.offload_optimizer = True
+
+
+def lacks(trl_lacks: Any) -> list[str]:
+    """What swift cannot take: TRL's lacks, less what swift adds, plus what swift drops.
+
+    >>> lacks(["offload_during_generation", "vllm_max_model_length"])
+    ['max_prompt_tokens', 'vllm_max_model_length']
+    """
+    return sorted({*trl_lacks, *CANNOT_TAKE} - set(TAKES))
+
+
+def observed_model_args(args: Any) -> dict[str, Any]:
+    """The user's model-level settings in oomguard's knobs.
+
+    >>> from types import SimpleNamespace
+    >>> observed_model_args(SimpleNamespace(tuner_type="lora", lora_rank=8, lora_alpha=32.0, quant_method=None,
+    ...                                     quant_bits=None, torch_dtype=None, target_modules=["all-linear"]))
+    {'lora_r': 8, 'load_in_4bit': False, 'lora_alpha': 32, 'lora_target_modules': 'all-linear'}
+    """
+    lora = str(getattr(args, "tuner_type", "") or "").lower() == "lora"
+    out: dict[str, Any] = {"lora_r": int(getattr(args, "lora_rank", 0) or 0) if lora else 0,
+                           "load_in_4bit": (getattr(args, "quant_method", None) == "bnb"
+                                            and getattr(args, "quant_bits", None) == 4)}
+    if lora:
+        out["lora_alpha"] = int(getattr(args, "lora_alpha", 0) or 0) or None
+        tm = getattr(args, "target_modules", None)
+        if isinstance(tm, (list, tuple)):
+            out["lora_target_modules"] = "all-linear" if list(tm) == ["all-linear"] else tuple(tm)
+    dtype = getattr(args, "torch_dtype", None)
+    if dtype is not None:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    return out
+
+
+def apply_model_args(rt: Runtime, args: Any) -> None:
+    """oomguard's model-level knobs, set where swift reads them (before ``RLHFArguments.__post_init__``)."""
+    ov = rt.overrides
+    if ov.lora_r:
+        args.tuner_type = "lora"
+        args.lora_rank = int(ov.lora_r)
+        if ov.lora_alpha:
+            args.lora_alpha = int(ov.lora_alpha)
+        tm = ov.lora_target_modules
+        if tm is not None:
+            args.target_modules = ["all-linear"] if tm == "all-linear" else list(tm)
+    if ov.load_in_4bit:
+        args.quant_method, args.quant_bits = "bnb", 4
+    if ov.dtype is not None and ov.dtype != "auto":
+        args.torch_dtype = ov.dtype
+        if ov.dtype != "float32" and not _cuda():  # swift turns 16-bit mixed precision on, which needs use_cpu here
+            args.use_cpu = True
+    if ov.zero_stage:
+        args.deepspeed = f"zero{int(ov.zero_stage)}" + ("_offload" if ov.offload_optimizer or ov.offload_params
+                                                         else "")
+    if ov.vllm_max_model_length is not None and hasattr(args, "vllm_max_model_len"):
+        args.vllm_max_model_len = int(ov.vllm_max_model_length)
+    if ov.vllm_enable_sleep_mode and hasattr(args, "sleep_level"):
+        args.sleep_level = max(1, int(getattr(args, "sleep_level", 0) or 0))
+    apply_offload(rt, args)
+    probe = rt.plan.probe
+    if probe and probe.get("output_dir"):  # a probe's files go to oomguard's scratch directory, never the user's
+        args.output_dir = probe["output_dir"]
+        args.save_strategy = "no"
+        args.add_version = False
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def patch_arguments(rt: Runtime, module: Any) -> None:
+    """``RLHFArguments.__post_init__``: record the user's model-level settings, then set oomguard's."""
+    from ..patches import _set, missing_packages, overrides_reported
+
+    cls = module.RLHFArguments
+    orig = cls.__dict__["__post_init__"]
+
+    @functools.wraps(orig)
+    def __post_init__(self: Any) -> None:
+        if getattr(self, "_oomguard_seen", False):
+            return orig(self)
+        object.__setattr__(self, "_oomguard_seen", True)
+        user = {**observed_model_args(self), **observed_offload(self)}
+        with overrides_reported(rt, "swift RLHFArguments"):
+            apply_model_args(rt, self)
+            orig(self)
+        if "dtype" not in user and getattr(self, "torch_dtype", None) is not None and rt.overrides.dtype is None:
+            user["dtype"] = str(self.torch_dtype).replace("torch.", "")  # swift's default: the model's own dtype
+        rt.observe(user)
+        rt.emit("trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
+                                                 "stack": STACK, "trl_lacks": lacks(()),
+                                                 "missing_packages": missing_packages()})
+
+    _set(cls, "__post_init__", __post_init__)
+
+
+def patch_config(rt: Runtime, module: Any) -> None:
+    """Swift's ``GRPOConfig.__post_init__``: TRL's knobs, recorded and set before swift derives the batch geometry."""
+    from ..patches import _set, _world, apply_config, missing_packages, observe_config, overrides_reported
+    from ..trlcompat import features
+
+    cls = module.GRPOConfig
+    orig = cls.__dict__["__post_init__"]
+
+    @functools.wraps(orig)
+    def __post_init__(self: Any) -> None:
+        if not getattr(self, "_oomguard_seen", False):
+            seen = {**observe_config(self), **observed_offload(self)}
+            rt.observe(seen)
+            rt.emit("config", observed=seen, world_size=_world(),
+                    facts={"stack": STACK, "missing_packages": missing_packages(), **features().facts(),
+                           "trl_lacks": lacks(features().lacks())})
+        object.__setattr__(self, "_oomguard_seen", True)
+        with overrides_reported(rt, "swift GRPOConfig"):
+            apply_config(rt, self)
+            apply_offload(rt, self)
+            orig(self)
+
+    _set(cls, "__post_init__", __post_init__)
+
+
+def patch_trainer(rt: Runtime, module: Any) -> None:
+    """Swift's ``GRPOTrainer.__init__``: once built, the model's shape, the prompts' lengths, the progress callback
+    and the pre-flight, as after TRL's own trainer."""
+    from ..callback import make_callback
+    from ..patches import _after_init, _set, _tokenizer_for, emit_prompt_stats
+
+    cls = module.GRPOTrainer
+    orig = cls.__dict__["__init__"]
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        rt.trainer = self
+        dataset = getattr(self, "train_dataset", None)
+        tok = _tokenizer_for(getattr(self, "processing_class", None) or getattr(self, "tokenizer", None),
+                             getattr(self, "model", None))
+        emit_prompt_stats(rt, prompts_of(dataset), tok)
+        self.add_callback(make_callback(rt))
+        _after_init(rt, self)
+
+    __init__.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
+    _set(cls, "__init__", __init__)
+
+
+def prompts_of(dataset: Any, limit: int = 20000) -> list[Any]:
+    """The prompts of swift's rows (``messages`` without the last assistant turn), at most ``limit`` of them.
+
+    >>> prompts_of([{"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}])
+    [[{'role': 'user', 'content': '1+2?'}]]
+    """
+    out: list[Any] = []
+    try:
+        n = len(dataset)
+    except TypeError:
+        return out
+    step = max(1, n // limit)
+    for i in range(0, n, step):
+        row = dataset[i]
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if isinstance(msgs, list):
+            if msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+                msgs = msgs[:-1]
+            out.append(msgs)
+        elif isinstance(row, dict) and row.get("prompt") is not None:
+            out.append(row["prompt"])
+    return out

@@ -1,0 +1,34 @@
+# Sourced by tests/vllm.sh, tests/swift.sh and tests/unsloth.sh, each of which tests one stack in its own environment.
+#
+#   stack_env DIR        create the environment DIR if needed, with torch 2.13.0 (the CPU build) first and a constraint
+#                        file that keeps it; sets $py and $constraints
+#   install_oomguard_unchanged PYTHON CONSTRAINTS LABEL
+#                        install oomguard into a stack's environment and show that it changes the version of none of
+#                        its packages (issue 31: installing oomguard must not break the stack's pins); oomguard is
+#                        uninstalled first, so a reused environment proves it again
+TEST_TOOLS=("pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100")
+
+stack_env() {
+  local venv=$1
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  py="$venv/bin/python"
+  constraints="$venv/torch-constraint.txt"
+  echo "torch==2.13.0" > "$constraints"
+  "$py" -m pip install -q torch==2.13.0
+}
+
+install_oomguard_unchanged() {
+  local py=$1 constraints=$2 label=$3 before after changed added
+  "$py" -m pip uninstall -q -y oomguard 2>/dev/null || true
+  before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -viE '^(oomguard|-e )' | sort)
+  "$py" -m pip install -q -c "$constraints" -e .
+  after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -viE '^(oomguard|-e )' | sort)
+  changed=$(comm -23 <(echo "$before") <(echo "$after"))
+  if [ -n "$changed" ]; then
+    echo "$label: installing oomguard changed these packages of the environment: $(echo "$changed" | tr '\n' ' ')" >&2
+    return 1
+  fi
+  added=$(comm -13 <(echo "$before") <(echo "$after") | tr '\n' ' ')
+  echo "$label: installing oomguard changed no package of the environment ($(echo "$before" | wc -l) kept);" \
+    "it added ${added:-nothing but itself}"
+}

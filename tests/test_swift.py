@@ -1,0 +1,122 @@
+"""ms-swift's ``swift rlhf --rlhf_type grpo`` under ``oomguard run``, for real, on the simulated device. These run in
+the environment ``tests/swift.sh`` builds (``pytest -m swift``); elsewhere, where ms-swift is not installed, they are
+skipped.
+
+The model is a tiny Qwen2 with ChatML specials (swift's ``qwen`` template) and a vocabulary padded to 16k, so that its
+logits make its GRPO peak; the data is made here, in swift's ``messages`` + ``solution`` form.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import free_port
+
+pytestmark = [pytest.mark.swift, pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("swift") is None,
+                                 reason="ms-swift is not installed here (tests/swift.sh builds its environment)")]
+
+SWIFT = str(Path(sys.executable).parent / "swift")
+# The two cores are shared: one thread per process keeps torch's pool from thrashing (swift's own advice for CPU)
+ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+KEPT = ["8 generations per prompt", "64-token completions", "1 prompt per step", "your LoRA (r=8)"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("swift-data") / "data.jsonl"
+    with path.open("w") as f:
+        for i in range(16):
+            x, y = i % 7 + 1, i % 5 + 2
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {x} plus {y}? Put the answer in "
+                                                                         "<answer></answer>."}],
+                                "solution": f"<answer>{x + y}</answer>"}) + "\n")
+    return str(path)
+
+
+def rlhf(model: str, data: str, out: Path, *more: str) -> list[str]:
+    """``swift rlhf --rlhf_type grpo`` as its docs write it, with the knobs the tests read."""
+    return [SWIFT, "rlhf", "--rlhf_type", "grpo", "--model", model, "--model_type", "qwen2", "--template", "qwen",
+            "--dataset", data, "--reward_funcs", "accuracy", "format", "--num_generations", "8",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "64", "--use_vllm", "false",
+            "--max_steps", "2", "--save_strategy", "no", "--report_to", "none", "--check_model", "false",
+            "--dataset_num_proc", "1", "--output_dir", str(out), *more]
+
+
+def oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    out = subprocess.run([sys.executable, "-m", "oomguard", "run", "--report", str(tmp / "report.json"), "--lock",
+                          str(tmp / "lock.json"), "--workdir", str(tmp / "wd"), *args], capture_output=True,
+                         text=True, cwd=tmp, timeout=1200, env={**os.environ, **ENV, **(env or {})})
+    return out, json.loads((tmp / "report.json").read_text())
+
+
+def test_swift_rlhf_at_half_its_own_peak_keeps_the_experiment_and_speaks_swift_s_flags(tmp_path, build_model, data):
+    """The done-when of issue 31: measured on a device it cannot fill, then run on half its own peak. oomguard reads
+    what swift trains with (its flags, its LoRA), climbs at most one real OOM, and says the change in swift's flags;
+    the lock replays it."""
+    model = build_model("qwen")
+    free = tmp_path / "free"
+    free.mkdir()
+    out, report = oomguard(free, "--simulate-gpu", "4GiB", "--no-probe", "--", *rlhf(model, data, free / "out"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = report["attempts"][-1]["peak_reserved_bytes"]
+    original = report["original"]
+    assert (original["num_generations"], original["max_completion_length"], original["lora_r"]) == (8, 64, 8)
+    assert report["facts"]["stack"] == "swift"
+
+    half = tmp_path / "half"
+    half.mkdir()
+    out, report = oomguard(half, "--simulate-gpu", str(peak // 2), "--", *rlhf(model, data, half / "out"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    outcomes = [a["outcome"] for a in report["attempts"]]
+    assert report["status"] == "stable" and outcomes.count("oom") <= 1 and len(outcomes) <= 3, outcomes
+    assert report["experiment"]["kept"][:3] == KEPT[:3]
+    said = [r["flag"] for r in report["diff"] if r.get("flag")]
+    assert said and all(f.startswith("--") for f in said)
+    assert "as swift's flags: --" in out.stderr + out.stdout
+    lock = json.loads((half / "lock.json").read_text())
+    assert lock["stack"] == "swift" and lock["flags"] == said
+    # no probe wrote into the user's output directory: only the real run's versioned folder is there
+    assert len(list((half / "out").glob("v*"))) == 1
+
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    out, again = oomguard(replay, "--simulate-gpu", str(peak // 2), "--config", str(half / "lock.json"), "--",
+                          *rlhf(model, data, replay / "out"))
+    assert out.returncode == 0 and again["status"] == "stable" and len(again["attempts"]) == 1, out.stderr[-3000:]
+    assert {r["knob"]: r["to"] for r in again["diff"]} == {r["knob"]: r["to"] for r in report["diff"]}
+
+
+def test_a_config_file_is_read_as_swift_reads_it(tmp_path, build_model, data):
+    """swift's positional YAML: oomguard sees the values swift trains with (the file's, then the flags after it)."""
+    model = build_model("qwen")
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(f"rlhf_type: grpo\nmodel: {model}\nmodel_type: qwen2\ntemplate: qwen\ndataset: {data}\n"
+                   "reward_funcs: [accuracy, format]\nnum_generations: 4\nper_device_train_batch_size: 4\n"
+                   "max_completion_length: 32\nuse_vllm: false\nmax_steps: 2\nsave_strategy: \"no\"\n"
+                   f"report_to: none\ncheck_model: false\ndataset_num_proc: 1\noutput_dir: {tmp_path / 'out'}\n")
+    out, report = oomguard(tmp_path, "--simulate-gpu", "4GiB", "--", SWIFT, "rlhf", str(cfg),
+                           "--max_completion_length", "16")
+    assert out.returncode == 0, out.stderr[-3000:]
+    original = report["original"]
+    assert (original["num_generations"], original["per_device_train_batch_size"]) == (4, 4)
+    assert original["max_completion_length"] == 16  # the flag after the file wins, as in swift
+    assert report["attempts"][0]["kind"] == "probe"  # swift's config was built, so the first launch is a probe
+
+
+@pytest.mark.slow
+def test_several_ranks_through_swift_s_torchrun(tmp_path, build_model, data):
+    """NPROC_PER_NODE=2: swift starts torchrun itself; oomguard sees both ranks (gloo on CPU needs --use_cpu)."""
+    model = build_model("qwen")
+    out, report = oomguard(tmp_path, "--simulate-gpu", "4GiB", "--no-probe", "--",
+                           *rlhf(model, data, tmp_path / "out", "--use_cpu", "true", "--ddp_backend", "gloo"),
+                           env={"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert report["status"] == "stable" and report["facts"]["world_size"] == 2

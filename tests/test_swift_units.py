@@ -1,0 +1,101 @@
+"""ms-swift without ms-swift: how its arguments are read and set, the flags the end speaks, and its offload while a
+colocated vLLM generates (a rung, and what the memory model counts). The real runs are tests/test_swift.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from oomguard.child.runtime import Runtime
+from oomguard.child.stacks import swift
+from oomguard.memory.estimate import ModelSpec, estimate
+from oomguard.strategies import Context, make_remedy
+from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+from oomguard.vocab.protocol import Plan
+from oomguard.vocab.stacks import flags
+
+MiB, GiB = 2**20, 2**30
+TINY = ModelSpec(724, 256, 1, 8, 2, 32, 1024, True, max_positions=2048)
+VLLM = TRL_DEFAULTS.replace(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+                            vllm_max_model_length=64, num_generations=4, max_completion_length=32,
+                            per_device_train_batch_size=4)
+RUNG = make_remedy("vllm_memory")
+SWIFT_LACKS = tuple(swift.lacks(["offload_during_generation"]))
+
+
+def swift_args(**kw):
+    base = dict(tuner_type="lora", lora_rank=8, lora_alpha=32.0, target_modules=["all-linear"], quant_method=None,
+                quant_bits=None, torch_dtype=None, deepspeed=None, vllm_max_model_len=None, sleep_level=0,
+                offload_model=False, offload_optimizer=False, output_dir="out", save_strategy="steps",
+                add_version=True, use_cpu=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def runtime(**overrides):
+    return Runtime(Plan(overrides=overrides))
+
+
+def test_swift_s_default_lora_is_read_as_the_user_s_own():
+    seen = swift.observed_model_args(swift_args())
+    assert seen["lora_r"] == 8 and seen["load_in_4bit"] is False and seen["lora_target_modules"] == "all-linear"
+    assert swift.observed_model_args(swift_args(tuner_type="full"))["lora_r"] == 0
+    assert swift.observed_model_args(swift_args(quant_method="bnb", quant_bits=4))["load_in_4bit"] is True
+
+
+def test_the_knobs_are_set_as_swift_reads_them():
+    args = swift_args(tuner_type="full")
+    swift.apply_model_args(runtime(lora_r=16, load_in_4bit=True, zero_stage=3, offload_optimizer=True,
+                                   vllm_max_model_length=512, vllm_enable_sleep_mode=True,
+                                   offload_during_generation=True), args)
+    assert (args.tuner_type, args.lora_rank, args.quant_method, args.quant_bits) == ("lora", 16, "bnb", 4)
+    assert args.deepspeed == "zero3_offload" and args.vllm_max_model_len == 512 and args.sleep_level == 1
+    assert args.offload_model is True and args.offload_optimizer is True
+
+
+def test_a_user_s_half_offload_is_not_the_knob_and_nothing_is_turned_off():
+    assert swift.observed_offload(swift_args(offload_model=True)) == {"offload_during_generation": False}
+    assert swift.observed_offload(swift_args(offload_model=True, offload_optimizer=True)) == {
+        "offload_during_generation": True}
+    args = swift_args(offload_model=True)
+    swift.apply_offload(runtime(), args)
+    assert args.offload_model is True and args.offload_optimizer is False
+
+
+def test_the_diff_speaks_swift_s_flags():
+    assert flags("swift", {"offload_during_generation": True, "vllm_enable_sleep_mode": True,
+                           "vllm_max_model_length": 512, "zero_stage": 3}) == [
+        "--offload_model true --offload_optimizer true", "--sleep_level 1", "--vllm_max_model_len 512",
+        "--deepspeed zero3"]
+
+
+def test_swift_takes_the_offload_that_trl_lacks_and_drops_what_it_cannot_take():
+    assert "offload_during_generation" not in SWIFT_LACKS and "max_prompt_tokens" in SWIFT_LACKS
+
+
+def test_at_the_reservation_s_floor_the_offload_comes_where_the_stack_takes_it():
+    facts = dict(prompt_tokens_max=20, vllm_sleep=False, stack="swift")
+    at_floor = Context(knobs=VLLM, facts=RunFacts(trl_lacks=SWIFT_LACKS, **facts))
+    assert RUNG.apply(at_floor).offload_during_generation is True
+    assert RUNG.blocked(at_floor) is None
+    # plain TRL lacks it: the rung is at its floor; before the process reported, nothing is assumed
+    trl = Context(knobs=VLLM, facts=RunFacts(trl_lacks=("offload_during_generation",), **facts))
+    assert RUNG.blocked(trl).startswith("at its floor")
+    assert RUNG.apply(Context(knobs=VLLM, facts=RunFacts(**facts))).offload_during_generation is False
+    # sleep first where the platform has it
+    sleepy = Context(knobs=VLLM, facts=RunFacts(trl_lacks=SWIFT_LACKS, **{**facts, "vllm_sleep": True}))
+    assert RUNG.apply(sleepy).vllm_enable_sleep_mode is True and not RUNG.apply(sleepy).offload_during_generation
+    done = VLLM.replace(offload_during_generation=True)
+    assert RUNG.blocked(Context(knobs=done, facts=RunFacts(trl_lacks=SWIFT_LACKS, **facts))).startswith("at its floor")
+    assert "host RAM" in RUNG.describe_change(VLLM, done)
+
+
+def test_the_offload_takes_the_trainer_s_state_out_of_the_generation_phase_only():
+    on, off = (estimate(TINY, VLLM.replace(offload_during_generation=v), prompt_tokens=20, simulated=True,
+                        capacity=GiB) for v in (True, False))
+    assert on.phases["generation"] < off.phases["generation"]
+    assert {k: v for k, v in on.phases.items() if k != "generation"} == {
+        k: v for k, v in off.phases.items() if k != "generation"}
+    # without a colocated vLLM there is nothing to offload for
+    plain = TRL_DEFAULTS.replace(num_generations=4, max_completion_length=32, per_device_train_batch_size=4)
+    assert (estimate(TINY, plain.replace(offload_during_generation=True), prompt_tokens=20, simulated=True).phases
+            == estimate(TINY, plain, prompt_tokens=20, simulated=True).phases)
