@@ -142,3 +142,54 @@ def test_the_per_rank_prediction_under_zero_matches_what_each_rank_measured(row)
     predicted = estimate(ModelSpec.from_config(row["config"]), Knobs(**row["knobs"]), world_size=2,
                          prompt_tokens=row["facts"]["prompt_tokens_max"], simulated=True).peak_alloc_bytes
     assert predicted == pytest.approx(max(row["peaks"]), rel=0.05)
+
+
+# -- ZeRO-3 and generation -------------------------------------------------------------------------------------------
+WIDE = dict(vocab_size=724, hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=128,
+            intermediate_size=4096, tie_word_embeddings=True)
+
+
+def test_zero3_generation_gathers_the_whole_model_on_every_rank_unless_told_layer_by_layer():
+    """TRL's ds3_gather_for_generation (default True) gathers every parameter for the whole of generate: a rank holds
+    the full weights then, not its shard; False gathers layer by layer, as the forward does."""
+    from oomguard.memory.estimate import ModelSpec, estimate
+
+    spec = ModelSpec(**WIDE)
+    k = Knobs(dtype="float32", optim="adamw_torch", max_completion_length=32, num_generations=4,
+              per_device_train_batch_size=4, zero_stage=3)
+    whole = estimate(spec, k, world_size=4, prompt_tokens=14, simulated=True)
+    layered = estimate(spec, k.replace(ds3_gather_for_generation=False), world_size=4, prompt_tokens=14,
+                       simulated=True)
+    full = 4 * spec.params
+    gained = whole.phases["generation"] - layered.phases["generation"]
+    assert gained == pytest.approx(0.75 * full, rel=0.02)  # three quarters of the model come from the other ranks
+    assert {p: v for p, v in whole.phases.items() if p != "generation"} == {
+        p: v for p, v in layered.phases.items() if p != "generation"}
+    # with vLLM generating, the trainer's model is not gathered for it; one rank has nothing to gather
+    vllm = k.replace(use_vllm=True, vllm_mode="server")
+    assert (estimate(spec, vllm, world_size=4, prompt_tokens=14, simulated=True).phases
+            == estimate(spec, vllm.replace(ds3_gather_for_generation=False), world_size=4, prompt_tokens=14,
+                        simulated=True).phases)
+
+
+def test_the_gather_rung_comes_after_zero3_and_only_where_it_can_help():
+    rung = make_remedy("zero3_gather")
+    z3 = Context(knobs=TRL_DEFAULTS.replace(zero_stage=3), facts=RunFacts(world_size=2))
+    assert rung.foreign(z3) is None and rung.apply(z3).ds3_gather_for_generation is False
+    assert rung.cost == "speed" and rung.resume == "continue"
+    assert rung.foreign(Context(knobs=TRL_DEFAULTS.replace(zero_stage=2), facts=RunFacts(world_size=2)))
+    assert "vLLM" in rung.foreign(Context(knobs=TRL_DEFAULTS.replace(zero_stage=3, use_vllm=True),
+                                          facts=RunFacts(world_size=2)))
+    done = Context(knobs=TRL_DEFAULTS.replace(zero_stage=3, ds3_gather_for_generation=False),
+                   facts=RunFacts(world_size=2))
+    assert rung.blocked(done) == "already layer by layer"
+    names = [r.name for r in load_ladder("multi-gpu").rungs]
+    assert names.index("zero3") + 1 == names.index("zero3_gather") < names.index("optimizer_8bit")
+
+
+def test_the_gather_reaches_trl_s_config_and_is_read_from_it():
+    cfg = SimpleNamespace(ds3_gather_for_generation=True, deepspeed=None, fsdp="", fsdp_config=None)
+    rt = Runtime(Plan(overrides={"ds3_gather_for_generation": False}))
+    assert observe_config(cfg)["ds3_gather_for_generation"] is True
+    apply_config(rt, cfg)
+    assert cfg.ds3_gather_for_generation is False

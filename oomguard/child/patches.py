@@ -26,6 +26,7 @@ CONFIG_KNOBS = (
     "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
     "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
     "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
+    "ds3_gather_for_generation",
 )
 _PROMPT_STATS_ROWS = 20000
 

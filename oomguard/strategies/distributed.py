@@ -117,6 +117,35 @@ class Zero3(_Sharding):
 
 
 @register
+class Zero3Gather(Remedy):
+    name = "zero3_gather"
+    summary = ("ZeRO-3: generate with the parameters gathered layer by layer (ds3_gather_for_generation=False) "
+               "instead of the whole model on every rank.")
+    cost = "speed"
+    trade_note = "generation gathers each layer as it runs it: slower generation, the same completions"
+    resume = "continue"  # how generation gathers is not part of a checkpoint
+    changes = ("ds3_gather_for_generation",)
+
+    def foreign(self, ctx: Context) -> str | None:
+        if (ctx.knobs.zero_stage or 0) < 3:
+            return "the run does not use ZeRO-3"
+        if ctx.value("use_vllm"):
+            return "vLLM generates: the trainer's model is not gathered for generation"
+        return None
+
+    def blocked(self, ctx: Context) -> str | None:
+        return "already layer by layer" if ctx.value("ds3_gather_for_generation") is False else None
+
+    def apply(self, ctx: Context) -> Knobs:
+        return ctx.knobs.replace(ds3_gather_for_generation=False)
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "Under ZeRO-3, TRL gathers the whole model on every rank to generate "
+                                 "(ds3_gather_for_generation=True); False gathers it layer by layer: slower "
+                                 "generation, a layer's memory.", None)
+
+
+@register
 class OffloadOptimizer(_Sharding):
     name = "offload_optimizer"
     summary = "Keep the optimizer state in host RAM (DeepSpeed ZeRO offload_optimizer)."

@@ -80,6 +80,7 @@ class Knobs:
     stage3_prefetch_bucket_size: int | str | None = None
     stage3_param_persistence_threshold: int | str | None = None
     overlap_comm: bool | None = None
+    ds3_gather_for_generation: bool | None = None
     fsdp_offload: bool | None = None
     learning_rate: float | None = None
     loss_type: str | None = None
@@ -383,6 +384,7 @@ TRL_DEFAULTS = Knobs(
     stage3_prefetch_bucket_size=None,
     stage3_param_persistence_threshold=None,
     overlap_comm=None,
+    ds3_gather_for_generation=True,
     fsdp_offload=False,
     learning_rate=1e-6,
     loss_type="dapo",
@@ -400,6 +402,7 @@ REACH: dict[str, frozenset[str]] = {
         "offload_during_generation", "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing",
         "zero_stage",
         "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
+        "ds3_gather_for_generation",
         "learning_rate", "loss_type",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),

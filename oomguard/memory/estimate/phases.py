@@ -25,7 +25,7 @@ def _generation(s: _Step) -> dict[str, int]:
                    + B_gen * V * (g.b_c + 8))
         decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
         gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
-    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + c.transient_w,
+    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + c.transient_w + s.p.gen_gather,
             "gradients": s.grads_at_gen, "kv_cache": kv_cache + max(0, gen_transient),
             "activations": geo.B_gen * geo.T * 16}
 

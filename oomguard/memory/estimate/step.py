@@ -111,6 +111,7 @@ class _Persistent:
     opt_state: int
     opt_transient: int  # one optimizer step's temporaries
     gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
+    gen_gather: int  # ZeRO-3 with ds3_gather_for_generation: the rest of the model, gathered on every rank to generate
     buckets: int  # gradient buffers kept all the step: DDP's buckets (several ranks, no ZeRO), ZeRO-3's reduce bucket
     ds_bucket: int  # ZeRO-1/2's reduce bucket(s): allocated at a backward's first gradient, freed at its end
     trainable: int
@@ -139,7 +140,8 @@ def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
     return _Persistent(
         weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
-        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, buckets=0, ds_bucket=0,
+        grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, gen_gather=0, buckets=0,
+        ds_bucket=0,
         trainable=trainable, largest=max(train_tensors, default=0), b_t=b_t,
         total_params=spec.params + n_lora, notes=(note,) if note else ())
 
@@ -159,7 +161,12 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     ZeRO-1/2 allocate ``reduce_bucket_size`` elements of the gradients' dtype at a backward's first gradient
     (``setup_buckets``), two with ``overlap_comm``, and free them when the backward ends; ZeRO-3 allocates one such
     bucket with the optimizer and keeps it, and keeps whole on every rank each parameter smaller than
-    ``stage3_param_persistence_threshold``."""
+    ``stage3_param_persistence_threshold``.
+
+    Generation under ZeRO-3 with ``ds3_gather_for_generation`` (TRL's default) gathers every parameter on every rank
+    for the whole of ``generate`` (``unwrap_model_for_generation``, ``GatheredParameters`` over the model): the
+    weights the rank does not hold come on top while generating. Turned off, generation gathers layer by layer, as
+    the forward does. With vLLM generating, the trainer's model is not gathered for it."""
     zs = int(k.zero_stage or 0)
     n_dev = max(1, world_size)
     weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
@@ -195,6 +202,8 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
         notes.append("ZeRO's buffers are fitted on CPU ranks; NCCL's buffers on a GPU are not counted")
     gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
               if zs >= 3 or offload_params else 0)
+    gen_gather = (max(0, p.weights - weights) if zs >= 3 and k.ds3_gather_for_generation is not False
+                  and not k.use_vllm else 0)
     # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
     # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
     # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
@@ -203,7 +212,8 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
         notes.append(f"DeepSpeed's reduce bucket: {(bucket or ipg) / 2**20:.0f} MiB per rank (reduce_bucket_size "
                      "left to DeepSpeed's default; \"auto\" sizes it to the model)")
     return replace(p, weights=weights, reference=reference, grads=grads, opt_state=opt_state,
-                   opt_transient=opt_transient, gather=gather, buckets=buckets, ds_bucket=bucket,
+                   opt_transient=opt_transient, gather=gather, gen_gather=gen_gather, buckets=buckets,
+                   ds_bucket=bucket,
                    notes=tuple(notes))
 
 
