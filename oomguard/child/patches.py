@@ -767,9 +767,6 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
                 kwargs["dtype"] = _half(torch, rt)
         _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
         _zero3_comm()
-        from . import simulate
-
-        dev = simulate.device()
         model = orig(cls, *args, **kwargs)
         # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
         # without an override (the first attempt always loads without one).
@@ -781,6 +778,9 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
             model._oomguard_from_pretrained = True
         except Exception:
             pass
+        from . import simulate
+
+        dev = simulate.device()
         if dev is not None:
             dev.adopt(device_tensors(model))
         record_model(rt, model)

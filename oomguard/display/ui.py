@@ -15,7 +15,7 @@ from ..decide.ladder import Exhausted, Step
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport, rung_label
 from ..vocab.sizes import format_size
-from ..vocab.stacks import SAID_AS
+from ..vocab.stacks import told
 
 
 def _fmt(v: Any) -> str:
@@ -229,10 +229,8 @@ class ConsoleReporter:
             diff_table(self.out, report.diff, title=title)
         said = [r["flag"] for r in report.diff if r.get("flag")]
         if said and report.status == "stable":
-            stack = (report.facts or {}).get("stack")
-            joined = " ".join(said) if stack == "swift" else "; ".join(said)
-            self._say(_plain(f"{SAID_AS.get(stack or '', 'as the front-end takes them')}: {joined} (the lock "
-                             "replays them: oomguard run --config LOCK -- COMMAND)"))
+            self._say(_plain(f"{told((report.facts or {}).get('stack'), said)} (the lock replays them: oomguard run "
+                             "--config LOCK -- COMMAND)"))
         for line in experiment_lines(report.experiment):
             self._say(_plain(line))
         for line in alternatives_lines(report.alternatives, self.command or report.command, self.options):

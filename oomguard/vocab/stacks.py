@@ -38,8 +38,9 @@ _UNSLOTH = {
                                         + ('"unsloth")' if v else "False)"),
     "lora_r": lambda v: f"get_peft_model(r={v})" if v else "no get_peft_model (a full fine-tune)",
 }
-# how the end of a run introduces them
+# how the end of a run introduces them, and what goes between two (flags on one command line; calls apart)
 SAID_AS = {"swift": "as swift's flags", "unsloth": "in the notebook's code"}
+_JOIN = {"swift": " "}
 # knobs that are not flags: the allocator's settings, set in the environment
 ENVIRONMENT = ("expandable_segments", "max_split_size_mb")
 
@@ -65,9 +66,20 @@ def flag(stack: str | None, knob: str, value: Any) -> str | None:
     return f"--{knob} {value}"
 
 
+def told(stack: str | None, said: list[str]) -> str:
+    """One line that gives the flags ``said`` to a user of ``stack``.
+
+    >>> told("swift", ["--num_generations 4", "--lora_rank 16"])
+    "as swift's flags: --num_generations 4 --lora_rank 16"
+    >>> told("unsloth", ["get_peft_model(r=8)", "GRPOConfig(num_generations=4)"])
+    "in the notebook's code: get_peft_model(r=8); GRPOConfig(num_generations=4)"
+    """
+    return f"{SAID_AS.get(stack or '', 'as the front-end takes them')}: {_JOIN.get(stack or '', '; ').join(said)}"
+
+
 def flags(stack: str | None, changes: dict[str, Any]) -> list[str]:
     """``changes`` (knob -> new value) in ``stack``'s flags, in order, those that are flags."""
     return [f for k, v in changes.items() if (f := flag(stack, k, v)) is not None]
 
 
-__all__ = ["ENVIRONMENT", "SAID_AS", "flag", "flags"]
+__all__ = ["ENVIRONMENT", "SAID_AS", "flag", "flags", "told"]
