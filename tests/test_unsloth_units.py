@@ -200,3 +200,16 @@ def test_a_4bit_weight_s_quantisation_state_is_on_the_device():
     layer.weight.quant_state = qs
     got = patches.device_tensors(layer)
     assert any(t is absmax for t in got) and any(t is nested for t in got)
+
+
+def test_a_4bit_notebook_on_a_gpu_is_predicted_with_the_dtype_unsloth_loaded_it_in():
+    """On a GPU Unsloth loads a 4-bit model's other modules in bfloat16 (dtype=None): read from the model, so the
+    model does not count them in float32 because Unsloth's loader keeps the dtype it is given."""
+    import torch
+
+    seen = unsloth.observed_model(SimpleNamespace(is_loaded_in_4bit=True, dtype=torch.bfloat16))
+    knobs = LORA.replace(**seen)
+    gpu = estimate(QWEN, knobs, prompt_tokens=32, keeps_dtype_4bit=True)
+    as_fp32 = estimate(QWEN, knobs.replace(dtype="float32"), prompt_tokens=32, keeps_dtype_4bit=True)
+    assert seen == {"load_in_4bit": True, "dtype": "bfloat16"}
+    assert gpu.breakdown["weights"] < as_fp32.breakdown["weights"]

@@ -61,12 +61,19 @@ def observed_loader(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def observed_model(model: Any) -> dict[str, Any]:
-    """What Unsloth's loader really built: 4-bit or not, and the weights' dtype."""
+    """What Unsloth's loader really built: 4-bit or not, and the weights' dtype (under a 4-bit load, that of the
+    modules it leaves unquantised: bfloat16 on a GPU by default, float32 on a CPU without bf16).
+
+    >>> from types import SimpleNamespace
+    >>> import torch
+    >>> observed_model(SimpleNamespace(is_loaded_in_4bit=True, dtype=torch.bfloat16))
+    {'load_in_4bit': True, 'dtype': 'bfloat16'}
+    """
     from ..patches import _dtype_name
 
     out: dict[str, Any] = {"load_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False))}
     dtype = _dtype_name(getattr(model, "dtype", None))
-    if dtype and not out["load_in_4bit"]:
+    if dtype:
         out["dtype"] = dtype
     return out
 
