@@ -412,6 +412,9 @@ KNOB_MEANINGS: dict[str, str] = {
     "gradient_accumulation_steps": "micro-steps per optimizer step",
     "steps_per_generation": "micro-steps served by one generation round",
     "generation_batch_size": "completions generated per round, over all devices",
+    "per_device_eval_batch_size": "rows an evaluation pass generates and scores at once on each device",
+    "num_generations_eval": "completions per prompt at evaluation (unset: num_generations)",
+    "eval_strategy": "when the run evaluates (no, steps, epoch); read, never changed",
     "gradient_checkpointing": "recompute activations in the backward instead of keeping them "
                               "(transformers 5: activation_checkpointing)",
     "optim": "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",

@@ -88,6 +88,27 @@ def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):
                           deepspeed=None, fsdp="", save_strategy="steps", save_steps=500, output_dir="x",
                           generation_kwargs=None)
     apply_config(rt, cfg)
-    assert cfg.max_steps == 2 and cfg.save_strategy == "no" and cfg.generation_kwargs == {"min_new_tokens": 64}
+    assert cfg.max_steps == 2 and cfg.generation_kwargs == {"min_new_tokens": 64}
+    # a config that saves saves once, at the probe's last step (into the probe's scratch directory); one that does
+    # not evaluate is not made to
+    assert (cfg.save_strategy, cfg.save_steps, cfg.eval_strategy) == ("steps", 2, "no")
+    assert cfg.output_dir != "x"
     kw = {k: getattr(cfg, k) for k in ("num_generations", "per_device_train_batch_size", "max_completion_length")}
+    trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **kw)
+
+
+def test_a_config_that_evaluates_is_probed_with_one_evaluation_pass_and_no_save_when_it_saves_none(tmp_path):
+    """The probe's one evaluation comes at its last step (the optimizer state exists by then); evaluation on start is
+    left out, and a config that saves nothing saves nothing in the probe either. The result passes TRL's own checks."""
+    from oomguard.child.patches import apply_config
+    from oomguard.child.runtime import Runtime
+    from oomguard.vocab.protocol import Plan
+
+    rt = Runtime(Plan(overrides={"per_device_eval_batch_size": 4, "num_generations_eval": 4}, probe={"steps": 3}))
+    cfg = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], eval_strategy="epoch",
+                         eval_on_start=True, num_generations=8, per_device_eval_batch_size=16, save_strategy="no")
+    apply_config(rt, cfg)
+    assert (cfg.eval_strategy, cfg.eval_steps, cfg.eval_on_start, cfg.save_strategy) == ("steps", 3, False, "no")
+    kw = {k: getattr(cfg, k) for k in ("eval_strategy", "eval_steps", "per_device_eval_batch_size",
+                                       "num_generations_eval", "num_generations")}
     trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **kw)

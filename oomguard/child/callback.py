@@ -32,6 +32,10 @@ def make_callback(rt: Runtime) -> Any:
             if rt.overrides.torch_empty_cache_steps == 1:
                 rt.empty_cache()
 
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # an evaluation pass runs after the step's end: its peak is the process's peak so far
+            rt.emit("evaluated", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
+
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit("checkpoint", step=state.global_step,
                     path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))

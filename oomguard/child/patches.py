@@ -26,7 +26,7 @@ CONFIG_KNOBS = (
     "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
     "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
     "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
-    "ds3_gather_for_generation",
+    "ds3_gather_for_generation", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
 )
 _PROMPT_STATS_ROWS = 20000
 
@@ -115,16 +115,43 @@ def apply_config(rt: Runtime, cfg: Any) -> None:
         apply_probe(rt, cfg, plan.probe)
 
 
+def evaluates(cfg: Any) -> bool:
+    """Whether a TrainingArguments (before or after its ``__post_init__``) asks for evaluation during training."""
+    return str(_plain(getattr(cfg, "eval_strategy", None)) or "no").lower() not in ("no", "none")
+
+
+def saves(cfg: Any) -> bool:
+    """Whether a TrainingArguments asks for checkpoints during training."""
+    return str(_plain(getattr(cfg, "save_strategy", None)) or "no").lower() not in ("no", "none")
+
+
 def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
-    """A short worst-case rehearsal: few steps, full-length completions, nothing saved, nothing reported."""
-    cfg.max_steps = int(probe.get("steps", 3))
-    cfg.save_strategy = "no"
+    """A short worst-case rehearsal: few steps, full-length completions, nothing reported. A config that evaluates
+    runs one evaluation pass (of one batch, ``probe_eval_dataset``) and a config that saves writes one checkpoint,
+    both after the last step, when the optimizer state exists: their peaks are measured with the steps'."""
+    steps = int(probe.get("steps", 3))
+    cfg.max_steps = steps
+    will_save = saves(cfg)
+    cfg.save_strategy = "steps" if will_save else "no"
+    if will_save:
+        cfg.save_steps = steps
+        if hasattr(cfg, "save_total_limit"):
+            cfg.save_total_limit = None
+        if hasattr(cfg, "hub_strategy"):
+            cfg.hub_strategy = "end"
     # The supervisor's scratch directory, deleted when the probe ends; never the user's own output_dir.
     cfg.output_dir = probe.get("output_dir") or os.path.join(rt.plan.crash_dir or tempfile.mkdtemp(), "probe-output")
     cfg.report_to = []
     cfg.push_to_hub = False
     if hasattr(cfg, "eval_strategy"):
-        cfg.eval_strategy = "no"
+        if evaluates(cfg):
+            cfg.eval_strategy = "steps"
+            cfg.eval_steps = steps
+            for name, value in (("eval_on_start", False), ("eval_delay", 0)):
+                if hasattr(cfg, name):
+                    setattr(cfg, name, value)
+        else:
+            cfg.eval_strategy = "no"
     cfg.logging_steps = 1
     gk = dict(getattr(cfg, "generation_kwargs", None) or {})
     if getattr(cfg, "use_vllm", False):
@@ -279,6 +306,16 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
 
     __init__._oomguard = True  # type: ignore[attr-defined]
     _set(cls, "__init__", __init__)
+    orig_save = getattr(cls, "_save_checkpoint", None)
+    if orig_save is not None and not getattr(orig_save, "_oomguard", False):
+        @functools.wraps(orig_save)
+        def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # a save the kernel's OOM killer ends says nothing itself: this event tells the supervisor where it was
+            rt.emit("saving", step=getattr(getattr(self, "state", None), "global_step", None))
+            return orig_save(self, *args, **kwargs)
+
+        _save_checkpoint._oomguard = True  # type: ignore[attr-defined]
+        _set(cls, "_save_checkpoint", _save_checkpoint)
     if getattr(orig_train, "_oomguard", False):
         return
     if orig_train is None:
@@ -368,6 +405,8 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     tokenizer = a.get("processing_class")
     if dataset is not None:
         a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
+    if rt.plan.probe and a.get("eval_dataset") is not None and evaluates(args):
+        a["eval_dataset"] = probe_eval_dataset(a["eval_dataset"], tokenizer, model, args)
     callbacks = list(a.get("callbacks") or [])
     from .callback import make_callback
 
@@ -568,6 +607,20 @@ def _probe_prompts(rt: Runtime, args: Any) -> int:
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return int(rt.plan.probe.get("rows", 64))
     return max(1, per_round * steps)
+
+
+def probe_eval_dataset(dataset: Any, tokenizer: Any, model: Any, args: Any) -> Any:
+    """The probe's evaluation: one evaluation batch per device of the longest evaluation prompt (each of several
+    evaluation datasets alike), so the probe's one evaluation pass is the worst an evaluation of the run holds."""
+    if isinstance(dataset, dict):
+        return {name: probe_eval_dataset(d, tokenizer, model, args) for name, d in dataset.items()}
+    if not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []) or not len(dataset):
+        return dataset
+    lengths = prompt_lengths(list(dataset["prompt"]), _tokenizer_for(tokenizer, model))
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    rows = int(getattr(args, "per_device_eval_batch_size", 8) or 8) * _world()
+    per_prompt = int(getattr(args, "num_generations_eval", None) or getattr(args, "num_generations", 8) or 8)
+    return dataset.select([longest] * max(1, rows // max(1, per_prompt)))
 
 
 def _longest(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -> Any:

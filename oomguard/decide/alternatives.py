@@ -62,8 +62,8 @@ def searched(ladder: Ladder, skip: Sequence[str] = ()) -> Ladder:
     """The rungs an alternative may use: the run's ladder's, then the default ladder's it lacks, in cost order
     (stable, so each ladder's own order breaks ties), less ``skip``.
 
-    >>> [r.name for r in searched(load_ladder("fastest")).rungs][2:6]
-    ['deepspeed_buffers', 'checkpointing', 'vllm_memory', 'micro_batch']
+    >>> [r.name for r in searched(load_ladder("fastest")).rungs][2:7]
+    ['eval_batch', 'deepspeed_buffers', 'checkpointing', 'vllm_memory', 'micro_batch']
     """
     seen = {r.name for r in ladder.rungs}
     rungs = [*ladder.rungs, *(r for r in load_ladder("default").rungs if r.name not in seen)]

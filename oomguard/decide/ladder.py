@@ -12,8 +12,8 @@ the first config predicted to fit and keeps only what is needed below it (``oomg
 ladder's order is the preference. ``--no-predict`` climbs one rung per OOM in the ladder's order either way.
 
 >>> ladder = load_ladder("default")
->>> [r.name for r in ladder.rungs][:3]
-['expandable_segments', 'empty_cache', 'micro_batch']
+>>> [r.name for r in ladder.rungs][:4]
+['expandable_segments', 'empty_cache', 'eval_batch', 'micro_batch']
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
 >>> step = ladder.next(Context(knobs=TRL_DEFAULTS))
 >>> step.remedy.name, step.knobs.expandable_segments
@@ -84,7 +84,7 @@ class Ladder:
         by order, the whole ladder (every rung's first pass, then the graded rungs' second, ...).
 
         >>> [[r.name for r in b] for b in load_ladder("default").blocks(load_ladder("default").rungs)][:2]
-        [['expandable_segments', 'empty_cache'], ['micro_batch', 'checkpointing', 'vllm_memory', 'deepspeed_buffers']]
+        [['expandable_segments', 'empty_cache', 'eval_batch'], ['micro_batch', 'checkpointing', 'vllm_memory', 'deepspeed_buffers']]
         """
         if self.choose_by != "cost":
             return [list(rungs)]

@@ -77,7 +77,24 @@ def _is_backward(f: Frame) -> bool:
     )
 
 
+# transformers' Trainer evaluates through these; GRPO generates, scores and computes its loss inside prediction_step,
+# so an evaluation frame outranks every other: what ran out is the evaluation pass, whatever it was doing.
+_EVALUATION_NAMES = {"evaluation_loop", "prediction_step", "prediction_loop"}
+
+
+def _is_evaluation(f: Frame) -> bool:
+    path = f.filename.replace("\\", "/")
+    if f.name in _EVALUATION_NAMES:
+        return True
+    return f.name in ("evaluate", "_evaluate") and ("transformers/" in path or "/trl/" in path)
+
+
+# Trainer's checkpoint save: the state dicts gathered and serialised (ZeRO-3 gathers 16-bit weights for it).
+_SAVE_NAMES = {"_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_rng_state"}
+
 _RULES: tuple[tuple[str, Any], ...] = (
+    ("evaluation", _is_evaluation),
+    ("save", lambda f: f.name in _SAVE_NAMES),
     ("optimizer", _is_optimizer),
     ("backward", _is_backward),
     ("generation", lambda f: f.name in _GENERATION_NAMES),
@@ -215,11 +232,13 @@ def _buffer_sentence(r: OOMReport, buffer: str, whole: bool) -> str:
 
 _PHASE_WORDS = {
     "load": "model loading",
+    "evaluation": "an evaluation pass (its generation, scoring and no-grad loss, with per_device_eval_batch_size rows)",
     "generation": "generation",
     "scoring": "scoring (rewards or no-grad log-probs)",
     "forward": "the training forward pass",
     "backward": "the backward pass",
     "optimizer": "the optimizer step",
+    "save": "a checkpoint save",
 }
 
 

@@ -35,10 +35,12 @@ from ..vocab.oomreport import OOMReport
 from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
 from ..vocab.records import (
     Attempt,
+    CheckpointSaved,
     ChildEvent,
     CodeSeen,
     CrashRecord,
     OOMRaised,
+    OtherEvent,
     Outcome,
     PreflightStop,
     ProcessEnded,
@@ -241,7 +243,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.analyze import finding
         from ..oom.diagnose import diagnose
 
-        d = diagnose(report)
+        d = diagnose(report, phase="save" if saving(events) else None)
         d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
@@ -278,3 +280,19 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
 
 
 __all__ = ["Ranks", "classify", "crash_record"]
+
+
+def saving(events: Iterable[ChildEvent]) -> bool:
+    """Whether a process of the attempt was in a checkpoint save when it ended: a ``saving`` event (Trainer's
+    ``_save_checkpoint`` began) with no saved checkpoint nor training step after it.
+
+    >>> saving([StepDone(step=4), OtherEvent("saving", {"step": 4})]), saving([OtherEvent("saving"), CheckpointSaved(4)])
+    (True, False)
+    """
+    state = False
+    for ev in events:
+        if isinstance(ev, OtherEvent) and ev.name == "saving":
+            state = True
+        elif isinstance(ev, (CheckpointSaved, StepDone)):
+            state = False
+    return state

@@ -14,7 +14,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import adapters, allocator, batch, checkpointing, distributed, host, precision, sequences, vllm  # noqa: F401
+from . import (  # noqa: F401
+    adapters,
+    allocator,
+    batch,
+    checkpointing,
+    distributed,
+    evaluation,
+    host,
+    precision,
+    sequences,
+    vllm,
+)
 from .base import COST_CLASSES, REGISTRY, Advice, Context, Remedy, cost_rank
 
 LADDER_DIR = Path(__file__).resolve().parent

@@ -29,7 +29,7 @@ KINDS = (
     "driver",
     "unknown",
 )
-PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "unknown")
+PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "evaluation", "save", "unknown")
 
 # A request this many times the device is an overflowed shape, not a budget problem.
 OVERFLOW_FACTOR = 64

@@ -25,6 +25,7 @@ EIGHT_BIT_OPTIMIZERS = {
     "paged_ademamix_8bit", "rmsprop_bnb_8bit", "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw_8bit",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class Knobs:
     gradient_accumulation_steps: int | None = None
     steps_per_generation: int | None = None
     generation_batch_size: int | None = None
+    per_device_eval_batch_size: int | None = None
+    num_generations_eval: int | None = None
+    eval_strategy: str | None = None
     gradient_checkpointing: bool | None = None
     optim: str | None = None
     dtype: str | None = None
@@ -143,6 +147,23 @@ class Knobs:
         bs, ga, _ = self.geometry(world_size)
         return bs * ga * world_size / max(1, self.num_generations or 8)
 
+    def evaluates(self) -> bool:
+        """Whether the run evaluates (``eval_strategy`` other than ``"no"``): TRL then generates and scores
+        ``per_device_eval_batch_size`` rows per device at each evaluation.
+
+        >>> Knobs().evaluates(), Knobs(eval_strategy="steps").evaluates()
+        (False, True)
+        """
+        return (self.eval_strategy or "no") != "no"
+
+    def eval_geometry(self) -> tuple[int, int]:
+        """``(per_device_eval_batch_size, num_generations_eval)`` as TRL resolves them (8, and num_generations).
+
+        >>> Knobs(num_generations=4).eval_geometry()
+        (8, 4)
+        """
+        return self.per_device_eval_batch_size or 8, self.num_generations_eval or self.num_generations or 8
+
     def with_geometry(self, bs: int, ga: int, spg: int, world_size: int = 1) -> Knobs:
         """Set the batch geometry, written in the form the user used (generation_batch_size or steps_per_generation)."""
         changes: dict[str, Any] = {"per_device_train_batch_size": bs, "gradient_accumulation_steps": ga}
@@ -157,7 +178,7 @@ class Knobs:
         problems: list[str] = []
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
                      "generation_batch_size", "max_completion_length", "max_prompt_tokens", "torch_empty_cache_steps",
-                     "lora_r", "max_split_size_mb"):
+                     "lora_r", "max_split_size_mb", "per_device_eval_batch_size", "num_generations_eval"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "lora_r" else 1)):
                 problems.append(f"{name} must be a positive integer, not {v!r}")
@@ -175,6 +196,13 @@ class Knobs:
         gbs = self.rows_per_device(world_size) * world_size
         if g >= 2 and gbs % g:
             problems.append(f"generation_batch_size ({gbs}) must be divisible by num_generations ({g})")
+        if self.evaluates():
+            be, ge = self.eval_geometry()
+            if (be * world_size) % ge:
+                problems.append(f"the global eval batch size ({be} x {world_size}) must be divisible by "
+                                f"num_generations_eval ({ge})")
+        if self.eval_strategy is not None and self.eval_strategy not in EVAL_STRATEGIES:
+            problems.append(f"eval_strategy must be one of {', '.join(EVAL_STRATEGIES)}, not {self.eval_strategy!r}")
         if self.dtype is not None and self.dtype not in (*DTYPES, "auto"):
             problems.append(f"dtype must be one of {', '.join(DTYPES)} or auto, not {self.dtype!r}")
         if self.load_in_4bit and not self.lora_r:
@@ -359,6 +387,9 @@ TRL_DEFAULTS = Knobs(
     gradient_accumulation_steps=1,
     steps_per_generation=None,
     generation_batch_size=None,
+    per_device_eval_batch_size=8,  # TrainingArguments' default
+    num_generations_eval=None,  # None: num_generations (GRPOTrainer.num_generations_eval)
+    eval_strategy="no",
     gradient_checkpointing=True,
     optim="adamw_torch_fused",
     dtype="float32",
@@ -397,7 +428,8 @@ REACH: dict[str, frozenset[str]] = {
     "env": frozenset({"expandable_segments", "max_split_size_mb"}),
     "config": frozenset({
         "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-        "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
+        "steps_per_generation", "generation_batch_size", "per_device_eval_batch_size", "num_generations_eval",
+        "eval_strategy", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
         "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
         "offload_during_generation", "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing",
         "zero_stage",

@@ -59,6 +59,10 @@ def main() -> None:
     p.add_argument("--trl-precision", action="store_true",
                    help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (eval_strategy='steps')")
+    p.add_argument("--per-device-eval-batch-size", type=int, default=None)
+    p.add_argument("--num-generations-eval", type=int, default=None)
+    p.add_argument("--eval-rows", type=int, default=16, help="prompts in the evaluation dataset")
     p.add_argument("--fail-with", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--oom-at-step", type=int, default=None)
@@ -93,6 +97,7 @@ def main() -> None:
         text = " ".join(words[(i + j) % len(words)] for j in range(n))
         rows.append({"prompt": [{"role": "user", "content": f"{i}: {text}"}], "answer": str(i % 7)})
     dataset = Dataset.from_list(rows)
+    eval_dataset = Dataset.from_list(rows[:a.eval_rows]) if a.eval_steps else None
 
     def reward_len(completions, **kw):
         return [len(c[0]["content"]) / 100.0 for c in completions]
@@ -116,6 +121,9 @@ def main() -> None:
         **({} if a.trl_precision else {"bf16": False}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
+        **({"eval_strategy": "steps", "eval_steps": a.eval_steps} if a.eval_steps else {}),
+        **({} if a.per_device_eval_batch_size is None else {"per_device_eval_batch_size": a.per_device_eval_batch_size}),
+        **({} if a.num_generations_eval is None else {"num_generations_eval": a.num_generations_eval}),
         generation_kwargs={"min_new_tokens": a.max_completion_length},
         dataloader_num_workers=a.dataloader_num_workers,
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
@@ -165,7 +173,7 @@ def main() -> None:
         from endings import reward
 
         rewards.append(reward)
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=[Behaviour()])
     trainer.train()
     print(f"trained {trainer.state.global_step} steps", flush=True)

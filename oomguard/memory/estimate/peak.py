@@ -13,7 +13,7 @@ from ...vocab.sizes import MiB, format_size
 from ...vocab.trlrange import HEADS
 from .coefficients import Coefficients
 from .model import _DTYPE_BYTES, EstimateError, ModelSpec
-from .phases import _PHASE_TERMS, PHASES
+from .phases import _PHASE_TERMS, EVAL_PHASE, PHASES, _evaluation
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
 from .vllm import VllmMemory, vllm_memory
@@ -109,9 +109,10 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
 
     def vllm_bytes(ph: str) -> int:
         """vLLM's part of the device in a phase (``VllmMemory.generating``, ``.training``); asleep, nothing."""
-        if v is None or (sleep and ph != "generation"):
+        generates = ph in ("generation", EVAL_PHASE)  # an evaluation pass generates with vLLM too
+        if v is None or (sleep and not generates):
             return 0
-        return v.generating if ph == "generation" else v.training
+        return v.generating if generates else v.training
 
     frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
     ctx = s.context if s.context is not None else 0 if simulated else int(co.m_ctx)
@@ -119,7 +120,8 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
     def device_bytes(ph: str) -> int:
         return ctx + int(phases[ph] * (1 + frag)) + vllm_bytes(ph)
 
-    dominant = max(PHASES, key=lambda ph: (device_bytes(ph), phases[ph]))
+    # ties go to the earlier phase of a step; the evaluation pass (when the run evaluates) comes last
+    dominant = max((ph for ph in (*PHASES, EVAL_PHASE) if ph in phases), key=lambda ph: (device_bytes(ph), phases[ph]))
     peak_bytes = device_bytes(dominant)
     bd = {key: round(v * scale) for key, v in comp[dominant].items()}
     bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
@@ -169,7 +171,10 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
         raise EstimateError(f"head must be one of {', '.join(HEADS)}, not {head!r}")
     s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
               acts=_activations(spec, g, geo, co, gc), context=context, lm_head=head or "fused")
-    return _assemble(s, _composition(s, {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}), capacity)
+    parts = {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}
+    if k.evaluates():
+        parts[EVAL_PHASE] = _evaluation(s)
+    return _assemble(s, _composition(s, parts), capacity)
 
 
 def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,

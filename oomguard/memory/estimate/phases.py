@@ -1,13 +1,17 @@
 """The four phases of a GRPO step (research §2): generation, scoring, the training forward and backward, and the
-optimizer step. Each function returns what its phase adds on top of the persistent state, by breakdown key.
+optimizer step; and, for a run that evaluates, the evaluation pass. Each function returns what its phase adds on top
+of the persistent state, by breakdown key.
 """
 
 from __future__ import annotations
 
-from .step import _Step
+from dataclasses import replace
+
+from .step import _activations, _Step
 from .terms import _kv_cache_bytes, _nograd_bytes_per_token
 
 PHASES = ("generation", "scoring", "forward_backward", "optimizer")
+EVAL_PHASE = "evaluation"
 
 
 def _generation(s: _Step) -> dict[str, int]:
@@ -34,13 +38,20 @@ def _scoring(s: _Step) -> dict[str, int]:
     """Old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or reference
     log-probs (beta > 0): no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737). Without
     either, only the buffered batch."""
-    geo, a = s.geo, s.acts
+    geo = s.geo
     if not (float(s.k.beta or 0.0) > 0 or (geo.ga % geo.spg != 0) or bool(s.k.use_vllm)):
-        return {"gradients": s.grads_at_gen, "activations": a.batch_buf}
+        return {"gradients": s.grads_at_gen, "activations": s.acts.batch_buf}
+    return {**_nograd_forward(s), "gradients": s.grads_at_gen}
+
+
+def _nograd_forward(s: _Step) -> dict[str, int]:
+    """A forward without gradients over the micro-batch (log-probs for scoring, evaluation's loss): its transient
+    activations, the mask, two residual copies and the head's forward."""
+    geo, a = s.geo, s.acts
     score_act = (int(geo.tokens * _nograd_bytes_per_token(s.spec, s.g)) + a.mask
                  + geo.tokens * s.spec.hidden_size * s.g.b_res * 2)
-    return {"weights": s.casts.nograd + s.casts.transient_w, "gradients": s.grads_at_gen,
-            "activations": a.batch_buf + score_act, "logits": s.head()["forward"]}
+    return {"weights": s.casts.nograd + s.casts.transient_w, "activations": a.batch_buf + score_act,
+            "logits": s.head()["forward"]}
 
 
 def _forward_backward(s: _Step) -> dict[str, int]:
@@ -93,6 +104,24 @@ def _forward_backward(s: _Step) -> dict[str, int]:
 def _optimizer_step(s: _Step) -> dict[str, int]:
     """``optimizer.step()``: every gradient, the step's temporaries and the buffered batch."""
     return {"gradients": s.p.grads, "optimizer": s.p.opt_transient, "activations": s.acts.batch_buf}
+
+
+def _evaluation(s: _Step) -> dict[str, int]:
+    """One evaluation pass (``Trainer.evaluate``, GRPO's ``prediction_step``): ``per_device_eval_batch_size`` rows
+    generated at once, then scored and their loss computed without gradients, in one batch (no buffering, no
+    accumulation: grpo_trainer.py ``_prepare_inputs``). It runs between optimizer steps, after ``zero_grad`` has freed
+    the gradients, with the optimizer state in place: the larger of its generation and its no-grad forward."""
+    B_e = s.k.eval_geometry()[0]
+    geo = replace(s.geo, B=B_e, ga=1, spg=1)
+    e = replace(s, geo=geo, acts=_activations(s.spec, s.g, geo, s.co, bool(s.k.gradient_checkpointing)))
+    gen, fwd = _generation(e), _nograd_forward(e)
+    # The layers' transients are gone by the time the head runs over the last hidden states: the pass holds the
+    # larger of the two, not both (measured on the simulated device: the sum over-predicted a 16-row pass by 10%)
+    layers = fwd["activations"] - e.acts.batch_buf
+    fwd["activations"] = e.acts.batch_buf + max(0, layers - fwd["logits"])
+    out = dict(max(gen, fwd, key=lambda parts: sum(parts.values())))
+    out["activations"] = out.get("activations", 0) + s.acts.batch_buf  # the last training batch stays buffered
+    return out
 
 
 _PHASE_TERMS = {"generation": _generation, "scoring": _scoring, "forward_backward": _forward_backward,

@@ -1,0 +1,75 @@
+"""End to end, with real TRL on CPU and the simulated device: a GRPO run whose evaluation, not its training, exceeds
+the device. The training step (4 rows of 14 + 32 tokens) peaks at 74 MiB; an evaluation pass of 16 rows at 141 MiB
+(measured on the tiny model, the fused head's CPU fallback holding a [rows x 45, 32768] buffer). On 110 MiB the
+training fits and the evaluation does not: what must change is evaluation's batch, never the training experiment.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import grpo_tiny, run_oomguard
+
+pytestmark = pytest.mark.e2e
+
+EVALUATES = ["--max-steps", "4", "--eval-steps", "2", "--per-device-eval-batch-size", "16", "--eval-rows", "4"]
+EVAL_KNOBS = {"per_device_eval_batch_size", "num_generations_eval"}
+
+
+def events(tmp: Path, attempt: int) -> list[dict]:
+    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run(tmp: Path, model: str, *extra: str):
+    out, rep = run_oomguard(tmp, "--simulate-gpu", "110MiB", *extra, "--", *grpo_tiny(model, tmp / "out", *EVALUATES))
+    assert rep is not None, out.stderr[-3000:]
+    assert rep["status"] == "stable" and out.returncode == 0, (rep["message"], out.stderr[-3000:])
+    return out, rep
+
+
+def only_evaluation_changed(rep: dict) -> None:
+    assert {row["knob"] for row in rep["diff"]} <= EVAL_KNOBS and rep["diff"], rep["diff"]
+    # nothing the script left unset is written where it keeps its value (4 completions per prompt, as training)
+    assert all(row["to"] != 4 for row in rep["diff"] if row["knob"] == "num_generations_eval")
+    assert all(row["remedy"] == "eval_batch" for row in rep["diff"])
+    stable = rep["stable"]["knobs"] if "knobs" in rep["stable"] else rep["stable"]
+    rows, per_prompt = stable["per_device_eval_batch_size"], stable.get("num_generations_eval") or 4
+    assert rows < 16 and rows % per_prompt == 0
+    # the training experiment as the script set it
+    assert (stable["per_device_train_batch_size"], stable["num_generations"], stable["max_completion_length"]) == (
+        4, 4, 32)
+    assert not stable.get("lora_r") and stable.get("optim") == "adamw_torch"
+    changed = rep["experiment"]["changed"]
+    assert [c["remedy"] for c in changed] == ["eval_batch"] and changed[0]["cost"] == "none"
+    assert "training unchanged" in changed[0]["change"]
+
+
+def test_an_evaluation_that_exceeds_the_device_is_predicted_and_only_evaluation_changes(tmp_path, tiny_model):
+    """The memory model's evaluation phase stops the config before it loads, the probe runs one evaluation pass
+    (its peak above the training step's), and the run evaluates twice without an OOM."""
+    _, rep = run(tmp_path, tiny_model)
+    attempts = rep["attempts"]
+    assert not [a for a in attempts if a["outcome"] == "oom"], [a["outcome"] for a in attempts]
+    assert attempts[0]["outcome"] == "predicted"
+    only_evaluation_changed(rep)
+    probe = next(a for a in attempts if a["kind"] == "probe" and a["outcome"] == "ok")
+    evaluated = [e for e in events(tmp_path, probe["index"]) if e["event"] == "evaluated"]
+    assert len(evaluated) == 1 and evaluated[0]["step"] == 2  # one pass, after the probe's last step
+    run_events = events(tmp_path, attempts[-1]["index"])
+    assert [e["step"] for e in run_events if e["event"] == "evaluated"] == [2, 4]
+
+
+@pytest.mark.slow
+def test_an_oom_in_an_evaluation_pass_is_diagnosed_as_evaluations(tmp_path, tiny_model):
+    """Without the pre-flight, the probe's evaluation pass runs out of memory: its traceback goes through
+    Trainer.evaluate and GRPO's prediction_step, so the diagnosis says evaluation, and the one rung that changes
+    evaluation alone fixes it."""
+    _, rep = run(tmp_path, tiny_model, "--no-preflight")
+    ooms = [a for a in rep["attempts"] if a["outcome"] == "oom"]
+    assert len(ooms) == 1 and ooms[0]["oom"]["phase"] == "evaluation", ooms
+    assert "evaluation pass" in " ".join(ooms[0]["oom"]["evidence"])
+    only_evaluation_changed(rep)
