@@ -415,6 +415,7 @@ KNOB_MEANINGS: dict[str, str] = {
     "per_device_eval_batch_size": "rows an evaluation pass generates and scores at once on each device",
     "num_generations_eval": "completions per prompt at evaluation (unset: num_generations)",
     "eval_strategy": "when the run evaluates (no, steps, epoch); read, never changed",
+    "use_liger_kernel": "TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the [batch, completion, vocab] logits",
     "gradient_checkpointing": "recompute activations in the backward instead of keeping them "
                               "(transformers 5: activation_checkpointing)",
     "optim": "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",

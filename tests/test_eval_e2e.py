@@ -15,7 +15,7 @@ from helpers import grpo_tiny, run_oomguard
 
 pytestmark = pytest.mark.e2e
 
-EVALUATES = ["--max-steps", "4", "--eval-steps", "2", "--per-device-eval-batch-size", "16", "--eval-rows", "4"]
+EVALUATES = ["--max-steps", "2", "--eval-steps", "2", "--per-device-eval-batch-size", "16", "--eval-rows", "4"]
 EVAL_KNOBS = {"per_device_eval_batch_size", "num_generations_eval"}
 
 
@@ -50,7 +50,7 @@ def only_evaluation_changed(rep: dict) -> None:
 
 def test_an_evaluation_that_exceeds_the_device_is_predicted_and_only_evaluation_changes(tmp_path, tiny_model):
     """The memory model's evaluation phase stops the config before it loads, the probe runs one evaluation pass
-    (its peak above the training step's), and the run evaluates twice without an OOM."""
+    (its peak above the training step's), and the run evaluates without an OOM."""
     _, rep = run(tmp_path, tiny_model)
     attempts = rep["attempts"]
     assert not [a for a in attempts if a["outcome"] == "oom"], [a["outcome"] for a in attempts]
@@ -60,7 +60,7 @@ def test_an_evaluation_that_exceeds_the_device_is_predicted_and_only_evaluation_
     evaluated = [e for e in events(tmp_path, probe["index"]) if e["event"] == "evaluated"]
     assert len(evaluated) == 1 and evaluated[0]["step"] == 2  # one pass, after the probe's last step
     run_events = events(tmp_path, attempts[-1]["index"])
-    assert [e["step"] for e in run_events if e["event"] == "evaluated"] == [2, 4]
+    assert [e["step"] for e in run_events if e["event"] == "evaluated"] == [2]
 
 
 @pytest.mark.slow
@@ -73,3 +73,18 @@ def test_an_oom_in_an_evaluation_pass_is_diagnosed_as_evaluations(tmp_path, tiny
     assert len(ooms) == 1 and ooms[0]["oom"]["phase"] == "evaluation", ooms
     assert "evaluation pass" in " ".join(ooms[0]["oom"]["evidence"])
     only_evaluation_changed(rep)
+
+
+@pytest.mark.slow
+def test_a_config_that_saves_is_probed_with_one_save_into_the_probes_own_directory(tmp_path, tiny_model):
+    """The probe saves once after its last step, so the save's device and host peaks are measured, into a scratch
+    directory of its own that is gone after it; the user's output directory gets only the real run's checkpoints."""
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1GiB", "--",
+                            *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "3", "--save-steps", "3"))
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    probe, real = rep["attempts"][0], rep["attempts"][-1]
+    assert probe["kind"] == "probe" and real["kind"] == "run"
+    saved = [e for e in events(tmp_path, probe["index"]) if e["event"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0]["step"] == 2 and saved[0]["host_peak"] > 0 and saved[0]["peak"] > 0
+    assert not Path(saved[0]["path"]).exists() and not str(saved[0]["path"]).startswith(str(tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-3"]

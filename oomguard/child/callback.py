@@ -34,16 +34,28 @@ def make_callback(rt: Runtime) -> Any:
 
         def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # an evaluation pass runs after the step's end: its peak is the process's peak so far
-            rt.emit("evaluated", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
+            rt.emit("evaluated", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes(),
+                    host_peak=host_peak())
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit("checkpoint", step=state.global_step,
-                    path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+                    path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), peak=rt.peak_bytes(),
+                    host_peak=host_peak())
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit("train_end", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
 
     return OOMGuardCallback()
+
+
+def host_peak() -> int | None:
+    """This process's peak resident host memory so far, in bytes (a save serialises the state dicts in host RAM)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kilobytes on Linux
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def wrap_log(rt: Runtime, trainer: Any) -> None:

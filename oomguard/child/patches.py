@@ -26,7 +26,7 @@ CONFIG_KNOBS = (
     "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
     "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
     "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
-    "ds3_gather_for_generation", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
+    "ds3_gather_for_generation", "use_liger_kernel", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
 )
 _PROMPT_STATS_ROWS = 20000
 
@@ -184,8 +184,9 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
     _set(cls, "__post_init__", __post_init__)
 
 
-# Packages some rungs need (LoRA: peft; 8-bit and 4-bit: bitsandbytes; ZeRO: deepspeed), checked where they are used.
-OPTIONAL_PACKAGES = ("peft", "bitsandbytes", "deepspeed")
+# Packages some rungs need (LoRA: peft; 8-bit and 4-bit: bitsandbytes; ZeRO: deepspeed; Liger's loss: liger_kernel),
+# checked where they are used.
+OPTIONAL_PACKAGES = ("peft", "bitsandbytes", "deepspeed", "liger_kernel")
 
 
 def missing_packages() -> list[str]:

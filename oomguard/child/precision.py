@@ -48,7 +48,8 @@ def moving_share(model: Any, lr: float, dtype: str = "bfloat16", sample: int = S
 
 def facts(model: Any, args: Any) -> dict[str, Any]:
     """The facts the supervisor reads once a trainer holds its model (``RunFacts.bf16_moving``, ``bf16_supported``,
-    and ``device_total``, the size of the device this process computes on as CUDA itself reports it); never raises
+    ``device_total``, the size of the device this process computes on as CUDA itself reports it, and
+    ``gpu_kernels``, whether Triton kernels can run on it); never raises
     (a model this cannot read simply reports nothing)."""
     out: dict[str, Any] = {}
     try:
@@ -60,6 +61,9 @@ def facts(model: Any, args: Any) -> dict[str, Any]:
         if torch.cuda.is_available():
             out["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
             out["device_total"] = int(torch.cuda.mem_get_info()[1])
+        import importlib.util
+
+        out["gpu_kernels"] = bool(torch.cuda.is_available()) and importlib.util.find_spec("triton") is not None
     except Exception:  # a measurement, never a reason to fail the user's run
         pass
     return out

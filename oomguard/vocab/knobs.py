@@ -40,7 +40,8 @@ class Knobs:
     ``stage3_param_persistence_threshold`` (elements, or ``"auto"``: transformers sizes them from the model's hidden
     size; ``None``: the config leaves them to DeepSpeed's defaults) and ``overlap_comm``, ``fsdp_offload``;
     ``offload_during_generation`` (the trainer's weights and optimizer state wait in host RAM while a colocated vLLM
-    generates: ms-swift's ``--offload_model --offload_optimizer``; TRL has no such option). ``bf16``/``fp16`` (mixed
+    generates: ms-swift's ``--offload_model --offload_optimizer``; TRL has no such option); ``use_liger_kernel``
+    (TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the materialised logits). ``bf16``/``fp16`` (mixed
     precision: autocast) are read from the script for the memory model; no rung changes them. Nor does any rung
     change ``learning_rate`` and ``loss_type``: they are read to tell what a change does to training (whether bf16
     weights still move at this learning rate, whether a micro-batch split keeps the gradients).
@@ -85,6 +86,7 @@ class Knobs:
     stage3_param_persistence_threshold: int | str | None = None
     overlap_comm: bool | None = None
     ds3_gather_for_generation: bool | None = None
+    use_liger_kernel: bool | None = None
     fsdp_offload: bool | None = None
     learning_rate: float | None = None
     loss_type: str | None = None
@@ -416,6 +418,7 @@ TRL_DEFAULTS = Knobs(
     stage3_param_persistence_threshold=None,
     overlap_comm=None,
     ds3_gather_for_generation=True,
+    use_liger_kernel=False,
     fsdp_offload=False,
     learning_rate=1e-6,
     loss_type="dapo",
@@ -434,7 +437,7 @@ REACH: dict[str, frozenset[str]] = {
         "offload_during_generation", "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing",
         "zero_stage",
         "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
-        "ds3_gather_for_generation",
+        "ds3_gather_for_generation", "use_liger_kernel",
         "learning_rate", "loss_type",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),
@@ -499,6 +502,9 @@ class RunFacts:
     # the script's own loader takes load_in_4bit and prepares the model for the LoRA it adds after (Unsloth's
     # FastLanguageModel): a 4-bit load reaches a script that passes its own PEFT model
     load_takes_4bit: bool = False
+    # the training process computes on a CUDA device with Triton importable: GPU kernels such as Liger's can run
+    # (None: not known; False on the CPU and on the simulated device)
+    gpu_kernels: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("missing_packages", "trl_lacks"):

@@ -319,11 +319,18 @@ class _Step:
     def head(self) -> dict[str, int]:
         """T8 over the training micro-batch. TRL 1.15 on: the fused, chunked head (Triton on CUDA scores only the
         completion positions, the CPU fallback every one). TRL 0.29 to 1.14: materialised logits over the completion
-        positions. Unsloth's CPU backend: its row-chunked head over the completion positions."""
+        positions, or Liger's chunked GRPO loss with ``use_liger_kernel``. Unsloth's CPU backend: its row-chunked head
+        over the completion positions."""
         geo, g = self.geo, self.g
         if self.lm_head == "rowchunk":
             return _rowchunk_bytes(self.spec, geo.B * geo.C, geo.B * (geo.T - 1), b_c=g.b_c, b_res=g.b_res,
                                    b_w=g.b_w, head_trains=not g.lora)
+        if self.lm_head == "logits" and self.k.use_liger_kernel:
+            # Liger's LigerFusedLinearGRPOLoss (liger-kernel 0.8: sequence x vocabulary chunks, fp32 running
+            # statistics, the hidden rows' and the weight's gradients computed chunk by chunk): bounded like TRL 1.15's
+            # head on a GPU, over the completion positions. Not measured here: Liger needs Triton on a GPU.
+            return _head_bytes(self.spec, geo.B * geo.C, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
+                               fallback=False, k_logits=self.co.k_logits)
         if self.lm_head == "logits":
             return _logits_bytes(self.spec, geo.B, geo.C, b_c=g.b_c, b_w=g.b_w, head_trains=not g.lora,
                                  autocast=g.autocast, k_full=self.co.k_full_logits)
