@@ -238,3 +238,17 @@ def test_the_job_is_decided_once_whatever_order_the_ranks_wrote_in(tmp_path_fact
     expected = (Outcome.OOM if "oom" in endings else Outcome.PREDICTED if "predicted" in endings
                 else Outcome.OK if set(endings) == {"ok"} else Outcome.FAILED)
     assert attempt.outcome == expected
+
+
+def test_a_host_oom_kill_while_a_rank_saves_is_diagnosed_as_the_saves(tmp_path):
+    """Trainer's _save_checkpoint reports that it began (a `saving` event); a process the kernel kills before the
+    checkpoint is saved died of host RAM at a save, and the diagnosis says so. After the save, it is the run's."""
+    from oomguard.vocab.records import CheckpointSaved, OtherEvent
+
+    evidence = ["the cgroup's OOM-kill counter rose from 0 to 1 during the attempt (memory.events)"]
+    saving = [*trained(12, 1), OtherEvent("saving", {"step": 2})]
+    attempt, diag, _ = decide(tmp_path, result(-signal.SIGKILL, host_oom=evidence), saving)
+    assert attempt.outcome == Outcome.OOM and (diag.kind, diag.phase) == ("host-ram", "save")
+    assert any("checkpoint save" in e for e in diag.evidence)
+    saved = [*saving, CheckpointSaved(2, "out/checkpoint-2")]
+    assert decide(tmp_path, result(-signal.SIGKILL, host_oom=evidence), saved)[1].phase != "save"
