@@ -253,8 +253,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                    "(--gpu 8GiB,16GiB,24GiB,80GiB).")
 @click.option("--fit", "fit_knob", default=None, metavar="KNOB",
               help="Also answer the largest value of KNOB that fits each card at the other settings: "
-                   "max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size or "
-                   "lora_r.")
+                   "max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, "
+                   "lora_r or per_device_eval_batch_size.")
 @click.option("--ladder", default=None, metavar="NAME|PATH",
               help="The ladder whose rungs are suggested, in its order [default: multi-gpu with --world-size above 1 "
                    "or a zero_stage, else default].")

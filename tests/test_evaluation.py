@@ -117,3 +117,16 @@ def test_every_shipped_ladder_offers_the_eval_rung_before_any_that_changes_train
     # DeepSpeed's buffers sized to the model change no training either (they come first where a ladder says so)
     costly = [i for i, r in enumerate(load_ladder(ladder).rungs) if r.cost != "none" and r.name != "deepspeed_buffers"]
     assert "eval_batch" in names and names.index("eval_batch") < min(costly)
+
+
+def test_plan_fit_answers_the_largest_evaluation_batch_a_card_holds():
+    from oomguard.decide.fit import largest
+
+    def fits(capacity):
+        return lambda k: predict(k).peak_bytes <= capacity
+
+    base = EVAL.replace(eval_strategy="no", per_device_eval_batch_size=None)  # the question presumes evaluation
+    small, big = (largest(fits(c * 2**20), base, "per_device_eval_batch_size") for c in (200, 400))
+    assert small % 4 == 0 and big % 4 == 0 and 8 <= small < big
+    assert predict(EVAL.replace(per_device_eval_batch_size=small)).peak_bytes <= 200 * 2**20
+    assert predict(EVAL.replace(per_device_eval_batch_size=small + 4)).peak_bytes > 200 * 2**20

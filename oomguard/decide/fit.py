@@ -12,6 +12,8 @@ as ``oomguard run`` (``Guide.fits``: the model's error kept free).
 4
 >>> largest(lambda k: False, TRL_DEFAULTS, "num_generations") is None
 True
+>>> largest(lambda k: k.evaluates() and k.per_device_eval_batch_size <= 30, TRL_DEFAULTS, "per_device_eval_batch_size")
+24
 """
 
 from __future__ import annotations
@@ -27,7 +29,18 @@ FIT_KNOBS: dict[str, tuple[int, int]] = {
     "per_device_train_batch_size": (1, 1024),
     "generation_batch_size": (1, 4096),
     "lora_r": (1, 1024),
+    "per_device_eval_batch_size": (1, 1024),
 }
+
+
+def _searched(knobs: Knobs, knob: str) -> Knobs:
+    """The knobs the search varies ``knob`` in: a generation batch searched by itself (no steps_per_generation), an
+    evaluation batch in a run that evaluates (the question presumes it does)."""
+    if knob == "generation_batch_size":
+        return knobs.replace(steps_per_generation=None)
+    if knob == "per_device_eval_batch_size" and not knobs.evaluates():
+        return knobs.replace(eval_strategy="steps")
+    return knobs
 
 
 class FitError(ValueError):
@@ -40,7 +53,7 @@ def check_knob(knob: str) -> None:
     >>> check_knob("optim")
     Traceback (most recent call last):
     ...
-    oomguard.decide.fit.FitError: --fit takes one of max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, lora_r, not 'optim'
+    oomguard.decide.fit.FitError: --fit takes one of max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, lora_r, per_device_eval_batch_size, not 'optim'
     """
     if knob not in FIT_KNOBS:
         raise FitError(f"--fit takes one of {', '.join(FIT_KNOBS)}, not {knob!r}")
@@ -56,8 +69,7 @@ def candidates(knobs: Knobs, knob: str, *, world_size: int = 1, upper: int | Non
     check_knob(knob)
     lo, hi = FIT_KNOBS[knob]
     hi = upper or hi
-    if knob == "generation_batch_size":
-        knobs = knobs.replace(steps_per_generation=None)
+    knobs = _searched(knobs, knob)
     if knob in ("max_completion_length", "lora_r"):  # any positive value is accepted where the others are
         return list(range(lo, hi + 1)) if not knobs.replace(**{knob: lo}).validate(world_size) else []
     return [v for v in range(lo, hi + 1) if not knobs.replace(**{knob: v}).validate(world_size)]
@@ -67,8 +79,7 @@ def largest(fits: Callable[[Knobs], bool], knobs: Knobs, knob: str, *, world_siz
             upper: int | None = None) -> int | None:
     """The largest accepted value of ``knob`` whose config ``fits``, or None when not even the least one does."""
     values = candidates(knobs, knob, world_size=world_size, upper=upper)
-    if knob == "generation_batch_size":
-        knobs = knobs.replace(steps_per_generation=None)
+    knobs = _searched(knobs, knob)
     lo, hi, best = 0, len(values) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
