@@ -408,6 +408,9 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
     if rt.plan.probe and a.get("eval_dataset") is not None and evaluates(args):
         a["eval_dataset"] = probe_eval_dataset(a["eval_dataset"], tokenizer, model, args)
+    if evaluates(args) and a.get("eval_dataset") is None:
+        # nothing to evaluate on: transformers refuses to evaluate, ms-swift turns evaluation off (its trainer mixin)
+        rt.resolve({"eval_strategy": "no"})
     callbacks = list(a.get("callbacks") or [])
     from .callback import make_callback
 
@@ -484,6 +487,9 @@ def _after_init(rt: Runtime, trainer: Any) -> None:
         for stack_facts in rt.stack_facts:  # what a stack around TRL changes (child/stacks/)
             facts.update(stack_facts(trainer))
         resolved_precision(rt, getattr(trainer, "args", None))
+        targs = getattr(trainer, "args", None)
+        if targs is not None and rt.knobs().evaluates() and not evaluates(targs):
+            rt.resolve({"eval_strategy": "no"})  # a stack's trainer turned evaluation off after the config said it
         rt.emit("facts", facts=facts, resolved=dict(rt.resolved))
     if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
         inner = trainer._generate_and_score_completions
