@@ -446,7 +446,8 @@ KNOB_MEANINGS: dict[str, str] = {
                                           "auto (10 × hidden_size)",
     "overlap_comm": "DeepSpeed: overlap gradient reduction with the backward (ZeRO-1/2: two reduce buckets)",
     "ds3_gather_for_generation": "ZeRO-3: gather the whole model on every rank to generate (True, TRL's default) or "
-                                 "gather it layer by layer (False: slower generation, a layer's memory)",
+                                 "gather it layer by layer (False: slower generation; DeepSpeed's prefetch still "
+                                 "holds part of the model)",
     "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
     "learning_rate": "the optimizer's learning rate; read, never changed: bf16 weights are judged by whether an update "
                      "of this size survives their rounding",

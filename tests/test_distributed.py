@@ -128,48 +128,83 @@ def test_several_ranks_without_zero_hold_ddps_gradient_buckets():
 
 
 ZERO_ROWS = json.loads((Path(__file__).parent / "fixtures" / "deepspeed" / "zero-rows-simulated.json").read_text())
+# What the model leaves out, measured: after a generation with the gather off, DeepSpeed 0.19.8 keeps a LoRA run's
+# frozen base gathered through the checkpointed backward (87.9 MiB where the same run with the gather peaks at 45.7 MiB
+# in training, and its step runs about 50 times slower)
+NOT_MODELLED = {"deep-z3-lora-pf0-nogather": "DeepSpeed keeps LoRA's frozen base gathered in training after a "
+                                             "generation without the gather (not modelled)"}
 
 
-@pytest.mark.parametrize("row", ZERO_ROWS, ids=[r["name"] for r in ZERO_ROWS])
+def _zero_row(row):
+    from oomguard.memory.estimate import ModelSpec, estimate
+
+    return estimate(ModelSpec.from_config(row["config"]), Knobs(**row["knobs"]), world_size=2,
+                    prompt_tokens=row["facts"]["prompt_tokens_max"], simulated=True)
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.xfail(reason=NOT_MODELLED[r["name"]], strict=True))
+                                 if r["name"] in NOT_MODELLED else r for r in ZERO_ROWS],
+                         ids=[r["name"] for r in ZERO_ROWS])
 def test_the_per_rank_prediction_under_zero_matches_what_each_rank_measured(row):
     """Real two-rank TRL GRPO runs under torchrun with DeepSpeed (0.19.8) on the simulated device
     (``python bench/zero_calibrate.py --json``): plain DDP, ZeRO-2 and ZeRO-3 on the tiny model (activations a large
-    share) and the wide one (weights, gradients and AdamW state about 95%). DeepSpeed's fp32 master partition, the
-    gradients it gathers per partition and flattens again for the step are what the model once missed (ZeRO-2 on the
-    wide model: 175 MiB predicted, 288 measured)."""
-    from oomguard.memory.estimate import ModelSpec, estimate
+    share), the wide one (weights, gradients and AdamW state about 95%) and the deep one. DeepSpeed's fp32 master
+    partition, the gradients it gathers per partition and flattens again for the step are what the model once missed
+    (ZeRO-2 on the wide model: 175 MiB predicted, 288 measured); ZeRO-3's flat gradient partition, kept in every
+    phase, and the gradients it flattens into fp32 for the step (the deep model's SGD run: 14% under before)."""
+    assert _zero_row(row).peak_alloc_bytes == pytest.approx(max(row["peaks"]), rel=0.05)
 
-    predicted = estimate(ModelSpec.from_config(row["config"]), Knobs(**row["knobs"]), world_size=2,
-                         prompt_tokens=row["facts"]["prompt_tokens_max"], simulated=True).peak_alloc_bytes
-    assert predicted == pytest.approx(max(row["peaks"]), rel=0.05)
+
+@pytest.mark.parametrize("row", [r for r in ZERO_ROWS if r["stage"] == 3], ids=lambda r: r["name"])
+def test_the_zero3_generation_phase_matches_what_each_rank_measured_with_and_without_the_gather(row):
+    """Each rank's generation phase, measured alone (bench/_phase_rank.py), with TRL's whole-model gather and without
+    it (the ``-nogather`` rows): the rank's partition plus a full copy of every partitioned parameter, or what
+    DeepSpeed's prefetcher holds at once (half of the deep model, all of the one-layer wide one, one submodule's
+    with the prefetch off)."""
+    measured = max(p["generation"] for p in row["phases"])
+    assert _zero_row(row).phases["generation"] == pytest.approx(measured, rel=0.03)
 
 
 # -- ZeRO-3 and generation -------------------------------------------------------------------------------------------
 WIDE = dict(vocab_size=724, hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=128,
             intermediate_size=4096, tie_word_embeddings=True)
+DEEP = dict(vocab_size=724, hidden_size=256, num_layers=16, num_heads=4, num_kv_heads=4, head_dim=64,
+            intermediate_size=512, tie_word_embeddings=True)
 
 
-def test_zero3_generation_gathers_the_whole_model_on_every_rank_unless_told_layer_by_layer():
-    """TRL's ds3_gather_for_generation (default True) gathers every parameter for the whole of generate: a rank holds
-    the full weights then, not its shard; False gathers layer by layer, as the forward does."""
+def test_zero3_generation_gathers_the_whole_model_on_every_rank_and_without_the_gather_what_deepspeed_prefetches():
+    """TRL's ds3_gather_for_generation (default True) gathers every partitioned parameter in full for the whole of
+    generate, on top of the rank's own partition. False leaves generation to DeepSpeed's hooks, whose prefetcher runs
+    ahead of the forward: half of a deep model at once, all of a one-layer one; with the prefetch off
+    (stage3_prefetch_bucket_size 0) one submodule's parameters and the tied embedding."""
     from oomguard.memory.estimate import ModelSpec, estimate
 
-    spec = ModelSpec(**WIDE)
     k = Knobs(dtype="float32", optim="adamw_torch", max_completion_length=32, num_generations=4,
-              per_device_train_batch_size=4, zero_stage=3)
-    whole = estimate(spec, k, world_size=4, prompt_tokens=14, simulated=True)
-    layered = estimate(spec, k.replace(ds3_gather_for_generation=False), world_size=4, prompt_tokens=14,
-                       simulated=True)
-    full = 4 * spec.params
-    gained = whole.phases["generation"] - layered.phases["generation"]
-    assert gained == pytest.approx(0.75 * full, rel=0.02)  # three quarters of the model come from the other ranks
-    assert {p: v for p, v in whole.phases.items() if p != "generation"} == {
-        p: v for p, v in layered.phases.items() if p != "generation"}
+              per_device_train_batch_size=4, zero_stage=3, stage3_prefetch_bucket_size="auto",
+              stage3_param_persistence_threshold="auto")
+    deep, wide = ModelSpec(**DEEP), ModelSpec(**WIDE)
+
+    def gained(spec, world, **kw):
+        whole = estimate(spec, k.replace(**kw), world_size=world, prompt_tokens=14, simulated=True)
+        layered = estimate(spec, k.replace(ds3_gather_for_generation=False, **kw), world_size=world, prompt_tokens=14,
+                           simulated=True)
+        assert {p: v for p, v in whole.phases.items() if p != "generation"} == {
+            p: v for p, v in layered.phases.items() if p != "generation"}
+        return whole.phases["generation"] - layered.phases["generation"]
+
+    def full(spec):  # what GatheredParameters allocates: every parameter above the persistence threshold, in full
+        return 4 * sum(t for t in spec.param_tensors() if t >= 10 * spec.hidden_size)
+
+    for world in (2, 4):  # the whole model comes in full, whatever the share a rank holds
+        assert gained(deep, world, stage3_prefetch_bucket_size=0) == pytest.approx(full(deep), rel=0.05)
+        assert gained(deep, world) == pytest.approx(0.5 * full(deep), rel=0.05)
+        assert gained(wide, world) <= 0.01 * full(wide)  # one layer: the prefetcher holds all of it
     # with vLLM generating, the trainer's model is not gathered for it; one rank has nothing to gather
     vllm = k.replace(use_vllm=True, vllm_mode="server")
-    assert (estimate(spec, vllm, world_size=4, prompt_tokens=14, simulated=True).phases
-            == estimate(spec, vllm.replace(ds3_gather_for_generation=False), world_size=4, prompt_tokens=14,
+    assert (estimate(deep, vllm, world_size=4, prompt_tokens=14, simulated=True).phases
+            == estimate(deep, vllm.replace(ds3_gather_for_generation=False), world_size=4, prompt_tokens=14,
                         simulated=True).phases)
+    assert gained(deep, 1) == 0
 
 
 def test_the_gather_rung_comes_after_zero3_and_only_where_it_can_help():

@@ -142,7 +142,8 @@ class Zero3Gather(Remedy):
     def advise(self, d: Diagnosis) -> Advice:
         return Advice(self.name, "Under ZeRO-3, TRL gathers the whole model on every rank to generate "
                                  "(ds3_gather_for_generation=True); False gathers it layer by layer: slower "
-                                 "generation, a layer's memory.", None)
+                                 "generation, and only what DeepSpeed's prefetch holds at once (at most "
+                                 "stage3_max_live_parameters).", None)
 
 
 @register

@@ -6,7 +6,8 @@
 Variants (``VARIANTS``, ``build(path, **VARIANTS[name])``): ``tiny`` is the tests' default model (4 layers, hidden
 256, ~4M parameters, activations a large share of its GRPO peak); ``wide`` is 1 layer of hidden 1024 with a 4096
 MLP (~16M parameters), so weights, gradients and AdamW state are ~95% of its peak: bench/scenarios.py's
-weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do; ``long`` is
+weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do; ``deep`` is 16
+thin layers (~11M parameters), where ZeRO-3's whole-model gather for generation is what a rank runs out of; ``long`` is
 ``tiny`` with a 64k context window, as released models have (tests/test_vllm.py: vLLM holds one sequence of it).
 """
 
@@ -27,6 +28,10 @@ from typing import Any
 VARIANTS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "wide": {"hidden": 1024, "layers": 1, "intermediate": 4096},
+    # many thin layers (16 of hidden 256, a 512 MLP, 4 heads without GQA): under ZeRO-3, DeepSpeed's prefetcher holds
+    # about half of it at once when generation gathers per submodule, all of it when TRL gathers the whole model for
+    # generation (tests/test_deepspeed.py, bench/zero_calibrate.py)
+    "deep": {"layers": 16, "intermediate": 512, "heads": 4, "kv_heads": 4},
     # the context window of a released model (64k): a vLLM that holds one sequence of it by default needs 64 MiB of
     # KV cache (tests/test_vllm.py)
     "long": {"positions": 65536},

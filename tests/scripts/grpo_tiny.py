@@ -77,6 +77,9 @@ def main() -> None:
     p.add_argument("--deepspeed", default=None, metavar="STAGE|stageN|PATH",
                    help="a ZeRO stage (a DeepSpeed config with 'auto' batch and buffer sizes), stageN (the stage "
                         "alone, DeepSpeed's default buffers) or a DeepSpeed JSON file")
+    p.add_argument("--no-ds3-gather", action="store_true",
+                   help="ds3_gather_for_generation=False: under ZeRO-3, generate gathering layer by layer, not the "
+                        "whole model")
     p.add_argument("--no-use-cpu", action="store_true",
                    help="build GRPOConfig without use_cpu=True, as a script written for GPUs does")
     a = p.parse_args()
@@ -128,6 +131,7 @@ def main() -> None:
         dataloader_num_workers=a.dataloader_num_workers,
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
         deepspeed=deepspeed_config(a.deepspeed),
+        **({"ds3_gather_for_generation": False} if a.no_ds3_gather else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     model = a.model if a.model_as_string else AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype))

@@ -29,7 +29,9 @@ def _generation(s: _Step) -> dict[str, int]:
                    + B_gen * V * (g.b_c + 8))
         decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
         gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
-    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + c.transient_w + s.p.gen_gather,
+    # ZeRO-3 on several ranks: what generate gathers replaces the one gathered layer of the training forward
+    gathered = c.transient_w - s.p.gather + s.p.gen_gather if s.p.gen_gather else c.transient_w
+    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + gathered,
             "gradients": s.grads_at_gen, "kv_cache": kv_cache + max(0, gen_transient),
             "activations": geo.B_gen * geo.T * 16}
 
@@ -94,8 +96,15 @@ def _forward_backward(s: _Step) -> dict[str, int]:
     }
     for moment in ("layer_backward", "backward_end", "embedding_backward"):  # after the first gradient is ready
         cands[moment]["gradients"] = cands[moment].get("gradients", 0) + s.p.ds_bucket
+    # ZeRO-3: before the layers' backward the flat gradient partition already exists (the later moments count it as
+    # the gradients), and of the parameters only the head's is gathered
+    head_w = c.transient_w - s.p.gather + s.head_gathered
+    for moment in ("forward", "head_backward"):
+        cands[moment]["gradients"] = cands[moment].get("gradients", 0) + (0 if grads_before else s.zero3_grads)
+        cands[moment]["weights"] = cands[moment].get("weights", 0) + head_w
+    for moment in ("layer_backward", "backward_end", "embedding_backward"):
+        cands[moment]["weights"] = cands[moment].get("weights", 0) + c.transient_w
     for cand in cands.values():
-        cand["weights"] = cand.get("weights", 0) + c.transient_w
         cand["activations"] += a.batch_buf
         cand["gradients"] = cand.get("gradients", 0) + grads_before
     return max(cands.values(), key=lambda cand: sum(cand.values()))

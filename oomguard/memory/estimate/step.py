@@ -25,8 +25,11 @@ from .terms import (
     _rowchunk_bytes,
     _weight_bytes,
 )
+from .zero3 import prefetched_live
 
 DEFAULT_PROMPT_TOKENS = 256
+# DeepSpeed ZeRO-3's sub_group_size default (elements): the optimizer steps the partition one sub-group at a time
+ZERO3_SUB_GROUP = 1_000_000_000
 
 
 def _filled(knobs: Knobs) -> Knobs:
@@ -111,7 +114,10 @@ class _Persistent:
     opt_state: int
     opt_transient: int  # one optimizer step's temporaries
     gather: int  # ZeRO-3 / offloaded parameters: one gathered layer (and its gradient)
-    gen_gather: int  # ZeRO-3 with ds3_gather_for_generation: the rest of the model, gathered on every rank to generate
+    # ZeRO-3 on several ranks, generating with the trainer's model: the parameters gathered on top of the rank's
+    # partition while generate runs (in place of ``gather``): the whole model with ds3_gather_for_generation, else the
+    # most that DeepSpeed's prefetcher holds at once (zero3.py)
+    gen_gather: int
     buckets: int  # gradient buffers kept all the step: DDP's buckets (several ranks, no ZeRO), ZeRO-3's reduce bucket
     ds_bucket: int  # ZeRO-1/2's reduce bucket(s): allocated at a backward's first gradient, freed at its end
     trainable: int
@@ -164,9 +170,11 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     ``stage3_param_persistence_threshold``.
 
     Generation under ZeRO-3 with ``ds3_gather_for_generation`` (TRL's default) gathers every parameter on every rank
-    for the whole of ``generate`` (``unwrap_model_for_generation``, ``GatheredParameters`` over the model): the
-    weights the rank does not hold come on top while generating. Turned off, generation gathers layer by layer, as
-    the forward does. With vLLM generating, the trainer's model is not gathered for it."""
+    for the whole of ``generate`` (``unwrap_model_for_generation``, ``GatheredParameters`` over the model): a full
+    copy of every parameter not kept whole comes on top of the rank's partition, which stays. Turned off, the
+    forward's hooks gather per submodule, but DeepSpeed's prefetcher runs ahead of them in every decode step, so much
+    of the model is gathered at once all the same (:mod:`.zero3`). With vLLM generating, the trainer's model is not
+    gathered for it. Measured per rank and per phase on two CPU ranks: ``bench/zero_calibrate.py``."""
     zs = int(k.zero_stage or 0)
     n_dev = max(1, world_size)
     weights, reference, grads, opt_state, opt_transient = p.weights, p.reference, p.grads, p.opt_state, p.opt_transient
@@ -175,8 +183,10 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
         flat = -(-p.trainable // n_dev)  # the rank's share of the flat parameter groups
         opt_state, opt_transient, _ = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), [flat], 4, g.simulated)
         opt_state += 4 * flat  # the fp32 master partition
-        if zs < 3:
-            opt_transient += 4 * flat  # single_grad_partition: the gradients flattened into fp32 for the step
+        # the gradients flattened into fp32 for the step: ZeRO-1/2's single_grad_partition; ZeRO-3's
+        # _prepare_fp32_grad_for_sub_group, one optimizer sub-group at a time (measured: the deep model's SGD step,
+        # 20.4 MiB on top of its 61.4 MiB)
+        opt_transient += 4 * (flat if zs < 3 else min(flat, ZERO3_SUB_GROUP))
     if zs >= 2:
         grads = p.b_t * min(p.trainable, flat + p.largest) if zs == 2 else grads // n_dev
     if zs >= 3:
@@ -202,8 +212,17 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
         notes.append("ZeRO's buffers are fitted on CPU ranks; NCCL's buffers on a GPU are not counted")
     gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
               if zs >= 3 or offload_params else 0)
-    gen_gather = (max(0, p.weights - weights) if zs >= 3 and k.ds3_gather_for_generation is not False
-                  and not k.use_vllm else 0)
+    gen_gather = 0
+    # one rank gathers nothing, unless its parameters wait on the CPU (DeepSpeed moves them to the device whole)
+    if zs >= 3 and (n_dev > 1 or offload_params) and not k.use_vllm:
+        if k.ds3_gather_for_generation is not False:
+            gen_gather = max(0, p.weights - persistent * g.b_w)  # GatheredParameters: every partitioned one, in full
+        else:
+            h = spec.hidden_size
+            gen_gather = prefetched_live(
+                spec, tuple(sorted(g.targets)), g.r, g.b_w, g.b_a,
+                buffer_elements("stage3_prefetch_bucket_size", k.stage3_prefetch_bucket_size, h),
+                buffer_elements("stage3_param_persistence_threshold", k.stage3_param_persistence_threshold, h))
     # Several ranks without ZeRO: DistributedDataParallel allocates its gradient buckets when it wraps the model
     # (a flat copy of every trainable gradient) and keeps them; measured on the simulated device with two ranks
     # (the wide model: 121.7 MiB at train begin for 60.8 MiB of float32 weights).
@@ -339,6 +358,25 @@ class _Step:
                            fallback=g.simulated, k_logits=self.co.k_logits)
 
     @property
+    def zero3_grads(self) -> int:
+        """ZeRO-3's flat gradient partition: DeepSpeed allocates it with the optimizer and keeps it on the device in
+        every phase (``grad_partitions_flat_buffer``, stage3.py; on the CPU with optimizer offload). Measured per rank
+        on two CPU ranks: the scoring phase holds it (the tiny model: 7.6 MiB, the deep one 20.4 MiB)."""
+        zero3 = int(self.k.zero_stage or 0) >= 3 and not (self.k.offload_optimizer and not self.g.simulated)
+        return self.p.grads if zero3 else 0
+
+    @property
     def grads_at_gen(self) -> int:
-        """Gradients alive while generating: generation inside an accumulation window (steps_per_generation < GA)."""
-        return self.p.grads if self.geo.ga > self.geo.spg else 0
+        """Gradients alive while generating: generation inside an accumulation window (steps_per_generation < GA), or
+        ZeRO-3's flat gradient partition (:attr:`zero3_grads`)."""
+        return self.p.grads if self.geo.ga > self.geo.spg else self.zero3_grads
+
+    @property
+    def head_gathered(self) -> int:
+        """What ZeRO-3 holds gathered at the end of the forward and in the LM head's backward: the head's weight alone
+        (the tied embedding or ``lm_head``); every decoder layer was released after its forward, and a checkpointed
+        layer is gathered again only for its own backward (measured: the tiny and deep models' training peak is the
+        head's backward, with the embedding gathered and no layer)."""
+        if int(self.k.zero_stage or 0) < 3 or not self.p.gather:
+            return self.p.gather
+        return self.spec.vocab_size * self.spec.hidden_size * self.g.b_w
