@@ -109,6 +109,55 @@ def test_the_guided_climb_chooses_from_the_per_rank_prediction_without_an_oom(tm
     assert sorted(e["rank"] for e in events(tmp_path, last) if e["event"] == "train_end") == [0, 1]
 
 
+# -- ZeRO-3's whole-model gather for generation --------------------------------------------------------------------------
+# The deep model (16 layers of hidden 256, ~11M parameters, SGD: no optimizer state) under ZeRO-3 on two ranks, with
+# 16-token completions, 4 micro-batches per generation (16 rows generated per rank) and DeepSpeed's prefetch off, as
+# measured per rank and per phase (bench/zero_calibrate.py, rows deep-z3-sgd-pf0 and deep-z3-sgd-pf0-nogather):
+# generating with TRL's default ds3_gather_for_generation=True peaks at 117.3 MiB allocated (predicted 118.3 MiB;
+# after it DeepSpeed keeps the model gathered through the 4 training micro-steps, 122.0 MiB, which the model does not
+# count); without it generation holds 77.8 MiB (predicted 78.8 MiB) and the run peaks in its optimizer step, 82.0 MiB
+# (predicted 82.0 MiB). The budget sits between them: the gathered config, predicted 1.14 x 118.3 = 134.9 MiB on the
+# device, is more than the pre-flight's 11.7% over 112 MiB (125.1 MiB) and is stopped before it generates; without the
+# gather, 1.14 x 82.0 = 93.5 MiB with the simulated device's 12% of room is 104.7 MiB: it fits with room, so the choice
+# needs no quality trade; its real peak leaves 30 MiB. The prefetch is off because with it DeepSpeed's prefetcher holds
+# about half of this model while generating without the gather (deep-z3-sgd-nogather), which saves less than those
+# margins; on a large model it is capped at stage3_max_live_parameters (1e9 elements), as it is here at 0.
+GATHER_BUDGET = "112MiB"
+ZERO3_NO_PREFETCH = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 0,
+                                           "stage3_param_persistence_threshold": "auto"},
+                     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                     "train_batch_size": "auto", "gradient_clipping": "auto"}
+
+
+def test_a_zero3_gather_for_generation_that_does_not_fit_is_predicted_and_turned_off(tmp_path, build_model):
+    """ZeRO-3 under torchrun with two ranks whose training step fits each rank but whose whole-model gather for
+    generation does not (plain `oomguard run`, the memory model on): the pre-flight stops it before it generates, the
+    choice turns the gather off (`zero3_gather`, a speed cost) rather than trading quality (no LoRA, 4-bit, optimizer,
+    dtype, fewer generations, shorter completions or a smaller batch), no attempt runs out of memory, both ranks
+    train."""
+    user = tmp_path / "ds_zero3.json"
+    user.write_text(json.dumps(ZERO3_NO_PREFETCH))
+    cmd = torchrun(2, TINY, "--model", build_model("deep"), "--output-dir", str(tmp_path / "out"), "--deepspeed",
+                   str(user), "--optim", "sgd", "--max-completion-length", "16", "--gradient-accumulation-steps", "4",
+                   "--max-steps", "1")
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", GATHER_BUDGET, "--no-probe", "--", *cmd,
+                            env=env_without_launchers())
+    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    outcomes = [a["outcome"] for a in rep["attempts"]]
+    assert outcomes == ["predicted", "ok"], outcomes
+    assert rep["ladder"] == "multi-gpu" and rep["original"]["zero_stage"] == 3
+    assert rep["original"]["ds3_gather_for_generation"] in (None, True)
+    assert rep["stable"]["ds3_gather_for_generation"] is False
+    rows = {r["knob"]: r for r in rep["diff"]}
+    assert rows["ds3_gather_for_generation"]["to"] is False
+    assert rows["ds3_gather_for_generation"]["remedy"] == "zero3_gather"
+    quality = {"lora_r", "load_in_4bit", "optim", "dtype", "bf16", "num_generations", "max_completion_length",
+               "per_device_train_batch_size"}
+    assert not set(rows) & quality, rep["diff"]
+    assert {c["cost"] for c in rep["experiment"]["changed"]} <= {"none", "speed"}
+    both_ranks_trained(tmp_path, rep)
+
+
 # -- DeepSpeed's own buffers, in the configuration forms users write ---------------------------------------------------
 # The tiny model's stage-only ZeRO-2 run peaks at 1962 MiB per rank (bench/zero_calibrate.py, tiny-z2-stage), almost
 # all of it DeepSpeed's default reduce bucket: 60% of that is 1178 MiB.
