@@ -87,3 +87,14 @@ def select_grid(grid: Sequence[Any], names: Sequence[str] | None, parser: argpar
     if not chosen:
         parser.error("no configuration selected; names: " + ", ".join(c.name for c in grid))
     return chosen
+
+
+def run_args(description: str, timeout: float) -> argparse.ArgumentParser:
+    """The options of the benchmarks that measure named configurations under oomguard (``--only``, ``--timeout``,
+    ``--json``, ``--from-json``)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per configuration")
+    p.add_argument("--json", metavar="PATH", help="write the measurements to PATH")
+    p.add_argument("--from-json", metavar="PATH", help="re-use measurements written by --json instead of measuring")
+    return p

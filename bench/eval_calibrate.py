@@ -12,7 +12,6 @@ is ``estimate(...).phases["evaluation"]`` for the knobs and prompt length the ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _phases import run_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -83,12 +84,7 @@ def predict(row: dict[str, Any]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
-    p.add_argument("--json", metavar="PATH", help="write the measurements to PATH")
-    p.add_argument("--from-json", metavar="PATH", help="re-use measurements written by --json instead of measuring")
-    a = p.parse_args(argv)
+    a = run_args(__doc__.split("\n\n")[0], 600.0).parse_args(argv)
     if a.from_json:
         rows = json.loads(Path(a.from_json).read_text())
     else:

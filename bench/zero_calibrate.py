@@ -32,7 +32,6 @@ shared-memory communication op (about 30 s, then cached in ``~/.cache/torch_exte
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -44,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _phases import run_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -217,12 +218,7 @@ def generation_table(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", action="append", default=[], help="run only the named configuration(s)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    p.add_argument("--json", metavar="PATH", help="write the measurements to PATH")
-    p.add_argument("--from-json", metavar="PATH", help="re-use measurements written by --json instead of measuring")
-    a = p.parse_args(argv)
+    a = run_args(__doc__.split("\n\n")[0], 1800.0).parse_args(argv)
     if a.from_json:
         rows = json.loads(Path(a.from_json).read_text())
     else:
