@@ -67,7 +67,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave out the `slow` tests unless chosen (`-m slow`, any -m, or a node id); on workers, end-to-end tests first.
 
-    A `slow` test repeats, at full cost, what a faster test of the default run already proves; CI runs them too
+    A `slow` test repeats, at full cost, what faster tests of the default run prove in parts (its docstring names
+    them), or completes a matrix; the default run stays within 5 minutes on 2 cores, and CI runs them too
     (`python -m pytest -q -m slow`). The longest tests first keep both workers busy to the end.
     """
     named = any("::" in str(a) for a in config.args)

@@ -79,13 +79,16 @@ def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_neede
     assert "lora" in final["remedies"]
 
 
+@pytest.mark.slow
 def test_a_script_that_keeps_trls_precision_is_predicted_as_it_runs_and_probed_at_its_longest_prompt(tmp_path,
                                                                                                       tiny_model):
     """TRL turns bf16 autocast on by default, on the CPU too (a script that does not pass ``bf16=False``): the memory
     model reads that from the script's GRPOConfig and predicts the probe's peak (before, assuming no autocast on the
     simulated device, it predicted half as much again). One prompt is 8x longer than the rest: every step of the
     probe trains on it, the second too (the optimizer state exists from then on), so both steps score as many
-    tokens. (--max-attempts 1: the probe alone.)"""
+    tokens. (--max-attempts 1: the probe alone.) Slow: that autocast copies only the trainable float32 weights is
+    tests/test_estimate.py's, the prediction against measured bf16 rows tests/test_gpu_rows.py's, a probe at the
+    longest prompt the default run's test_probe_finds_the_worst_case_first_and_saves_nothing."""
     out, rep = grpo(tmp_path, tiny_model, "1GiB", "--trl-precision", "--long-prompts", "1", "--max-completion-length",
                     "64", extra=("--max-attempts", "1"))
     probe = rep["attempts"][0]
@@ -112,12 +115,15 @@ def test_a_graded_knob_is_relaxed_instead_of_halved(tmp_path, tiny_model):
     assert "relaxed max_completion_length: 64 →" in out.stderr
 
 
+@pytest.mark.slow
 def test_when_a_chosen_config_runs_out_of_memory_the_climb_learns_and_puts_something_back(tmp_path, tiny_model):
     """The memory model is told the device is 40% larger than the simulated one, so its first choice is too small
     for the real budget: that probe runs out of memory, the model learns, and the next choice fits. No config is
     tried twice. (Without refining, so that the probe that fits is followed by the run; on the fastest ladder,
     whose first choice relaxes completions to the device's edge: the default ladder's choice keeps the model's error
-    as headroom, and its fall-back below the same ceiling is tests/test_cheapest.py's.)"""
+    as headroom, and its fall-back below the same ceiling is tests/test_cheapest.py's.) Slow: the learning and the
+    choice after a probe's OOM are tests/test_choose.py's (never repeating a config) and tests/test_refine.py's; the
+    default run's test above takes a pre-flight stop and a choice through real TRL."""
     from oomguard.decide.ladder import load_ladder
     from oomguard.display.ui import ConsoleReporter
     from oomguard.run.supervisor import RunOptions, Supervisor

@@ -48,9 +48,13 @@ def only_evaluation_changed(rep: dict) -> None:
     assert "training unchanged" in changed[0]["change"]
 
 
+@pytest.mark.slow
 def test_an_evaluation_that_exceeds_the_device_is_predicted_and_only_evaluation_changes(tmp_path, tiny_model):
     """The memory model's evaluation phase stops the config before it loads, the probe runs one evaluation pass
-    (its peak above the training step's), and the run evaluates without an OOM."""
+    (its peak above the training step's), and the run evaluates without an OOM. Slow (about 60 s: three launches):
+    the phase and the eval rung are tests/test_evaluation.py's, the probe's one evaluation pass in TRL's real
+    GRPOConfig tests/test_grpo_config_validity.py's, a pre-flight stop and a choice through real TRL the default run's
+    test_the_default_choice_keeps_the_experiment_and_shows_what_trades_differently."""
     _, rep = run(tmp_path, tiny_model)
     attempts = rep["attempts"]
     assert not [a for a in attempts if a["outcome"] == "oom"], [a["outcome"] for a in attempts]

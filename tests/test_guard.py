@@ -147,10 +147,42 @@ def test_isolated_attempts_run_in_fresh_processes():
         sys.path.remove(str(SCRIPTS))
 
 
+def test_style_a_the_run_patches_reach_trls_real_grpo_config_in_each_call_and_are_removed_after(tmp_path):
+    """A function that builds its own GRPOConfig: the first call's config is recorded as the user's, the rung
+    climbed after its OOM is in the second call's config, and TRL's GRPOConfig is TRL's own again after the guard."""
+    trl = pytest.importorskip("trl")
+    from oomguard.child import patches
+
+    configs = []
+
+    def build():
+        configs.append(trl.GRPOConfig(output_dir=str(tmp_path / "never"), use_cpu=True, bf16=False, report_to=[],
+                                      max_completion_length=512, per_device_train_batch_size=8, num_generations=8))
+        if len(configs) == 1:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return "trained"
+
+    g = oomguard.guard(build, max_attempts=3, ladder="fastest")
+    assert g() == "trained"
+    r = g.report
+    assert r.status == "stable" and [a.outcome for a in r.attempts] == ["oom", "ok"]
+    assert r.original["max_completion_length"] == 512 and r.diff  # read from the function's own GRPOConfig
+    in_config = [row for row in r.diff if hasattr(configs[1], row["knob"])]
+    assert in_config and all(getattr(configs[1], row["knob"]) == row["to"] for row in in_config), r.diff
+    assert patches._UNDO == []
+    assert trl.GRPOConfig.__post_init__.__module__.startswith("trl")
+    after = trl.GRPOConfig(output_dir=str(tmp_path / "never"), use_cpu=True, bf16=False, report_to=[],
+                           max_completion_length=512)
+    assert after.max_completion_length == 512  # no override outlives the call
+
+
 @pytest.mark.core
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
-    """A function that builds its own GRPOTrainer: the run patches apply inside each call and are removed after."""
+    """A function that builds its own GRPOTrainer: the run patches apply inside each call and are removed after.
+    Slow: the test above takes the same patches through TRL's real GRPOConfig in a second, and
+    test_plain_loop_recovers_and_really_releases_memory the release between attempts on the simulated device."""
     from oomguard.child import patches
 
     import grpo_tiny

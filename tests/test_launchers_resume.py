@@ -36,7 +36,10 @@ def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):
     assert "saves no checkpoints" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_rung_that_changes_what_is_trained_starts_a_new_run_from_the_weights(tmp_path, tiny_model):
+    """Slow: the resume plan after such a rung (weights only, a fresh directory that never exists) is
+    tests/test_labels_and_dirs.py's, a resume through real TRL the late-OOM test above."""
     ladder = tmp_path / "eight-bit.toml"
     ladder.write_text("[[rung]]\nremedy = 'optimizer_8bit'\n")
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", str(ladder), "--", *grpo_tiny(
@@ -88,9 +91,9 @@ def test_sigkill_takes_the_host_ram_path_with_its_own_remedies(tmp_path, tiny_mo
 def test_torchrun_two_ranks_on_the_simulated_device(tmp_path, tiny_model):
     """Each rank has its own simulated 100 MiB device; the ranks run out of memory, the group is relaunched with
     fewer generations on every rank, and the run ends stable. (Budgets from bench/min_budget.py on a 2-rank trace.)
-    torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH. This is the default
-    run's end-to-end test of the fewer_generations rung on a real (simulated) OOM; test_fewer_generations, one rank,
-    is `slow`. Slow itself: the launch matrix climbs under torchrun and accelerate by default."""
+    torchrun is this interpreter's torch.distributed.run, with no launcher or python on PATH. Slow: the default run's
+    launch-matrix cell torchrun-2-predicted stops two torchrun ranks before they generate, and
+    test_probe_finds_the_worst_case_first_and_saves_nothing climbs after a real OOM."""
     _out, rep = run_oomguard(tmp_path, *PLAIN, "--ladder", "fastest", "--simulate-gpu", "100MiB", "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                       "--max-completion-length", "64"), env=env_without_launchers())

@@ -278,11 +278,14 @@ def wide(tmp: Path, model: str, budget: str, *flags: str, extra: tuple[str, ...]
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_model_loaded_by_name_that_does_not_fit_is_stopped_before_it_loads_and_loads_in_4bit(tmp_path,
                                                                                                 wide_model):
     """TRL loads the model given by name in float32 (61 MiB of weights on a 48 MiB device). The pre-flight reads
     the checkpoint's config and stops before the load; the choice is a 4-bit load alone, and the run is stable with
-    no real OOM."""
+    no real OOM. Slow: the default run's test_a_scripts_own_from_pretrained_is_stopped_before_the_weights_are_placed
+    stops a load the same way, the next test climbs to the 4-bit load after a real OOM while loading, and the choice
+    of a 4-bit load alone is test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_4bit's."""
     out, rep = wide(tmp_path, wide_model, "48MiB", "--model-as-string", extra=("--no-probe",))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
@@ -294,9 +297,13 @@ def test_a_model_loaded_by_name_that_does_not_fit_is_stopped_before_it_loads_and
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_real_oom_while_loading_is_followed_by_a_load_shrinking_rung(tmp_path, wide_model):
     """Without the pre-flight, the float32 load runs out of memory on the simulated device (which counts what loading
-    places, as CUDA does): the OOM is one while loading, and the rung climbed is the 4-bit load."""
+    places, as CUDA does): the OOM is one while loading, and the rung climbed is the 4-bit load. Slow: the climb after
+    an OOM while loading is test_an_oom_while_loading_larger_than_the_device_is_answered_by_a_smaller_load's, the
+    simulated device's real OOMs tests/test_simulate.py's, and the default run's
+    test_a_scripts_own_from_pretrained_is_stopped_before_the_weights_are_placed loads this model under oomguard."""
     _, rep = wide(tmp_path, wide_model, "48MiB", "--model-as-string",
                   extra=("--no-preflight", "--no-probe", "--max-attempts", "1"))
     first = rep["attempts"][0]

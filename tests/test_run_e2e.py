@@ -8,6 +8,12 @@ allocator model: e.g. `--max-completion-length 64` needs 106 MiB without expanda
 and just below 106 MiB its OOM is a fragmentation one. Each test starts from a config where the earlier rungs cannot
 help (a floor reached, already in force, or a diagnosis they do not address), so the rung under test is the first
 climbed.
+
+The rung-by-rung tests are `slow` (CI runs them; the default run stays within 5 minutes on two cores, and each of
+these costs two launches of real TRL, about 30 s): which rung a diagnosis climbs is tests/test_ladder.py's, every
+ladder step's overrides in TRL's real GRPOConfig tests/test_grpo_config_validity.py's, and a real OOM parsed,
+diagnosed and climbed end to end is the default run's test_probe_finds_the_worst_case_first_and_saves_nothing and
+tests/test_launchers_resume.py's late OOM.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def assert_rung_fixed_it(out, rep, rung: str):
     return attempts
 
 
+@pytest.mark.slow
 def test_expandable_segments(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64")
     a = assert_rung_fixed_it(out, rep, "expandable_segments")
@@ -53,6 +60,7 @@ def test_expandable_segments(tmp_path, tiny_model):
     assert "What oomguard changed" in out.stderr
 
 
+@pytest.mark.slow
 def test_empty_cache_when_the_user_keeps_expandable_segments_off(tmp_path, tiny_model):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64", env=env)
@@ -71,21 +79,24 @@ def test_shorter_sequences(tmp_path, tiny_model):
     assert a[0]["oom"]["kind"] != "fragmentation"
 
 
+@pytest.mark.slow
 def test_fewer_generations(tmp_path, tiny_model):
-    """The default run's end-to-end test of this rung on a real (simulated) OOM; the same climb under torchrun,
-    test_torchrun_two_ranks_on_the_simulated_device (tests/test_launchers_resume.py), is `slow`."""
+    """The same climb under torchrun is test_torchrun_two_ranks_on_the_simulated_device
+    (tests/test_launchers_resume.py)."""
     out, rep = grpo(tmp_path, tiny_model, "84MiB", "--max-completion-length", "64")
     a = assert_rung_fixed_it(out, rep, "fewer_generations")
     assert "floor" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["shorter_sequences"]
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"num_generations": 2, "per_device_train_batch_size": 2}
 
 
+@pytest.mark.slow
 def test_checkpointing_when_the_script_turned_it_off(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "80MiB", *FLOOR, "--no-gradient-checkpointing")
     assert_rung_fixed_it(out, rep, "checkpointing")
     assert rep["diff"] == [{"knob": "gradient_checkpointing", "from": False, "to": True, "remedy": "checkpointing"}]
 
 
+@pytest.mark.slow
 def test_optimizer_8bit(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "64MiB", *FLOOR)
     a = assert_rung_fixed_it(out, rep, "optimizer_8bit")
@@ -93,6 +104,7 @@ def test_optimizer_8bit(tmp_path, tiny_model):
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
 
 
+@pytest.mark.slow
 def test_lora(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "48MiB", *FLOOR, "--optim", "adamw_bnb_8bit")
     assert_rung_fixed_it(out, rep, "lora")
@@ -100,6 +112,7 @@ def test_lora(tmp_path, tiny_model):
                                                         "lora_target_modules": "all-linear"}
 
 
+@pytest.mark.slow
 def test_load_4bit_with_the_scripts_own_lora(tmp_path, tiny_model):
     out, rep = grpo(tmp_path, tiny_model, "36MiB", *FLOOR, "--optim", "adamw_bnb_8bit", "--lora-r", "8")
     a = assert_rung_fixed_it(out, rep, "load_4bit")

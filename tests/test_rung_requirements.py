@@ -53,9 +53,12 @@ def test_lora_is_skipped_when_peft_cannot_be_imported():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_rung_whose_overrides_break_the_launch_is_taken_back(tmp_path, tiny_model):
     """A custom ladder's LoRA targets a module the model does not have: PEFT rejects it inside GRPOTrainer. That is
-    oomguard's change failing, not the script: the rung is taken back, said so, and the next rung makes it fit."""
+    oomguard's change failing, not the script: the rung is taken back, said so, and the next rung makes it fit.
+    Slow: taking a rung back after a failure right after it is tests/test_supervisor_units.py's and
+    tests/test_refine.py's; that a failure inside GRPOTrainer is read as such, tests/test_classify.py's."""
     ladder = tmp_path / "bad-lora.toml"
     ladder.write_text('[[rung]]\nremedy = "lora"\ntarget_modules = ["no_such_module"]\n\n'
                       '[[rung]]\nremedy = "load_4bit"\n')
