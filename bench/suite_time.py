@@ -65,15 +65,19 @@ def main() -> None:
                              capture_output=True, text=True)
         wall = time.perf_counter() - t
     per_test: dict[str, float] = {}
+    called: set[str] = set()  # a skipped test has a setup and no call: it is not counted as run
     for line in run.stdout.splitlines():
         m = DURATION.match(line)
         if m:
             per_test[m.group(3)] = per_test.get(m.group(3), 0.0) + float(m.group(1))
+            if m.group(2) == "call":
+                called.add(m.group(3))
+    per_test = {k: v for k, v in per_test.items() if k in called}
     summary = next((m.group(1) for m in map(SUMMARY.search, reversed(run.stdout.splitlines())) if m), "no summary")
 
     target = TARGET_S[a.stage]
     print(f"stage: {a.stage} ({' '.join(['python -m pytest -q', *stage_args(a.stage)])}), exit {run.returncode}")
-    print(f"{'':<28} {'tests':>6} {'test time':>10}")
+    print(f"{'tests run':<28} {'tests':>6} {'test time':>10}")
     ends = {k: v for k, v in per_test.items() if k in e2e}
     rest = {k: v for k, v in per_test.items() if k not in e2e}
     print(f"{'end-to-end (marker e2e)':<28} {len(ends):>6} {sum(ends.values()):>9.1f}s")
