@@ -284,8 +284,8 @@ def test_a_model_loaded_by_name_that_does_not_fit_is_stopped_before_it_loads_and
     """TRL loads the model given by name in float32 (61 MiB of weights on a 48 MiB device). The pre-flight reads
     the checkpoint's config and stops before the load; the choice is a 4-bit load alone, and the run is stable with
     no real OOM. Slow: the default run's test_a_scripts_own_from_pretrained_is_stopped_before_the_weights_are_placed
-    stops a load the same way, the next test climbs to the 4-bit load after a real OOM while loading, and the choice
-    of a 4-bit load alone is test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_4bit's."""
+    stops a load the same way, and the choice of a 4-bit load alone is
+    test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_4bit's."""
     out, rep = wide(tmp_path, wide_model, "48MiB", "--model-as-string", extra=("--no-probe",))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
