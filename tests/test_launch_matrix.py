@@ -227,10 +227,11 @@ ENDINGS = {e.name: e for e in [
     Ending("rank-1-killed", _one_rank_killed, env={"OOMGUARD_TEST_ENDING": "kill", "OOMGUARD_TEST_ENDING_RANK": "1"}),
 ]}
 
-# (form, ending) run by default: the launcher where the pre-flight stop was first lost (torchrun, two ranks). How every ending is read from the ranks' records whatever the launcher exits
-# with (a rank killed without a word, one rank's OOM, a stop) is tests/test_classify.py's, an OOM while loading
-# tests/test_real_cards.py's. The rest of the cross product, accelerate's cells and `trl grpo`'s test below among them,
-# runs with -m slow (CI runs it; each cell launches real TRL, 15-50 s, and the default run stays within 5 minutes).
+# (form, ending) run by default: the launcher where the pre-flight stop was first lost (torchrun, two ranks). How
+# every ending is read from the ranks' records whatever the launcher exits with (a rank killed without a word, one
+# rank's OOM, a stop) is tests/test_classify.py's, an OOM while loading tests/test_real_cards.py's. The rest of the
+# cross product, accelerate's cells and `trl grpo`'s test below among them, runs with -m slow (CI runs it; each cell
+# launches real TRL, 15-50 s, and the default run stays within 5 minutes).
 DEFAULT = {("torchrun-2", "predicted")}
 # One cell per launcher (plain python, TRL's CLI, accelerate, torchrun) runs under the oldest supported TRL too
 # (marker `core`, tests/compat.sh).
