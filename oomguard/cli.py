@@ -175,6 +175,7 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
     from .display.ui import ConsoleReporter, JsonLogReporter
     from .run.command import EXIT_BUG, UsageError, load_lock, output_file, resolve_command, trl_support, work_dir
     from .run.group import GroupError, membership_of
+    from .run.options import rank_grace
     from .run.supervisor import RunOptions, Supervisor
     from .vocab.sizes import SizeError, parse_size_arg
 
@@ -218,6 +219,10 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
         why = distributed_reason(argv, os.environ) if ladder is None else None
         lad = load_ladder(ladder or (MULTI_GPU if why else "default"))
         membership = membership_of(argv, os.environ, group=group_dir, node=node_rank, nodes=nodes, workdir=workdir)
+        try:
+            oom_grace = rank_grace(os.environ)
+        except ValueError as e:
+            raise UsageError(str(e), 2) from None
     except GroupError as e:
         _exit(str(e), 2)
     except (UsageError, LadderError, SizeError) as e:
@@ -230,8 +235,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=html_file,
-                          membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
-                          ladder_reason=why)
+                         membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
+                         ladder_reason=why, oom_grace=oom_grace)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:

@@ -32,3 +32,23 @@ install_oomguard_unchanged() {
   echo "$label: installing oomguard changed no package of the environment ($(echo "$before" | wc -l) kept);" \
     "it added ${added:-nothing but itself}"
 }
+
+#   stack_mode "$@"      read the script's first argument: --setup (only build the environment), --test (only run
+#                        the tests, in the environment built before) or none (both); sets $mode
+#   stack_ready DIR LABEL
+#                        before --test: the environment must exist; sets $py and exports two test workers (a run
+#                        given a path would otherwise stay in one process)
+stack_mode() {
+  mode=all
+  case "${1:-}" in
+    --setup|--test) mode=${1#--} ;;
+    "") ;;
+    *) echo "usage: bash $0 [--setup|--test]" >&2; exit 2 ;;
+  esac
+}
+
+stack_ready() {
+  py="$1/bin/python"
+  [ -x "$py" ] || { echo "$2: no environment in $1: run bash $0 --setup first" >&2; exit 1; }
+  export OOMGUARD_TEST_WORKERS=${OOMGUARD_TEST_WORKERS:-2}
+}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -295,9 +294,6 @@ def test_pip_install_keeps_a_trl_and_transformers_inside_the_range():
 def test_compat_script_runs_the_core_tests_under_the_floor():
     script = (ROOT / "tests" / "compat.sh").read_text()
     assert '"trl==0.29.1" "transformers==5.3.0"' in script and "-m core" in script
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "bash tests/compat.sh" in ci
-
-
-def test_the_compat_script_is_valid_shell():
-    assert subprocess.run(["bash", "-n", str(ROOT / "tests" / "compat.sh")]).returncode == 0
+    # CI runs it among the stages of tests/ci.sh (tests/test_ci_script.py runs that script)
+    assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("bash tests/ci.sh")
+    assert "STACKS=(compat " in (ROOT / "tests" / "ci.sh").read_text()

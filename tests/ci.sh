@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The test command's stages, after the main environment's set-up: the README's second command ends with
+# `bash tests/ci.sh`, and .ci/run runs exactly that command in a fresh clone.
+#
+#   bash tests/ci.sh             # everything CI runs, with each stage's time
+#   OOMGUARD_CI_LOGS=DIR bash tests/ci.sh   # where the background builds log (default .ci-logs, ignored by git)
+#
+# 1. The other environments (tests/compat.sh: the oldest TRL; tests/vllm.sh, tests/swift.sh, tests/unsloth.sh: each
+#    stack in its own) are built one after another in the background while the main suite runs: building them is
+#    mostly downloading and unpacking, which overlaps with the suite's CPU-bound tests.
+# 2. The main suite, the default run and the `slow` tests in one pytest run (one collection, one build of the tiny
+#    models, no worker idle between the two). `python -m pytest -q` alone is the default run (within 5 minutes).
+# 3. Each environment's tests, once it is built, on two workers.
+#
+# CI=1 is exported, so a test that needs a tool CI must have (Chromium for the HTML reports) fails instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CI=${CI:-1}
+logs=${OOMGUARD_CI_LOGS:-.ci-logs}
+mkdir -p "$logs"
+rm -f "$logs"/*.rc
+t0=$(date +%s)
+stamp() { echo "ci: $1 ($(( $(date +%s) - t0 )) s since the start)"; }
+STACKS=(compat vllm swift unsloth)
+
+# A process group of its own, so that it can be stopped whole (its pip processes included) if CI ends early.
+setsid bash -c '
+  for s in "$@"; do
+    start=$(date +%s)
+    if bash "tests/$s.sh" --setup > "'"$logs"'/$s-setup.log" 2>&1; then rc=0; else rc=$?; fi
+    echo "$rc $(( $(date +%s) - start ))" > "'"$logs"'/$s.rc"
+  done
+' builder "${STACKS[@]}" &
+builder=$!
+trap 'kill -- -"$builder" 2>/dev/null || true' EXIT
+
+python -m pytest -q -m "slow or not slow"
+stamp "the main suite passed"
+
+for s in "${STACKS[@]}"; do
+  while [ ! -f "$logs/$s.rc" ]; do
+    kill -0 "$builder" 2>/dev/null || { echo "ci: the background build stopped before $s" >&2; exit 1; }
+    sleep 2
+  done
+  read -r rc took < "$logs/$s.rc"
+  if [ "$rc" != 0 ]; then
+    tail -n 40 "$logs/$s-setup.log" >&2
+    echo "ci: building the $s environment failed (exit $rc; the whole log: $logs/$s-setup.log)" >&2
+    exit 1
+  fi
+  stamp "the $s environment was built in the background in $took s"
+  bash "tests/$s.sh" --test
+  stamp "the $s tests passed"
+done
