@@ -123,8 +123,12 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
               help="Where plans, events and crash records of each attempt are kept.")
 @click.option("--probe-steps", default=2, show_default=True, type=click.IntRange(0), metavar="K",
               help="Before the real run, a K-step worst-case probe: the longest prompts, full-length completions, "
-                   "no checkpoints. A config is stable once its probe passes.")
+                   "no checkpoints. A config the memory model is sure fits (predicted clearly under the device, "
+                   "with its measured error) starts the real run directly; after any OOM every config is probed.")
 @click.option("--no-probe", is_flag=True, help="Skip the probe (same as --probe-steps 0).")
+@click.option("--always-probe", is_flag=True,
+              help="Probe every config before its real run, even one the memory model is sure fits (two launches "
+                   "where one would do).")
 @click.option("--no-predict", is_flag=True,
               help="Climb one rung per OOM, keeping every rung climbed, instead of letting the memory model choose "
                    "(skip rungs predicted not to be enough, drop those not needed, relax graded knobs).")
@@ -157,7 +161,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="COMMAND...")
 def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
-        probe_steps: int, no_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
+        probe_steps: int, no_probe: bool, always_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
         minimize: bool, no_refine: bool, checkpoint_every: int | None,
         html_path: str | None, quiet: bool, json_log: bool, group_dir: str | None, node_rank: int | None,
         nodes: int | None) -> None:
@@ -230,7 +234,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
     options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,
                          simulate_gpu=sim, gpu_memory=cap, report_path=report_file, lock_path=lock_file,
                          workdir=workdir_path, replay=replay, predict=not no_predict,
-                         probe_steps=0 if (no_probe or replay) else probe_steps, minimize=minimize,
+                         probe_steps=0 if (no_probe or replay) else probe_steps, always_probe=always_probe,
+                         minimize=minimize,
                          refine=not no_refine,
                          preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
                          simulate_context=sim_ctx,

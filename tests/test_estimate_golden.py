@@ -1,4 +1,11 @@
-"""The memory model gives the same answer, to the byte, as the saved outputs of a broad grid of configurations.
+"""A refactoring guard: the memory model gives the same answer, to the byte, as the saved outputs of a broad grid of
+configurations.
+
+This does not check that the model is right: a deliberate change to the model and the regenerated fixture land in
+the same commit, so the grid only guards changes meant to leave the model's answers as they were (a refactoring, a
+split into phases). The model's correctness checks are the measured rows: tests/test_gpu_rows.py (the H100 rows),
+tests/test_trl_range.py (the CPU rows of each tested TRL release), tests/test_unsloth_units.py (Unsloth's),
+tests/test_distributed.py (DeepSpeed's per rank) and tests/test_real_cards.py (the crash records and cards).
 
 The grid (:func:`make_cases`) varies every knob the model reads, five model shapes, the GPU and the simulated device,
 world sizes, prompt lengths, capacities and coefficients. ``tests/fixtures/estimate_golden.json`` keeps, per case, a

@@ -1,8 +1,10 @@
 """Every knob combination any shipped ladder produces is accepted by TRL 1.16's real GRPOConfig.
 
 A ValueError from GRPOConfig caused by a knob combination would be a bug in oomguard, never the user's fault, so
-this builds a real GRPOConfig (with oomguard's overrides applied by the same code the training process uses) for
-every step of every ladder, from several starting geometries.
+this builds a real GRPOConfig for every step of every ladder, from several starting geometries, the way a training
+process does: the script's own values given to GRPOConfig, oomguard's overrides (the climb's, ``Climb.overrides``)
+applied by the patch the bootstrap installs (``patch_grpo_config``: ``apply_config``, the gradient-checkpointing
+mirror and the DeepSpeed config included) before TRL's own ``__post_init__`` validates them.
 """
 
 from __future__ import annotations
@@ -39,21 +41,37 @@ STARTS = [
 NEVER_CREATED = os.path.join(tempfile.gettempdir(), "oomguard-test-never-created")
 
 
-def grpo_config(knobs, world_size):
-    kw = {name: getattr(knobs, name) for name in CONFIG_KNOBS
-          if getattr(knobs, name) is not None
-          and name not in ("use_vllm", "vllm_mode", "dataloader_prefetch_factor", "bf16", "fp16")}
-    kw["activation_checkpointing"] = knobs.gradient_checkpointing
-    if knobs.optim and "bnb" not in knobs.optim and "8bit" not in knobs.optim:
-        kw["optim"] = knobs.optim
-    else:
-        kw.pop("optim", None)  # bitsandbytes names are checked by transformers at optimizer creation, not here
-    # GRPOConfig never creates its output_dir: a path that does not exist leaves nothing behind
-    return trl.GRPOConfig(output_dir=NEVER_CREATED, use_cpu=True, bf16=False, report_to=[], **kw)
+def script_kwargs(start):
+    """What a script passes GRPOConfig for the start config (TRL's defaults for the rest)."""
+    kw = {name: getattr(start, name) for name in CONFIG_KNOBS
+          if getattr(start, name) is not None and getattr(start, name) != getattr(TRL_DEFAULTS, name)
+          and name not in ("use_vllm", "vllm_mode", "bf16", "fp16")}
+    kw["activation_checkpointing"] = start.gradient_checkpointing
+    return kw
+
+
+def grpo_config(start, knobs, tmp):
+    """A real GRPOConfig built as the script builds ``start``, with the overrides that make it ``knobs`` applied by
+    oomguard's patch of GRPOConfig (removed again after)."""
+    import trl.trainer.grpo_config as grpo_config_module
+
+    from oomguard.child import patches
+    from oomguard.child.runtime import Runtime
+    from oomguard.vocab.protocol import Plan
+
+    overrides = {r.knob: r.after for r in start.diff(knobs)}
+    rt = Runtime(Plan(overrides=overrides, crash_dir=str(tmp)))
+    patches.patch_grpo_config(rt, grpo_config_module)
+    try:
+        # GRPOConfig never creates its output_dir: a path that does not exist leaves nothing behind
+        return trl.GRPOConfig(output_dir=NEVER_CREATED, use_cpu=True, bf16=False, report_to=[],
+                              **script_kwargs(start))
+    finally:
+        patches.remove()
 
 
 @pytest.mark.parametrize("ladder", sorted(available_ladders()))
-def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch):
+def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch, tmp_path):
     lad = load_ladder(ladder)
     for world in (1, 2):
         monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self, w=world: w))
@@ -63,7 +81,7 @@ def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch):
                 if start.validate(world):
                     continue  # a start the user could not have run
                 knobs, used, seen = start, {}, 0
-                grpo_config(knobs, world)
+                grpo_config(start, knobs, tmp_path)
                 while seen < 40:
                     step = lad.next(Context(knobs=knobs, facts=facts, diagnosis=diag, used=dict(used)))
                     if isinstance(step, Exhausted):
@@ -71,9 +89,13 @@ def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch):
                     knobs = step.knobs
                     used[step.remedy.name] = used.get(step.remedy.name, 0) + 1
                     seen += 1
-                    cfg = grpo_config(knobs, world)  # raises ValueError on a combination GRPO rejects
+                    cfg = grpo_config(start, knobs, tmp_path)  # a ValueError: a combination GRPO rejects
                     assert cfg.generation_batch_size % cfg.num_generations == 0
                     assert cfg.num_generations >= 2
+                    for name in ("num_generations", "max_completion_length", "per_device_train_batch_size",
+                                 "gradient_accumulation_steps", "beta", "torch_empty_cache_steps"):
+                        assert getattr(cfg, name) == getattr(knobs, name), name  # the override reached the config
+                    assert cfg.gradient_checkpointing == knobs.gradient_checkpointing
 
 
 def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):

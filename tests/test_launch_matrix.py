@@ -223,38 +223,87 @@ ENDINGS = {e.name: e for e in [
     Ending("oom", _oom_scoring, env={"OOMGUARD_TEST_ENDING": "oom"}),
     Ending("host-ram", _host_ram, env={"OOMGUARD_TEST_ENDING": "kill"}),
     Ending("error", _error, env={"OOMGUARD_TEST_ENDING": "error"}),
-    Ending("rank-1-oom", _one_rank_oom, env={"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1"}),
-    Ending("rank-1-killed", _one_rank_killed, env={"OOMGUARD_TEST_ENDING": "kill", "OOMGUARD_TEST_ENDING_RANK": "1"}),
+    # the other rank waits at a collective for the one that is gone: oomguard stops it after OOMGUARD_RANK_GRACE
+    Ending("rank-1-oom", _one_rank_oom, env={"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1",
+                                             "OOMGUARD_RANK_GRACE": "3"}),
+    Ending("rank-1-killed", _one_rank_killed, env={"OOMGUARD_TEST_ENDING": "kill", "OOMGUARD_TEST_ENDING_RANK": "1",
+                                                   "OOMGUARD_RANK_GRACE": "3"}),
 ]}
 
 # (form, ending) run by default: the launcher where the pre-flight stop was first lost (torchrun, two ranks). How
 # every ending is read from the ranks' records whatever the launcher exits with (a rank killed without a word, one
-# rank's OOM, a stop) is tests/test_classify.py's, an OOM while loading tests/test_real_cards.py's. The rest of the
-# cross product, accelerate's cells and `trl grpo`'s test below among them, runs with -m slow (CI runs it; each cell
-# launches real TRL, 15-50 s, and the default run stays within 5 minutes).
+# rank's OOM, a stop) is tests/test_classify.py's, an OOM while loading tests/test_real_cards.py's. The other cells
+# run with -m slow (CI runs them; each launches real TRL, 15-50 s, and the default run stays within 5 minutes).
 DEFAULT = {("torchrun-2", "predicted")}
 # One cell per launcher (plain python, TRL's CLI, accelerate, torchrun) runs under the oldest supported TRL too
 # (marker `core`, tests/compat.sh).
 CORE = {("python", "oom"), ("trl-grpo", "predicted"), ("accelerate-2", "stable"), ("torchrun-2", "predicted")}
 SINGLE = ("fits", "predicted", "stable", "oom-load", "oom", "host-ram", "error")
 MULTI = ("fits", "predicted", "stable", "rank-1-oom", "rank-1-killed", "error")
-
-
 # the whole climb after the stop is the same code under every form: run it where the issue's users run it
 STABLE_FORMS = ("trl-grpo", "torchrun-2", "accelerate-2", "exit-1")
+
+# Which cells run: the matrix is covered pairwise, not crosswise. A launch form can break three things, and only
+# these: the bootstrap reaching its training processes, the exit codes and signals relayed through what sits between
+# oomguard and them, and ranks that wait for each other. How an ending is read has no branch per form (it comes from
+# the training processes' own records: oomguard.run.classify). So every form runs a config that fits (its training
+# processes are reached and reported), every ending runs under one form of each process tree (TREES: one process,
+# a launcher or shell between, two ranks), and the cells where a form's own relay is what the ending tests run too
+# (RELAYS). A cell left out is covered by its form's `fits` cell and its ending's cell in a form of the same tree
+# (`covered_by`; test_every_cell_left_out_is_covered_by_its_form_and_its_ending checks that each has both).
+TREES = {"one process": ("python", "python-m"),
+         "a launcher or shell between": ("trl-grpo", "accelerate-1", "accelerate-1-config", "shell", "exit-1"),
+         "two ranks": ("torchrun-2", "accelerate-2", "accelerate-2-config")}
+EVERY_ENDING_UNDER = ("python", "trl-grpo", "torchrun-2")  # one form of each tree
+RELAYS = {
+    ("shell", "error"), ("exit-1", "error"),  # the command's own exit code through a non-Python parent
+    ("accelerate-1", "host-ram"), ("accelerate-2", "rank-1-killed"),  # a kill seen through accelerate's agent
+    ("accelerate-1-config", "predicted"), ("accelerate-2-config", "predicted"),  # ranks from an accelerate config
+    ("accelerate-2", "stable"), ("exit-1", "stable"),  # the whole climb where the issue's users run it
+}
+
+
+def _valid() -> list[tuple[str, str]]:
+    """Every (form, ending) that means something: a two-rank ending under two ranks, the climb under STABLE_FORMS."""
+    return [(form.name, ending) for form in FORMS.values() for ending in (MULTI if form.ranks > 1 else SINGLE)
+            if ending != "stable" or form.name in STABLE_FORMS]
+
+
+def kept(form: str, ending: str) -> bool:
+    return ending == "fits" or form in EVERY_ENDING_UNDER or (form, ending) in RELAYS
+
+
+def covered_by(form: str, ending: str) -> tuple[str, str]:
+    """The two kept cells that cover a cell left out: its form's `fits` cell, and its ending under a form of the
+    same process tree."""
+    tree = next(forms for forms in TREES.values() if form in forms)
+    same = next(f for f in tree if kept(f, ending) and (f, ending) in set(_valid()))
+    return f"{form}-fits", f"{same}-{ending}"
 
 
 def _cells() -> list:
     out = []
-    for form in FORMS.values():
-        for ending in (MULTI if form.ranks > 1 else SINGLE):
-            if ending == "stable" and form.name not in STABLE_FORMS:
-                continue
-            marks = [] if (form.name, ending) in DEFAULT else [pytest.mark.slow]
-            if (form.name, ending) in CORE:
-                marks.append(pytest.mark.core)
-            out.append(pytest.param(form.name, ending, marks=marks, id=f"{form.name}-{ending}"))
+    for form, ending in _valid():
+        if not kept(form, ending):
+            continue
+        marks = [] if (form, ending) in DEFAULT else [pytest.mark.slow]
+        if (form, ending) in CORE:
+            marks.append(pytest.mark.core)
+        out.append(pytest.param(form, ending, marks=marks, id=f"{form}-{ending}"))
     return out
+
+
+def test_every_cell_left_out_is_covered_by_its_form_and_its_ending():
+    """The pairwise rule holds for every cell of the cross product (a form or ending added without its cells fails
+    here), and the cells CORE and DEFAULT name are among those that run."""
+    ran = {(f, e) for f, e in _valid() if kept(f, e)}
+    assert {f for forms in TREES.values() for f in forms} == set(FORMS)
+    for form, ending in set(_valid()) - ran:
+        fits, same = covered_by(form, ending)
+        assert (form, "fits") in ran, fits
+        assert same.endswith(f"-{ending}") and any(f"{f}-{e}" == same for f, e in ran), (form, ending)
+    assert ran >= CORE | DEFAULT
+    assert len(ran) < len(_valid()) * 0.6  # pairwise: it grows with forms plus endings, not their product
 
 
 def run_cell(tmp: Path, model: str, form: Form, ending: Ending, extra: tuple[str, ...] = (),
@@ -288,10 +337,16 @@ def test_every_ending_reads_the_same_under_every_launch_form(tmp_path, tiny_mode
     e.check(cell)
 
 
+# A signal is relayed by what sits between oomguard and the training processes: one process, a shell, a launcher
+# chain, two ranks in sessions of their own. The other forms are the same trees (TREES).
+INTERRUPT_FORMS = ("python", "shell", "trl-grpo", "torchrun-2")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", INTERRUPT_FORMS)
 def test_an_interrupt_stops_every_process_under_every_launch_form(tmp_path, tiny_model, form):
-    """SIGINT to oomguard while a reward function sleeps in step 0: interrupted, exit 130, no process left."""
+    """SIGINT to oomguard while a reward function sleeps in step 0: interrupted, exit 130, no process left (under one
+    form of each process tree, INTERRUPT_FORMS; tests/test_run_process.py's interrupt tests show the supervisor's side)."""
     sleep = Ending("interrupt", lambda c: None, env={"OOMGUARD_TEST_ENDING": "sleep"})
     proc = run_cell(tmp_path, tiny_model, FORMS[form], sleep, popen=True)
     marker = tmp_path / "acted"

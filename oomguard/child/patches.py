@@ -29,6 +29,7 @@ CONFIG_KNOBS = (
     "ds3_gather_for_generation", "use_liger_kernel", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
 )
 _PROMPT_STATS_ROWS = 20000
+PROBE_STEPS = 2  # a plan's probe names its steps; this is the default of a plan that names none
 
 _UNDO: list[Callable[[], None]] = []
 
@@ -92,7 +93,11 @@ def apply_distributed(rt: Runtime, cfg: Any) -> None:
             cfg.fsdp = " ".join([*opts, "offload"] if ov.fsdp_offload else opts)
 
 
-def apply_config(rt: Runtime, cfg: Any) -> None:
+def apply_config(rt: Runtime, cfg: Any, can_defer: bool = True) -> None:
+    """oomguard's knobs and the attempt's plan (a fresh run's output directory, checkpoints, the probe) on a config
+    before its own ``__post_init__``. An attempt launched as a probe unless the memory model is sure of its config is
+    decided where GRPOTrainer is built (``prepare_trainer_args``), when the model and the prompt lengths are known;
+    a construction point after which nothing could still make it a probe (``can_defer`` False) decides it a probe."""
     ov = rt.overrides
     for name in CONFIG_KNOBS:
         v = getattr(ov, name)
@@ -111,7 +116,9 @@ def apply_config(rt: Runtime, cfg: Any) -> None:
     if plan.checkpoint_every:
         cfg.save_strategy = "steps"
         cfg.save_steps = int(plan.checkpoint_every)
-    if plan.probe:
+    if plan.probe and rt.probe_undecided() and not can_defer:
+        rt.decide_probe("probe", "this launch form builds its trainer where the probe can no longer be decided")
+    if plan.probe and rt.probing():
         apply_probe(rt, cfg, plan.probe)
 
 
@@ -129,10 +136,10 @@ def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
     """A short worst-case rehearsal: few steps, full-length completions, nothing reported. A config that evaluates
     runs one evaluation pass (of one batch, ``probe_eval_dataset``) and a config that saves writes one checkpoint,
     both after the last step, when the optimizer state exists: their peaks are measured with the steps'."""
-    steps = int(probe.get("steps", 3))
+    steps = int(probe.get("steps", PROBE_STEPS))
     cfg.max_steps = steps
     will_save = saves(cfg)
-    cfg.save_strategy = "steps" if will_save else "no"
+    _assign(cfg, "save_strategy", "steps" if will_save else "no")
     if will_save:
         cfg.save_steps = steps
         if hasattr(cfg, "save_total_limit"):
@@ -145,13 +152,13 @@ def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
     cfg.push_to_hub = False
     if hasattr(cfg, "eval_strategy"):
         if evaluates(cfg):
-            cfg.eval_strategy = "steps"
+            _assign(cfg, "eval_strategy", "steps")
             cfg.eval_steps = steps
             for name, value in (("eval_on_start", False), ("eval_delay", 0)):
                 if hasattr(cfg, name):
                     setattr(cfg, name, value)
         else:
-            cfg.eval_strategy = "no"
+            _assign(cfg, "eval_strategy", "no")
     cfg.logging_steps = 1
     gk = dict(getattr(cfg, "generation_kwargs", None) or {})
     if getattr(cfg, "use_vllm", False):
@@ -159,6 +166,25 @@ def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
     else:
         gk["min_new_tokens"] = cfg.max_completion_length
     cfg.generation_kwargs = gk
+    try:
+        object.__setattr__(cfg, "_oomguard_probe", True)
+    except (AttributeError, TypeError):
+        pass
+
+
+def _assign(cfg: Any, name: str, value: str) -> None:
+    """Set a strategy field to ``value`` in the type it holds: after ``__post_init__`` an enum of transformers'
+    (``IntervalStrategy``, ``SaveStrategy``), before it the string the script gave."""
+    import enum
+
+    current = getattr(cfg, name, None)
+    if isinstance(current, enum.Enum):
+        try:
+            setattr(cfg, name, type(current)(value))
+            return
+        except ValueError:
+            pass
+    setattr(cfg, name, value)
 
 
 def patch_grpo_config(rt: Runtime, module: Any) -> None:
@@ -406,7 +432,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     tokenizer = a.get("processing_class")
     if dataset is not None:
         a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
-    if rt.plan.probe and a.get("eval_dataset") is not None and evaluates(args):
+    if rt.probing() and a.get("eval_dataset") is not None and evaluates(args):
         a["eval_dataset"] = probe_eval_dataset(a["eval_dataset"], tokenizer, model, args)
     if evaluates(args) and a.get("eval_dataset") is None:
         # nothing to evaluate on: transformers refuses to evaluate, ms-swift turns evaluation off (its trainer mixin)
@@ -420,6 +446,10 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
                               "missing_packages": missing_packages()},
             observed=dict(rt.observed), resolved=dict(rt.resolved))
     mik = dict(args.model_init_kwargs or {})
+    if rt.probe_undecided():
+        _decide_probe(rt, a, model, args, mik)
+    elif rt.probing() and not getattr(args, "_oomguard_probe", False):  # a config built before the decision
+        apply_probe(rt, args, rt.plan.probe or {})
     if isinstance(model, str) and rt.plan.preflight and not placed_elsewhere(mik):
         # TRL loads it inside GRPOTrainer: judge the whole config from the checkpoint's config, before it loads
         config = checkpoint_config(model, mik)
@@ -429,6 +459,29 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
             from . import preflight
 
             preflight.check(rt, before="loads")
+
+
+def _decide_probe(rt: Runtime, a: dict[str, Any], model: Any, args: Any, mik: dict[str, Any]) -> None:
+    """Probe or run, for an attempt launched as a probe unless the memory model is sure of its config
+    (``preflight.decide_probe``); a probe's changes go on the config and datasets before GRPOTrainer reads them."""
+    from . import preflight
+
+    if isinstance(model, str):
+        config = None if placed_elsewhere(mik) else checkpoint_config(model, mik)
+    else:
+        config = rt.model_config or model_config_dict(getattr(model, "config", None) or {}) or None
+    if config is not None and placed_elsewhere(mik, config):
+        config = None
+    preflight.decide_probe(rt, config)
+    if not rt.probing():
+        return
+    apply_probe(rt, args, rt.plan.probe or {})
+    tokenizer = a.get("processing_class")
+    dataset = a.get("train_dataset")
+    if dataset is not None and hasattr(dataset, "column_names") and "prompt" in (dataset.column_names or []):
+        a["train_dataset"] = _longest(dataset, _tokenizer_for(tokenizer, model), rt, args)
+    if a.get("eval_dataset") is not None and evaluates(args):
+        a["eval_dataset"] = probe_eval_dataset(a["eval_dataset"], tokenizer, model, args)
 
 
 def observed_lora(cfg: Any) -> dict[str, Any]:
@@ -588,7 +641,7 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
         sys.stderr.write(f"oomguard: max_prompt_tokens={limit} dropped {dropped} of {n} prompts "
                          f"(longest was {ordered[-1]} tokens)\n")
     rt.emit("dataset", **stats)
-    if rt.plan.probe:
+    if rt.probing():
         out = _longest(out, tok, rt, args)
     return out
 
@@ -608,7 +661,7 @@ def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any) -> None:
 
 def _probe_prompts(rt: Runtime, args: Any) -> int:
     """Distinct prompts the probe's steps consume: one generation batch of prompts per step (full groups)."""
-    steps = int(rt.plan.probe.get("steps", 2))
+    steps = int(rt.plan.probe.get("steps", PROBE_STEPS))
     try:
         per_round = int(args.generation_batch_size) // int(args.num_generations)
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):

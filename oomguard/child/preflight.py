@@ -29,7 +29,16 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, Coefficients, ModelSpec, estimate, load_bytes
+from ..memory.estimate import (
+    DEVICE_OVERPREDICTION,
+    STOP_ALLOWANCE,
+    Coefficients,
+    ModelSpec,
+    estimate,
+    load_bytes,
+    sure_limit,
+    sure_to_fit,
+)
 from ..vocab.knobs import Knobs
 from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
 from ..vocab.sizes import format_size
@@ -84,12 +93,14 @@ def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
     return est.peak_bytes if est is not None else None
 
 
-def predict_estimate(rt: Runtime, preflight: dict[str, Any]) -> Any:
-    """The memory model's Estimate of this attempt's config, or None when the model cannot judge it."""
-    if not rt.model_config:
+def predict_estimate(rt: Runtime, preflight: dict[str, Any], config: dict[str, Any] | None = None) -> Any:
+    """The memory model's Estimate of this attempt's config (of the model ``config``, default the one the process
+    reported), or None when the model cannot judge it."""
+    config = config or rt.model_config
+    if not config:
         return None
     try:
-        spec = ModelSpec.from_config(rt.model_config)
+        spec = ModelSpec.from_config(config)
         facts = rt.facts()
         est = estimate(spec, rt.knobs(), world_size=int(facts.get("world_size") or 1),
                        prompt_tokens=facts.get("prompt_tokens_max"), coefficients=_coefficients(preflight),
@@ -118,6 +129,41 @@ def check(rt: Runtime, before: str = "generates") -> None:
     if est.vllm_lacks:  # vLLM would refuse to start, whatever room the device has
         note = next((n for n in est.notes if n.startswith("vLLM's reservation")), "vLLM's reservation is too small")
         _stop(rt, pf, est.peak_bytes, note, before, rt.facts(), over=False)
+
+
+def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
+    """An attempt launched as a probe unless the memory model is sure of its config (the plan's ``unless_sure``,
+    from ``Guide.sure_plan``): decide it once the config, the model's shape (``config``) and the prompt lengths are
+    known, before anything is generated. Sure (``memory.estimate.sure_to_fit``: predicted clearly under the device,
+    with the model's measured under-prediction for this TRL's LM head): this launch is the real run. Near the edge, a
+    TRL or a stack around it that no measurement covers, or a model the memory model cannot read: a probe."""
+    if not rt.probe_undecided():
+        return
+    us = (rt.plan.probe or {}).get("unless_sure") or {}
+    facts = rt.facts()
+    version = facts.get("trl_version")
+    cap = int(us.get("capacity") or 0)
+    if version and support(version).untested:
+        rt.decide_probe("probe", f"TRL {version} is newer than the tested releases")
+        return
+    if rt.stack_facts or facts.get("stack_untested"):
+        rt.decide_probe("probe", str(facts.get("stack_untested") or "a stack around TRL builds this trainer"))
+        return
+    est = predict_estimate(rt, us, config)
+    head = str(facts.get("trl_head") or "fused")
+    under = (us.get("under") or {}).get(head)
+    if est is None or under is None or cap <= 0:
+        rt.decide_probe("probe", "the memory model cannot judge this config")
+        return
+    limit = sure_limit(cap, float(under))
+    share = f"{format_size(est.peak_bytes)}, {100 * est.peak_bytes / cap:.0f}% of the {format_size(cap)} device"
+    numbers = {"predicted_bytes": est.peak_bytes, "capacity": cap, "limit": limit}
+    if est.vllm_lacks or not sure_to_fit(est.peak_bytes, cap, float(under)):
+        rt.decide_probe("probe", f"predicted {share}: within the memory model's error of the edge (it is sure up to "
+                                 f"{format_size(limit)})", **numbers)
+    else:
+        rt.decide_probe("run", f"predicted {share}: the memory model is sure it fits (up to {format_size(limit)})",
+                        **numbers)
 
 
 def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:

@@ -40,6 +40,26 @@ class Runtime:
         self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
+        # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
+        # model is sure of the config, not decided yet (``decide_probe``)
+        probe = plan.probe or {}
+        self.probe_as: str | None = None if probe.get("unless_sure") else "probe" if plan.probe else "run"
+
+    # -- probe or run ------------------------------------------------------------------------------------------
+    def probing(self) -> bool:
+        """Whether this attempt is a probe (decided; an undecided one is not yet)."""
+        return self.probe_as == "probe"
+
+    def probe_undecided(self) -> bool:
+        """Launched as a probe unless the memory model is sure of the config, and not decided yet."""
+        return self.probe_as is None
+
+    def decide_probe(self, decided: str, why: str, **numbers: Any) -> None:
+        """Settle an undecided attempt as ``probe`` or ``run`` (once), and tell the supervisor."""
+        if self.probe_as is not None:
+            return
+        self.probe_as = decided
+        self.emit("probe_decision", decided=decided, why=why, **numbers)
 
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any]) -> None:

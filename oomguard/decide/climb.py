@@ -31,6 +31,10 @@ from .choose import Choice, Preference, Rung, choose, replay
 from .experiment import Experiment, summarise
 from .ladder import Exhausted, Ladder, Step
 
+# The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
+# what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
+UNDO_BY_DEFAULT = ("capacity", "signal")
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -146,6 +150,19 @@ class Climb:
                 self.rechoosing = False
         elif attempt.outcome == "ok":
             self.verified.append(Knobs.from_dict(attempt.knobs))
+
+    def probe_may_be_skipped(self) -> bool:
+        """Whether the config in force may start its real run without a probe where the memory model is sure it
+        fits: not after a real OOM in this run (the model was wrong about this run once), nor while a rung in force
+        changes what is trained or learned (cost class capacity or signal: a probe is what can show it unneeded).
+
+        >>> from oomguard.decide.ladder import load_ladder
+        >>> Climb(load_ladder("default")).probe_may_be_skipped()
+        True
+        """
+        if any(a.outcome == "oom" for a in self.attempts):
+            return False
+        return not any(r.remedy.cost in UNDO_BY_DEFAULT for r in self.applied)
 
     def learn(self, facts: RunFacts) -> None:
         """Take newer facts about the run (model shape, prompt lengths, world size) from the training code."""

@@ -19,7 +19,7 @@ to skip rungs predicted not to be enough.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..memory.calibration import builtin_description, load_calibration, machine_key, model_key, record_run
@@ -31,6 +31,8 @@ from ..memory.estimate import (
     estimate,
     load_bytes,
     measured_error,
+    sure_limit,
+    sure_to_fit,
 )
 from ..memory.estimate.vllm import vllm_memory
 from ..memory.steptime import slowdown
@@ -66,6 +68,27 @@ class Plan:
     def fits(self) -> bool:
         return self.estimate.fits(self.capacity)
 
+    def launches(self) -> dict[str, str | None]:
+        """What `oomguard run` would do with this config on this device, by the same rules: ``first`` is ``run``
+        (the memory model is sure it fits: one launch, the real run), ``probe`` (a short worst-case probe first) or
+        ``stopped`` (predicted over the device by more than the pre-flight's margin: stopped before it generates,
+        then the choice); ``then``, after a stop or where the config does not fit: how the chosen config starts
+        (``run`` or ``probe``), None where there is no choice."""
+        guide = self.guide
+        if guide is None:
+            return {"first": "probe", "then": None}
+        margin = guide.stop_margin()[0]
+        if guide.sure(self.estimate):
+            first = "run"
+        elif self.estimate.peak_bytes > self.capacity * (1 + margin):
+            first = "stopped"
+        else:
+            first = "probe"
+        then = None
+        if self.after is not None and self.climb is not None:
+            then = "run" if guide.sure(self.after) and self.climb.probe_may_be_skipped() else "probe"
+        return {"first": first, "then": then}
+
     @property
     def headroom(self) -> int:
         return self.capacity - self.estimate.peak_bytes
@@ -93,6 +116,7 @@ class Plan:
             "remedies": [s.remedy.name for s in self.steps],
             "peak_bytes_after": self.after.peak_bytes if self.after else None,
             "fits_after": self.after.fits(self.capacity) if self.after else None,
+            "run": self.launches(),
         }
 
 
@@ -256,6 +280,26 @@ class Guide:
         out: dict[str, list[Any]] = {h: list(self.stop_margin(h, untested=False)) for h in HEADS}
         out["untested"] = list(self.stop_margin(untested=True))
         return out
+
+    def under(self, head: str | None = None) -> float:
+        """How much more than predicted a config may need (the model's measured under-prediction) with the LM head
+        ``head`` (default: the installed TRL's)."""
+        return measured_error(simulated=self.simulated, head=head or self.head).under
+
+    def sure(self, est: Estimate, head: str | None = None) -> bool:
+        """Whether the model is sure ``est`` fits the device (``memory.estimate.sure_to_fit``): far enough under it
+        that a probe could only confirm it. Never for a TRL newer than the tested releases, nor where a colocated
+        vLLM's reservation cannot hold what vLLM needs."""
+        return not self.untested and not est.vllm_lacks and sure_to_fit(est.peak_bytes, self.capacity,
+                                                                          self.under(head))
+
+    def sure_plan(self) -> dict[str, Any]:
+        """What the training process needs to decide whether an attempt launched as a probe is the real run
+        (``child/preflight.py``, ``decide_probe``): the device, the coefficients, and the measured under-prediction
+        for each LM head (the process picks the one of the TRL it finds; a TRL newer than tested is never sure)."""
+        return {"capacity": self.capacity, "simulated": self.simulated, "context": self.context,
+                "coefficients": asdict(self.coefficients), "under": {h: self.under(h) for h in HEADS},
+                "limits": {h: sure_limit(self.capacity, self.under(h)) for h in HEADS}}
 
     def set_context(self, context: int) -> None:
         """The context the training process measured outside the allocator (``--gpu-memory``): predictions from now

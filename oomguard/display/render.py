@@ -144,6 +144,13 @@ def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str |
     out.print(t)
 
 
+# How `oomguard plan` says what `oomguard run` would do with a config (``Plan.launches``).
+_FIRST = {"run": "one launch, the real run (the memory model is sure this config fits)",
+          "probe": "a short worst-case probe first (near the device's edge), then the real run",
+          "stopped": "stopped by the pre-flight before it generates (too far over the device)"}
+_THEN = {"run": "its real run at once (sure to fit)", "probe": "probed first, then its real run"}
+
+
 def plan_table(out: Console, p: Any, model: str) -> None:
     """The breakdown, the verdict with headroom, and the suggested rungs."""
     e = p.estimate
@@ -159,8 +166,10 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     t.add_row("[bold]peak[/]", f"[bold]{size(e.peak_bytes)}[/]", "")
     out.print(t)
     out.print(f"trainable parameters {e.trainable_params:,} of {e.total_params:,}")
+    launches = p.launches()
     if p.fits:
         out.print(f"[green]fits[/] in {size(p.capacity)} with {size(p.headroom)} to spare")
+        out.print(f"oomguard run: {_FIRST[launches['first']]}", soft_wrap=True)
         return
     out.print(f"[red]does not fit[/] in {size(p.capacity)}: {size(-p.headroom)} short")
     if not p.steps:
@@ -176,3 +185,6 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     if p.after is not None:
         verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"
         out.print(f"  then: peak {size(p.after.peak_bytes)}, {verdict}")
+    then = launches["then"]
+    out.print(f"oomguard run: {_FIRST[launches['first']]}" + (f"; the choice: {_THEN[then]}" if then else ""),
+              soft_wrap=True)

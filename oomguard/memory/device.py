@@ -23,6 +23,7 @@ training process's own ``torch.cuda.mem_get_info`` corrects the size once it run
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from typing import Any
 
@@ -177,6 +178,35 @@ def _gpu_present() -> bool:
     reaches the Windows driver without them)."""
     return (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/dxg")
             or bool(_listdir("/proc/driver/nvidia/gpus")))
+
+
+def accelerator_present() -> bool:
+    """Whether this machine has an accelerator a training process could run out of memory on, read without torch:
+    an NVIDIA GPU (its driver's device files or NVML), AMD's ROCm (``/dev/kfd``), Apple silicon (MPS), Intel's GPUs
+    (a render node with the xe or i915 driver), Gaudi (``/dev/accel``) or Ascend (``/dev/davinci*``). Where there is
+    none (and no simulated device) a probe could find nothing to run out of: ``oomguard run`` starts the real run.
+
+    >>> isinstance(accelerator_present(), bool)
+    True
+    """
+    if _gpu_present() or os.path.exists("/dev/kfd") or bool(_listdir("/dev/accel")):
+        return True
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return True
+    if any(name.startswith("davinci") and name[7:].isdigit() for name in _listdir("/dev")):
+        return True
+    for card in _listdir("/sys/class/drm"):
+        driver = os.path.join("/sys/class/drm", card, "device", "driver")
+        if card.startswith("renderD") and os.path.basename(os.path.realpath(driver)) in ("xe", "i915"):
+            return True
+    return _nvml() is not None and _count_gpus() > 0
+
+
+def _count_gpus() -> int:
+    try:
+        return int(_nvml().nvmlDeviceGetCount())
+    except Exception:
+        return 0
 
 
 def _listdir(path: str) -> list[str]:

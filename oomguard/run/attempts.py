@@ -29,6 +29,7 @@ from ..vocab.records import (
     Outcome,
     OverrideFailed,
     PatchFailed,
+    ProbeDecided,
     ProcessStarted,
     TrainBegin,
     write_json_atomic,
@@ -66,15 +67,18 @@ class Attempts:
         # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
         # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
         scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
-        probe = ({"steps": self.o.probe_steps, "rows": 64, "output_dir": str(scratch)} if scratch is not None
-                 else None)
+        # a probe unless the training process finds the memory model sure of the config: then it is the real run
+        deferred = kind == AttemptKind.PROBE and self._may_skip_probe()
+        probe = ({"steps": self.o.probe_steps, "rows": 64, "output_dir": str(scratch),
+                  **({"unless_sure": self.guide.sure_plan()} if deferred else {})} if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(events_path),
                     remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
-                    checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN else None)
-        self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides, kind)
+                    checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN or deferred else None)
+        self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides,
+                              AttemptKind.RUN if deferred else kind)
         if resume:
             self.ui.message(f"  {resume['mode']}: {resume['why']}")
         watch = Watch(kind, knobs, GroupTail(adir) if self.group else EventTail(events_path),
@@ -90,7 +94,11 @@ class Attempts:
         events = watch.events
         self._learn(events)
         attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message)
-        attempt.kind, attempt.resume = kind, resume
+        attempt.kind, attempt.resume = watch.kind, resume
+        decided = next((e for e in events if isinstance(e, ProbeDecided)), None)
+        if decided is not None:
+            attempt.probe_decision = {"decided": decided.decided, "why": decided.why,
+                                      "predicted_bytes": decided.predicted_bytes, "limit": decided.limit}
         if self.group_failure is not None:
             attempt.outcome, attempt.note = Outcome.FAILED, self.group_failure
             attempt.exit_code = attempt.exit_code or 1
@@ -202,6 +210,20 @@ class Attempts:
         allocconf.merge(env, alloc)  # into the variable torch reads, keeping the user's other options
         return env
 
+    def _probe_decided(self, w: Watch, ev: ProbeDecided) -> None:
+        """The training process decided an attempt launched as a probe unless the memory model is sure: say which,
+        and follow a real run as one (its checkpoints, the warning when it saves none)."""
+        if ev.decided == "run":
+            w.kind = AttemptKind.RUN
+            w.progress.kind = AttemptKind.RUN.value
+            self.ui.message(f"  {ev.why}: this launch is the real run, no probe first (--always-probe probes it)")
+        else:
+            w.progress.kind = AttemptKind.PROBE.value
+            label = w.progress.label or ""
+            if label.startswith("attempt "):  # named as the attempt it may have been: the end line names the probe
+                w.progress.label = "probe " + label[len("attempt "):]
+            self.ui.message(f"  {ev.why}: a {self.o.probe_steps}-step worst-case probe first")
+
     def _preflight(self) -> dict[str, Any] | None:
         """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
         if self.guide is None or not self.o.preflight or self.o.replay:
@@ -240,6 +262,9 @@ class Attempts:
             w.events.append(ev)
             w.progress.update(ev)
             w.ranks.add(ev)
+            if isinstance(ev, ProbeDecided) and not w.decided:
+                w.decided = True
+                self._probe_decided(w, ev)
             if w.kind != AttemptKind.RUN:
                 continue
             if isinstance(ev, TrainBegin):

@@ -8,20 +8,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..decide.climb import UNDO_BY_DEFAULT
 from ..decide.ladder import Exhausted, Ladder, Step
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.records import Attempt, RunReport
 from ..vocab.trlrange import Support
 from .group import Membership
 
+__all__ = ["BOOT_DIR", "PROBE_TAIL", "RANK_GRACE_ENV", "UNDO_BY_DEFAULT", "Reporter", "RunOptions", "rank_grace"]
+
 BOOT_DIR = Path(__file__).resolve().parents[1] / "child" / "_boot"
 # The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
 # memory model learns from it, so choices after a probe keep that room.
 PROBE_TAIL = 0.01
-# The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
-# what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
-UNDO_BY_DEFAULT = ("capacity", "signal")
 # How long the other ranks may take to stop after one rank's end decided the attempt, before oomguard stops them:
 # they are usually stuck at a collective waiting for the rank that is gone. The default suits a real job (a rank
 # that writes its own record of a pre-flight stop or an OOM a little later than the first); tests shorten it.
@@ -81,6 +81,7 @@ class RunOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     predict: bool = True  # let the memory model choose (ceiling, drops, relaxed graded knobs)
     probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
+    always_probe: bool = False  # probe even a config the memory model is sure of (else that one's launch is the run)
     minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
     refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
     checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N

@@ -24,7 +24,7 @@ from typing import Any
 from ..decide.choose import Choice
 from ..decide.climb import Climb
 from ..memory.allocmodel import context_for
-from ..memory.device import gpu_bf16, gpu_name, gpu_total_memory
+from ..memory.device import accelerator_present, gpu_bf16, gpu_name, gpu_total_memory
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
@@ -156,7 +156,7 @@ class Supervisor(Attempts, Learning, Ending):
                 self.store_sync.close()
 
     def _lead(self) -> int:
-        kind: AttemptKind | None = AttemptKind.PROBE if self.o.probe_steps > 0 else AttemptKind.RUN
+        kind: AttemptKind | None = AttemptKind.PROBE if self._probes() else AttemptKind.RUN
         last: Attempt | None = None
         with self.interrupts:
             try:
@@ -169,30 +169,27 @@ class Supervisor(Attempts, Learning, Ending):
                 self.interrupts.signum = self.interrupts.signum or 2
         return self._finish(last)
 
+    def _probes(self) -> bool:
+        """Whether the first config is probed (or launched as a probe unless the memory model is sure of it): not
+        with --no-probe, nor where no device could run out of memory (no accelerator, no simulated or named size)."""
+        if self.o.probe_steps <= 0:
+            return False
+        return bool(self.capacity) or accelerator_present()
+
+    def _may_skip_probe(self) -> bool:
+        """Whether an attempt launched as a probe may become the real run where the training process finds the memory
+        model sure of its config (``Guide.sure``): not after a real OOM in this run (the model was wrong here), nor
+        with --always-probe or --minimize, nor while a rung that changes what is trained or learned is in force (a
+        probe is what can show it is not needed)."""
+        if self.guide is None or self.o.always_probe or self.o.minimize:
+            return False
+        return self.climb.probe_may_be_skipped()
+
     def _budget_spent(self) -> bool:
         """--max-attempts (minimize trials are extra work the user asked for: they do not count) or --max-time."""
         counted = sum(1 for a in self.climb.attempts if a.kind != AttemptKind.MINIMIZE)
         late = self.o.max_time is not None and time.time() - self.climb.started >= self.o.max_time
         return counted >= self.o.max_attempts or late
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
     # -- what comes next ---------------------------------------------------------------------------------------
     def _decide(self, attempt: Attempt, diag: Diagnosis | None) -> AttemptKind | None:

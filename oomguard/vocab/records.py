@@ -272,6 +272,8 @@ class Attempt:
     generated: dict[str, Any] | None = None  # configs oomguard generated for this attempt (e.g. DeepSpeed)
     choice: dict[str, Any] | None = None  # after this attempt: rungs dropped and graded knobs relaxed, by prediction
     override_error: dict[str, Any] | None = None  # applying oomguard's overrides failed: where, error
+    # launched as a probe unless the memory model is sure of the config: what the training process decided, and why
+    probe_decision: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -295,6 +297,7 @@ class Attempt:
             "generated": self.generated,
             "choice": self.choice,
             "override_error": self.override_error,
+            "probe_decision": self.probe_decision,
         }
 
 
@@ -484,6 +487,19 @@ class PreflightStop:
 
 
 @dataclass(frozen=True)
+class ProbeDecided:
+    """``probe_decision``: an attempt launched as a probe unless the memory model is sure of its config, decided
+    where the training process knows the config (before GRPOTrainer is built): ``run`` (predicted clearly under the
+    device: this launch is the real run) or ``probe`` (near the edge, or a config the model cannot judge surely)."""
+
+    decided: str
+    predicted_bytes: int | None = None
+    capacity: int | None = None
+    limit: int | None = None  # the largest predicted peak the model is sure of on this device
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class ProcessStarted:
     """``start``: a Python process of the attempt with oomguard's bootstrap, where it runs (host and PID namespace)
     and whether multiprocessing started it to serve another (a ``helper``, never a training process)."""
@@ -547,7 +563,8 @@ class OtherEvent:
 
 
 ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
-              | PreflightStop | ProcessStarted | ProcessEnded | OverrideFailed | PatchFailed | OtherEvent)
+              | PreflightStop | ProbeDecided | ProcessStarted | ProcessEnded | OverrideFailed | PatchFailed
+              | OtherEvent)
 
 
 def _int(v: Any) -> int | None:
@@ -594,6 +611,9 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
         return PreflightStop(_int(d.get("predicted_bytes")), _int(d.get("capacity")), float(d.get("margin") or 0.0),
                              before=str(d.get("before") or "generates"),
                              reason=d.get("reason") if isinstance(d.get("reason"), str) else None, **who)
+    if name == "probe_decision" and d.get("decided") in ("run", "probe"):
+        return ProbeDecided(str(d["decided"]), _int(d.get("predicted_bytes")), _int(d.get("capacity")),
+                            _int(d.get("limit")), str(d.get("why") or ""))
     if name == "start":
         return ProcessStarted(where=d.get("where") if isinstance(d.get("where"), str) else None,
                               helper=d.get("helper") is True, **who)

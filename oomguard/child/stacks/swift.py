@@ -114,7 +114,9 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
         args.sleep_level = max(1, int(getattr(args, "sleep_level", 0) or 0))
     apply_offload(rt, args)
     probe = rt.plan.probe
-    if probe and probe.get("output_dir"):  # a probe's files go to oomguard's scratch directory, never the user's
+    if probe and rt.probe_undecided():  # swift builds its trainer itself: nothing later could make it a probe
+        rt.decide_probe("probe", "ms-swift's arguments are read before the model, so the probe is decided first")
+    if probe and rt.probing() and probe.get("output_dir"):  # a probe's files go to oomguard's scratch directory
         args.output_dir = probe["output_dir"]
         args.save_strategy = "no"
         args.add_version = False
@@ -173,7 +175,7 @@ def patch_config(rt: Runtime, module: Any) -> None:
                            "trl_lacks": lacks(features().lacks())})
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "swift GRPOConfig"):
-            apply_config(rt, self)
+            apply_config(rt, self, can_defer=False)
             apply_offload(rt, self)
             orig(self)
 

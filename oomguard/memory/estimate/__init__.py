@@ -77,10 +77,13 @@ from .coefficients import (
     SIMULATED_OVERPREDICTION,
     SIMULATED_UNDERPREDICTION,
     STOP_ALLOWANCE,
+    SURE_HEADROOM,
     UNTESTED_FACTOR,
     Coefficients,
     ModelError,
     measured_error,
+    sure_limit,
+    sure_to_fit,
 )
 from .model import EstimateError, ModelSpec, load_model_spec, lora_trainable_params
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
@@ -96,6 +99,7 @@ __all__ = [
     "SIMULATED_OVERPREDICTION",
     "SIMULATED_UNDERPREDICTION",
     "STOP_ALLOWANCE",
+    "SURE_HEADROOM",
     "UNTESTED_FACTOR",
     "Coefficients",
     "Estimate",
@@ -108,4 +112,6 @@ __all__ = [
     "load_model_spec",
     "lora_trainable_params",
     "measured_error",
+    "sure_limit",
+    "sure_to_fit",
 ]

@@ -1,0 +1,151 @@
+"""One launch when the memory model is sure: an attempt launched as a probe unless the model is sure of its config is
+decided in the training process, where the config, the model's shape and the prompt lengths are known; `oomguard
+plan` says what `run` would do by the same rule.
+
+The end-to-end proof (a config at a quarter of its device runs once, the same config 10% above its peak is probed
+first) is tests/test_one_launch_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from oomguard.child import preflight
+from oomguard.child.patches import apply_config, apply_probe
+from oomguard.child.runtime import Runtime
+from oomguard.decide.climb import Climb
+from oomguard.decide.ladder import load_ladder
+from oomguard.decide.plan import Guide, make_plan
+from oomguard.memory.estimate import ModelSpec, sure_limit, sure_to_fit
+from oomguard.vocab.knobs import TRL_DEFAULTS
+from oomguard.vocab.protocol import Plan
+from oomguard.vocab.records import Attempt, ProbeDecided, parse_event, read_events
+
+MIB = 2**20
+TINY = {"model_type": "llama", "vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 1024, "tie_word_embeddings": True}
+
+
+def runtime(tmp: Path, capacity: int, probe: bool = True, sure: bool = True) -> Runtime:
+    tmp.mkdir(parents=True, exist_ok=True)
+    guide = Guide(capacity, simulated=True)
+    unless = {"unless_sure": guide.sure_plan()} if sure else {}
+    plan = Plan(events=str(tmp / "events.jsonl"),
+                probe={"steps": 2, "rows": 64, "output_dir": str(tmp / "scratch"), **unless} if probe else None)
+    rt = Runtime(plan)
+    rt.observe({"max_completion_length": 32, "num_generations": 4, "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 1, "bf16": False})
+    rt.emit("config", facts={"trl_version": "1.16.0", "trl_head": "fused"})
+    rt.emit("dataset", rows=64, prompt_tokens_max=24, prompt_tokens_p95=24)
+    return rt
+
+
+def decisions(tmp: Path) -> list[ProbeDecided]:
+    return [e for e in read_events(tmp / "events.jsonl") if isinstance(e, ProbeDecided)]
+
+
+def test_a_config_far_under_the_device_is_the_real_run(tmp_path):
+    rt = runtime(tmp_path, 1024 * MIB)
+    preflight.decide_probe(rt, TINY)
+    assert rt.probe_as == "run" and not rt.probing()
+    (d,) = decisions(tmp_path)
+    assert d.decided == "run" and d.predicted_bytes < d.limit < d.capacity == 1024 * MIB
+    assert "the memory model is sure it fits" in d.why
+
+
+def test_a_config_near_the_edge_is_probed(tmp_path):
+    est = preflight.predict_estimate(runtime(tmp_path / "a", 1024 * MIB), Guide(1024 * MIB, simulated=True)
+                                     .sure_plan(), TINY)
+    capacity = int(est.peak_bytes * 1.1)  # 10% above the prediction: it may well fit, but only a probe can tell
+    rt = runtime(tmp_path, capacity)
+    preflight.decide_probe(rt, TINY)
+    assert rt.probing()
+    (d,) = decisions(tmp_path)
+    assert d.decided == "probe" and "within the memory model's error of the edge" in d.why
+
+
+@pytest.mark.parametrize("why, setup", [
+    ("newer than the tested releases", lambda rt: rt.emit("config", facts={"trl_version": "1.99.0"})),
+    ("no measurement covers", lambda rt: rt.emit("facts", facts={"stack_untested": "a trainer no measurement covers"})),
+    ("cannot judge", lambda rt: None),
+])
+def test_what_the_model_cannot_be_sure_of_is_probed(tmp_path, why, setup):
+    rt = runtime(tmp_path, 1024 * MIB)
+    setup(rt)
+    preflight.decide_probe(rt, None if why == "cannot judge" else TINY)
+    assert rt.probing() and why in decisions(tmp_path)[0].why
+
+
+def test_a_plan_without_unless_sure_is_a_probe_from_the_start_and_one_without_a_probe_the_run(tmp_path):
+    assert runtime(tmp_path, 1024 * MIB, sure=False).probing()
+    rt = runtime(tmp_path / "b", 1024 * MIB, probe=False)
+    assert rt.probe_as == "run" and not rt.probe_undecided()
+    preflight.decide_probe(rt, TINY)  # nothing to decide
+    assert not (tmp_path / "b" / "events.jsonl").read_text().count("probe_decision")
+
+
+def test_the_config_patch_leaves_an_undecided_probe_to_the_trainer_but_a_stack_that_cannot_wait_probes(tmp_path):
+    """GRPOConfig is built before the model is known: TRL's trainer decides later; a construction point after which
+    nothing could make it a probe (ms-swift's arguments) decides it a probe at once."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(max_steps=100, save_strategy="no", output_dir="mine", generation_kwargs=None,
+                          max_completion_length=32, eval_strategy="no", deepspeed=None, fsdp="")
+    rt = runtime(tmp_path, 1024 * MIB)
+    apply_config(rt, cfg)
+    assert (cfg.max_steps, cfg.output_dir) == (100, "mine") and rt.probe_undecided()
+    apply_config(rt, cfg, can_defer=False)
+    assert rt.probing() and cfg.max_steps == 2 and cfg.output_dir == str(tmp_path / "scratch")
+    assert decisions(tmp_path)[0].decided == "probe"
+
+
+def test_the_probe_applied_after_grpo_configs_post_init_keeps_transformers_types(tmp_path):
+    """Decided at the trainer, the probe rewrites a config whose strategies are enums already: they stay enums, and
+    the trainer's checks read them as before."""
+    trl = pytest.importorskip("trl")
+    from transformers.trainer_utils import IntervalStrategy, SaveStrategy
+
+    cfg = trl.GRPOConfig(output_dir=str(tmp_path / "mine"), use_cpu=True, bf16=False, report_to=[],
+                         save_strategy="steps", save_steps=50, eval_strategy="epoch", num_generations=4,
+                         per_device_train_batch_size=4, max_completion_length=32)
+    apply_probe(runtime(tmp_path, 1024 * MIB), cfg, {"steps": 2, "output_dir": str(tmp_path / "scratch")})
+    assert cfg.save_strategy is SaveStrategy.STEPS and cfg.save_steps == 2
+    assert cfg.eval_strategy is IntervalStrategy.STEPS and cfg.eval_steps == 2
+    assert cfg.max_steps == 2 and cfg.output_dir == str(tmp_path / "scratch")
+    assert cfg.generation_kwargs == {"min_new_tokens": 32} and cfg.report_to == []
+
+
+def test_the_sure_rule():
+    assert sure_to_fit(sure_limit(256 * MIB, 0.12), 256 * MIB, 0.12)
+    assert not sure_to_fit(sure_limit(256 * MIB, 0.12) + 1024, 256 * MIB, 0.12)
+    g = Guide(256 * MIB, simulated=True)
+    g.set_trl("fused", untested=True)
+    est = make_plan(ModelSpec.from_config(TINY), TRL_DEFAULTS, 16 * 2**30).estimate
+    assert not g.sure(est)  # a TRL newer than tested: never sure, whatever the size
+
+
+def test_after_a_real_oom_or_with_a_change_to_the_experiment_every_config_is_probed():
+    c = Climb(load_ladder("default"))
+    assert c.probe_may_be_skipped()
+    c.record(Attempt(index=1, knobs=TRL_DEFAULTS.to_dict(), remedies=[], outcome="predicted", exit_code=87,
+                     seconds=1.0, kind="probe"))
+    assert c.probe_may_be_skipped()  # a pre-flight stop is no OOM: the model was not wrong
+    c.record(Attempt(index=2, knobs=TRL_DEFAULTS.to_dict(), remedies=[], outcome="oom", exit_code=86, seconds=1.0,
+                     kind="probe"))
+    assert not c.probe_may_be_skipped()
+
+
+def test_plan_says_what_run_does_first():
+    spec = ModelSpec.from_config(TINY)
+    assert make_plan(spec, TRL_DEFAULTS.replace(max_completion_length=32), 16 * 2**30).launches()["first"] == "run"
+    tight = make_plan(spec, TRL_DEFAULTS, 900 * MIB)  # 800 MiB of it the CUDA context
+    assert tight.launches()["first"] == "stopped" and tight.launches()["then"] in ("run", "probe")
+
+
+def test_the_decision_event_parses():
+    ev = parse_event(json.loads('{"event": "probe_decision", "decided": "run", "predicted_bytes": 5, "limit": 9, '
+                                '"capacity": 10, "why": "sure"}'))
+    assert ev == ProbeDecided("run", 5, 10, 9, "sure")
