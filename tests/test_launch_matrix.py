@@ -163,6 +163,9 @@ def _predicted(c: Cell) -> None:
     assert c.rep["status"] == "exhausted" and "--max-attempts 1" in c.rep["message"]
     stops = [e for e in c.events(1) if e["event"] == "end" and e["how"] == "predicted"]
     assert len(stops) == c.form.ranks  # every rank stopped before generating
+    # a stop is a stop: the training process's own code, and no launcher's traceback of it on the terminal
+    assert c.first["exit_code"] == 87
+    assert "Traceback" not in c.out.stderr and "ChildFailedError" not in c.out.stderr, c.out.stderr[-3000:]
 
 
 def _stable_after_predicted(c: Cell) -> None:

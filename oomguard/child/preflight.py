@@ -200,5 +200,6 @@ def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
         sys.stderr.write(f"oomguard: pre-flight: {why}; stopping before it {before} (--no-preflight runs it "
                          "anyway)\n")
         sys.stderr.flush()
+    rt.stopping_on_purpose()
     rt.end(END_PREDICTED)
     raise SystemExit(EXIT_PREDICTED)

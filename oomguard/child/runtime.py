@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..vocab.knobs import TRL_DEFAULTS, Knobs
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, Plan
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan
 from ..vocab.sizes import format_size
 
 
@@ -44,6 +44,16 @@ class Runtime:
         # model is sure of the config, not decided yet (``decide_probe``)
         probe = plan.probe or {}
         self.probe_as: str | None = None if probe.get("unless_sure") else "probe" if plan.probe else "run"
+
+    def stopping_on_purpose(self) -> None:
+        """Mark, before this process stops itself on purpose (its own one-line reason printed already), that what a
+        launcher prints next about its exit is not a crash (``vocab.protocol.STOPPED_MARK``)."""
+        if not self.plan.crash_dir:
+            return
+        try:
+            Path(self.plan.crash_dir, STOPPED_MARK).write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass
 
     # -- probe or run ------------------------------------------------------------------------------------------
     def probing(self) -> bool:

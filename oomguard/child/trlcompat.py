@@ -149,5 +149,6 @@ def refuse_if_too_old(rt: Any, trl: Any) -> None:
     line = f"oomguard: {s.message}"
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    rt.stopping_on_purpose()
     rt.end(END_ERROR, error=line[len("oomguard: "):])
     raise SystemExit(2)

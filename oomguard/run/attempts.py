@@ -18,7 +18,7 @@ from ..decide.climb import Climb
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs
-from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, Plan
+from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan
 from ..vocab.records import (
     Attempt,
     AttemptKind,
@@ -38,7 +38,7 @@ from .classify import classify
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .options import BOOT_DIR, Reporter, RunOptions
-from .proc import ProcessResult, process_alive, run_attempt
+from .proc import Aside, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
@@ -87,7 +87,11 @@ class Attempts:
             self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
                                        c.actions_in_force(without), "max_attempts": self.o.max_attempts,
                                        "alloc": self._alloc_options(knobs)})
-        res = self._start(self._env(self._write_plan(adir, plan), knobs), watch, scratch)
+        aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
+        res = self._start(self._env(self._write_plan(adir, plan), knobs), watch, scratch, aside)
+        if aside.lines:
+            self.ui.message(f"  what the launcher printed after the stop ({aside.lines} lines) is in "
+                            f"{aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
         self._watch(watch, live=False)  # the last lines the process wrote
@@ -125,14 +129,15 @@ class Attempts:
         self._teach_guide(attempt, diag)
         return attempt, diag
 
-    def _start(self, env: dict[str, str], watch: Watch, scratch: Path | None) -> ProcessResult:
+    def _start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
+               aside: Aside | None = None) -> ProcessResult:
         """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
         126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
         writes a whole copy of it there."""
         try:
             with self.ui.live():
                 return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
-                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch))
+                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch), aside=aside)
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:

@@ -32,7 +32,7 @@ from pathlib import Path
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs
 from ..vocab.oomreport import OOMReport
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
 from ..vocab.records import (
     Attempt,
     CheckpointSaved,
@@ -219,6 +219,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     if ranks.stop is not None:
         stop = ranks.stop
         attempt.outcome = Outcome.PREDICTED
+        attempt.exit_code = EXIT_PREDICTED  # the training process's own code, whatever a launcher made of it
         attempt.predicted_bytes = stop.predicted_bytes
         saved = {"loads": "loading", "starts vLLM": "starting vLLM"}.get(stop.before, "generating")
         if stop.reason is not None:  # vLLM would refuse to start: its reservation, not the device, is too small

@@ -272,7 +272,53 @@ class Tracker:
             return []
 
 
-def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None) -> None:
+class Aside:
+    """Where the output of an attempt goes once the training process has stopped itself on purpose (a pre-flight
+    stop): what a launcher then prints (torch elastic's ``ChildFailedError`` traceback, accelerate's
+    ``CalledProcessError``) would read as a crash, so it goes to a file of the attempt instead of the terminal. Lines
+    of oomguard's own (``oomguard...``) still reach the terminal. ``stopped()`` says whether the stop happened (the
+    training process marks it before it exits, so anything a launcher prints about it comes after)."""
+
+    def __init__(self, stopped: Callable[[], bool], path: Any) -> None:
+        self.stopped = stopped
+        self.path = path
+        self.lines = 0
+        self._carry: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def split(self, stream: int, b: bytes) -> bytes:
+        """The part of ``b`` still for the terminal (whole lines of oomguard's own); the rest is written aside."""
+        if not self.stopped():
+            return b
+        data = self._carry.pop(stream, b"") + b
+        *lines, rest = data.split(b"\n")
+        if rest:
+            self._carry[stream] = rest
+        show = [ln + b"\n" for ln in lines if ln.lstrip().startswith(b"oomguard")]
+        hide = [ln + b"\n" for ln in lines if not ln.lstrip().startswith(b"oomguard")]
+        if hide:
+            self._write(b"".join(hide), len(hide))
+        return b"".join(show)
+
+    def flush(self) -> None:
+        """At the end: a last line without its newline goes aside too."""
+        rest = b"".join(self._carry.values())
+        self._carry.clear()
+        if rest:
+            self._write(rest, 1)
+
+    def _write(self, data: bytes, lines: int) -> None:
+        with self._lock:
+            self.lines += lines
+            try:
+                with open(self.path, "ab") as f:
+                    f.write(data)
+            except OSError:
+                pass
+
+
+def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None,
+          aside: Aside | None = None) -> None:
     fd = src.fileno()
     while True:
         try:
@@ -284,7 +330,9 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
         tail.write(b)
         if on_data is not None:
             on_data(b)
-        if dst is not None:
+        if aside is not None:
+            b = aside.split(fd, b)
+        if dst is not None and b:
             try:
                 # rich's live-view proxy forwards unknown attributes (.buffer) to the real stream: write str to it
                 out = None if hasattr(dst, "rich_proxied_file") else getattr(dst, "buffer", None)
@@ -305,14 +353,15 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
                 echo: bool = True, on_stdout: Callable[[bytes], None] | None = None,
                 on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
                 on_tick: Callable[[], int | None] | None = None,
-                named: Callable[[], Iterable[int]] | None = None) -> ProcessResult:
+                named: Callable[[], Iterable[int]] | None = None, aside: Aside | None = None) -> ProcessResult:
     """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does.
 
     ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
     the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang), and to the
     attempt's processes in sessions of their own. ``named``: the PIDs of training processes the attempt's events
-    name on this machine, tracked with the rest (``Tracker.add``). When it ends, every process the attempt started
-    is killed and waited for (``Tracker.sweep``).
+    name on this machine, tracked with the rest (``Tracker.add``). ``aside``: where the output goes once the training
+    process stopped itself on purpose (:class:`Aside`). When it ends, every process the attempt started is killed and
+    waited for (``Tracker.sweep``).
     """
     start = time.monotonic()
     watch = HostOOMWatch()
@@ -324,9 +373,9 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     out_tail, err_tail = Tail(), Tail()
     # sys.stdout/sys.stderr as they are now: under the live view they are rich's redirecting proxies.
     threads = [
-        threading.Thread(target=_pump, args=(proc.stdout, sys.stdout if echo else None, out_tail, on_stdout),
+        threading.Thread(target=_pump, args=(proc.stdout, sys.stdout if echo else None, out_tail, on_stdout, aside),
                          daemon=True),
-        threading.Thread(target=_pump, args=(proc.stderr, sys.stderr if echo else None, err_tail, on_stderr),
+        threading.Thread(target=_pump, args=(proc.stderr, sys.stderr if echo else None, err_tail, on_stderr, aside),
                          daemon=True),
     ]
     for t in threads:
@@ -364,6 +413,8 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     interrupts.pgid, interrupts.tracker = None, None
     for t in threads:
         t.join(timeout=5)
+    if aside is not None:
+        aside.flush()
     res = ProcessResult(rc, out_tail.text(), err_tail.text(), interrupts.signum, time.monotonic() - start,
                         survivors=survivors, pid=proc.pid)
     if not interrupts.signum:  # behind a launcher, a rank the OOM killer ended leaves any exit code: look every time

@@ -26,6 +26,10 @@ EXIT_OOM = 86
 # courtesy to a reader of `echo $?`: the supervisor learns of the stop from the process's `end` event, since a launcher
 # between them (torchrun, accelerate, `trl`, a shell script) replaces the code.
 EXIT_PREDICTED = 87
+# A file a training process writes into its attempt's directory (the plan's ``crash_dir``) just before it stops itself on
+# purpose (a pre-flight stop, a TRL oomguard refuses): what a launcher prints after that reads as a crash, so the
+# supervisor keeps it out of the terminal (``run.proc.Aside``).
+STOPPED_MARK = "stopped-on-purpose"
 # How a process's `end` event says it ended (see Runtime.end).
 END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
 
