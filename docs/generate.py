@@ -227,6 +227,9 @@ ATTEMPT_KEYS = {
     "choice": "after this attempt, what the memory model chose: `rungs`, `dropped` (with "
               "`predicted_bytes_without`), `relaxed` (`knob`, `climbed`, `chosen`), `after: probe` when refining",
     "override_error": "applying oomguard's overrides failed: where, and the error",
+    "probe_decision": "launched as a probe unless the memory model is sure of its config: what the training process "
+                      "decided (`decided`: `run` or `probe`), `why`, the `predicted_bytes` and the `limit` it is sure "
+                      "up to ([one launch when the model is sure](../concepts/preflight-and-probes.md))",
 }
 LOCK_KEYS = {
     "schema": "`oomguard.lock/1`",

@@ -55,7 +55,7 @@ def test_an_evaluation_that_exceeds_the_device_is_predicted_and_only_evaluation_
     the phase and the eval rung are tests/test_evaluation.py's, the probe's one evaluation pass in TRL's real
     GRPOConfig tests/test_grpo_config_validity.py's, a pre-flight stop and a choice through real TRL the default run's
     test_the_default_choice_keeps_the_experiment_and_shows_what_trades_differently."""
-    _, rep = run(tmp_path, tiny_model)
+    _, rep = run(tmp_path, tiny_model, "--always-probe")  # the probe's evaluation pass is what is checked here
     attempts = rep["attempts"]
     assert not [a for a in attempts if a["outcome"] == "oom"], [a["outcome"] for a in attempts]
     assert attempts[0]["outcome"] == "predicted"
@@ -83,7 +83,7 @@ def test_an_oom_in_an_evaluation_pass_is_diagnosed_as_evaluations(tmp_path, tiny
 def test_a_config_that_saves_is_probed_with_one_save_into_the_probes_own_directory(tmp_path, tiny_model):
     """The probe saves once after its last step, so the save's device and host peaks are measured, into a scratch
     directory of its own that is gone after it; the user's output directory gets only the real run's checkpoints."""
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1GiB", "--",
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1GiB", "--always-probe", "--",
                             *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "3", "--save-steps", "3"))
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
     probe, real = rep["attempts"][0], rep["attempts"][-1]

@@ -114,7 +114,7 @@ def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_reco
     ("import transformers\nraise ValueError('my own bug')\n", 1, "raised ValueError: my own bug"),
 ])
 def test_a_command_that_fails_before_its_grpo_config_says_why_not_that_it_ran_in_full(tmp_path, script, code, reason):
-    """The first attempt is a probe; a command that never builds a GRPOConfig runs in full instead. When it fails
+    """A command that never builds a GRPOConfig runs in full (a probe would have nothing to shorten). When it fails
     before that, the message is its failure (what its training process recorded, else a pointer to its output), not
     the note about probes."""
     path = tmp_path / "train.py"

@@ -67,7 +67,8 @@ def test_the_readme_job_first_choice_is_predicted_within_the_measured_error(tmp_
     longest prompt, full completions). Slow: about a minute; CI runs it under both ends of the range."""
     import trl
 
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "300MiB", str(ROOT / "examples" / "grpo_gsm8k.py"),
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "300MiB", "--always-probe",
+                            str(ROOT / "examples" / "grpo_gsm8k.py"),
                             env={"OOMGUARD_EXAMPLE_CACHE": str(tmp_path / "cache")}, timeout=1500)
     assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
     facts = rep["facts"]

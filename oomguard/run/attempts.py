@@ -113,14 +113,16 @@ class Attempts:
         for e in broken:
             self._warn(e.line())
             self.broken = self.broken or e.line()
-        if kind != AttemptKind.RUN and not any(isinstance(e, CodeSeen) and e.point == "config" for e in events):
+        configured = any(isinstance(e, CodeSeen) and e.point == "config" for e in events)
+        if attempt.kind != AttemptKind.RUN and not configured:
             attempt.kind = AttemptKind.RUN  # no GRPOConfig to shorten: the "probe" was the whole command
-            if broken:
-                attempt.note = broken[0].line()
-            elif attempt.outcome != Outcome.FAILED:
+            if not broken and attempt.outcome != Outcome.FAILED:
                 attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
-            elif not attempt.note:  # what a training process said of its failure stays the reason
-                attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
+        if broken:
+            attempt.note = broken[0].line()
+        elif attempt.outcome == Outcome.FAILED and not configured and not attempt.note:
+            # what a training process said of its failure stays the reason
+            attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
         # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
         attempt.knobs = c.effective(without)[0].to_dict()
         broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
