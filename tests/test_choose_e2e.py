@@ -90,7 +90,7 @@ def test_a_script_that_keeps_trls_precision_is_predicted_as_it_runs_and_probed_a
     tests/test_estimate.py's, the prediction against measured bf16 rows tests/test_gpu_rows.py's, a probe at the
     longest prompt the default run's test_probe_finds_the_worst_case_first_and_saves_nothing."""
     out, rep = grpo(tmp_path, tiny_model, "1GiB", "--trl-precision", "--long-prompts", "1", "--max-completion-length",
-                    "64", extra=("--max-attempts", "1"))
+                    "64", extra=("--max-attempts", "1", "--always-probe"))  # what the probe measures is checked
     probe = rep["attempts"][0]
     assert (probe["kind"], probe["outcome"]) == ("probe", "ok"), (rep["message"], out.stderr[-3000:])
     assert probe["knobs"]["bf16"] is True and rep["original"]["bf16"] is True and not rep["diff"]

@@ -231,29 +231,11 @@ class SimulatedDevice:
 
         device = self
         tensor_type = torch.Tensor
-        # Ops whose outputs are views of their inputs (``Tensor(a)`` returns that do not write, and _unsafe_view,
-        # which reshapes a temporary in place of a copy) never allocate: their outputs are not looked at. A third to
-        # a half of a GRPO step's ops are such views, and looking at each output costs tens of microseconds.
-        unsafe_view = torch.ops.aten._unsafe_view.default
-        aliasing: dict[Any, bool] = {}
-
-        def only_views(func: Any) -> bool:
-            known = aliasing.get(func)
-            if known is None:
-                try:
-                    rets = func._schema.returns
-                    known = func is unsafe_view or (bool(rets) and all(
-                        r.alias_info is not None and not r.alias_info.is_write for r in rets))
-                except AttributeError:  # not an OpOverload: look at its outputs
-                    known = False
-                aliasing[func] = known
-            return known
-
         class _Count(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 out = func(*args, **(kwargs or {}))
-                if only_views(func):
-                    return out
+                # every output is looked at, views included: a view is where a storage resized outside the
+                # dispatcher (DeepSpeed's ZeRO-3 frees and gathers parameters with UntypedStorage.resize_) is seen
                 leaves = (out,) if isinstance(out, tensor_type) else tree_flatten(out)[0]
                 for t in leaves:
                     if isinstance(t, tensor_type) and t.device.type == "cpu":
