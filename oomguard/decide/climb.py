@@ -21,19 +21,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..strategies import Context
+from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
 from ..vocab.stacks import flag
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
-from .experiment import Experiment, summarise
+from .experiment import Change, Experiment, summarise
 from .ladder import Exhausted, Ladder, Step
 
 # The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
 # what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
 UNDO_BY_DEFAULT = ("capacity", "signal")
+# How the diff and the report name a change oomguard made so that a command runs where it is launched, not for memory.
+ADAPTATION = "adaptation"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,10 @@ class Climb:
     ladder: Ladder
     base: Knobs = field(default_factory=Knobs)  # the user's own starting values (guard(knobs=...)): original
     pinned: Knobs = field(default_factory=Knobs)  # a lock file's overrides, replayed: oomguard's, not the user's
+    pinned_by: dict[str, str] = field(default_factory=dict)  # the remedy the lock names for each pinned knob
+    # what oomguard changed so that the command runs where it is launched, not for memory (``use_cpu`` for DeepSpeed's
+    # CPU ranks): knob -> (value, why); in the diff and the lock like any change, so that a replay runs the same
+    adapted: dict[str, tuple[Any, str]] = field(default_factory=dict)
     env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
     facts: RunFacts = field(default_factory=RunFacts)
     observed: dict[str, Any] = field(default_factory=dict)
@@ -104,7 +110,11 @@ class Climb:
         """
         original = self.original()
         knobs = original.merged(self.pinned)
-        who: dict[str, str] = {r.knob: "lock" for r in original.diff(knobs)}
+        who: dict[str, str] = {r.knob: self.pinned_by.get(r.knob) or "lock" for r in original.diff(knobs)}
+        adapted = {k: v for k, (v, _why) in self.adapted.items() if getattr(knobs, k) != v}
+        if adapted:
+            knobs = knobs.merged(adapted)
+            who.update(dict.fromkeys(adapted, ADAPTATION))
         knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
         return knobs, {**who, **changed}
 
@@ -120,9 +130,23 @@ class Climb:
         time."""
         knobs, who = self.effective()
         remedies = list({r.name: r.remedy for r in self.applied}.values())
-        return summarise(self.original(), knobs if final is None else final, remedies, who,
-                         world_size=self.facts.world_size, slowdown=slowdown, facts=self.facts,
-                         seen=bool(self.observed))
+        for name in dict.fromkeys(self.pinned_by.values()):  # a replayed lock's changes, by the rungs that made them
+            if name in REGISTRY and name not in {r.name for r in remedies}:
+                remedies.append(make_remedy(name))
+        exp = summarise(self.original(), knobs if final is None else final, remedies, who,
+                        world_size=self.facts.world_size, slowdown=slowdown, facts=self.facts,
+                        seen=bool(self.observed))
+        done = knobs if final is None else final
+        for knob, (value, why) in self.adapted.items():
+            if getattr(self.original(), knob) != value and getattr(done, knob) == value:
+                exp.changed.append(Change(ADAPTATION, "none", f"{knob}={value} ({why})"))
+        return exp
+
+    def adapt(self, knob: str, value: Any, why: str) -> None:
+        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched (the training process
+        said so, and why): the first word stays."""
+        if knob in TRL_DEFAULTS.to_dict():
+            self.adapted.setdefault(knob, (value, why))
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]

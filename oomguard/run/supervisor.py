@@ -54,6 +54,18 @@ from .options import BOOT_DIR, PROBE_TAIL, UNDO_BY_DEFAULT, Reporter, RunOptions
 from .proc import Interrupts, become_subreaper
 
 
+def pinned_by(lock: dict[str, Any] | None) -> dict[str, str]:
+    """The remedy a lock's diff names for each knob it pins, so that a replay's diff still says which rung made each
+    change (a row without one reads ``lock``).
+
+    >>> pinned_by({"diff": [{"knob": "dtype", "from": "float32", "to": "bfloat16", "remedy": "bf16_load"}]})
+    {'dtype': 'bf16_load'}
+    """
+    rows = (lock or {}).get("diff") or []
+    return {r["knob"]: r["remedy"] for r in rows if isinstance(r, dict) and isinstance(r.get("knob"), str)
+            and isinstance(r.get("remedy"), str) and r["remedy"]}
+
+
 class Supervisor(Attempts, Learning, Ending):
     def __init__(self, argv: list[str], options: RunOptions, reporter: Reporter) -> None:
         self.argv = argv
@@ -69,6 +81,7 @@ class Supervisor(Attempts, Learning, Ending):
         self.climb = Climb(
             options.ladder,
             pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
+            pinned_by=pinned_by(options.replay),
             env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": self.user_max_split},
             facts=RunFacts(alloc_conf_locked=user.locked_text(),
                            bf16_supported=None if options.simulate_gpu else gpu_bf16()),
