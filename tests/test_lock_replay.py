@@ -96,7 +96,7 @@ def test_config_level_overrides_are_never_taken_for_the_scripts_values(tmp_path,
     (the trainer's DeepSpeed and vLLM need several ranks and a vLLM: tests/test_deepspeed.py, tests/test_vllm.py)."""
     rt, args, _ = run_script(tmp_path, None, overrides, trainer=False)
     script = TRL_DEFAULTS.merged(SCRIPT).replace(use_cpu=True)  # the script sets use_cpu=True itself
-    for knob, value in overrides.items():
+    for knob in overrides:
         assert rt.observed.get(knob, getattr(TRL_DEFAULTS, knob)) == getattr(script, knob), knob
     if "zero_stage" in overrides:
         assert args.deepspeed
