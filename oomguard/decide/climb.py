@@ -48,6 +48,7 @@ class Decision:
     changes: dict[str, Any] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     choice: Choice | None = None
+    trial: bool = False  # the config in force is a cheaper trial of the choice's (``Climb.trial_of``)
 
     def skipped_rows(self) -> list[dict[str, str]]:
         return [{"remedy": n, "reason": why} for n, why in self.skipped.items()]
@@ -77,6 +78,9 @@ class Climb:
     failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
     verified: list[Knobs] = field(default_factory=list)  # configs an attempt (a probe) ran without running out
     fallback: tuple[list[Rung], Choice | None] | None = None  # what a re-chosen config replaced, until its probe ends
+    # the config a cheaper trial stands in for (``choose_next``'s ``plausible``): not yet probed itself, so a trial
+    # that does not fit is followed by a probe of it
+    trial_of: Choice | None = None
     rechoosing: bool = True  # off once a re-chosen config did not pass, or a real run outran its probe
     refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
     attempts: list[Attempt] = field(default_factory=list)
@@ -184,8 +188,8 @@ class Climb:
         >>> Climb(load_ladder("default")).probe_may_be_skipped()
         True
         """
-        if any(a.outcome == "oom" for a in self.attempts):
-            return False
+        if any(a.outcome == "oom" for a in self.attempts) or self.fallback is not None:
+            return False  # the model was wrong once, or a trial (or a re-chosen config) waits for its probe
         return not any(r.remedy.cost in UNDO_BY_DEFAULT for r in self.applied)
 
     def learn(self, facts: RunFacts) -> None:
@@ -201,7 +205,8 @@ class Climb:
     def choose_next(self, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
                     subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
                     peak: Callable[[Knobs], int | None] | None = None,
-                    relax_fits: Callable[[Knobs], bool] | None = None) -> Decision:
+                    relax_fits: Callable[[Knobs], bool] | None = None,
+                    plausible: Callable[[Knobs], bool] | None = None) -> Decision:
         """After an out-of-memory attempt (the last one recorded): the config for the next one.
 
         Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
@@ -210,6 +215,11 @@ class Climb:
         chosen config runs out of memory, the model has learned from it and the choice is made again below the same
         ceiling (putting back part of what was dropped); only when nothing below it fits is the ladder climbed on.
         ``relax_fits`` (default ``fits``) judges how far graded knobs are relaxed (``choose``).
+
+        Never a costlier class on a guess: where the choice changes what is trained or learned (cost class capacity or
+        signal) and a config of the cheaper rungs climbed is ``plausible`` (predicted within the model's error of the
+        device), that config is put in force first, as a trial (``Decision.trial``) a probe settles: if it does not
+        fit, ``settle_rechoice`` puts the choice back, to be probed in turn.
         """
         before = self.effective()[0]
         start = self.original().merged(self.pinned)
@@ -239,12 +249,31 @@ class Climb:
                     skipped.setdefault(n, why)
             self.climbed += [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
+        trial = self._cheaper_trial(start, choice, plausible, peak) if choice is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
+        if trial is not None:
+            self.fallback, self.trial_of = (list(self.applied), choice), choice
+            self.applied, self.choice = list(trial.rungs), trial
         after = self.effective()[0]
         climbed = {s.remedy.name for s in steps}
         return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
-                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
+                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=self.choice,
+                        trial=trial is not None)
+
+    def _cheaper_trial(self, start: Knobs, choice: Choice, plausible: Callable[[Knobs], bool] | None,
+                       peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+        """The config of the climbed rungs that cost only speed or precision that the model puts within its error of
+        the device, where ``choice`` changes what is trained or learned; None when there is none (or nothing to
+        trade)."""
+        if plausible is None or not {r.remedy.cost for r in choice.rungs} & set(UNDO_BY_DEFAULT):
+            return None
+        cheaper = [r for r in self.climbed if r.remedy.cost not in UNDO_BY_DEFAULT]
+        if not cheaper:
+            return None
+        found = cheapest(start, cheaper, lambda k: plausible(k) and k not in self.verified, order=self._order(),
+                         facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
+        return found if found is not None and found.knobs != choice.knobs else None
 
     def rechoose(self, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None = None,
                  relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
@@ -278,6 +307,8 @@ class Climb:
         if not fits:
             self.applied, self.choice = self.fallback
             self.rechoosing = False
+        else:
+            self.trial_of = None  # the trial fit: the costlier choice it stood in for is not needed
         self.fallback = None
         return True
 

@@ -360,8 +360,8 @@ class GenerationRounds(Remedy):
     def blocked(self, ctx: Context) -> str | None:
         if not self._options(ctx.knobs, ctx.facts.world_size):
             bs, _, spg = ctx.knobs.geometry(ctx.facts.world_size)
-            return (f"each round already generates as few rows as whole groups allow ({bs * spg} per device: "
-                    f"{spg} micro-batch(es) of {bs})")
+            return (f"each round already generates as few rows as whole groups allow ({bs * spg} rows per device "
+                    "at once)")
         return None
 
     def apply(self, ctx: Context) -> Knobs:
