@@ -178,6 +178,10 @@ class FewerGenerations(Remedy):
         >>> now = TRL_DEFAULTS.replace(num_generations=4, per_device_train_batch_size=4)
         >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(TRL_DEFAULTS, now)]
         [(7, 7), (6, 6), (5, 5), (4, 8)]
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=16)      # 8 generations of 2 prompts
+        >>> now = user.replace(num_generations=2, per_device_train_batch_size=2)
+        >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(user, now)][:4]
+        [(8, 8), (7, 14), (7, 7), (6, 12)]
         """
         g_user, g_now = user.num_generations or 8, current.num_generations or 8
         bs_user, _, spg_user = user.geometry(world_size)
@@ -185,7 +189,7 @@ class FewerGenerations(Remedy):
         rows_user, rows_now = bs_user * spg_user, bs_now * spg_now
         out = []
         for g in range(g_user, max(2, g_now) - 1, -1):
-            for b in range(max(bs_user, bs_now), 0, -1):
+            for b in range(max(bs_user, bs_now), 0, -1):  # the most rows first, then fewer: the device decides
                 rows = b * spg_now
                 if not rows_now <= rows <= rows_user or (rows * world_size) % g:
                     continue
@@ -194,7 +198,6 @@ class FewerGenerations(Remedy):
                 k = current.replace(num_generations=g).with_geometry(b, ga_now, spg_now, world_size)
                 if not k.validate(world_size):
                     out.append(k)
-                break  # the most rows for this number of generations
         return out
 
     def advise(self, d: Diagnosis) -> Advice:
