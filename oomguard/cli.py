@@ -459,6 +459,8 @@ KNOB_MEANINGS: dict[str, str] = {
                                  "gather it layer by layer (False: slower generation; DeepSpeed's prefetch still "
                                  "holds part of the model)",
     "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
+    "use_cpu": "train on the CPU even where a GPU backend is found; oomguard sets it only so that DeepSpeed's ranks "
+               "run on a CPU-only machine (an adaptation in the diff and the lock, never a rung)",
     "learning_rate": "the optimizer's learning rate; read, never changed: bf16 weights are judged by whether an update "
                      "of this size survives their rounding",
     "loss_type": "GRPO's loss normalisation (dapo, grpo, dr_grpo, bnpo, ...); read, never changed: it decides whether "

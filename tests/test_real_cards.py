@@ -395,7 +395,7 @@ def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
     assert 1 <= len(alts) <= 3
     keeper = next(a for a in alts if a.avoids == ["signal"])
     assert keeper.knobs.max_completion_length == 1024 and keeper.knobs.num_generations == 16
-    assert keeper.keeps[0].startswith("no signal change (the choice: ")
+    assert keeper.keeps[0].startswith("no signal change, unlike the choice (")
     assert all(t.endswith(("(precision)", "predicted)", "(speed)")) for t in keeper.trades), keeper.trades
     assert keeper.versus_choice is not None and keeper.versus_choice > 0  # slower: it keeps every token
     assert fits(keeper.knobs) and keeper.predicted_bytes <= 16 * GiB

@@ -99,6 +99,8 @@ def apply(rt: Runtime, cfg: Any) -> None:
     if (getattr(cfg, "deepspeed", None) or _flag("ACCELERATE_USE_DEEPSPEED")) and not getattr(cfg, "use_cpu", True) \
             and _deepspeed_on_cpu_ranks():
         cfg.use_cpu = True
+        rt.adapt("use_cpu", True, "DeepSpeed runs on the CPU here: accelerate counts every rank only with use_cpu "
+                                  "(its DeepSpeed launcher does not pass the YAML's use_cpu on)")
         if os.environ.get("RANK", "0") == "0" and (rt.plan.attempt or 1) <= 1:  # once a run
             sys.stderr.write("oomguard: DeepSpeed runs on the CPU here and the script does not set use_cpu: setting "
                              f"use_cpu=True so that accelerate counts all {os.environ.get('WORLD_SIZE')} ranks "

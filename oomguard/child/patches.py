@@ -27,6 +27,7 @@ CONFIG_KNOBS = (
     "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
     "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
     "ds3_gather_for_generation", "use_liger_kernel", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
+    "use_cpu",
 )
 _PROMPT_STATS_ROWS = 20000
 PROBE_STEPS = 2  # a plan's probe names its steps; this is the default of a plan that names none
@@ -392,14 +393,17 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         in4 = bool(getattr(q, "load_in_4bit", False) or (isinstance(q, dict) and q.get("load_in_4bit")))
     else:
         source = "from_pretrained" if getattr(model, "_oomguard_from_pretrained", False) else "instance"
-        dtype = _dtype_name(getattr(model, "dtype", None))
+        # the loaded model's dtype is the script's, unless oomguard's from_pretrained loaded it in its own dtype or in
+        # 4-bit (the patch observed the script's then, where the checkpoint's config could be read)
+        ours = source == "from_pretrained" and (k_over.dtype is not None or bool(k_over.load_in_4bit))
+        dtype = None if ours else _dtype_name(getattr(model, "dtype", None))
         # a 4-bit load oomguard made is not the script's own (its rung applies only to a model not loaded in 4-bit)
         in4 = not k_over.load_in_4bit and bool(getattr(model, "is_loaded_in_4bit", False))
     lora = peft_config
     if lora is None and is_peft_model:
         cfgs = getattr(model, "peft_config", {}) or {}
         lora = next(iter(cfgs.values()), None) if isinstance(cfgs, dict) else cfgs
-    rt.observe({"dtype": dtype, "load_in_4bit": in4, **observed_lora(lora)})
+    rt.observe({**({"dtype": dtype} if dtype is not None else {}), "load_in_4bit": in4, **observed_lora(lora)})
     if (not isinstance(model, str) and getattr(model, "is_gradient_checkpointing", False)
             and not rt.knobs().gradient_checkpointing):
         # enabled on the model already (Unsloth's get_peft_model, a script's own call): the Trainer keeps it on
@@ -791,15 +795,16 @@ def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) 
     rt.emit("model", config=config, params=None, dtype=None, reaches=reaches)
     if not rt.plan.preflight or placed_elsewhere(kwargs, config) or _sharded(rt):
         return
+    declared = _dtype_name(config.get("dtype") or config.get("torch_dtype")) or "float32"
     dtype = _dtype_name(kwargs.get("dtype", kwargs.get("torch_dtype"))) or "auto"
     if dtype == "auto":  # transformers 5's default: the checkpoint's own dtype
-        dtype = _dtype_name(config.get("dtype") or config.get("torch_dtype")) or "float32"
+        dtype = declared
     q = kwargs.get("quantization_config")
     in4 = bool(getattr(q, "load_in_4bit", False) or (isinstance(q, dict) and q.get("load_in_4bit")))
-    if requested not in (None, "auto"):
-        rt.observe({"dtype": _dtype_name(requested)})
-    elif not rt.overrides.dtype and not rt.overrides.load_in_4bit:
-        rt.observe({"dtype": dtype})  # what the script loads when oomguard changes nothing
+    # What the script loads when oomguard changes nothing (``kwargs`` holds oomguard's overrides already): the dtype
+    # it asked for, else the checkpoint's own. Observed whatever the overrides, so that a replayed lock's dtype is
+    # never taken for the user's.
+    rt.observe({"dtype": _dtype_name(requested) if requested not in (None, "auto") else declared})
     try:
         knobs = rt.knobs().replace(dtype=dtype, load_in_4bit=in4)
     except (TypeError, ValueError):

@@ -155,6 +155,10 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
     if est is None or under is None or cap <= 0:
         rt.decide_probe("probe", "the memory model cannot judge this config")
         return
+    pf = rt.plan.preflight
+    if pf and verdict(pf, est.peak_bytes, facts) is not None:
+        rt.probe_as = "probe"  # the pre-flight stops it next, and says why: nothing to decide
+        return
     limit = sure_limit(cap, float(under))
     share = f"{format_size(est.peak_bytes)}, {100 * est.peak_bytes / cap:.0f}% of the {format_size(cap)} device"
     numbers = {"predicted_bytes": est.peak_bytes, "capacity": cap, "limit": limit}

@@ -40,6 +40,7 @@ class Runtime:
         self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
+        self._adapted: set[str] = set()  # knobs oomguard changed to let the command run here (``adapt``)
         # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
         # model is sure of the config, not decided yet (``decide_probe``)
         probe = plan.probe or {}
@@ -84,6 +85,14 @@ class Runtime:
         self.observed.update(taken)
         self.resolved.update(taken)
         return taken
+
+    def adapt(self, knob: str, value: Any, why: str) -> None:
+        """oomguard set ``knob`` to ``value`` so that the command runs here (not for memory): the supervisor puts it
+        in the diff and the lock, so that what ran is what a replay runs (once per knob)."""
+        if knob in self._adapted:
+            return
+        self._adapted.add(knob)
+        self.emit("adapted", knob=knob, value=value, why=why)
 
     def knobs(self) -> Knobs:
         """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""

@@ -96,7 +96,7 @@ def alternatives(user: Knobs, chosen: Knobs, chosen_rungs: Sequence[Rung], facts
             continue
         k = choice.knobs
         exp = _summary(user, k, list(choice.rungs), facts, slowdown)
-        keeps = [f"no {c} change (the choice: {', '.join(x.what for x in mine.changed if x.cost == c)})"
+        keeps = [f"no {c} change, unlike the choice ({', '.join(x.what for x in mine.changed if x.cost == c)})"
                  for c in avoid]
         found[k] = Alternative(knobs=k, keeps=keeps, trades=[c.text() for c in exp.changed if c.cost != "none"],
                                predicted_bytes=peak(k) if peak is not None else None,

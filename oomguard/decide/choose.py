@@ -61,7 +61,8 @@ def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -
     """The knobs after ``rungs`` from ``start``, and which rung set each knob that changed.
 
     Replaying (rather than storing the result) keeps the rungs right when a later attempt is the first to report what
-    the code set. A rung that is blocked at its turn (already in force) changes nothing.
+    the code set. A rung that is blocked at its turn (already in force) changes nothing. A knob is the last changer's,
+    unless that rung only kept it in step (``Remedy.follows``) with what another rung set.
     """
     facts = facts or RunFacts()
     knobs, who = start, {}
@@ -76,6 +77,8 @@ def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -
         else:
             new = rung.remedy.apply(ctx)
         for row in knobs.diff(new):
+            if row.knob in rung.remedy.follows and who.get(row.knob, rung.name) != rung.name:
+                continue  # kept as another rung set it: that rung's change
             who[row.knob] = rung.name
         knobs = new
     return knobs, who
@@ -194,7 +197,7 @@ def relax_rungs(start: Knobs, rungs: Sequence[Rung], names: Sequence[str], user:
             continue
         remedy = rungs[first].remedy
         for cand in remedy.relax(user, knobs, facts.world_size):
-            values = tuple((k, getattr(cand, k)) for k in remedy.changes)
+            values = remedy.values_of(cand, facts.world_size)
             trial = [r for r in rungs[:first] if r.name != name] + [
                 Rung(remedy, rungs[first].diagnosis, values)] + [r for r in rungs[first + 1:] if r.name != name]
             new = replay(start, trial, facts)[0]

@@ -21,19 +21,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..strategies import Context
+from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
 from ..vocab.stacks import flag
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
-from .experiment import Experiment, summarise
+from .experiment import Change, Experiment, summarise
 from .ladder import Exhausted, Ladder, Step
 
 # The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
 # what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
 UNDO_BY_DEFAULT = ("capacity", "signal")
+# How the diff and the report name a change oomguard made so that a command runs where it is launched, not for memory.
+ADAPTATION = "adaptation"
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Decision:
     changes: dict[str, Any] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     choice: Choice | None = None
+    trial: bool = False  # the config in force is a cheaper trial of the choice's (``Climb.trial_of``)
 
     def skipped_rows(self) -> list[dict[str, str]]:
         return [{"remedy": n, "reason": why} for n, why in self.skipped.items()]
@@ -62,6 +65,10 @@ class Climb:
     ladder: Ladder
     base: Knobs = field(default_factory=Knobs)  # the user's own starting values (guard(knobs=...)): original
     pinned: Knobs = field(default_factory=Knobs)  # a lock file's overrides, replayed: oomguard's, not the user's
+    pinned_by: dict[str, str] = field(default_factory=dict)  # the remedy the lock names for each pinned knob
+    # what oomguard changed so that the command runs where it is launched, not for memory (``use_cpu`` for DeepSpeed's
+    # CPU ranks): knob -> (value, why); in the diff and the lock like any change, so that a replay runs the same
+    adapted: dict[str, tuple[Any, str]] = field(default_factory=dict)
     env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
     facts: RunFacts = field(default_factory=RunFacts)
     observed: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +78,9 @@ class Climb:
     failed: list[Knobs] = field(default_factory=list)  # configs that ran out of memory (or were predicted to)
     verified: list[Knobs] = field(default_factory=list)  # configs an attempt (a probe) ran without running out
     fallback: tuple[list[Rung], Choice | None] | None = None  # what a re-chosen config replaced, until its probe ends
+    # the config a cheaper trial stands in for (``choose_next``'s ``plausible``): not yet probed itself, so a trial
+    # that does not fit is followed by a probe of it
+    trial_of: Choice | None = None
     rechoosing: bool = True  # off once a re-chosen config did not pass, or a real run outran its probe
     refused: dict[str, str] = field(default_factory=dict)  # rungs taken back because they broke a launch, with why
     attempts: list[Attempt] = field(default_factory=list)
@@ -104,7 +114,11 @@ class Climb:
         """
         original = self.original()
         knobs = original.merged(self.pinned)
-        who: dict[str, str] = {r.knob: "lock" for r in original.diff(knobs)}
+        who: dict[str, str] = {r.knob: self.pinned_by.get(r.knob) or "lock" for r in original.diff(knobs)}
+        adapted = {k: v for k, (v, _why) in self.adapted.items() if getattr(knobs, k) != v}
+        if adapted:
+            knobs = knobs.merged(adapted)
+            who.update(dict.fromkeys(adapted, ADAPTATION))
         knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
         return knobs, {**who, **changed}
 
@@ -120,9 +134,23 @@ class Climb:
         time."""
         knobs, who = self.effective()
         remedies = list({r.name: r.remedy for r in self.applied}.values())
-        return summarise(self.original(), knobs if final is None else final, remedies, who,
-                         world_size=self.facts.world_size, slowdown=slowdown, facts=self.facts,
-                         seen=bool(self.observed))
+        for name in dict.fromkeys(self.pinned_by.values()):  # a replayed lock's changes, by the rungs that made them
+            if name in REGISTRY and name not in {r.name for r in remedies}:
+                remedies.append(make_remedy(name))
+        exp = summarise(self.original(), knobs if final is None else final, remedies, who,
+                        world_size=self.facts.world_size, slowdown=slowdown, facts=self.facts,
+                        seen=bool(self.observed))
+        done = knobs if final is None else final
+        for knob, (value, why) in self.adapted.items():
+            if getattr(self.original(), knob) != value and getattr(done, knob) == value:
+                exp.changed.append(Change(ADAPTATION, "none", f"{knob}={value} ({why})"))
+        return exp
+
+    def adapt(self, knob: str, value: Any, why: str) -> None:
+        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched (the training process
+        said so, and why): the first word stays."""
+        if knob in TRL_DEFAULTS.to_dict():
+            self.adapted.setdefault(knob, (value, why))
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
@@ -160,8 +188,8 @@ class Climb:
         >>> Climb(load_ladder("default")).probe_may_be_skipped()
         True
         """
-        if any(a.outcome == "oom" for a in self.attempts):
-            return False
+        if any(a.outcome == "oom" for a in self.attempts) or self.fallback is not None:
+            return False  # the model was wrong once, or a trial (or a re-chosen config) waits for its probe
         return not any(r.remedy.cost in UNDO_BY_DEFAULT for r in self.applied)
 
     def learn(self, facts: RunFacts) -> None:
@@ -177,7 +205,8 @@ class Climb:
     def choose_next(self, diag: Diagnosis | None, read_fields: frozenset[str] | None = None,
                     subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
                     peak: Callable[[Knobs], int | None] | None = None,
-                    relax_fits: Callable[[Knobs], bool] | None = None) -> Decision:
+                    relax_fits: Callable[[Knobs], bool] | None = None,
+                    plausible: Callable[[Knobs], bool] | None = None) -> Decision:
         """After an out-of-memory attempt (the last one recorded): the config for the next one.
 
         Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
@@ -186,6 +215,11 @@ class Climb:
         chosen config runs out of memory, the model has learned from it and the choice is made again below the same
         ceiling (putting back part of what was dropped); only when nothing below it fits is the ladder climbed on.
         ``relax_fits`` (default ``fits``) judges how far graded knobs are relaxed (``choose``).
+
+        Never a costlier class on a guess: where the choice changes what is trained or learned (cost class capacity or
+        signal) and a config of the cheaper rungs climbed is ``plausible`` (predicted within the model's error of the
+        device), that config is put in force first, as a trial (``Decision.trial``) a probe settles: if it does not
+        fit, ``settle_rechoice`` puts the choice back, to be probed in turn.
         """
         before = self.effective()[0]
         start = self.original().merged(self.pinned)
@@ -215,12 +249,31 @@ class Climb:
                     skipped.setdefault(n, why)
             self.climbed += [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
+        trial = self._cheaper_trial(start, choice, plausible, peak) if choice is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
+        if trial is not None:
+            self.fallback, self.trial_of = (list(self.applied), choice), choice
+            self.applied, self.choice = list(trial.rungs), trial
         after = self.effective()[0]
         climbed = {s.remedy.name for s in steps}
         return Decision(steps=steps, changes={r.knob: r.after for r in before.diff(after)},
-                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=choice)
+                        skipped={n: why for n, why in skipped.items() if n not in climbed}, choice=self.choice,
+                        trial=trial is not None)
+
+    def _cheaper_trial(self, start: Knobs, choice: Choice, plausible: Callable[[Knobs], bool] | None,
+                       peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+        """The config of the climbed rungs that cost only speed or precision that the model puts within its error of
+        the device, where ``choice`` changes what is trained or learned; None when there is none (or nothing to
+        trade)."""
+        if plausible is None or not {r.remedy.cost for r in choice.rungs} & set(UNDO_BY_DEFAULT):
+            return None
+        cheaper = [r for r in self.climbed if r.remedy.cost not in UNDO_BY_DEFAULT]
+        if not cheaper:
+            return None
+        found = cheapest(start, cheaper, lambda k: plausible(k) and k not in self.verified, order=self._order(),
+                         facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
+        return found if found is not None and found.knobs != choice.knobs else None
 
     def rechoose(self, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None = None,
                  relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:
@@ -254,6 +307,8 @@ class Climb:
         if not fits:
             self.applied, self.choice = self.fallback
             self.rechoosing = False
+        else:
+            self.trial_of = None  # the trial fit: the costlier choice it stood in for is not needed
         self.fallback = None
         return True
 

@@ -84,7 +84,7 @@ class Ladder:
         by order, the whole ladder (every rung's first pass, then the graded rungs' second, ...).
 
         >>> [[r.name for r in b] for b in load_ladder("default").blocks(load_ladder("default").rungs)][:2]
-        [['expandable_segments', 'empty_cache', 'eval_batch'], ['micro_batch', 'checkpointing', 'liger_kernel', 'vllm_memory', 'deepspeed_buffers']]
+        [['expandable_segments', 'empty_cache', 'eval_batch'], ['micro_batch', 'generation_rounds', 'checkpointing', 'liger_kernel', 'vllm_memory', 'deepspeed_buffers']]
         """
         if self.choose_by != "cost":
             return [list(rungs)]
@@ -169,6 +169,11 @@ class Ladder:
             tier = self.only([r.name for r in self.rungs if cost_rank(r.cost) <= cost_rank(cost)])
             if not tier.rungs:
                 continue
+            if cost_rank(cost) <= cost_rank("speed"):
+                # a graded change that costs only time goes to its floor before anything that costs more is tried
+                # (the choice below relaxes it back as far as the device allows); the ladder's max_passes bounds
+                # the cuts of a blind climb, not what the memory model may weigh
+                tier = replace(tier, max_passes=max(tier.max_passes, SPEED_PASSES))
             taken, ran_out = tier.climb_to_fit(cur, fits)
             if taken and passed:
                 taken[0] = replace(taken[0], skipped=tuple({**passed, **dict(taken[0].skipped)}.items()))
@@ -216,6 +221,11 @@ def load_ladder(name_or_path: str | Path) -> Ladder:
 
 # The keys a ladder file may have at its top level; anything else is a mistake worth one line (a misspelt
 # ``choose_bye`` would otherwise be ignored, and the ladder chosen by another rule than the one written).
+# How many passes a graded rung of cost class speed (or none) may take in a climb by cost: enough to halve a
+# micro-batch or a generation round from 64 rows down to one.
+SPEED_PASSES = 7
+
+
 LADDER_KEYS = ("name", "description", "choose_by", "max_passes", "rung", "host_rung")
 
 

@@ -215,7 +215,8 @@ class ConsoleReporter:
         names = rung_label([(s.remedy.name_for(changes), s.pass_no) for s in steps])
         # what it costs: only the rungs whose knobs changed (the memory model may find a climbed rung not needed)
         note = cost_note([s.remedy for s in steps], changes)
-        self._say(f"  → climbing [cyan]{names}[/]: {_changes(changes)}  [dim]({_plain(note)})[/]")
+        # the values are the choice's, below the rungs climbed: the lines after say what it dropped and relaxed
+        self._say(f"  → climbing [cyan]{names}[/]; the choice: {_changes(changes)}  [dim]({_plain(note)})[/]")
         if len(steps) > 1:
             self._say("  [dim]the memory model predicts that fewer rungs would not be enough[/]")
 

@@ -12,6 +12,7 @@ from ..decide.ladder import load_ladder
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts
 from ..vocab.records import (
+    Adapted,
     Attempt,
     AttemptKind,
     ChildEvent,
@@ -55,6 +56,8 @@ class Learning:
                 facts = facts.replace(prompt_tokens_max=ev.prompt_tokens_max or facts.prompt_tokens_max,
                                       prompt_tokens_p95=ev.prompt_tokens_p95 or facts.prompt_tokens_p95,
                                       dataset_rows=ev.rows or facts.dataset_rows)
+            elif isinstance(ev, Adapted):
+                c.adapt(ev.knob, ev.value, ev.why)
             elif isinstance(ev, ModelSeen):
                 self.reached.update(("model", *ev.reaches))  # before a load: points the script passes after it
                 facts = facts.replace(model_config=ev.config or facts.model_config)

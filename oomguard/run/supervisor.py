@@ -54,6 +54,18 @@ from .options import BOOT_DIR, PROBE_TAIL, UNDO_BY_DEFAULT, Reporter, RunOptions
 from .proc import Interrupts, become_subreaper
 
 
+def pinned_by(lock: dict[str, Any] | None) -> dict[str, str]:
+    """The remedy a lock's diff names for each knob it pins, so that a replay's diff still says which rung made each
+    change (a row without one reads ``lock``).
+
+    >>> pinned_by({"diff": [{"knob": "dtype", "from": "float32", "to": "bfloat16", "remedy": "bf16_load"}]})
+    {'dtype': 'bf16_load'}
+    """
+    rows = (lock or {}).get("diff") or []
+    return {r["knob"]: r["remedy"] for r in rows if isinstance(r, dict) and isinstance(r.get("knob"), str)
+            and isinstance(r.get("remedy"), str) and r["remedy"]}
+
+
 class Supervisor(Attempts, Learning, Ending):
     def __init__(self, argv: list[str], options: RunOptions, reporter: Reporter) -> None:
         self.argv = argv
@@ -69,6 +81,7 @@ class Supervisor(Attempts, Learning, Ending):
         self.climb = Climb(
             options.ladder,
             pinned=Knobs.from_dict((options.replay or {}).get("overrides") or {}),
+            pinned_by=pinned_by(options.replay),
             env_knobs={"expandable_segments": self.user_expandable, "max_split_size_mb": self.user_max_split},
             facts=RunFacts(alloc_conf_locked=user.locked_text(),
                            bf16_supported=None if options.simulate_gpu else gpu_bf16()),
@@ -199,7 +212,14 @@ class Supervisor(Attempts, Learning, Ending):
             return None
         if attempt.outcome != Outcome.FAILED:
             self.newly = []  # the rungs in force launched: a later failure is not theirs
+        trial_of = c.trial_of
         if c.settle_rechoice(attempt.outcome == Outcome.OK) and attempt.outcome != Outcome.OK:
+            if trial_of is not None:  # a cheaper trial did not fit: the choice it stood in for, probed in its turn
+                c.trial_of = None
+                attempt.note = ("the cheaper config tried first did not fit: back to the config the memory model "
+                                "chose, which changes what is trained or learned")
+                self.ui.message(f"  {attempt.note}")
+                return AttemptKind.PROBE
             # the config chosen again after a probe fit did not hold: back to that one, which needs no new probe
             attempt.note = "the config chosen again did not hold: back to the config the probe before showed to fit"
             self.ui.message(f"  {attempt.note}")
@@ -278,7 +298,12 @@ class Supervisor(Attempts, Learning, Ending):
         fits = self.guide.fits(c.facts) if self.guide is not None else None
         peak = self.guide.peak(c.facts) if self.guide is not None else None
         relax = self.guide.fits(c.facts, self.guide.relax_margin) if self.guide is not None else None
-        decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak, relax_fits=relax)
+        plausible = None
+        if self.guide is not None and self.o.probe_steps > 0:  # a cheaper trial needs a probe to settle it
+            doubt = min(self.guide.doubt, self._stop_margin()[0]) if self.o.preflight else self.guide.doubt
+            plausible = self.guide.plausible(c.facts, doubt)
+        decision = c.choose_next(diag, reachable(self.reached), fits=fits, peak=peak, relax_fits=relax,
+                                 plausible=plausible)
         attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
         if decision.exhausted is not None:
             self.ui.decision([], decision.exhausted, {})
@@ -289,6 +314,11 @@ class Supervisor(Attempts, Learning, Ending):
         if decision.choice is not None:
             for line in self._explain(decision.choice):
                 self.ui.message(line)
+        if decision.trial and c.trial_of is not None:
+            kept = ", ".join(dict.fromkeys(r.name for r in c.trial_of.rungs))
+            self.ui.message(f"  first a probe without what changes the experiment: {', '.join(c.remedies_in_force())} "
+                            f"is predicted within the memory model's error of the device (the choice, {kept}, "
+                            "follows if it does not fit)")
         if self.o.probe_steps <= 0:
             return AttemptKind.RUN
         if c.effective()[0] in c.verified:  # a probe already ran this config: no second probe

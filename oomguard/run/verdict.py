@@ -66,6 +66,9 @@ def _stable_message(climb: Climb, replay: dict[str, Any] | None) -> str:
     if replay:
         return (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} override(s), no "
                 "rung climbed")
+    if climb.adapted:
+        return ("the command fit on the first attempt; nothing changed for memory, only what lets it run here: "
+                + ", ".join(f"{k}={v}" for k, (v, _why) in climb.adapted.items()))
     return "the command fit on the first attempt; nothing changed"
 
 

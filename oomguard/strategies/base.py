@@ -90,6 +90,9 @@ class Remedy:
     resume: ClassVar[str] = "continue"  # continue | continue-drift | new-run
     graded: ClassVar[bool] = False
     changes: ClassVar[tuple[str, ...]] = ()  # the knobs it writes
+    # knobs it writes only to keep something else as it was (a micro-batch split's steps_per_generation keeps the rows
+    # generated per round): the diff names it for them only where no other rung changed them
+    follows: ClassVar[tuple[str, ...]] = ()
     # Which diagnoses it addresses: "gpu" (any GPU shortage), "fragmentation", "host", "vllm".
     addresses: ClassVar[str] = "gpu"
     shrinks_shapes: ClassVar[bool] = False  # acts on per-step tensors (helps an oversized request)
@@ -218,6 +221,17 @@ class Remedy:
         96
         """
         return knobs.replace(**values)
+
+    def values_of(self, knobs: Knobs, world_size: int = 1) -> tuple[tuple[str, Any], ...]:
+        """What a relaxed rung keeps of ``knobs`` (one of ``relax``'s candidates), for ``with_values`` to lay over the
+        knobs it is replayed on: the values of the knobs it writes; a rung whose values mean something relative to
+        other knobs keeps that too (see ``GenerationRounds``).
+
+        >>> from oomguard.strategies import make_remedy
+        >>> make_remedy("shorter_sequences").values_of(TRL_DEFAULTS)
+        (('max_completion_length', 512), ('max_prompt_tokens', None))
+        """
+        return tuple((k, getattr(knobs, k)) for k in self.changes)
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         """What this rung changed of the user's run, in words a user reads at the end ("bf16 weights (yours:

@@ -37,6 +37,24 @@ def split_caveat(loss_type: str | None) -> str:
     return f"; whether loss_type {loss_type} keeps the gradients under a split is not known"
 
 
+# TRL's loss types that normalise a micro-batch's loss by the tokens of the whole generation batch, scaled to one
+# accumulation window (TRL 1.16's GRPOTrainer._compute_loss: num_items_in_batch * GA / steps_per_generation): with
+# smaller generation rounds each round's tokens stand in for the optimizer step's.
+ROUND_NORMALISED_LOSSES = frozenset({"dapo", "cispo", "vespo"})
+
+
+def rounds_caveat(loss_type: str | None) -> str:
+    """What generating an optimizer step's completions in several rounds does to the gradients under ``loss_type``.
+
+    >>> rounds_caveat("grpo"), rounds_caveat("dapo")
+    ('', "; dapo normalises by a round's tokens scaled to the step, not the step's own, so the gradients change slightly")
+    """
+    if loss_type is not None and loss_type in ROUND_NORMALISED_LOSSES:
+        return (f"; {loss_type} normalises by a round's tokens scaled to the step, not the step's own, so the "
+                "gradients change slightly")
+    return ""
+
+
 def _rows(n: int) -> str:
     return f"{n} row{'' if n == 1 else 's'}"
 
@@ -160,6 +178,10 @@ class FewerGenerations(Remedy):
         >>> now = TRL_DEFAULTS.replace(num_generations=4, per_device_train_batch_size=4)
         >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(TRL_DEFAULTS, now)]
         [(7, 7), (6, 6), (5, 5), (4, 8)]
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=16)      # 8 generations of 2 prompts
+        >>> now = user.replace(num_generations=2, per_device_train_batch_size=2)
+        >>> [(k.num_generations, k.per_device_train_batch_size) for k in FewerGenerations().relax(user, now)][:4]
+        [(8, 8), (7, 14), (7, 7), (6, 12)]
         """
         g_user, g_now = user.num_generations or 8, current.num_generations or 8
         bs_user, _, spg_user = user.geometry(world_size)
@@ -167,7 +189,7 @@ class FewerGenerations(Remedy):
         rows_user, rows_now = bs_user * spg_user, bs_now * spg_now
         out = []
         for g in range(g_user, max(2, g_now) - 1, -1):
-            for b in range(max(bs_user, bs_now), 0, -1):
+            for b in range(max(bs_user, bs_now), 0, -1):  # the most rows first, then fewer: the device decides
                 rows = b * spg_now
                 if not rows_now <= rows <= rows_user or (rows * world_size) % g:
                     continue
@@ -176,7 +198,6 @@ class FewerGenerations(Remedy):
                 k = current.replace(num_generations=g).with_geometry(b, ga_now, spg_now, world_size)
                 if not k.validate(world_size):
                     out.append(k)
-                break  # the most rows for this number of generations
         return out
 
     def advise(self, d: Diagnosis) -> Advice:
@@ -194,8 +215,29 @@ class MicroBatch(Remedy):
     resume = "continue-drift"
     graded = True
     changes = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+    follows = ("steps_per_generation", "generation_batch_size")  # the rows generated per round stay
     shrinks_shapes = True
     params = {"min_batch": Param(1, int, low=1, text="the smallest per_device_train_batch_size it goes down to")}
+
+    def with_values(self, knobs: Knobs, values: Mapping[str, Any], world_size: int = 1) -> Knobs:
+        """The micro-batch and accumulation steps of ``values``, with the rows generated per round of ``knobs``
+        kept (a split never changes them; generation_rounds does).
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> k = TRL_DEFAULTS.replace(per_device_train_batch_size=16)
+        >>> MicroBatch().with_values(k, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8,
+        ...                               "steps_per_generation": 2}).geometry()
+        (2, 8, 8)
+        """
+        bs_in, _, spg_in = knobs.geometry(world_size)
+        bs = int(values.get("per_device_train_batch_size") or bs_in)
+        ga = int(values.get("gradient_accumulation_steps") or knobs.geometry(world_size)[1])
+        rows = bs_in * spg_in
+        if rows % bs == 0:
+            out = knobs.with_geometry(bs, ga, rows // bs, world_size)
+            if not out.validate(world_size):
+                return out
+        return knobs.replace(**values)
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
@@ -243,14 +285,15 @@ class MicroBatch(Remedy):
         >>> [k.per_device_train_batch_size for k in MicroBatch().relax(TRL_DEFAULTS, now)]
         [4, 2]
         """
-        bs_user, ga_user, spg_user = user.geometry(world_size)
-        bs_now, _, _ = current.geometry(world_size)
+        bs_user, ga_user, _ = user.geometry(world_size)
+        bs_now, _, spg_now = current.geometry(world_size)
+        rows = bs_now * spg_now  # the rows generated per round in force: a split keeps them
         out = []
         for b in range(bs_user - 1, bs_now, -1):
-            if bs_user % b:
+            if bs_user % b or rows % b:
                 continue
             d = bs_user // b
-            k = current.with_geometry(b, ga_user * d, spg_user * d, world_size)
+            k = current.with_geometry(b, ga_user * d, rows // b, world_size)
             if not k.validate(world_size):
                 out.append(k)
         return out
@@ -259,3 +302,141 @@ class MicroBatch(Remedy):
         return Advice(self.name, "A micro-batch half as large halves the activations and log-prob passes of each "
                                  "step, and gradient accumulation keeps the effective batch.",
                       halve_request(d) if d.phase in ("scoring", "forward", "backward") else None)
+
+
+@register
+class GenerationRounds(Remedy):
+    """Fewer rows generated (and scored) at once: an optimizer step's completions in several rounds.
+
+    TRL generates ``per_device_train_batch_size x steps_per_generation`` rows per device at once (the generation
+    batch) and trains on them over ``steps_per_generation`` micro-steps; a micro-batch split keeps that product. This
+    lowers ``steps_per_generation`` (or ``generation_batch_size``, where the user set that) to a divisor of the
+    accumulation steps, so each round holds whole groups and ends with the optimizer step: the rows per optimizer
+    step, the generations per prompt, the completion length and the weights each round generates with all stay. What
+    it costs is time: more generate calls, each with fewer rows (and the gradients of the step's earlier micro-steps
+    are held while a later round generates, which the memory model counts).
+    """
+
+    name = "generation_rounds"
+    summary = ("Generate each optimizer step's completions in smaller rounds: lower steps_per_generation, so fewer "
+               "rows are generated and scored at once; the rows per step, generations and completion length stay.")
+    cost = "speed"
+    trade_note = "more generate calls per optimizer step, each with fewer rows; what is generated and learned stays"
+    resume = "continue-drift"
+    graded = True
+    changes = ("steps_per_generation", "generation_batch_size")
+    shrinks_shapes = True
+
+    def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
+        """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=4, gradient_accumulation_steps=8, num_generations=8,
+        ...                             loss_type="grpo")
+        >>> GenerationRounds().describe_change(user, user.replace(steps_per_generation=2))
+        '4 generation rounds of 8 rows per optimizer step (yours: 1 of 32)'
+        """
+        bs_u, ga_u, spg_u = user.geometry(world_size)
+        bs, ga, spg = final.geometry(world_size)
+        return (f"{_rounds(ga, spg)} of {_rows(bs * spg)} per optimizer step (yours: {_rounds(ga_u, spg_u, short=True)} "
+                f"of {bs_u * spg_u}){rounds_caveat(final.loss_type)}")
+
+    def helps(self, d: Diagnosis | None) -> str | None:
+        if d is not None and d.phase not in ("generation", "scoring", "unknown"):
+            return (f"the OOM came in {d.phase}, which the micro-batch sets, not how many rows are generated at "
+                    "once")
+        return super().helps(d)
+
+    def _options(self, k: Knobs, world: int) -> list[int]:
+        """The smaller steps_per_generation values that keep whole groups and end each round with an optimizer step
+        (a divisor of the accumulation steps, or a multiple of them below a generation that spans several steps),
+        largest first."""
+        bs, ga, spg = k.geometry(world)
+        g = k.num_generations or 8
+        out = []
+        for s in range(spg - 1, 0, -1):
+            if not (ga % s == 0 or s % ga == 0) or (bs * world * s) % g:
+                continue
+            cand = k.with_geometry(bs, ga, s, world)
+            if not cand.validate(world):
+                out.append(s)
+        return out
+
+    def blocked(self, ctx: Context) -> str | None:
+        if not self._options(ctx.knobs, ctx.facts.world_size):
+            bs, _, spg = ctx.knobs.geometry(ctx.facts.world_size)
+            return (f"each round already generates as few rows as whole groups allow ({bs * spg} rows per device "
+                    "at once)")
+        return None
+
+    def apply(self, ctx: Context) -> Knobs:
+        k, world = ctx.knobs, ctx.facts.world_size
+        bs, ga, spg = k.geometry(world)
+        options = self._options(k, world)
+        halved = [s for s in options if s <= spg // 2]
+        return k.with_geometry(bs, ga, (halved or options)[0], world)
+
+    ROWS = "rows_per_round"  # what a relaxed rung keeps: the rows generated per round, whatever the micro-batch
+
+    def values_of(self, knobs: Knobs, world_size: int = 1) -> tuple[tuple[str, Any], ...]:
+        """The rows generated per round, besides the knobs themselves: replayed before a micro-batch split, the rung
+        keeps the rows, and the split keeps them too.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> GenerationRounds().values_of(TRL_DEFAULTS.with_geometry(2, 8, 4))[-1]
+        ('rows_per_round', 8)
+        """
+        return (*super().values_of(knobs, world_size), (self.ROWS, knobs.rows_per_device(world_size)))
+
+    def with_values(self, knobs: Knobs, values: Mapping[str, Any], world_size: int = 1) -> Knobs:
+        """``knobs`` generating ``values``' rows per round, in micro-batches of the ``knobs``' own.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> k = TRL_DEFAULTS.replace(per_device_train_batch_size=8, gradient_accumulation_steps=2)
+        >>> GenerationRounds().with_values(k, {"steps_per_generation": 8, "rows_per_round": 8}).geometry()
+        (8, 2, 1)
+        """
+        bs, ga, _ = knobs.geometry(world_size)
+        rows = values.get(self.ROWS)
+        if isinstance(rows, int) and rows % bs == 0:
+            out = knobs.with_geometry(bs, ga, rows // bs, world_size)
+            if not out.validate(world_size):
+                return out
+        return knobs.replace(**{k: v for k, v in values.items() if k != self.ROWS})
+
+    def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
+        """Rounds between the climbed and the user's rows per round (in micro-batches of the one in force: a split
+        before keeps them), the most rows per round first.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=2, gradient_accumulation_steps=8, num_generations=2)
+        >>> [k.steps_per_generation for k in GenerationRounds().relax(user, user.replace(steps_per_generation=1))]
+        [4, 2]
+        >>> user = TRL_DEFAULTS.replace(per_device_train_batch_size=16, num_generations=4)   # 16 rows at once
+        >>> split = user.with_geometry(1, 16, 2)                                          # 1 row, rounds of 2
+        >>> [k.steps_per_generation for k in GenerationRounds().relax(user, split)]
+        [8, 4]
+        """
+        bs, ga, spg_now = current.geometry(world_size)
+        bs_user, _, spg_user = user.geometry(world_size)
+        rounds_user = bs_user * spg_user // bs  # the user's rows per round, in micro-batches of the one in force
+        out = []
+        for s in range(rounds_user - 1, spg_now, -1):
+            if not (ga % s == 0 or s % ga == 0) or (bs * world_size * s) % (current.num_generations or 8):
+                continue
+            k = current.with_geometry(bs, ga, s, world_size)
+            if not k.validate(world_size):
+                out.append(k)
+        return out
+
+    def advise(self, d: Diagnosis) -> Advice:
+        return Advice(self.name, "Generating an optimizer step's completions in two rounds halves the KV cache and "
+                                 "the rows scored at once; the rows per step stay.",
+                      halve_request(d) if d.phase in ("generation", "scoring") else None)
+
+
+def _rounds(ga: int, spg: int, short: bool = False) -> str:
+    """How many generation rounds make one optimizer step (or how many steps one round serves)."""
+    if spg >= ga:
+        n = spg // max(1, ga)
+        return "1" if short else (f"1 generation round per {n} optimizer steps" if n > 1 else "1 generation round")
+    n = ga // spg
+    return str(n) if short else f"{n} generation rounds"

@@ -88,6 +88,7 @@ class Knobs:
     ds3_gather_for_generation: bool | None = None
     use_liger_kernel: bool | None = None
     fsdp_offload: bool | None = None
+    use_cpu: bool | None = None
     learning_rate: float | None = None
     loss_type: str | None = None
 
@@ -420,6 +421,7 @@ TRL_DEFAULTS = Knobs(
     ds3_gather_for_generation=True,
     use_liger_kernel=False,
     fsdp_offload=False,
+    use_cpu=False,
     learning_rate=1e-6,
     loss_type="dapo",
 )
@@ -437,7 +439,7 @@ REACH: dict[str, frozenset[str]] = {
         "offload_during_generation", "dataloader_num_workers", "dataloader_prefetch_factor", "gradient_checkpointing",
         "zero_stage",
         "offload_optimizer", "offload_params", "fsdp_offload", "bf16", "fp16", *DS_SIZE_KNOBS, "overlap_comm",
-        "ds3_gather_for_generation", "use_liger_kernel",
+        "ds3_gather_for_generation", "use_liger_kernel", "use_cpu",
         "learning_rate", "loss_type",
     }),
     "trainer": frozenset({"lora_r", "lora_alpha", "lora_target_modules", "max_prompt_tokens", "dtype", "load_in_4bit"}),

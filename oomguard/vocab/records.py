@@ -500,6 +500,16 @@ class ProbeDecided:
 
 
 @dataclass(frozen=True)
+class Adapted:
+    """``adapted``: oomguard set ``knob`` to ``value`` so that the command runs where it is launched (not for memory:
+    ``use_cpu`` for DeepSpeed's CPU ranks), and why."""
+
+    knob: str
+    value: Any = None
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class ProcessStarted:
     """``start``: a Python process of the attempt with oomguard's bootstrap, where it runs (host and PID namespace)
     and whether multiprocessing started it to serve another (a ``helper``, never a training process)."""
@@ -563,7 +573,7 @@ class OtherEvent:
 
 
 ChildEvent = (CodeSeen | ModelSeen | DatasetSeen | TrainBegin | StepDone | CheckpointSaved | OOMRaised | ConfigGenerated
-              | PreflightStop | ProbeDecided | ProcessStarted | ProcessEnded | OverrideFailed | PatchFailed
+              | PreflightStop | ProbeDecided | Adapted | ProcessStarted | ProcessEnded | OverrideFailed | PatchFailed
               | OtherEvent)
 
 
@@ -614,6 +624,8 @@ def parse_event(d: dict[str, Any]) -> ChildEvent:
     if name == "probe_decision" and d.get("decided") in ("run", "probe"):
         return ProbeDecided(str(d["decided"]), _int(d.get("predicted_bytes")), _int(d.get("capacity")),
                             _int(d.get("limit")), str(d.get("why") or ""))
+    if name == "adapted" and isinstance(d.get("knob"), str):
+        return Adapted(d["knob"], d.get("value"), str(d.get("why") or ""))
     if name == "start":
         return ProcessStarted(where=d.get("where") if isinstance(d.get("where"), str) else None,
                               helper=d.get("helper") is True, **who)

@@ -8,7 +8,8 @@ Variants (``VARIANTS``, ``build(path, **VARIANTS[name])``): ``tiny`` is the test
 MLP (~16M parameters), so weights, gradients and AdamW state are ~95% of its peak: bench/scenarios.py's
 weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do; ``deep`` is 16
 thin layers (~11M parameters), where ZeRO-3's whole-model gather for generation is what a rank runs out of; ``long`` is
-``tiny`` with a 64k context window, as released models have (tests/test_vllm.py: vLLM holds one sequence of it).
+``tiny`` with a 64k context window, as released models have (tests/test_vllm.py: vLLM holds one sequence of it);
+``kv`` is 16 layers of hidden 128 without GQA, whose generation batch is what runs out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a Qwen2 with ChatML specials, as ms-swift's `qwen` template writes prompts, and a vocabulary padded to 16k as
     # released models pad theirs: its logits, not its weights, make its GRPO peak (tests/test_swift.py)
     "qwen": {"arch": "qwen2", "padded_vocab": 16384},
+    # many layers of few parameters without GQA: its KV cache per token is large against its weights, so the rows it
+    # generates at once, not its training micro-batch, make its GRPO peak (tests/test_generation_rounds.py)
+    "kv": {"hidden": 128, "layers": 16, "intermediate": 256, "heads": 4, "kv_heads": 4},
 }
 
 # Written last into a finished build: what it was built from. A directory whose stamp differs is not reused.

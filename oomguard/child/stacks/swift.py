@@ -105,6 +105,8 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
         args.torch_dtype = ov.dtype
         if ov.dtype != "float32" and not _cuda():  # swift turns 16-bit mixed precision on, which needs use_cpu here
             args.use_cpu = True
+            rt.adapt("use_cpu", True, "ms-swift turns 16-bit mixed precision on with a 16-bit dtype, which needs "
+                                      "use_cpu where there is no GPU")
     if ov.zero_stage:
         args.deepspeed = f"zero{int(ov.zero_stage)}" + ("_offload" if ov.offload_optimizer or ov.offload_params
                                                          else "")
