@@ -136,13 +136,31 @@ def _trainable(spec: ModelSpec, g: _Regime) -> tuple[int, list[int], int]:
     return lora_trainable_params(spec, g.r, tuple(g.targets)), tensors, g.b_a
 
 
+def _optimizer_order(spec: ModelSpec) -> list[int]:
+    """A full fine-tune's tensors (element counts) in the order the Trainer's optimizer steps through them: its
+    weight-decay group first (the embedding, an untied head and every projection, layer by layer), then the norms
+    and biases (transformers' ``get_decay_parameter_names``).
+
+    >>> spec = ModelSpec(100, 8, 2, 2, 2, 4, 16, True)
+    >>> _optimizer_order(spec)[:8]
+    [800, 64, 64, 64, 64, 128, 128, 128]
+    """
+    decay = [spec.vocab_size * spec.hidden_size] * (1 if spec.tie_word_embeddings else 2)
+    decay += [a * b for a, b in spec.projections().values()] * spec.num_layers
+    rest = list(spec.param_tensors())
+    for t in decay:  # what param_tensors() lists besides them: norms and biases
+        rest.remove(t)
+    return decay + rest
+
+
 def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
     """T1 weights, T2 reference, T4 gradients and T5 optimizer on one device, before any sharding."""
     trainable, train_tensors, b_t = _trainable(spec, g)
     n_lora = trainable if g.lora else 0
     n_emb = 0 if g.lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
     opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
-                                                      g.simulated, embeddings=n_emb)
+                                                      g.simulated, embeddings=n_emb,
+                                                      order=None if g.lora else _optimizer_order(spec))
     return _Persistent(
         weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,

@@ -221,12 +221,30 @@ def _logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_t
             "grad_weight": grad_weight}
 
 
+def single_tensor_transient(order: list[int]) -> int:
+    """Elements torch's single-tensor AdamW holds at once beyond its state (the CPU has no foreach kernels): for each
+    tensor, ``exp_avg_sq.sqrt()`` and its quotient by the bias correction (the denominator), while the previous
+    tensor's denominator is still bound to the loop's variable (measured on the simulated device: three times a
+    tensor's size where two tensors of that size follow each other, twice where it follows a smaller one).
+
+    >>> single_tensor_transient([16, 4, 4, 4]), single_tensor_transient([16, 16, 16, 4])
+    (32, 48)
+    """
+    out, prev = 0, 0
+    for t in order:
+        out = max(out, prev + 2 * t)
+        prev = t
+    return out
+
+
 def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
-                     embeddings: int = 0) -> tuple[int, int, str | None]:
+                     embeddings: int = 0, order: list[int] | None = None) -> tuple[int, int, str | None]:
     """T5: (state bytes, transient bytes of one step, note) for the trainable tensors (element counts).
 
     The first ``embeddings`` tensors are ``nn.Embedding`` weights: transformers gives them 32-bit bitsandbytes
-    states (``transformers/trainer.py:1328-1339``).
+    states (``transformers/trainer.py:1328-1339``). ``order``: the tensors in the order the optimizer steps through
+    them (the Trainer's weight-decay group, then the rest; default ``tensors``), which sets torch's single-tensor
+    AdamW temporaries on the CPU (``single_tensor_transient``).
     """
     o = optim.lower()
     n = sum(tensors)
@@ -260,7 +278,6 @@ def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bo
     if "fused" in o:
         return state, 0, None
     if simulated:
-        # CPU has no foreach kernels: the single-tensor path makes sqrt(exp_avg_sq) and its quotient per tensor
-        return state, 2 * b_param * biggest, None
+        return state, b_param * single_tensor_transient(order or tensors), None
     # CUDA foreach path: _foreach_sqrt(exp_avg_sqs) materialises one state's worth (research §3 T5)
     return state, b_param * n, None
