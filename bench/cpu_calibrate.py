@@ -59,6 +59,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                  intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=2048,
                  hidden_act="silu"),
+    # weights-heavy: one wide layer (48M parameters), so weights, gradients and optimizer state are ~90% of the peak
+    "wide": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2048, hidden_size=1792,
+                 intermediate_size=7168, num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=14,
+                 head_dim=128, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                 hidden_act="silu", attention_bias=False, mlp_bias=False),
 }
 
 
@@ -133,6 +138,9 @@ GRID: list[Config] = [
     replace(BASE, name="llama-full-autocast-8bit", bf16=True, optim="adamw_bnb_8bit"),
     replace(BASE, name="qwen-full-autocast", arch="qwen", bf16=True),
     replace(BASE, name="qwen-lora16-autocast", arch="qwen", bf16=True, lora_r=16),
+    # a full fine-tune whose memory is mostly weights, gradients and optimizer state
+    replace(BASE, name="wide-full-c64", arch="wide", C=64),
+    replace(BASE, name="wide-full-8bit-c64", arch="wide", C=64, optim="adamw_bnb_8bit"),
 ]
 QUICK = ["llama-full-c128", "llama-full-nogc", "llama-lora16", "qwen-full-c128"]
 # Unsloth's CPU backend (no native bf16 here: fp32 weights, no autocast): LoRA as its notebooks set it up, the head

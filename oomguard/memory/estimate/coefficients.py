@@ -28,7 +28,7 @@ STOP_ALLOWANCE = 0.02
 # measured by bench/cpu_calibrate.py --stack unsloth: tests/fixtures/stacks/cpu-rows-unsloth.json, checked by
 # tests/test_unsloth_units.py): (the largest over-prediction, the largest under-prediction), as fractions of the
 # measured peak.
-SIMULATED_HEAD_ERROR = {"fused": (0.004, 0.014), "logits": (0.277, 0.03), "rowchunk": (0.104, 0.004)}
+SIMULATED_HEAD_ERROR = {"fused": (0.005, 0.015), "logits": (0.277, 0.03), "rowchunk": (0.104, 0.004)}
 # How each head is named in a margin's source.
 HEAD_NAMES = {"fused": "the fused LM head of TRL 1.15 on", "logits": "the logits LM head of TRL 0.29-1.14",
               "rowchunk": "Unsloth's row-chunked CPU LM head"}
