@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomguard.child.patches import apply_config, observe_config
+from oomguard.child.config import apply_config, observe_config
 from oomguard.child.runtime import Runtime
 from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.oom.diagnose import diagnose

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomguard.child.patches import CONFIG_KNOBS
+from oomguard.child.config import CONFIG_KNOBS
 from oomguard.decide.ladder import Exhausted, available_ladders, load_ladder
 from oomguard.oom.diagnose import diagnose
 from oomguard.strategies import Context
@@ -100,7 +100,7 @@ def test_every_step_builds_a_real_grpo_config(ladder, monkeypatch, tmp_path):
 
 def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):
     """The patch applies overrides before TRL's own validation; the result must still validate."""
-    from oomguard.child.patches import apply_config
+    from oomguard.child.config import apply_config
     from oomguard.child.runtime import Runtime
     from oomguard.vocab.protocol import Plan
 
@@ -122,7 +122,7 @@ def test_the_probe_and_the_overrides_go_through_the_real_post_init(tmp_path):
 def test_a_config_that_evaluates_is_probed_with_one_evaluation_pass_and_no_save_when_it_saves_none(tmp_path):
     """The probe's one evaluation comes at its last step (the optimizer state exists by then); evaluation on start is
     left out, and a config that saves nothing saves nothing in the probe either. The result passes TRL's own checks."""
-    from oomguard.child.patches import apply_config
+    from oomguard.child.config import apply_config
     from oomguard.child.runtime import Runtime
     from oomguard.vocab.protocol import Plan
 

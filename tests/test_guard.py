@@ -151,7 +151,7 @@ def test_style_a_the_run_patches_reach_trls_real_grpo_config_in_each_call_and_ar
     """A function that builds its own GRPOConfig: the first call's config is recorded as the user's, the rung
     climbed after its OOM is in the second call's config, and TRL's GRPOConfig is TRL's own again after the guard."""
     trl = pytest.importorskip("trl")
-    from oomguard.child import patches
+    from oomguard.child import patching
 
     configs = []
 
@@ -169,7 +169,7 @@ def test_style_a_the_run_patches_reach_trls_real_grpo_config_in_each_call_and_ar
     assert r.original["max_completion_length"] == 512 and r.diff  # read from the function's own GRPOConfig
     in_config = [row for row in r.diff if hasattr(configs[1], row["knob"])]
     assert in_config and all(getattr(configs[1], row["knob"]) == row["to"] for row in in_config), r.diff
-    assert patches._UNDO == []
+    assert patching.UNDO == []
     assert trl.GRPOConfig.__post_init__.__module__.startswith("trl")
     after = trl.GRPOConfig(output_dir=str(tmp_path / "never"), use_cpu=True, bf16=False, report_to=[],
                            max_completion_length=512)
@@ -183,7 +183,7 @@ def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
     """A function that builds its own GRPOTrainer: the run patches apply inside each call and are removed after.
     Slow: the test above takes the same patches through TRL's real GRPOConfig in a second, and
     test_plain_loop_recovers_and_really_releases_memory the release between attempts on the simulated device."""
-    from oomguard.child import patches
+    from oomguard.child import patching
 
     import grpo_tiny
 
@@ -205,7 +205,7 @@ def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
     assert r.original["max_completion_length"] == 64  # recorded from the function's GRPOConfig
     live = [a.memory["live_after_release"] for a in r.attempts[:-1]]
     assert all(x - live[0] < 64 * 1024 for x in live)  # no growth between attempts (library caches aside)
-    assert patches._UNDO == []  # every patch removed after the call
+    assert patching.UNDO == []  # every patch removed after the call
     import trl
 
     assert trl.GRPOConfig.__post_init__.__module__.startswith("trl")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.child import preflight
-from oomguard.child.patches import apply_config, apply_probe
+from oomguard.child.config import apply_config
+from oomguard.child.probe import apply_probe
 from oomguard.child.runtime import Runtime
 from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder

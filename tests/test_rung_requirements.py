@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from oomguard.child.patches import OPTIONAL_PACKAGES, missing_packages
+from oomguard.child.patching import OPTIONAL_PACKAGES, missing_packages
 from oomguard.decide.ladder import Exhausted, load_ladder
 from oomguard.strategies import Context
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts

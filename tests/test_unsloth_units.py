@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomguard.child import patches
+from oomguard.child import load, patches, trainer
 from oomguard.child.runtime import Runtime
 from oomguard.child.stacks import unsloth
 from oomguard.decide.climb import Climb
@@ -182,7 +182,7 @@ def test_a_model_with_checkpointing_on_already_trains_with_it_whatever_the_confi
         r=8, lora_alpha=16, target_modules={"q_proj", "v_proj"})})
     args = SimpleNamespace(model_init_kwargs=None)
     module = SimpleNamespace(GRPOConfig=None)
-    patches.prepare_trainer_args(rt, {"model": model, "args": args}, module)
+    trainer.prepare_trainer_args(rt, {"model": model, "args": args}, module)
     assert rt.knobs().gradient_checkpointing is True and rt.resolved == {"gradient_checkpointing": True}
     assert (rt.knobs().lora_r, rt.knobs().lora_target_modules) == (8, ("q_proj", "v_proj"))
 
@@ -198,7 +198,7 @@ def test_a_4bit_weight_s_quantisation_state_is_on_the_device():
     qs = SimpleNamespace(absmax=absmax, code=None, state2=SimpleNamespace(absmax=nested, code=None, state2=None))
     layer = torch.nn.Linear(2, 2)
     layer.weight.quant_state = qs
-    got = patches.device_tensors(layer)
+    got = load.device_tensors(layer)
     assert any(t is absmax for t in got) and any(t is nested for t in got)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-from oomguard.child import patches
+from oomguard.child import datasets
 from oomguard.child.runtime import Runtime
 from oomguard.memory import device
 from oomguard.vocab.protocol import Plan
@@ -17,14 +17,14 @@ def _lines(capsys) -> list[str]:
 
 def test_a_tokenizer_that_fails_to_load_is_one_warning(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(patches, "_TOKENIZER_WARNED", False)
+    monkeypatch.setattr(datasets, "TOKENIZER_WARNED_ONCE", False)
     missing = str(tmp_path / "no-such-model")
-    assert patches._tokenizer_for(None, missing) is None
-    assert patches._tokenizer_for(None, missing) is None
+    assert datasets.tokenizer_for(None, missing) is None
+    assert datasets.tokenizer_for(None, missing) is None
     (line,) = _lines(capsys)
     assert line.startswith("oomguard: warning: could not load the tokenizer of") and missing in line
     assert "counted in words" in line
-    assert patches.prompt_lengths(["four words right here"], None) == [4]  # the fallback it warned about
+    assert datasets.prompt_lengths(["four words right here"], None) == [4]  # the fallback it warned about
 
 
 def test_events_that_cannot_be_written_are_one_warning(tmp_path, capsys):

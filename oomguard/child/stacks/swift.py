@@ -19,7 +19,7 @@ swift's own construction points instead, in the training process (ms-swift 4.x):
 - ``swift.rlhf_trainers.grpo_trainer.GRPOTrainer.__init__``: once built, what TRL's trainer patch does after its
   init (the model's shape, the prompts' lengths, the progress callback, the pre-flight).
 
-``vocab/stacks.py`` holds the flags the diff and the lock are written in (``SWIFT_FLAGS``).
+``vocab/stacks.py`` holds the flags the diff and the lock are written in.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import inspect
 from typing import Any
 
 from ...vocab.knobs import STACK_ONLY
+from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
 
 STACK = "swift"
@@ -135,7 +136,7 @@ def _cuda() -> bool:
 
 def patch_arguments(rt: Runtime, module: Any) -> None:
     """``RLHFArguments.__post_init__``: record the user's model-level settings, then set oomguard's."""
-    from ..patches import _set, missing_packages, overrides_reported
+    from ..patching import missing_packages, overrides_reported, set_attr
 
     cls = module.RLHFArguments
     orig = cls.__dict__["__post_init__"]
@@ -156,12 +157,13 @@ def patch_arguments(rt: Runtime, module: Any) -> None:
                                                  "stack": STACK, "trl_lacks": lacks(()),
                                                  "missing_packages": missing_packages()})
 
-    _set(cls, "__post_init__", __post_init__)
+    set_attr(cls, "__post_init__", __post_init__)
 
 
 def patch_config(rt: Runtime, module: Any) -> None:
     """Swift's ``GRPOConfig.__post_init__``: TRL's knobs, recorded and set before swift derives the batch geometry."""
-    from ..patches import _set, _world, apply_config, missing_packages, observe_config, overrides_reported
+    from ..config import apply_config, observe_config
+    from ..patching import missing_packages, overrides_reported, set_attr, world
     from ..trlcompat import features
 
     cls = module.GRPOConfig
@@ -172,7 +174,7 @@ def patch_config(rt: Runtime, module: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
             seen = {**observe_config(self), **observed_offload(self)}
             rt.observe(seen)
-            rt.emit("config", observed=seen, world_size=_world(),
+            rt.emit("config", observed=seen, world_size=world(),
                     facts={"stack": STACK, "missing_packages": missing_packages(), **features().facts(),
                            "trl_lacks": lacks(features().lacks())})
         object.__setattr__(self, "_oomguard_seen", True)
@@ -181,14 +183,16 @@ def patch_config(rt: Runtime, module: Any) -> None:
             apply_offload(rt, self)
             orig(self)
 
-    _set(cls, "__post_init__", __post_init__)
+    set_attr(cls, "__post_init__", __post_init__)
 
 
 def patch_trainer(rt: Runtime, module: Any) -> None:
     """Swift's ``GRPOTrainer.__init__``: once built, the model's shape, the prompts' lengths, the progress callback
     and the pre-flight, as after TRL's own trainer."""
     from ..callback import make_callback
-    from ..patches import _after_init, _set, _tokenizer_for, emit_prompt_stats
+    from ..datasets import emit_prompt_stats, tokenizer_for
+    from ..patching import set_attr
+    from ..trainer import after_init
 
     cls = module.GRPOTrainer
     orig = cls.__dict__["__init__"]
@@ -198,17 +202,17 @@ def patch_trainer(rt: Runtime, module: Any) -> None:
         orig(self, *args, **kwargs)
         rt.trainer = self
         dataset = getattr(self, "train_dataset", None)
-        tok = _tokenizer_for(getattr(self, "processing_class", None) or getattr(self, "tokenizer", None),
+        tok = tokenizer_for(getattr(self, "processing_class", None) or getattr(self, "tokenizer", None),
                              getattr(self, "model", None))
         emit_prompt_stats(rt, prompts_of(dataset), tok)
         self.add_callback(make_callback(rt))
-        _after_init(rt, self)
+        after_init(rt, self)
 
     __init__.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
-    _set(cls, "__init__", __init__)
+    set_attr(cls, "__init__", __init__)
 
 
-def prompts_of(dataset: Any, limit: int = 20000) -> list[Any]:
+def prompts_of(dataset: Any, limit: int = PROMPT_STATS_ROWS) -> list[Any]:
     """The prompts of swift's rows (``messages`` without the last assistant turn), at most ``limit`` of them.
 
     >>> prompts_of([{"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}])

@@ -12,7 +12,7 @@ training process (unsloth 2026.x, CPU backend and GPU path alike):
   oomguard sets.
 - ``FastLanguageModel.get_peft_model``: ``use_gradient_checkpointing`` set from oomguard's checkpointing knob. The
   rank, targets and checkpointing it applies are read from the model the trainer receives (``patches``).
-- The trainer: the GRPOTrainer patch follows whatever class ``trl.GRPOTrainer`` names (``patches.watch_rebinding``):
+- The trainer: the GRPOTrainer patch follows whatever class ``trl.GRPOTrainer`` names (``trainer.watch_rebinding``):
   on a GPU Unsloth binds a class it generates into ``unsloth_compiled_cache/``, a rewritten copy of TRL's.
 - :func:`facts`, asked once the trainer is built: the LM head the memory model must count. On Unsloth's CPU backend
   TRL's fused head is routed to Unsloth's row-chunked torch code (``rowchunk``); Unsloth's generated trainer computes
@@ -69,10 +69,10 @@ def observed_model(model: Any) -> dict[str, Any]:
     >>> observed_model(SimpleNamespace(is_loaded_in_4bit=True, dtype=torch.bfloat16))
     {'load_in_4bit': True, 'dtype': 'bfloat16'}
     """
-    from ..patches import _dtype_name
+    from ..patching import dtype_name
 
     out: dict[str, Any] = {"load_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False))}
-    dtype = _dtype_name(getattr(model, "dtype", None))
+    dtype = dtype_name(getattr(model, "dtype", None))
     if dtype:
         out["dtype"] = dtype
     return out
@@ -99,7 +99,7 @@ def apply_loader(rt: Runtime, kwargs: dict[str, Any]) -> None:
 
 def patch_unsloth(rt: Runtime, module: Any) -> None:
     """When ``unsloth`` is imported: its loaders, and the facts the trainer patch asks for."""
-    from ..patches import _set
+    from ..patching import set_attr
 
     rt.stack_facts.append(facts)
     rt.emit("facts", facts=dict(LOADER_FACTS))
@@ -112,7 +112,7 @@ def patch_unsloth(rt: Runtime, module: Any) -> None:
         for method, wrap in (("from_pretrained", _from_pretrained), ("get_peft_model", _get_peft_model)):
             orig = getattr(cls, method, None)
             if orig is not None and not getattr(orig, "_oomguard", False):
-                _set(cls, method, staticmethod(wrap(rt, orig)))
+                set_attr(cls, method, staticmethod(wrap(rt, orig)))
 
 
 def _from_pretrained(rt: Runtime, orig: Any) -> Any:

@@ -48,7 +48,7 @@ def platform_facts() -> dict[str, Any]:
 
 def patch_trl(rt: Runtime, module: Any) -> None:
     """Wrap the ``LLM`` name of TRL's ``trl.generation.vllm_generation``: what runs before vLLM starts."""
-    from ..patches import _set
+    from ..patching import set_attr
 
     orig = module.__dict__.get("LLM")
     if orig is None:  # vLLM is not installed: TRL imports its LLM only where it is
@@ -58,7 +58,7 @@ def patch_trl(rt: Runtime, module: Any) -> None:
         before_start(rt, kwargs)
         return orig(*args, **kwargs)
 
-    _set(module, "LLM", LLM)
+    set_attr(module, "LLM", LLM)
 
 
 def before_start(rt: Runtime, kwargs: dict[str, Any]) -> None:
@@ -72,7 +72,7 @@ def before_start(rt: Runtime, kwargs: dict[str, Any]) -> None:
         if rank() in (None, 0):
             sys.stderr.write(EAGER_LINE)
     if rt.model_config is None and isinstance(kwargs.get("model"), str):
-        from ..patches import checkpoint_config
+        from ..load import checkpoint_config
 
         config = checkpoint_config(kwargs["model"], {})
         if config is not None:
@@ -94,12 +94,12 @@ def size_like_a_gpu(rt: Runtime, module: Any) -> None:
         return
     from vllm.utils.cpu_resource_utils import MemoryNodeInfo
 
-    from ..patches import _set
+    from ..patching import set_attr
 
     def node_info(node_id: int = 0) -> MemoryNodeInfo:
         return MemoryNodeInfo(total_memory=dev.capacity, available_memory=max(0, dev.capacity - in_use(dev)))
 
-    _set(module, "get_memory_node_info", node_info)
+    set_attr(module, "get_memory_node_info", node_info)
     worker = module.CPUWorker
     orig_init = worker.__dict__["__init__"]
     orig_determine = worker.__dict__["determine_available_memory"]
@@ -131,8 +131,8 @@ def size_like_a_gpu(rt: Runtime, module: Any) -> None:
                 capacity=dev.capacity, utilization=self.cache_config.gpu_memory_utilization)
         return kv
 
-    _set(worker, "__init__", __init__)
-    _set(worker, "determine_available_memory", determine_available_memory)
+    set_attr(worker, "__init__", __init__)
+    set_attr(worker, "determine_available_memory", determine_available_memory)
 
 
 def in_use(dev: Any) -> int:

@@ -1,0 +1,98 @@
+"""The script's datasets as the memory model needs them: prompt lengths in tokens (its tokenizer's, else words),
+``max_prompt_tokens`` applied, and the ``dataset`` event; the probe's worst-case cut is ``probe``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from .runtime import Runtime
+
+PROMPT_STATS_ROWS = 20000
+
+def _prompt_texts(rows: list[Any], tokenizer: Any) -> list[str]:
+    texts = []
+    for p in rows:
+        if isinstance(p, list) and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            texts.append(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True))
+        elif isinstance(p, list):
+            texts.append(" ".join(str(m.get("content", "")) for m in p if isinstance(m, dict)))
+        else:
+            texts.append(str(p))
+    return texts
+
+def prompt_lengths(rows: list[Any], tokenizer: Any) -> list[int]:
+    texts = _prompt_texts(rows, tokenizer)
+    if tokenizer is None:
+        return [len(t.split()) for t in texts]
+    enc = tokenizer(texts, add_special_tokens=False)
+    return [len(ids) for ids in enc["input_ids"]]
+
+def tokenizer_for(tokenizer: Any, model: Any) -> Any:
+    if tokenizer is not None and hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer
+    if tokenizer is not None and hasattr(tokenizer, "tokenizer"):
+        return tokenizer.tokenizer  # a processor
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:
+        global TOKENIZER_WARNED_ONCE
+        if not TOKENIZER_WARNED_ONCE:
+            TOKENIZER_WARNED_ONCE = True
+            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            sys.stderr.write(f"oomguard: warning: could not load the tokenizer of {name!r} ({type(e).__name__}"
+                             f"{': ' + why if why else ''}), so prompt lengths are counted in words, not tokens: "
+                             "max_prompt_tokens and the memory model's prompt lengths are approximate; pass "
+                             "processing_class= to GRPOTrainer\n")
+        return None
+
+TOKENIZER_WARNED_ONCE = False
+
+def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args: Any = None) -> Any:
+    """Measure prompt lengths and apply max_prompt_tokens (a probe's cut to the longest prompt is
+    ``probe.probe_train_dataset``'s)."""
+    if isinstance(dataset, dict) or not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []):
+        return dataset
+    tok = tokenizer_for(tokenizer, model)
+    limit = rt.overrides.max_prompt_tokens
+    n = len(dataset) if hasattr(dataset, "__len__") else None
+    if n is None:  # IterableDataset: filter lazily, no statistics
+        if limit:
+            rt.emit("dataset", rows=None, dropped=None, max_prompt_tokens=limit)
+            return dataset.filter(lambda row: prompt_lengths([row["prompt"]], tok)[0] <= limit)
+        return dataset
+    if n == 0:
+        return dataset
+    step = max(1, math.ceil(n / PROMPT_STATS_ROWS))
+    sample_idx = list(range(0, n, step))
+    lengths = prompt_lengths([dataset[i]["prompt"] for i in sample_idx], tok)
+    ordered = sorted(lengths)
+    stats = _stats(n, ordered, step > 1)
+    out = dataset
+    if limit:
+        all_len = lengths if step == 1 else prompt_lengths(list(dataset["prompt"]), tok)
+        keep = [i for i, length in enumerate(all_len) if length <= limit]
+        dropped = n - len(keep)
+        if keep:
+            out = dataset.select(keep)
+        stats.update(dropped=dropped, max_prompt_tokens=limit)
+        sys.stderr.write(f"oomguard: max_prompt_tokens={limit} dropped {dropped} of {n} prompts "
+                         f"(longest was {ordered[-1]} tokens)\n")
+    rt.emit("dataset", **stats)
+    return out
+
+def _stats(rows: int, ordered: list[int], sampled: bool) -> dict[str, Any]:
+    return {"rows": rows, "prompt_tokens_max": ordered[-1],
+            "prompt_tokens_p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "sampled": sampled}
+
+def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any) -> None:
+    """The ``dataset`` event for prompts a stack's trainer holds in its own format (the memory model's prompt
+    length); nothing is filtered or reordered."""
+    if not prompts:
+        return
+    rt.emit("dataset", **_stats(len(prompts), sorted(prompt_lengths(prompts, tok)), False))

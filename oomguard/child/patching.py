@@ -1,0 +1,89 @@
+"""The patching mechanism the training process's patches share: attributes set on TRL's and transformers' classes
+and taken back (``remove``), values read off them, the run's rank count, the optional packages it has, and how an
+error in oomguard's own overrides is reported. Everything a construction point's patch (``config``, ``trainer``,
+``load``) or a stack adapter (``stacks/``) needs from another is public here or in those modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from typing import Any
+
+from .runtime import Runtime
+
+UNDO: list[Callable[[], None]] = []
+
+def set_attr(owner: Any, name: str, value: Any) -> None:
+    if name in owner.__dict__:
+        old = owner.__dict__[name]
+        UNDO.append(lambda: setattr(owner, name, old))
+    else:  # inherited: removing ours restores the base class's
+        UNDO.append(lambda: delattr(owner, name))
+    setattr(owner, name, value)
+
+def remove() -> None:
+    """Restore every patched attribute (last patched first)."""
+    while UNDO:
+        UNDO.pop()()
+
+def plain(v: Any) -> Any:
+    value = getattr(v, "value", v)  # enums such as OptimizerNames
+    if value is not None and not isinstance(value, (bool, int, float, str, list, tuple)):
+        return str(value)
+    return value
+
+def dtype_name(d: Any) -> str | None:
+    if d is None:
+        return None
+    s = str(d)
+    return s.split(".", 1)[1] if s.startswith("torch.") else s
+
+def world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+# Packages some rungs need (LoRA: peft; 8-bit and 4-bit: bitsandbytes; ZeRO: deepspeed; Liger's loss: liger_kernel),
+# checked where they are used.
+OPTIONAL_PACKAGES = ("peft", "bitsandbytes", "deepspeed", "liger_kernel")
+
+def missing_packages() -> list[str]:
+    """The optional packages this training environment lacks: installed (a distribution, as transformers checks for
+    DeepSpeed) and findable, without importing them."""
+    out = []
+    for name in OPTIONAL_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None and bool(metadata.version(name))
+        except (ImportError, ValueError, metadata.PackageNotFoundError):
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+@contextlib.contextmanager
+def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
+    """An error raised while oomguard's overrides are applied is reported (event ``override_error``) before it
+    propagates: the supervisor then takes back the rung that set them instead of passing the failure through."""
+    try:
+        yield
+    except Exception as e:
+        if rt.overrides.to_dict(only_set=True) and not rt.crashed:
+            from ..oom.parse import is_oom
+
+            if not is_oom(e):
+                rt.emit("override_error", where=where, error=f"{type(e).__name__}: {e}"[:2000],
+                        overrides=sorted(rt.overrides.to_dict(only_set=True)))
+        raise
+
+def evaluates(cfg: Any) -> bool:
+    """Whether a TrainingArguments (before or after its ``__post_init__``) asks for evaluation during training."""
+    return str(plain(getattr(cfg, "eval_strategy", None)) or "no").lower() not in ("no", "none")
+
+def saves(cfg: Any) -> bool:
+    """Whether a TrainingArguments asks for checkpoints during training."""
+    return str(plain(getattr(cfg, "save_strategy", None)) or "no").lower() not in ("no", "none")
