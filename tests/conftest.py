@@ -26,6 +26,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the models are local: a test never waits on the network
+# an event, a field or a fact the supervisor does not know is an error here (for users, a warning said once)
+os.environ.setdefault("OOMGUARD_STRICT_EVENTS", "1")
 
 # Hypothesis: enough examples to matter, few enough for CI.
 try:

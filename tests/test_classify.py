@@ -18,17 +18,9 @@ from oomguard.oom.parse import parse_oom
 from oomguard.run.classify import Ranks, classify
 from oomguard.run.proc import ProcessResult
 from oomguard.run.verdict import conclude
+from oomguard.vocab.events import CodeSeen, OOMRaised, PreflightStop, ProcessEnded, ProcessStarted, StepDone
 from oomguard.vocab.knobs import TRL_DEFAULTS
-from oomguard.vocab.records import (
-    CodeSeen,
-    CrashRecord,
-    OOMRaised,
-    Outcome,
-    PreflightStop,
-    ProcessEnded,
-    ProcessStarted,
-    StepDone,
-)
+from oomguard.vocab.records import CrashRecord, Outcome
 
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.73 GiB of which "
             "1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "
@@ -243,10 +235,10 @@ def test_the_job_is_decided_once_whatever_order_the_ranks_wrote_in(tmp_path_fact
 def test_a_host_oom_kill_while_a_rank_saves_is_diagnosed_as_the_saves(tmp_path):
     """Trainer's _save_checkpoint reports that it began (a `saving` event); a process the kernel kills before the
     checkpoint is saved died of host RAM at a save, and the diagnosis says so. After the save, it is the run's."""
-    from oomguard.vocab.records import CheckpointSaved, OtherEvent
+    from oomguard.vocab.events import CheckpointSaved, Saving
 
     evidence = ["the cgroup's OOM-kill counter rose from 0 to 1 during the attempt (memory.events)"]
-    saving = [*trained(12, 1), OtherEvent("saving", {"step": 2})]
+    saving = [*trained(12, 1), Saving(step=2)]
     attempt, diag, _ = decide(tmp_path, result(-signal.SIGKILL, host_oom=evidence), saving)
     assert attempt.outcome == Outcome.OOM and (diag.kind, diag.phase) == ("host-ram", "save")
     assert any("checkpoint save" in e for e in diag.evidence)

@@ -223,7 +223,7 @@ def test_the_training_processes_report_picks_the_ladder_when_the_command_did_not
     report switches to the multi-gpu ladder before anything is climbed; an explicit --ladder is never switched."""
     from oomguard.display.ui import ConsoleReporter
     from oomguard.run.supervisor import RunOptions, Supervisor
-    from oomguard.vocab.records import CodeSeen
+    from oomguard.vocab.events import CodeSeen
 
     said: list[str] = []
     seen = CodeSeen("config", {"zero_stage": 2}, {"deepspeed": "GRPOConfig"}, 2)

@@ -21,9 +21,10 @@ from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder
 from oomguard.decide.plan import Guide, make_plan
 from oomguard.memory.estimate import ModelSpec, sure_limit, sure_to_fit
+from oomguard.vocab.events import CodeSeen, DatasetSeen, ProbeDecided, parse_event, read_events
 from oomguard.vocab.knobs import TRL_DEFAULTS
 from oomguard.vocab.protocol import Plan
-from oomguard.vocab.records import Attempt, ProbeDecided, parse_event, read_events
+from oomguard.vocab.records import Attempt
 
 MIB = 2**20
 TINY = {"model_type": "llama", "vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -39,8 +40,8 @@ def runtime(tmp: Path, capacity: int, probe: bool = True, sure: bool = True) -> 
     rt = Runtime(plan)
     rt.observe({"max_completion_length": 32, "num_generations": 4, "per_device_train_batch_size": 4,
                 "gradient_accumulation_steps": 1, "bf16": False})
-    rt.emit("config", facts={"trl_version": "1.16.0", "trl_head": "fused"})
-    rt.emit("dataset", rows=64, prompt_tokens_max=24, prompt_tokens_p95=24)
+    rt.emit(CodeSeen(point="config", facts={"trl_version": "1.16.0", "trl_head": "fused"}))
+    rt.emit(DatasetSeen(rows=64, prompt_tokens_max=24, prompt_tokens_p95=24))
     return rt
 
 
@@ -69,8 +70,8 @@ def test_a_config_near_the_edge_is_probed(tmp_path):
 
 
 @pytest.mark.parametrize("why, setup", [
-    ("newer than the tested releases", lambda rt: rt.emit("config", facts={"trl_version": "1.99.0"})),
-    ("no measurement covers", lambda rt: rt.emit("facts", facts={"stack_untested": "a trainer no measurement covers"})),
+    ("newer than the tested releases", lambda rt: rt.emit(CodeSeen(point="config", facts={"trl_version": "1.99.0"}))),
+    ("no measurement covers", lambda rt: rt.emit(CodeSeen(point="facts", facts={"stack_untested": "a trainer no measurement covers"}))),
     ("cannot judge", lambda rt: None),
 ])
 def test_what_the_model_cannot_be_sure_of_is_probed(tmp_path, why, setup):

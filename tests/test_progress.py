@@ -40,8 +40,9 @@ def test_the_live_view_follows_the_second_trainer(tmp_path):
     from oomguard.display.ui import ConsoleReporter
     from oomguard.run.supervisor import RunOptions, Supervisor
     from oomguard.run.watch import Watch as _Watch
+    from oomguard.vocab.events import EventTail
     from oomguard.vocab.knobs import Knobs
-    from oomguard.vocab.records import AttemptKind, EventTail
+    from oomguard.vocab.records import AttemptKind
 
     ui = ConsoleReporter(quiet=True, live=False)
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd"), ui)

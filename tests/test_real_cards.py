@@ -199,8 +199,8 @@ class FakeRuntime:
     def __init__(self) -> None:
         self.events: list[dict] = []
 
-    def emit(self, event, **data):
-        self.events.append({"event": event, **data})
+    def emit(self, ev):
+        self.events.append(ev.to_json())
 
 
 def test_a_rehearsed_card_leaves_the_allocator_its_size_minus_the_context(monkeypatch):
@@ -490,7 +490,7 @@ def test_a_pre_flight_stop_prints_one_line_for_the_job_and_every_rank_records_it
     else:
         monkeypatch.setenv("RANK", rank)
     seen = []
-    rt = SimpleNamespace(emit=lambda kind, **kw: seen.append(kind), end=lambda kind: seen.append(f"end:{kind}"),
+    rt = SimpleNamespace(emit=lambda ev: seen.append(ev.event_name()), end=lambda kind: seen.append(f"end:{kind}"),
                          stopping_on_purpose=lambda: seen.append("marked"))
     with pytest.raises(SystemExit) as stop:
         preflight._stop(rt, {"capacity": 64 << 20, "margin": 0.117}, 100 << 20, "this config needs 100 MiB",

@@ -21,9 +21,9 @@ from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder
 from oomguard.memory.estimate import SIMULATED_HEAD_ERROR, Coefficients, ModelSpec, estimate
 from oomguard.strategies import Context, make_remedy
+from oomguard.vocab.events import parse_event
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.protocol import Plan
-from oomguard.vocab.records import parse_event
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = json.loads((ROOT / "tests" / "fixtures" / "stacks" / "cpu-rows-unsloth.json").read_text())

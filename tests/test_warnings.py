@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 from oomguard.child import datasets
+from oomguard.vocab.events import CodeSeen, StepDone
 from oomguard.child.runtime import Runtime
 from oomguard.memory import device
 from oomguard.vocab.protocol import Plan
@@ -29,8 +30,8 @@ def test_a_tokenizer_that_fails_to_load_is_one_warning(tmp_path, monkeypatch, ca
 
 def test_events_that_cannot_be_written_are_one_warning(tmp_path, capsys):
     rt = Runtime(Plan(events=str(tmp_path / "gone" / "events.jsonl")))
-    rt.emit("config", observed={"max_completion_length": 512})
-    rt.emit("step", step=1)
+    rt.emit(CodeSeen(point="config", observed={"max_completion_length": 512}))
+    rt.emit(StepDone(step=1))
     (line,) = _lines(capsys)
     assert line.startswith("oomguard: warning: cannot write events to") and "your config" in line
     assert rt.observed == {} and "config" in rt.reached  # training goes on

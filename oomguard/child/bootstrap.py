@@ -13,6 +13,7 @@ import threading
 import traceback
 from typing import Any
 
+from ..vocab.events import PatchFailed, ProcessStarted
 from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
@@ -95,8 +96,8 @@ def install() -> Runtime | None:
     install_hooks(rt)
     install_excepthooks(rt)
     install_exit_records(rt)
-    rt.emit("start", argv=list(sys.argv), executable=sys.executable, where=whereabouts(),
-            helper=is_helper(list(getattr(sys, "orig_argv", None) or sys.argv)))
+    rt.emit(ProcessStarted(argv=tuple(sys.argv), executable=sys.executable, where=whereabouts(),
+            helper=is_helper(list(getattr(sys, "orig_argv", None) or sys.argv))))
     return rt
 
 
@@ -173,7 +174,7 @@ def reported(rt: Runtime, name: str, patch: Any) -> Any:
             patch(m)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"[:2000]
-            rt.emit("patch_failed", module=getattr(m, "__name__", "?"), patch=name, error=error)
+            rt.emit(PatchFailed(module=getattr(m, "__name__", "?"), patch=name, error=error))
             sys.stderr.write(f"oomguard: could not patch {getattr(m, '__name__', '?')} ({name}): {error}\n")
 
     return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..vocab.events import CheckpointSaved, Evaluated, StepDone, TrainBegin
 from .runtime import Runtime
 
 
@@ -15,9 +16,9 @@ def make_callback(rt: Runtime) -> Any:
         """Reports each step and its peak memory; empties the cache at step ends when the empty_cache rung is on."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("train_begin", step=state.global_step, max_steps=state.max_steps,
+            rt.emit(TrainBegin(step=state.global_step, max_steps=state.max_steps,
                     save_steps=getattr(args, "save_steps", None), save_strategy=str(getattr(args, "save_strategy", "")),
-                    output_dir=args.output_dir)
+                    output_dir=args.output_dir))
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # Before the first step allocates the long-lived optimizer state: without this, that state is carved
@@ -26,7 +27,7 @@ def make_callback(rt: Runtime) -> Any:
                 rt.empty_cache()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("step", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
+            rt.emit(StepDone(step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
             while rt.after_first_step:
                 rt.after_first_step.pop(0)()
             if rt.overrides.torch_empty_cache_steps == 1:
@@ -34,16 +35,16 @@ def make_callback(rt: Runtime) -> Any:
 
         def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # an evaluation pass runs after the step's end: its peak is the process's peak so far
-            rt.emit("evaluated", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes(),
-                    host_peak=host_peak())
+            rt.emit(Evaluated(step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes(),
+                    host_peak=host_peak()))
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("checkpoint", step=state.global_step,
+            rt.emit(CheckpointSaved(step=state.global_step,
                     path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), peak=rt.peak_bytes(),
-                    host_peak=host_peak())
+                    host_peak=host_peak()))
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rt.emit("train_end", step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes())
+            rt.emit(StepDone(final=True, step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
 
     return OOMGuardCallback()
 

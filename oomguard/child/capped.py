@@ -27,6 +27,7 @@ from typing import Any
 
 from ..memory import device
 from ..memory.estimate import Coefficients
+from ..vocab.events import DeviceMeasured
 from .runtime import Runtime
 
 ASSUMED_CONTEXT = Coefficients().m_ctx  # until measured: what GRPO processes held at their real OOMs
@@ -55,8 +56,8 @@ def measure(torch: Any, index: int, baseline: int | None) -> tuple[int | None, s
 
 
 def _report(rt: Runtime, size: int, context: int, measured: int | None, how: str, total: int, final: bool) -> None:
-    rt.emit("device", gpu_memory=size, context_bytes=context, measured_bytes=measured, how=how,
-            allocator_bytes=size - context, total=total, final=final)
+    rt.emit(DeviceMeasured(gpu_memory=size, context_bytes=context, measured_bytes=measured, how=how,
+            allocator_bytes=size - context, total=total, final=final))
 
 
 def at_start(rt: Runtime, torch: Any, size: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..vocab.events import CodeSeen
 from .patching import missing_packages, overrides_reported, plain, set_attr, world
 from .probe import apply_probe
 from .runtime import Runtime
@@ -83,10 +84,10 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
             from .trlcompat import features
 
             rt.observe(observe_config(self))
-            rt.emit("config", observed=observe_config(self), world_size=world(),
+            rt.emit(CodeSeen(point="config", observed=observe_config(self), world_size=world(),
                     facts={"fsdp": bool(fsdp_options(getattr(self, "fsdp", None))),
                            "deepspeed": user_deepspeed(self)[1], "missing_packages": missing_packages(),
-                           **features().facts()})
+                           **features().facts()}))
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "GRPOConfig"):
             apply_config(rt, self)

@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any
 
+from ..vocab.events import DatasetSeen
 from .runtime import Runtime
 
 PROMPT_STATS_ROWS = 20000
@@ -63,7 +64,7 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
     n = len(dataset) if hasattr(dataset, "__len__") else None
     if n is None:  # IterableDataset: filter lazily, no statistics
         if limit:
-            rt.emit("dataset", rows=None, dropped=None, max_prompt_tokens=limit)
+            rt.emit(DatasetSeen(rows=None, dropped=None, max_prompt_tokens=limit))
             return dataset.filter(lambda row: prompt_lengths([row["prompt"]], tok)[0] <= limit)
         return dataset
     if n == 0:
@@ -83,7 +84,7 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
         stats.update(dropped=dropped, max_prompt_tokens=limit)
         sys.stderr.write(f"oomguard: max_prompt_tokens={limit} dropped {dropped} of {n} prompts "
                          f"(longest was {ordered[-1]} tokens)\n")
-    rt.emit("dataset", **stats)
+    rt.emit(DatasetSeen(**stats))
     return out
 
 def _stats(rows: int, ordered: list[int], sampled: bool) -> dict[str, Any]:
@@ -95,4 +96,4 @@ def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any) -> None:
     length); nothing is filtered or reordered."""
     if not prompts:
         return
-    rt.emit("dataset", **_stats(len(prompts), sorted(prompt_lengths(prompts, tok)), False))
+    rt.emit(DatasetSeen(**_stats(len(prompts), sorted(prompt_lengths(prompts, tok)), False)))

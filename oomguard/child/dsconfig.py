@@ -30,6 +30,7 @@ import tempfile
 from typing import Any
 
 from ..vocab.distributed import deepspeed_config, ds_config_sizes, load_user_deepspeed, observe_deepspeed
+from ..vocab.events import ConfigGenerated
 from ..vocab.knobs import DS_SIZE_KNOBS
 from .runtime import Runtime
 
@@ -93,7 +94,7 @@ def apply(rt: Runtime, cfg: Any) -> None:
             own = getattr(cfg, "deepspeed", None)
             replaces = (str(own) if isinstance(own, str) else "your dict (GRPOConfig.deepspeed)" if own
                         else "accelerate's, from its --config_file" if source == "accelerate" else None)
-            rt.emit("generated", kind="deepspeed", path=target, config=generated, replaces=replaces)
+            rt.emit(ConfigGenerated(kind="deepspeed", path=target, config=generated, replaces=replaces))
             rt._deepspeed_emitted = True  # type: ignore[attr-defined]
         cfg.deepspeed = target or generated
     if (getattr(cfg, "deepspeed", None) or _flag("ACCELERATE_USE_DEEPSPEED")) and not getattr(cfg, "use_cpu", True) \

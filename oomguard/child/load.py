@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+from ..vocab.events import ModelSeen, WeightsFrom
 from .patching import dtype_name, plain, set_attr
 from .runtime import Runtime
 
@@ -56,7 +57,7 @@ def record_model(rt: Runtime, model: Any) -> None:
         params = sum(p.numel() for p in model.parameters())
     except Exception:
         params = None
-    rt.emit("model", config=rt.model_config, params=params, dtype=dtype_name(getattr(model, "dtype", None)))
+    rt.emit(ModelSeen(config=rt.model_config, params=params, dtype=dtype_name(getattr(model, "dtype", None))))
 
 def weights_checkpoint(rt: Runtime) -> str | None:
     """The checkpoint whose weights a new run starts from, after a rung that a checkpoint cannot continue."""
@@ -100,7 +101,7 @@ def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) 
         return
     # a script that imported GRPOTrainer will build one: its knobs (LoRA) reach the next attempt
     reaches = ["trainer"] if "trl.trainer.grpo_trainer" in sys.modules else []
-    rt.emit("model", config=config, params=None, dtype=None, reaches=reaches)
+    rt.emit(ModelSeen(config=config, params=None, dtype=None, reaches=reaches))
     if not rt.plan.preflight or placed_elsewhere(kwargs, config) or _sharded(rt):
         return
     declared = dtype_name(config.get("dtype") or config.get("torch_dtype")) or "float32"
@@ -176,7 +177,7 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
                 args = (weights, *args[1:])
             else:
                 kwargs["pretrained_model_name_or_path"] = weights
-            rt.emit("weights_from", checkpoint=weights)
+            rt.emit(WeightsFrom(checkpoint=weights))
         requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
         ov = rt.overrides
         if ov.dtype is not None and ov.dtype != "auto":

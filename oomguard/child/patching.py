@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
+from ..vocab.events import OverrideFailed
 from .runtime import Runtime
 
 UNDO: list[Callable[[], None]] = []
@@ -76,8 +77,8 @@ def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
             from ..oom.parse import is_oom
 
             if not is_oom(e):
-                rt.emit("override_error", where=where, error=f"{type(e).__name__}: {e}"[:2000],
-                        overrides=sorted(rt.overrides.to_dict(only_set=True)))
+                rt.emit(OverrideFailed(where=where, error=f"{type(e).__name__}: {e}"[:2000],
+                        overrides=sorted(rt.overrides.to_dict(only_set=True))))
         raise
 
 def evaluates(cfg: Any) -> bool:

@@ -39,6 +39,7 @@ from ..memory.estimate import (
     sure_limit,
     sure_to_fit,
 )
+from ..vocab.events import PreflightStop
 from ..vocab.knobs import Knobs
 from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
 from ..vocab.sizes import format_size
@@ -196,8 +197,8 @@ def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
           facts: dict[str, Any] | None = None, over: bool = True) -> None:
     cap = int(pf["capacity"])
     margin, source = margin_of(pf, facts)
-    rt.emit("predicted", predicted_bytes=need, capacity=cap, margin=margin, before=before,
-            **({} if over else {"reason": what}))
+    rt.emit(PreflightStop(predicted_bytes=need, capacity=cap, margin=margin, before=before,
+            **({} if over else {"reason": what})))
     if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
         why = (f"{what}, {100 * (need / cap - 1):.0f}% over the {format_size(cap)} device (the stop margin is "
                f"{100 * margin:.1f}%, {source})" if over else what)

@@ -10,6 +10,7 @@ import os
 import tempfile
 from typing import Any
 
+from ..vocab.events import ProbeDataset
 from .datasets import prompt_lengths, tokenizer_for
 from .load import checkpoint_config, model_config_dict, placed_elsewhere
 from .patching import evaluates, saves, world
@@ -105,7 +106,7 @@ def longest_prompt_only(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -
         return dataset
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
     rows = max(1, _probe_prompts(rt, args))
-    rt.emit("probe_dataset", rows=rows, prompt_tokens=lengths[longest])
+    rt.emit(ProbeDataset(rows=rows, prompt_tokens=lengths[longest]))
     return dataset.select([longest] * rows)
 
 def settle_probe(rt: Runtime, a: dict[str, Any], model: Any, args: Any, mik: dict[str, Any]) -> None:

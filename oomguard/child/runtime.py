@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..vocab.events import Adapted, CodeSeen, DatasetSeen, Event, ModelSeen, OOMRaised, ProbeDecided, ProcessEnded
 from ..vocab.knobs import TRL_DEFAULTS, Knobs
 from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan
 from ..vocab.sizes import format_size
@@ -70,7 +71,7 @@ class Runtime:
         if self.probe_as is not None:
             return
         self.probe_as = decided
-        self.emit("probe_decision", decided=decided, why=why, **numbers)
+        self.emit(ProbeDecided(decided=decided, why=why, **numbers))
 
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any]) -> None:
@@ -92,7 +93,7 @@ class Runtime:
         if knob in self._adapted:
             return
         self._adapted.add(knob)
-        self.emit("adapted", knob=knob, value=value, why=why)
+        self.emit(Adapted(knob=knob, value=value, why=why))
 
     def knobs(self) -> Knobs:
         """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""
@@ -107,20 +108,23 @@ class Runtime:
         return dict(self._facts)
 
     # -- events ------------------------------------------------------------------------------------------------
-    def emit(self, event: str, **data: Any) -> None:
-        """Append one JSON line to the events file (O_APPEND keeps lines from several processes whole)."""
-        if event in ("config", "trainer", "model"):
-            self.reached.add(event)
-        if event in ("config", "trainer", "facts"):
-            self._facts.update(data.get("facts") or {})
-        if event == "dataset":
+    def emit(self, ev: Event) -> None:
+        """Append the event as one JSON line to the events file, with who and when (O_APPEND keeps lines from several
+        processes whole)."""
+        if isinstance(ev, CodeSeen):
+            if ev.point in ("config", "trainer"):
+                self.reached.add(ev.point)
+            self._facts.update(ev.facts)
+        elif isinstance(ev, ModelSeen):
+            self.reached.add("model")
+        elif isinstance(ev, DatasetSeen):
             for k in ("prompt_tokens_max", "prompt_tokens_p95"):
-                if data.get(k) is not None:
-                    self._facts[k] = data[k]
+                if getattr(ev, k) is not None:
+                    self._facts[k] = getattr(ev, k)
         path = self.plan.events
         if not path:
             return
-        rec = {"event": event, "t": round(time.time(), 3), "pid": os.getpid(), "rank": rank(), **data}
+        rec = {**ev.to_json(), "t": round(time.time(), 3), "pid": os.getpid(), "rank": rank()}
         line = json.dumps(rec, default=str) + "\n"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -147,7 +151,7 @@ class Runtime:
             if self.ended is not None:
                 return
             self.ended = how
-        self.emit("end", how=how, reached=sorted(self.reached), **data)
+        self.emit(ProcessEnded(how=how, reached=tuple(sorted(self.reached)), **data))
 
     def at_exit(self) -> None:
         """The ``atexit`` handler: a process that reaches interpreter shutdown ends with ``exit`` and its code, unless
@@ -273,7 +277,7 @@ class Runtime:
             sys.stderr.write(f"oomguard: could not write the crash record {path}: {e}\n")
             return None
         self.crash_path = path
-        self.emit("oom", step=step, phase=phase, path=str(path))
+        self.emit(OOMRaised(step=step, phase=phase, path=str(path)))
         return path
 
 

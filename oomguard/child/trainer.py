@@ -10,6 +10,7 @@ import inspect
 import sys
 from typing import Any
 
+from ..vocab.events import CodeSeen, ModelSeen, PatchFailed, Resumed, Saving
 from .datasets import prepare_dataset
 from .load import (
     bnb_config,
@@ -55,8 +56,8 @@ def watch_rebinding(rt: Runtime, owner: Any, trainer_module: Any) -> None:
             try:
                 patch_trainer_class(rt, value, trainer_module)
             except Exception as e:  # never break the stack's own import
-                rt.emit("patch_failed", module=getattr(value, "__module__", "?"), patch="GRPOTrainer",
-                        error=f"{type(e).__name__}: {e}"[:2000])
+                rt.emit(PatchFailed(module=getattr(value, "__module__", "?"), patch="GRPOTrainer",
+                        error=f"{type(e).__name__}: {e}"[:2000]))
 
     watched = type(cls.__name__, (cls,), {"__setattr__": __setattr__, "_oomguard_watch": True})
     try:
@@ -91,7 +92,7 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
         @functools.wraps(orig_save)
         def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
             # a save the kernel's OOM killer ends says nothing itself: this event tells the supervisor where it was
-            rt.emit("saving", step=getattr(getattr(self, "state", None), "global_step", None))
+            rt.emit(Saving(step=getattr(getattr(self, "state", None), "global_step", None)))
             return orig_save(self, *args, **kwargs)
 
         _save_checkpoint._oomguard = True  # type: ignore[attr-defined]
@@ -109,7 +110,7 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
         resume = plan_resume.get("checkpoint") if plan_resume.get("mode") == "continue" else None
         if resume and not kwargs.get("resume_from_checkpoint") and not args:
             kwargs["resume_from_checkpoint"] = resume
-            rt.emit("resume", checkpoint=resume)
+            rt.emit(Resumed(checkpoint=resume))
         try:
             return orig_train(self, *args, **kwargs)
         except BaseException as e:
@@ -197,9 +198,9 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
 
     callbacks.append(make_callback(rt))
     a["callbacks"] = callbacks
-    rt.emit("trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": world(),
+    rt.emit(CodeSeen(point="trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": world(),
                               "missing_packages": missing_packages()},
-            observed=dict(rt.observed), resolved=dict(rt.resolved))
+            observed=dict(rt.observed), resolved=dict(rt.resolved)))
     mik = dict(args.model_init_kwargs or {})
     if rt.probe_undecided():
         settle_probe(rt, a, model, args, mik)
@@ -210,7 +211,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         config = checkpoint_config(model, mik)
         if config is not None and rt.model_config is None and not placed_elsewhere(mik, config):
             rt.model_config = config
-            rt.emit("model", config=config, params=None, dtype=None)
+            rt.emit(ModelSeen(config=config, params=None, dtype=None))
             from . import preflight
 
             preflight.check(rt, before="loads")
@@ -271,7 +272,7 @@ def after_init(rt: Runtime, trainer: Any) -> None:
         targs = getattr(trainer, "args", None)
         if targs is not None and rt.knobs().evaluates() and not evaluates(targs):
             rt.resolve({"eval_strategy": "no"})  # a stack's trainer turned evaluation off after the config said it
-        rt.emit("facts", facts=facts, resolved=dict(rt.resolved))
+        rt.emit(CodeSeen(point="facts", facts=facts, resolved=dict(rt.resolved)))
     if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
         inner = trainer._generate_and_score_completions
 

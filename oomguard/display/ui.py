@@ -49,7 +49,7 @@ class Progress:
 
     def update(self, ev: Any) -> None:
         """Follow one event of the training process (a process may build several trainers: each has its own count)."""
-        from ..vocab.records import StepDone, TrainBegin
+        from ..vocab.events import StepDone, TrainBegin
 
         if isinstance(ev, TrainBegin):
             self.step, self.max_steps = ev.step, ev.max_steps

@@ -17,23 +17,20 @@ from typing import Any
 from ..decide.climb import Climb
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.knobs import Knobs
-from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan
-from ..vocab.records import (
-    Attempt,
-    AttemptKind,
+from ..vocab.events import (
     CheckpointSaved,
     CodeSeen,
     ConfigGenerated,
     EventTail,
-    Outcome,
     OverrideFailed,
     PatchFailed,
     ProbeDecided,
     ProcessStarted,
     TrainBegin,
-    write_json_atomic,
 )
+from ..vocab.knobs import Knobs
+from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan
+from ..vocab.records import Attempt, AttemptKind, Outcome, write_json_atomic
 from .classify import classify
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail

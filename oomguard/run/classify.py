@@ -30,24 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.knobs import Knobs
-from ..vocab.oomreport import OOMReport
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
-from ..vocab.records import (
-    Attempt,
+from ..vocab.events import (
     CheckpointSaved,
     ChildEvent,
     CodeSeen,
-    CrashRecord,
     OOMRaised,
-    OtherEvent,
-    Outcome,
     PreflightStop,
     ProcessEnded,
     ProcessStarted,
-    RecordError,
+    Saving,
     StepDone,
 )
+from ..vocab.knobs import Knobs
+from ..vocab.oomreport import OOMReport
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
+from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
 from .proc import ProcessResult
 
@@ -287,12 +284,12 @@ def saving(events: Iterable[ChildEvent]) -> bool:
     """Whether a process of the attempt was in a checkpoint save when it ended: a ``saving`` event (Trainer's
     ``_save_checkpoint`` began) with no saved checkpoint nor training step after it.
 
-    >>> saving([StepDone(step=4), OtherEvent("saving", {"step": 4})]), saving([OtherEvent("saving"), CheckpointSaved(4)])
+    >>> saving([StepDone(step=4), Saving(step=4)]), saving([Saving(), CheckpointSaved(4)])
     (True, False)
     """
     state = False
     for ev in events:
-        if isinstance(ev, OtherEvent) and ev.name == "saving":
+        if isinstance(ev, Saving):
             state = True
         elif isinstance(ev, (CheckpointSaved, StepDone)):
             state = False

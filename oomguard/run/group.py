@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..vocab.records import EventTail, write_json_atomic
+from ..vocab.events import EventTail
+from ..vocab.records import write_json_atomic
 from .launch import rendezvous, store_port
 
 GROUP_ENV = "OOMGUARD_GROUP"  # the shared directory, when --group is not given

@@ -10,18 +10,19 @@ from ..decide.climb import Climb
 from ..decide.experiment import precision_warning
 from ..decide.ladder import load_ladder
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.knobs import Knobs, RunFacts
-from ..vocab.records import (
+from ..vocab.events import (
     Adapted,
-    Attempt,
-    AttemptKind,
     ChildEvent,
     CodeSeen,
     DatasetSeen,
+    DeviceMeasured,
     ModelSeen,
     OtherEvent,
-    Outcome,
+    ProtocolError,
+    strict,
 )
+from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.sizes import format_size
 from ..vocab.trlrange import head_of, support
 from .group import Group
@@ -49,7 +50,7 @@ class Learning:
                 self.reached.add(ev.point)
                 c.observe(ev.observed)
                 c.resolve(ev.resolved)
-                facts = facts.replace(**{k: v for k, v in ev.facts.items() if k in RunFacts.__dataclass_fields__})
+                facts = facts.replace(**self._known_facts(ev.facts))
                 if ev.world_size:
                     facts = facts.replace(world_size=ev.world_size)
             elif isinstance(ev, DatasetSeen):
@@ -61,11 +62,13 @@ class Learning:
             elif isinstance(ev, ModelSeen):
                 self.reached.update(("model", *ev.reaches))  # before a load: points the script passes after it
                 facts = facts.replace(model_config=ev.config or facts.model_config)
-            elif isinstance(ev, OtherEvent) and ev.name == "device" and ev.data.get("context_bytes"):
-                self.device = {k: ev.data.get(k) for k in ("context_bytes", "measured_bytes", "how",
+            elif isinstance(ev, OtherEvent):
+                self._unknown("event", ev.kind)
+            elif isinstance(ev, DeviceMeasured) and ev.context_bytes:
+                self.device = {k: getattr(ev, k) for k in ("context_bytes", "measured_bytes", "how",
                                                            "allocator_bytes", "final")}
-                if self.guide is not None and ev.data.get("final"):  # --gpu-memory: the context really held
-                    self.guide.set_context(int(ev.data["context_bytes"]))
+                if self.guide is not None and ev.final:  # --gpu-memory: the context really held
+                    self.guide.set_context(int(ev.context_bytes))
         if self.guide is not None:  # what vLLM needs on this device, for the rung that shrinks its reservation
             facts = facts.replace(vllm_min_utilization=self.guide.vllm_floor(facts, c.effective()[0]))
         c.learn(facts)
@@ -76,6 +79,23 @@ class Learning:
         if self.o.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and (why := facts_reason(facts)):
             c.ladder = load_ladder(MULTI_GPU)  # before the first decision: nothing was climbed on the other ladder
             self._ladder_line(why)
+
+    def _known_facts(self, reported: dict[str, Any]) -> dict[str, Any]:
+        """The facts of ``reported`` that RunFacts holds; another is oomguard's own mistake (the training process and
+        the supervisor are the same version): an error under OOMGUARD_STRICT_EVENTS, else said once."""
+        known = RunFacts.__dataclass_fields__
+        for k in reported:
+            if k not in known:
+                self._unknown("fact", k)
+        return {k: v for k, v in reported.items() if k in known}
+
+    def _unknown(self, what: str, name: str) -> None:
+        if strict():
+            raise ProtocolError(f"the training process reported the {what} {name!r}, which this supervisor does not "
+                                "know")
+        self._warn(f"the training process reported the {what} {name!r}, which this supervisor does not know "
+                   "(ignored; oomguard's training process and supervisor should be the same version: please report "
+                   "it)")
 
     def _take_device(self, total: int | None) -> None:
         """The size of the device the training process computes on, as CUDA reports it there: where the size came

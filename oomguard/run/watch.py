@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..vocab.events import ChildEvent, EventTail
 from ..vocab.knobs import Knobs
-from ..vocab.records import AttemptKind, ChildEvent, EventTail
+from ..vocab.records import AttemptKind
 from .classify import Ranks
 from .group import GroupTail
 

@@ -28,6 +28,7 @@ import functools
 import inspect
 from typing import Any
 
+from ...vocab.events import CodeSeen
 from ...vocab.knobs import STACK_ONLY
 from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
@@ -153,9 +154,9 @@ def patch_arguments(rt: Runtime, module: Any) -> None:
         if "dtype" not in user and getattr(self, "torch_dtype", None) is not None and rt.overrides.dtype is None:
             user["dtype"] = str(self.torch_dtype).replace("torch.", "")  # swift's default: the model's own dtype
         rt.observe(user)
-        rt.emit("trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
+        rt.emit(CodeSeen(point="trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
                                                  "stack": STACK, "trl_lacks": lacks(()),
-                                                 "missing_packages": missing_packages()})
+                                                 "missing_packages": missing_packages()}))
 
     set_attr(cls, "__post_init__", __post_init__)
 
@@ -174,9 +175,9 @@ def patch_config(rt: Runtime, module: Any) -> None:
         if not getattr(self, "_oomguard_seen", False):
             seen = {**observe_config(self), **observed_offload(self)}
             rt.observe(seen)
-            rt.emit("config", observed=seen, world_size=world(),
+            rt.emit(CodeSeen(point="config", observed=seen, world_size=world(),
                     facts={"stack": STACK, "missing_packages": missing_packages(), **features().facts(),
-                           "trl_lacks": lacks(features().lacks())})
+                           "trl_lacks": lacks(features().lacks())}))
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "swift GRPOConfig"):
             apply_config(rt, self, can_defer=False)

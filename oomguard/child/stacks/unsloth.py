@@ -30,6 +30,7 @@ import inspect
 import sys
 from typing import Any
 
+from ...vocab.events import CodeSeen
 from ..runtime import Runtime
 
 STACK = "unsloth"
@@ -102,7 +103,7 @@ def patch_unsloth(rt: Runtime, module: Any) -> None:
     from ..patching import set_attr
 
     rt.stack_facts.append(facts)
-    rt.emit("facts", facts=dict(LOADER_FACTS))
+    rt.emit(CodeSeen(point="facts", facts=dict(LOADER_FACTS)))
     seen: set[int] = set()
     for name in LOADERS:
         cls = getattr(module, name, None)
@@ -127,7 +128,7 @@ def _from_pretrained(rt: Runtime, orig: Any) -> Any:
         model = out[0] if isinstance(out, tuple) else out
         if rt.overrides.load_in_4bit is None and rt.overrides.dtype is None:
             rt.observe(observed_model(model))
-        rt.emit("facts", facts=dict(LOADER_FACTS), observed=dict(rt.observed))
+        rt.emit(CodeSeen(point="facts", facts=dict(LOADER_FACTS), observed=dict(rt.observed)))
         return out
 
     from_pretrained._oomguard = True  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ import math
 import sys
 from typing import Any
 
+from ...vocab.events import CodeSeen, ModelSeen, VLLMMemory
 from ..runtime import Runtime, rank
 
 EAGER_LINE = ("oomguard: vLLM runs eager under the simulated device: its compiled kernels allocate below what the "
@@ -66,7 +67,7 @@ def before_start(rt: Runtime, kwargs: dict[str, Any]) -> None:
     config (the trainer's model and vLLM's reservation together) before vLLM reserves anything."""
     from .. import simulate
 
-    rt.emit("facts", facts=platform_facts())
+    rt.emit(CodeSeen(point="facts", facts=platform_facts()))
     if simulate.device() is not None and "enforce_eager" not in kwargs:
         kwargs["enforce_eager"] = True
         if rank() in (None, 0):
@@ -77,7 +78,7 @@ def before_start(rt: Runtime, kwargs: dict[str, Any]) -> None:
         config = checkpoint_config(kwargs["model"], {})
         if config is not None:
             rt.model_config = config
-            rt.emit("model", config=config, params=None, dtype=None)
+            rt.emit(ModelSeen(config=config, params=None, dtype=None))
     from .. import preflight
 
     preflight.check(rt, before="starts vLLM")
@@ -127,8 +128,8 @@ def size_like_a_gpu(rt: Runtime, module: Any) -> None:
         headroom = max(0, peak - dev.model.allocated)
         requested = math.ceil(dev.capacity * self.cache_config.gpu_memory_utilization)
         kv = requested - consumed - headroom
-        rt.emit("vllm_memory", requested=requested, engine=consumed, activations=headroom, kv_cache=kv,
-                capacity=dev.capacity, utilization=self.cache_config.gpu_memory_utilization)
+        rt.emit(VLLMMemory(requested=requested, engine=consumed, activations=headroom, kv_cache=kv,
+                capacity=dev.capacity, utilization=self.cache_config.gpu_memory_utilization))
         return kv
 
     set_attr(worker, "__init__", __init__)
