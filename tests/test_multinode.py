@@ -1,4 +1,5 @@
-"""One job on several nodes: the group of oomguards (oomguard/run/group.py, follower.py).
+"""One job on several nodes: the group of oomguards (oomguard/run/group.py, follower.py; the membership is read in
+oomguard/run/launch.py).
 
 The protocol is tested pure (membership from every source, sessions, a silent node); the end-to-end cases run two
 supervisors on this machine, one per node of a 2-node torchrun job with a c10d rendezvous on localhost, as
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.run import group as group_module
-from oomguard.run.group import Group, GroupError, Membership, membership_of
+from oomguard.run.group import Group, GroupError, Membership
+from oomguard.run.launch import membership_of
 
 from helpers import PYTHON, SCRIPTS, TINY, TORCHRUN, free_port
 

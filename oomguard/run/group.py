@@ -16,7 +16,8 @@ group's files, under ``DIR/<job>/<session>/``:
 
 The leader names its session in ``DIR/<job>/leader.json``; a follower joins the session whose leader is alive and not
 finished, so a new job in the same directory never reads an old job's files. This module is the protocol only: the
-supervisor runs the attempts. No torch here.
+supervisor runs the attempts, and which node this is comes from the command (``launch.membership_of``, re-exported
+here). No torch here.
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -32,128 +33,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..vocab.records import EventTail, write_json_atomic
-from .launch import rendezvous, store_port
+from .launch import GROUP_ENV, GroupError, Membership, membership_of
 
-GROUP_ENV = "OOMGUARD_GROUP"  # the shared directory, when --group is not given
 TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node counts as dead
 DEFAULT_TIMEOUT = 120.0
 JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
 NOTICE_AFTER = 30.0  # a node still waiting for the others after this says so, once, with the way out
 BEAT_EVERY = 2.0
-
-
-class GroupError(Exception):
-    """The group cannot form or has ended early (a node died, the leader vanished): the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """This node's place in the job: its rank among the nodes, how many there are, where they meet."""
-
-    node: int
-    nodes: int
-    root: str  # the shared directory
-    job: str = "job"  # the job's name within it (Slurm's job and step, torchrun's --rdzv-id)
-    source: str = ""  # where node and nodes were read (for the user)
-    # torchrun's rendezvous host and the port of the group's store there, where the nodes may meet without a shared
-    # directory (oomguard/run/rendezvous.py); None where --group or $OOMGUARD_GROUP names the directory
-    store: tuple[str, int] | None = None
-
-    @property
-    def leader(self) -> bool:
-        return self.node == 0
-
-
-def _flag(argv: Sequence[str], *names: str) -> str | None:
-    """The value of the first of ``names`` in ``argv`` (``--x V`` or ``--x=V``), stopping at the script.
-
-    >>> _flag(["python", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank", "1", "train.py", "--nnodes", "9"],
-    ...       "--nnodes")
-    '2'
-    """
-    for i, a in enumerate(argv):
-        if a.endswith(".py") or a == "--":
-            break
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
-def _count(text: str, what: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
-    if not m or (m.group(2) and m.group(2) != m.group(1)):
-        raise GroupError(f"{what} is {text!r}: oomguard supervises a fixed number of nodes; give one number "
-                         "(or --nodes N)")
-    return int(m.group(1))
-
-
-def membership_of(argv: Sequence[str], env: Mapping[str, str], *, group: str | None = None, node: int | None = None,
-                  nodes: int | None = None, workdir: str = ".oomguard") -> Membership | None:
-    """This node's membership, or None for a job on one node. Read, in order, from the options (``--nodes``,
-    ``--node-rank``), the launcher's own arguments (torchrun's ``--nnodes``/``--node_rank``, accelerate's
-    ``--num_machines``/``--machine_rank``) and a Slurm step (``SLURM_STEP_NUM_NODES``, ``SLURM_NODEID``).
-
-    >>> m = membership_of(["torchrun", "--nnodes", "2", "--node_rank", "1", "--rdzv-id", "r7", "t.py"], {})
-    >>> (m.node, m.nodes, m.job, m.root)
-    (1, 2, 'r7', '.oomguard/group')
-    >>> membership_of(["python", "t.py"], {}) is None
-    True
-    >>> membership_of(["python", "t.py"], {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_NODEID": "3",
-    ...                                    "SLURM_JOB_ID": "88"}).job
-    '88.0'
-    """
-    source = "--nodes/--node-rank"
-    n_text = str(nodes) if nodes is not None else None
-    r_text = str(node) if node is not None else None
-    launcher = ""
-    for total, rank, name in ((("--nnodes",), ("--node_rank", "--node-rank"), "torchrun"),
-                              (("--num_machines", "--num-machines"), ("--machine_rank", "--machine-rank"),
-                               "accelerate launch")):
-        t = _flag(argv, *total)
-        if t is not None:
-            n_text = n_text or t
-            r_text = r_text if r_text is not None else _flag(argv, *rank)
-            launcher = name
-            break
-    slurm = "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
-    if slurm:
-        n_text = n_text or env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
-        r_text = r_text if r_text is not None else env.get("SLURM_NODEID")
-        if env.get("SLURM_LOCALID", "0") != "0":
-            raise GroupError("several oomguards were started on this node (SLURM_LOCALID "
-                             f"{env['SLURM_LOCALID']}): start one per node (srun --ntasks-per-node=1)")
-    if n_text is None:
-        return None
-    total = _count(n_text, f"the node count ({launcher or 'Slurm'})")
-    if total <= 1:
-        return None
-    if r_text is None or not r_text.strip().isdigit():
-        raise GroupError(f"the command spans {total} nodes but this node's rank is not known ({r_text or 'not given'}"
-                         "): pass --node-rank N (or the launcher's --node_rank/--machine_rank)")
-    rank = int(r_text)
-    if rank >= total:
-        raise GroupError(f"node rank {rank} is not below the node count {total}: check --node-rank")
-    source = launcher or ("Slurm" if slurm else source)
-    job = (f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}" if "SLURM_JOB_ID" in env
-           else _flag(argv, "--rdzv-id", "--rdzv_id") or "job")
-    root = group or env.get(GROUP_ENV) or str(Path(workdir) / "group")
-    store = None
-    if not (group or env.get(GROUP_ENV)) and (rdzv := rendezvous(argv)) is not None:
-        store = (rdzv[0], store_port(rdzv[1], env))
-    return Membership(node=rank, nodes=total, root=root, job=re.sub(r"[^\w.-]", "_", job), source=source,
-                      store=store)
 
 
 class Group:
