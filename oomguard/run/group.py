@@ -17,7 +17,8 @@ group's files, under ``DIR/<job>/<session>/``:
 The leader names its session in ``DIR/<job>/leader.json``; a follower joins the session whose leader is alive and not
 finished, so a new job in the same directory never reads an old job's files. This module is the protocol only: the
 supervisor runs the attempts, and which node this is comes from the command (``launch.membership_of``, re-exported
-here). No torch here.
+here). Every wait is tenacity's ``Retrying`` (a stop after the wait's time, a fixed poll, what is still missing as the
+result to retry on). No torch here.
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -37,7 +38,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, stop_never, wait_fixed
 
 from ..vocab.records import EventTail, write_json_atomic
 from .launch import GROUP_ENV, GroupError, Membership, membership_of
@@ -46,6 +49,8 @@ TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node 
 DEFAULT_TIMEOUT = 120.0
 JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
 NOTICE_AFTER = 30.0  # a node still waiting for the others after this says so, once, with the way out
+JOIN_POLL = 0.5  # how often a node waiting for the others at the start looks again
+STEP_POLL = 0.2  # how often a node waiting for the others during the job looks again
 BEAT_EVERY = 2.0
 
 
@@ -77,7 +82,7 @@ class Group:
         except OSError as e:
             raise GroupError(f"cannot use {self.base} for the group ({e.strerror}): pass --group DIR, a directory "
                              "every node of the job can write") from None
-        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
+        within = self.join_timeout if wait is None else wait
         if self.m.leader:
             name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
             self.session = self.base / name
@@ -85,15 +90,13 @@ class Group:
             self._heartbeat()
             write_json_atomic(self.base / "leader.json", {"session": name, "started": self.started})
         else:
-            waiting = _Waiting(self)
-            while (s := self._live_session()) is None:
-                if time.monotonic() > limit:
-                    raise GroupError(f"no leader (node 0) appeared {self._where()} within "
-                                     f"{self.join_timeout if wait is None else wait:.0f} s: start `oomguard run` on "
-                                     f"node 0 too, and {self._fix()}")
-                waiting.still([0])
-                time.sleep(0.5)
-            self.session = s
+            def no_leader(state: RetryCallState) -> NoReturn:
+                raise GroupError(f"no leader (node 0) appeared {self._where()} within {within:.0f} s: start `oomguard "
+                                 f"run` on node 0 too, and {self._fix()}")
+
+            self.session = Retrying(stop=stop_after_delay(within), wait=wait_fixed(JOIN_POLL),
+                                    retry=retry_if_result(_is_none), before_sleep=_Waiting(self, lambda state: [0]),
+                                    retry_error_callback=no_leader)(self._live_session)
             self._heartbeat()
         if self._beat:
             self._thread = threading.Thread(target=self._beating, name="oomguard-group-heartbeat", daemon=True)
@@ -101,15 +104,18 @@ class Group:
 
     def assemble(self, wait: float | None = None) -> None:
         """Leader: wait until every node has joined its session."""
-        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
-        waiting = _Waiting(self)
-        while missing := [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]:
-            if time.monotonic() > limit:
-                raise GroupError(f"node(s) {', '.join(map(str, missing))} did not join the group "
-                                 f"{self._where(self.session)} within {self.join_timeout if wait is None else wait:.0f} "
-                                 f"s: start `oomguard run` on every node, and {self._fix()}")
-            waiting.still(missing)
-            time.sleep(0.5)
+        within = self.join_timeout if wait is None else wait
+
+        def missing() -> list[int]:
+            return [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]
+
+        def not_joined(state: RetryCallState) -> NoReturn:
+            raise GroupError(f"node(s) {', '.join(map(str, _result(state)))} did not join the group "
+                             f"{self._where(self.session)} within {within:.0f} s: start `oomguard run` on every node, "
+                             f"and {self._fix()}")
+
+        Retrying(stop=stop_after_delay(within), wait=wait_fixed(JOIN_POLL), retry=retry_if_result(bool),
+                 before_sleep=_Waiting(self, _result), retry_error_callback=not_joined)(missing)
 
     def _where(self, d: Path | None = None) -> str:
         d = d or self.base
@@ -204,9 +210,11 @@ class Group:
         write_json_atomic(self.attempt_dir(index) / f"ended-node{self.m.node}.json", result)
 
     def gather(self, index: int, tick: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
-        """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError)."""
+        """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError); ``tick``
+        is called between looks."""
         got: dict[int, dict[str, Any]] = {}
-        while True:
+
+        def all_ended() -> dict[int, dict[str, Any]] | None:
             for i in range(1, self.m.nodes):
                 if i not in got and (r := self._read(self.attempt_dir(index) / f"ended-node{i}.json")) is not None:
                     got[i] = r
@@ -215,29 +223,38 @@ class Group:
             why = self.trouble()
             if why is not None:
                 raise GroupError(why)
-            tick()
-            time.sleep(0.2)
+            return None
+
+        return Retrying(stop=stop_never, wait=wait_fixed(STEP_POLL), retry=retry_if_result(_is_none),
+                        before_sleep=lambda state: tick())(all_ended)
 
     def next_step(self, index: int, wait: float | None = None) -> dict[str, Any]:
         """Follower: the leader's plan for attempt ``index``, or ``{"kind": "final", ...}`` once it has ended the
         job; raises GroupError when the group failed or the leader is silent."""
         assert self.session is not None
-        limit = None if wait is None else time.monotonic() + wait
-        while True:
-            step = self._read(self.session / f"attempt-{index}" / "plan.json")
-            if step is not None:
-                return step
-            final = self._read(self.session / "final.json")
+        session = self.session
+
+        def step() -> dict[str, Any] | None:
+            plan = self._read(session / f"attempt-{index}" / "plan.json")
+            if plan is not None:
+                return plan
+            final = self._read(session / "final.json")
             if final is not None:
                 return {"kind": "final", **final}
-            failed = self._read(self.session / "failed.json")
+            failed = self._read(session / "failed.json")
             if failed is not None:
                 raise GroupError(str(failed.get("why")))
             if self._age(self._node_file(0)) > self.timeout:
                 raise GroupError(self._dead(0))
-            if limit is not None and time.monotonic() > limit:
-                raise GroupError(f"the leader published no attempt {index} in time")
-            time.sleep(0.2)
+            return None
+
+        def late(state: RetryCallState) -> NoReturn:
+            raise GroupError(f"the leader published no attempt {index} in time")
+
+        found: dict[str, Any] = Retrying(stop=stop_never if wait is None else stop_after_delay(wait),
+                                         wait=wait_fixed(STEP_POLL), retry=retry_if_result(_is_none),
+                                         retry_error_callback=late)(step)
+        return found
 
     def finish(self, data: dict[str, Any]) -> None:
         """Leader: the job's end (its report and lock), for every follower to copy."""
@@ -267,21 +284,33 @@ class Group:
         return data if isinstance(data, dict) else None
 
 
-class _Waiting:
-    """A node waiting for others at the start: after NOTICE_AFTER seconds it says, once, where it waits, who is
-    missing and the way out (node-local working directories never meet in their own directories)."""
+def _is_none(value: object) -> bool:
+    return value is None
 
-    def __init__(self, g: Group) -> None:
+
+def _result(state: RetryCallState) -> Any:
+    """What the last look found (the nodes still missing)."""
+    assert state.outcome is not None
+    return state.outcome.result()
+
+
+class _Waiting:
+    """The ``before_sleep`` of a node waiting for others at the start: it lets the group's ``tick`` speak at every
+    look, and after NOTICE_AFTER seconds it says, once, where it waits, who is missing (``missing`` reads them from
+    the last look) and the way out (node-local working directories never meet in their own directories)."""
+
+    def __init__(self, g: Group, missing: Callable[[RetryCallState], list[int]]) -> None:
         self.g = g
-        self.since = time.monotonic()
+        self.missing = missing
         self.said = False
 
-    def still(self, missing: list[int]) -> None:
+    def __call__(self, state: RetryCallState) -> None:
         self.g.tick()
-        waited = time.monotonic() - self.since
+        waited = state.seconds_since_start or 0.0
         if self.said or waited < NOTICE_AFTER:
             return
         self.said = True
+        missing = self.missing(state)
         who = "node 0 (the leader)" if missing == [0] else f"node(s) {', '.join(map(str, missing))}"
         self.g.notice(f"node {self.g.m.node} has waited {waited:.0f} s for {who} {self.g._where()}: {self.g._fix()}")
 
