@@ -1,4 +1,5 @@
-"""One job on several nodes: the group of oomguards (oomguard/run/group.py, follower.py).
+"""One job on several nodes: the group of oomguards (oomguard/run/group.py, follower.py; the membership is read in
+oomguard/run/launch.py).
 
 The protocol is tested pure (membership from every source, sessions, a silent node); the end-to-end cases run two
 supervisors on this machine, one per node of a 2-node torchrun job with a c10d rendezvous on localhost, as
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.run import group as group_module
-from oomguard.run.group import Group, GroupError, Membership, membership_of
+from oomguard.run.group import Group, GroupError, Membership
+from oomguard.run.launch import membership_of
 
 from helpers import PYTHON, SCRIPTS, TINY, TORCHRUN, free_port
 
@@ -146,6 +149,85 @@ def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_pa
     assert said[0].startswith("node 0 has waited") and "for node(s) 1 in" in said[0] and "wd-0" in said[0]
     assert said[1].startswith("node 1 has waited") and "for node 0 (the leader) in" in said[1]
     assert all("pass --group DIR on a directory every node sees" in s for s in said)
+
+
+def test_a_wait_ticks_at_every_look_and_gives_up_at_its_time(tmp_path):
+    """The waits poll as before (0.5 s at the start, 0.2 s during the job), call the group's tick between looks (the
+    store's helper speaks), and end with the same messages when their time runs out."""
+    lead, follow = group(tmp_path, 0), group(tmp_path, 1)
+    ticks: list[float] = []
+    lead.tick = lambda: ticks.append(time.monotonic())
+    lead.open()
+    began = time.monotonic()
+    with pytest.raises(GroupError, match=r"node\(s\) 1 did not join the group in .* within 1 s"):
+        lead.assemble(wait=1.2)
+    assert 1.2 <= time.monotonic() - began < 2.5 and len(ticks) in (2, 3)  # looks at 0, 0.5, 1.0 (and 1.5)
+    follow.open(wait=2)
+    lead.assemble(wait=2)
+    with pytest.raises(GroupError, match="the leader published no attempt 5 in time"):
+        follow.next_step(5, wait=0.3)
+    gathered: list[int] = []
+
+    def tick() -> None:  # node 1 ends its part while the leader waits
+        gathered.append(1)
+        if len(gathered) == 3:
+            follow.ended(1, {"returncode": 0})
+
+    assert lead.gather(1, tick=tick) == {1: {"returncode": 0}} and len(gathered) == 3
+
+
+def test_the_store_helper_is_waited_for_its_first_word_then_gone_on_without(tmp_path, monkeypatch):
+    """StoreSync.start waits up to ``wait`` seconds for the helper's role; a helper that says nothing is gone on
+    without (its own wait says so later), one that exits says why."""
+    from oomguard.run import rendezvous
+
+    m = Membership(node=1, nodes=2, root=str(tmp_path), job="j", store=("localhost", 1))
+    for body, wait, role, error in (
+            ("print('{\"event\": \"ready\", \"role\": \"client\"}', flush=True); sys.stdin.read()", 30, "client",
+             None),
+            ("sys.stdin.read()", 0.6, None, None),
+            ("sys.exit(3)", 30, None, "the group's store helper exited (3)")):
+        helper = tmp_path / "helper.py"
+        helper.write_text(f"import sys\n{body}\n")
+        monkeypatch.setattr(rendezvous, "HELPER", helper)
+        sync = rendezvous.StoreSync(m, PYTHON)
+        began = time.monotonic()
+        if error:
+            with pytest.raises(GroupError, match=re.escape(error)):
+                sync.start(wait=wait)
+        else:
+            sync.start(wait=wait)
+            sync.close(wait=5)
+        took = time.monotonic() - began
+        assert sync.role == role and (took < 20 if wait > 1 else 0.6 <= took < 5), took
+
+
+def test_the_store_client_tries_again_every_second_and_says_so_every_30_seconds(monkeypatch, capsys):
+    """oomguard/child/storesync.py's connect: a client that finds no store tries again (here every 0.05 s), says
+    ``waiting`` every SAY_EVERY seconds (here 0.2), and gives up at its time or when the supervisor closes."""
+    import threading
+
+    import torch.distributed as dist
+
+    from oomguard.child import storesync
+
+    def unreachable(*args, **kwargs):
+        raise RuntimeError("connection refused")
+
+    monkeypatch.setattr(dist, "TCPStore", unreachable)
+    monkeypatch.setattr(storesync, "RECONNECT_EVERY", 0.05)
+    monkeypatch.setattr(storesync, "SAY_EVERY", 0.2)
+    with pytest.raises(TimeoutError, match=r"no store at node0:29401 after \d+ s \(connection refused\)"):
+        storesync.connect("node0", 29401, 0.7, threading.Event())
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {s["event"] for s in said} == {"waiting"} and 2 <= len(said) <= 3  # at 0.2, 0.4 (and 0.6) s
+    assert said[0]["endpoint"] == "node0:29401" and said[0]["why"] == "connection refused"
+    closed = threading.Event()
+    closed.set()
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="after 0 s"):
+        storesync.connect("node0", 29401, 60, closed)
+    assert time.monotonic() - began < 1
 
 
 def test_a_torchrun_job_on_several_nodes_meets_through_its_rendezvous_host_unless_a_directory_is_named():

@@ -14,17 +14,10 @@ import traceback
 from typing import Any
 
 from ..vocab.events import PatchFailed, ProcessStarted
+from ..vocab.launchers import by_module, by_script
 from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
-
-LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "torch.distributed.run", "torch.distributed.launch",
-             "accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
-             "deepspeed.launcher.launch", "trl.cli.main", "trl.cli")
-# Console scripts that only start workers. TRL's CLI (`trl grpo ...`) parses the script's arguments into a GRPOConfig
-# and hands them to `accelerate launch`: the training runs in the process it starts. ms-swift's `swift rlhf ...` runs
-# `python swift/cli/rlhf.py ...` (under torchrun when NPROC_PER_NODE is set) the same way.
-LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed", "trl", "swift")
 
 
 def program_of(orig_argv: list[str]) -> tuple[str, str]:
@@ -56,9 +49,10 @@ def program_of(orig_argv: list[str]) -> tuple[str, str]:
 
 
 def is_launcher(orig_argv: list[str] | None = None) -> bool:
-    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed, TRL's CLI): it must stay
-    clean, and it records nothing, so how an attempt ended is read from the workers it starts. Only the program is
-    looked at, never its arguments (``python train.py --output_dir trl`` trains).
+    """True in a process that only starts workers (torchrun, accelerate launch, deepspeed, TRL's and ms-swift's CLIs:
+    ``vocab/launchers.py``): it must stay clean, and it records nothing, so how an attempt ended is read from the
+    workers it starts. Only the program is looked at, never its arguments (``python train.py --output_dir trl``
+    trains).
 
     >>> is_launcher(["/venv/bin/python", "/venv/bin/trl", "grpo", "--config", "grpo.yaml"])
     True
@@ -69,10 +63,9 @@ def is_launcher(orig_argv: list[str] | None = None) -> bool:
         orig_argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     kind, what = program_of(orig_argv)
     if kind == "module":
-        return what in LAUNCHERS
+        return by_module(what) is not None
     if kind == "script":
-        return (os.path.basename(what) in LAUNCHER_SCRIPTS
-                or what.replace("\\", "/").endswith(("torch/distributed/run.py", "torch/distributed/launch.py")))
+        return by_script(what) is not None
     return False
 
 

@@ -33,17 +33,27 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 import click
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_delay,
+    stop_when_event_set,
+    wait_fixed,
+)
 
 POLL = 0.25
 SAY_EVERY = 30.0
+RECONNECT_EVERY = 1.0
 LINGER = 60.0
+UNREACHABLE = (RuntimeError, OSError, ValueError)  # what torch's TCPStore raises while nobody listens at the port
 
 
 def say(event: str, **data: Any) -> None:
@@ -68,28 +78,42 @@ def on_this_machine(host: str) -> bool:
         return False
 
 
-def connect(host: str, port: int, deadline: float, closed: threading.Event) -> tuple[Any, str]:
-    """The store and this node's role in it; raises TimeoutError past ``deadline``."""
+def connect(host: str, port: int, within: float, closed: threading.Event) -> tuple[Any, str]:
+    """The store and this node's role in it: the host where ``host`` is this machine and the port is free, else a
+    client, which tries again every second (saying ``waiting`` every 30 s) for ``within`` seconds or until the
+    supervisor closes (``closed``); raises TimeoutError then."""
     import torch.distributed as dist
 
     if on_this_machine(host):
         try:
             return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=30),
                                  wait_for_workers=False), "host"
-        except (RuntimeError, OSError, ValueError):
+        except UNREACHABLE:
             pass  # the port is taken: another node on this machine hosts the store
-    started, said = time.monotonic(), 0.0
-    while True:
-        try:
-            return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)), "client"
-        except (RuntimeError, OSError, ValueError) as e:
-            waited = time.monotonic() - started
-            if time.monotonic() > deadline or closed.is_set():
-                raise TimeoutError(f"no store at {host}:{port} after {waited:.0f} s ({e})") from None
-            if waited - said >= SAY_EVERY:
-                said = waited
-                say("waiting", seconds=round(waited), endpoint=f"{host}:{port}", why=str(e)[:200])
-            time.sleep(1.0)
+    said = 0.0
+
+    def waiting(state: RetryCallState) -> None:
+        nonlocal said
+        waited = state.seconds_since_start or 0.0
+        if waited - said >= SAY_EVERY:
+            said = waited
+            say("waiting", seconds=round(waited), endpoint=f"{host}:{port}", why=str(_failure(state))[:200])
+
+    def gave_up(state: RetryCallState) -> NoReturn:
+        raise TimeoutError(f"no store at {host}:{port} after {state.seconds_since_start or 0.0:.0f} s "
+                           f"({_failure(state)})")
+
+    def client() -> tuple[Any, str]:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5)), "client"
+
+    return Retrying(stop=stop_after_delay(within) | stop_when_event_set(closed), wait=wait_fixed(RECONNECT_EVERY),
+                    retry=retry_if_exception_type(UNREACHABLE), before_sleep=waiting,
+                    retry_error_callback=gave_up)(client)
+
+
+def _failure(state: RetryCallState) -> BaseException | None:
+    assert state.outcome is not None
+    return state.outcome.exception()
 
 
 class Mirror:
@@ -202,7 +226,7 @@ def main(directory: str, host: str, port: int, node: int, nodes: int, job: str =
         say("error", why=f"torch.distributed cannot be imported here ({type(e).__name__}: {e})")
         return 2
     try:
-        store, role = connect(a.host, a.port, time.monotonic() + a.join_timeout, closed)
+        store, role = connect(a.host, a.port, a.join_timeout, closed)
     except TimeoutError as e:
         say("error", why=str(e))
         return 3
@@ -213,11 +237,10 @@ def main(directory: str, host: str, port: int, node: int, nodes: int, job: str =
             mirror.step()
         mirror.step()  # the supervisor's last word (its end, its report)
         store.set(mirror.pre + f"bye/{a.node}", b"1")
-        if role == "host":  # the store lives here: stay until every node has its last word
+        if role == "host":  # the store lives here: stay until every node has its last word, LINGER seconds at most
             byes = [mirror.pre + f"bye/{j}" for j in range(a.nodes)]
-            limit = time.monotonic() + LINGER
-            while time.monotonic() < limit and not store.check(byes):
-                time.sleep(POLL)
+            Retrying(stop=stop_after_delay(LINGER), wait=wait_fixed(POLL), retry=retry_if_result(lambda said: not said),
+                     retry_error_callback=lambda state: False)(store.check, byes)
     except Exception as e:  # the host went away: nothing more to mirror
         say("error", why=f"the store at {a.host}:{a.port} stopped answering ({type(e).__name__}: {e})")
         return 4

@@ -16,7 +16,9 @@ group's files, under ``DIR/<job>/<session>/``:
 
 The leader names its session in ``DIR/<job>/leader.json``; a follower joins the session whose leader is alive and not
 finished, so a new job in the same directory never reads an old job's files. This module is the protocol only: the
-supervisor runs the attempts. No torch here.
+supervisor runs the attempts, and which node this is comes from the command (``launch.membership_of``, re-exported
+here). Every wait is tenacity's ``Retrying`` (a stop after the wait's time, a fixed poll, what is still missing as the
+result to retry on). No torch here.
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -32,129 +34,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, stop_never, wait_fixed
 
 from ..vocab.events import EventTail
 from ..vocab.records import write_json_atomic
-from .launch import rendezvous, store_port
+from .launch import GROUP_ENV, GroupError, Membership, membership_of
 
-GROUP_ENV = "OOMGUARD_GROUP"  # the shared directory, when --group is not given
 TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node counts as dead
 DEFAULT_TIMEOUT = 120.0
 JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
 NOTICE_AFTER = 30.0  # a node still waiting for the others after this says so, once, with the way out
+JOIN_POLL = 0.5  # how often a node waiting for the others at the start looks again
+STEP_POLL = 0.2  # how often a node waiting for the others during the job looks again
 BEAT_EVERY = 2.0
-
-
-class GroupError(Exception):
-    """The group cannot form or has ended early (a node died, the leader vanished): the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Membership:
-    """This node's place in the job: its rank among the nodes, how many there are, where they meet."""
-
-    node: int
-    nodes: int
-    root: str  # the shared directory
-    job: str = "job"  # the job's name within it (Slurm's job and step, torchrun's --rdzv-id)
-    source: str = ""  # where node and nodes were read (for the user)
-    # torchrun's rendezvous host and the port of the group's store there, where the nodes may meet without a shared
-    # directory (oomguard/run/rendezvous.py); None where --group or $OOMGUARD_GROUP names the directory
-    store: tuple[str, int] | None = None
-
-    @property
-    def leader(self) -> bool:
-        return self.node == 0
-
-
-def _flag(argv: Sequence[str], *names: str) -> str | None:
-    """The value of the first of ``names`` in ``argv`` (``--x V`` or ``--x=V``), stopping at the script.
-
-    >>> _flag(["python", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank", "1", "train.py", "--nnodes", "9"],
-    ...       "--nnodes")
-    '2'
-    """
-    for i, a in enumerate(argv):
-        if a.endswith(".py") or a == "--":
-            break
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
-def _count(text: str, what: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
-    if not m or (m.group(2) and m.group(2) != m.group(1)):
-        raise GroupError(f"{what} is {text!r}: oomguard supervises a fixed number of nodes; give one number "
-                         "(or --nodes N)")
-    return int(m.group(1))
-
-
-def membership_of(argv: Sequence[str], env: Mapping[str, str], *, group: str | None = None, node: int | None = None,
-                  nodes: int | None = None, workdir: str = ".oomguard") -> Membership | None:
-    """This node's membership, or None for a job on one node. Read, in order, from the options (``--nodes``,
-    ``--node-rank``), the launcher's own arguments (torchrun's ``--nnodes``/``--node_rank``, accelerate's
-    ``--num_machines``/``--machine_rank``) and a Slurm step (``SLURM_STEP_NUM_NODES``, ``SLURM_NODEID``).
-
-    >>> m = membership_of(["torchrun", "--nnodes", "2", "--node_rank", "1", "--rdzv-id", "r7", "t.py"], {})
-    >>> (m.node, m.nodes, m.job, m.root)
-    (1, 2, 'r7', '.oomguard/group')
-    >>> membership_of(["python", "t.py"], {}) is None
-    True
-    >>> membership_of(["python", "t.py"], {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_NODEID": "3",
-    ...                                    "SLURM_JOB_ID": "88"}).job
-    '88.0'
-    """
-    source = "--nodes/--node-rank"
-    n_text = str(nodes) if nodes is not None else None
-    r_text = str(node) if node is not None else None
-    launcher = ""
-    for total, rank, name in ((("--nnodes",), ("--node_rank", "--node-rank"), "torchrun"),
-                              (("--num_machines", "--num-machines"), ("--machine_rank", "--machine-rank"),
-                               "accelerate launch")):
-        t = _flag(argv, *total)
-        if t is not None:
-            n_text = n_text or t
-            r_text = r_text if r_text is not None else _flag(argv, *rank)
-            launcher = name
-            break
-    slurm = "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1) > 1
-    if slurm:
-        n_text = n_text or env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
-        r_text = r_text if r_text is not None else env.get("SLURM_NODEID")
-        if env.get("SLURM_LOCALID", "0") != "0":
-            raise GroupError("several oomguards were started on this node (SLURM_LOCALID "
-                             f"{env['SLURM_LOCALID']}): start one per node (srun --ntasks-per-node=1)")
-    if n_text is None:
-        return None
-    total = _count(n_text, f"the node count ({launcher or 'Slurm'})")
-    if total <= 1:
-        return None
-    if r_text is None or not r_text.strip().isdigit():
-        raise GroupError(f"the command spans {total} nodes but this node's rank is not known ({r_text or 'not given'}"
-                         "): pass --node-rank N (or the launcher's --node_rank/--machine_rank)")
-    rank = int(r_text)
-    if rank >= total:
-        raise GroupError(f"node rank {rank} is not below the node count {total}: check --node-rank")
-    source = launcher or ("Slurm" if slurm else source)
-    job = (f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}" if "SLURM_JOB_ID" in env
-           else _flag(argv, "--rdzv-id", "--rdzv_id") or "job")
-    root = group or env.get(GROUP_ENV) or str(Path(workdir) / "group")
-    store = None
-    if not (group or env.get(GROUP_ENV)) and (rdzv := rendezvous(argv)) is not None:
-        store = (rdzv[0], store_port(rdzv[1], env))
-    return Membership(node=rank, nodes=total, root=root, job=re.sub(r"[^\w.-]", "_", job), source=source,
-                      store=store)
 
 
 class Group:
@@ -185,7 +83,7 @@ class Group:
         except OSError as e:
             raise GroupError(f"cannot use {self.base} for the group ({e.strerror}): pass --group DIR, a directory "
                              "every node of the job can write") from None
-        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
+        within = self.join_timeout if wait is None else wait
         if self.m.leader:
             name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
             self.session = self.base / name
@@ -193,15 +91,13 @@ class Group:
             self._heartbeat()
             write_json_atomic(self.base / "leader.json", {"session": name, "started": self.started})
         else:
-            waiting = _Waiting(self)
-            while (s := self._live_session()) is None:
-                if time.monotonic() > limit:
-                    raise GroupError(f"no leader (node 0) appeared {self._where()} within "
-                                     f"{self.join_timeout if wait is None else wait:.0f} s: start `oomguard run` on "
-                                     f"node 0 too, and {self._fix()}")
-                waiting.still([0])
-                time.sleep(0.5)
-            self.session = s
+            def no_leader(state: RetryCallState) -> NoReturn:
+                raise GroupError(f"no leader (node 0) appeared {self._where()} within {within:.0f} s: start `oomguard "
+                                 f"run` on node 0 too, and {self._fix()}")
+
+            self.session = Retrying(stop=stop_after_delay(within), wait=wait_fixed(JOIN_POLL),
+                                    retry=retry_if_result(_is_none), before_sleep=_Waiting(self, lambda state: [0]),
+                                    retry_error_callback=no_leader)(self._live_session)
             self._heartbeat()
         if self._beat:
             self._thread = threading.Thread(target=self._beating, name="oomguard-group-heartbeat", daemon=True)
@@ -209,15 +105,18 @@ class Group:
 
     def assemble(self, wait: float | None = None) -> None:
         """Leader: wait until every node has joined its session."""
-        limit = time.monotonic() + (self.join_timeout if wait is None else wait)
-        waiting = _Waiting(self)
-        while missing := [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]:
-            if time.monotonic() > limit:
-                raise GroupError(f"node(s) {', '.join(map(str, missing))} did not join the group "
-                                 f"{self._where(self.session)} within {self.join_timeout if wait is None else wait:.0f} "
-                                 f"s: start `oomguard run` on every node, and {self._fix()}")
-            waiting.still(missing)
-            time.sleep(0.5)
+        within = self.join_timeout if wait is None else wait
+
+        def missing() -> list[int]:
+            return [i for i in range(1, self.m.nodes) if not self._node_file(i).exists()]
+
+        def not_joined(state: RetryCallState) -> NoReturn:
+            raise GroupError(f"node(s) {', '.join(map(str, _result(state)))} did not join the group "
+                             f"{self._where(self.session)} within {within:.0f} s: start `oomguard run` on every node, "
+                             f"and {self._fix()}")
+
+        Retrying(stop=stop_after_delay(within), wait=wait_fixed(JOIN_POLL), retry=retry_if_result(bool),
+                 before_sleep=_Waiting(self, _result), retry_error_callback=not_joined)(missing)
 
     def _where(self, d: Path | None = None) -> str:
         d = d or self.base
@@ -312,9 +211,11 @@ class Group:
         write_json_atomic(self.attempt_dir(index) / f"ended-node{self.m.node}.json", result)
 
     def gather(self, index: int, tick: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
-        """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError)."""
+        """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError); ``tick``
+        is called between looks."""
         got: dict[int, dict[str, Any]] = {}
-        while True:
+
+        def all_ended() -> dict[int, dict[str, Any]] | None:
             for i in range(1, self.m.nodes):
                 if i not in got and (r := self._read(self.attempt_dir(index) / f"ended-node{i}.json")) is not None:
                     got[i] = r
@@ -323,29 +224,38 @@ class Group:
             why = self.trouble()
             if why is not None:
                 raise GroupError(why)
-            tick()
-            time.sleep(0.2)
+            return None
+
+        return Retrying(stop=stop_never, wait=wait_fixed(STEP_POLL), retry=retry_if_result(_is_none),
+                        before_sleep=lambda state: tick())(all_ended)
 
     def next_step(self, index: int, wait: float | None = None) -> dict[str, Any]:
         """Follower: the leader's plan for attempt ``index``, or ``{"kind": "final", ...}`` once it has ended the
         job; raises GroupError when the group failed or the leader is silent."""
         assert self.session is not None
-        limit = None if wait is None else time.monotonic() + wait
-        while True:
-            step = self._read(self.session / f"attempt-{index}" / "plan.json")
-            if step is not None:
-                return step
-            final = self._read(self.session / "final.json")
+        session = self.session
+
+        def step() -> dict[str, Any] | None:
+            plan = self._read(session / f"attempt-{index}" / "plan.json")
+            if plan is not None:
+                return plan
+            final = self._read(session / "final.json")
             if final is not None:
                 return {"kind": "final", **final}
-            failed = self._read(self.session / "failed.json")
+            failed = self._read(session / "failed.json")
             if failed is not None:
                 raise GroupError(str(failed.get("why")))
             if self._age(self._node_file(0)) > self.timeout:
                 raise GroupError(self._dead(0))
-            if limit is not None and time.monotonic() > limit:
-                raise GroupError(f"the leader published no attempt {index} in time")
-            time.sleep(0.2)
+            return None
+
+        def late(state: RetryCallState) -> NoReturn:
+            raise GroupError(f"the leader published no attempt {index} in time")
+
+        found: dict[str, Any] = Retrying(stop=stop_never if wait is None else stop_after_delay(wait),
+                                         wait=wait_fixed(STEP_POLL), retry=retry_if_result(_is_none),
+                                         retry_error_callback=late)(step)
+        return found
 
     def finish(self, data: dict[str, Any]) -> None:
         """Leader: the job's end (its report and lock), for every follower to copy."""
@@ -375,21 +285,33 @@ class Group:
         return data if isinstance(data, dict) else None
 
 
-class _Waiting:
-    """A node waiting for others at the start: after NOTICE_AFTER seconds it says, once, where it waits, who is
-    missing and the way out (node-local working directories never meet in their own directories)."""
+def _is_none(value: object) -> bool:
+    return value is None
 
-    def __init__(self, g: Group) -> None:
+
+def _result(state: RetryCallState) -> Any:
+    """What the last look found (the nodes still missing)."""
+    assert state.outcome is not None
+    return state.outcome.result()
+
+
+class _Waiting:
+    """The ``before_sleep`` of a node waiting for others at the start: it lets the group's ``tick`` speak at every
+    look, and after NOTICE_AFTER seconds it says, once, where it waits, who is missing (``missing`` reads them from
+    the last look) and the way out (node-local working directories never meet in their own directories)."""
+
+    def __init__(self, g: Group, missing: Callable[[RetryCallState], list[int]]) -> None:
         self.g = g
-        self.since = time.monotonic()
+        self.missing = missing
         self.said = False
 
-    def still(self, missing: list[int]) -> None:
+    def __call__(self, state: RetryCallState) -> None:
         self.g.tick()
-        waited = time.monotonic() - self.since
+        waited = state.seconds_since_start or 0.0
         if self.said or waited < NOTICE_AFTER:
             return
         self.said = True
+        missing = self.missing(state)
         who = "node 0 (the leader)" if missing == [0] else f"node(s) {', '.join(map(str, missing))}"
         self.g.notice(f"node {self.g.m.node} has waited {waited:.0f} s for {who} {self.g._where()}: {self.g._fix()}")
 

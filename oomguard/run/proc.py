@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import psutil
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from .hostmem import HostOOMWatch
 
@@ -139,13 +140,14 @@ def group_alive(pgid: int) -> list[int]:
 
 
 def wait_group_gone(pgid: int, timeout: float = GROUP_GONE_TIMEOUT, poll: float = 0.05) -> list[int]:
-    """Wait until group ``pgid`` has no living process; returns those still alive when ``timeout`` ran out."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = group_alive(pgid)
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(poll)
+    """Wait until group ``pgid`` has no living process; returns those still alive when ``timeout`` ran out.
+
+    >>> wait_group_gone(2**22 + 1, timeout=0), os.getpid() in wait_group_gone(os.getpgrp(), timeout=0.1)
+    ([], True)
+    """
+    alive: list[int] = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(poll), retry=retry_if_result(bool),
+                                retry_error_callback=lambda state: state.outcome.result())(group_alive, pgid)
+    return alive
 
 
 def become_subreaper() -> bool:

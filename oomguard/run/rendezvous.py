@@ -20,13 +20,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .group import GroupError, Membership
-from .launch import PORT_ENV
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_none
+
+from .launch import PORT_ENV, GroupError, Membership
 
 HELPER = Path(__file__).resolve().parent.parent / "child" / "storesync.py"
 READY_WAIT = 20.0  # how long the supervisor waits for the helper's first word before it goes on without it
@@ -88,9 +88,9 @@ class StoreSync:
         except OSError as e:
             raise GroupError(f"cannot start {self.python} for the group's store ({e.strerror})") from None
         threading.Thread(target=self._read, name="oomguard-group-store", daemon=True).start()
-        limit = time.monotonic() + wait
-        while self.role is None and self.error is None and time.monotonic() < limit:
-            self.poll(timeout=0.2)
+        # each look waits up to 0.2 s for the helper's next line; past ``wait`` the supervisor goes on without its role
+        Retrying(stop=stop_after_delay(wait), wait=wait_none(), retry=retry_if_result(lambda heard: not heard),
+                 retry_error_callback=lambda state: False)(self._heard, 0.2)
         if self.error is not None:
             self.close(wait=5)
             raise GroupError(self.error)
@@ -104,6 +104,11 @@ class StoreSync:
                 continue
         self.lines.put({"event": "exited", "code": self.proc.wait()})
 
+    def _heard(self, timeout: float) -> bool:
+        """Whether the helper has said its role or why it cannot run, after waiting up to ``timeout`` for a line."""
+        self.poll(timeout=timeout)
+        return self.role is not None or self.error is not None
+
     def poll(self, timeout: float = 0.0) -> None:
         """Take what the helper said: its role, or why it cannot run."""
         try:
@@ -115,7 +120,7 @@ class StoreSync:
             self.role = str(msg.get("role"))
         elif event == "error" or (event == "exited" and self.role is None and self.error is None):
             self.error = str(msg.get("why") or f"the group's store helper exited ({msg.get('code')})")
-        # "waiting" (the host cannot be reached yet): the group's own wait says so, once (group._Waiting)
+        # "waiting" (the host cannot be reached yet): the group's own wait says so, once (its before_sleep hook)
 
     def close(self, wait: float = CLOSE_WAIT) -> None:
         """This node is done: the helper publishes its last files and says goodbye (the host waits for the others)."""
