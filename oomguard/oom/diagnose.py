@@ -19,11 +19,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
 
 from ..vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
 from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.sizes import MiB, format_size
+from .phase import PHASE_WORDS, VLLM_STARTUP, phase_from_frames, vllm_startup_frame
 
 # Requests at or below this are the allocator's rounded small blocks (2 MiB, 20 MiB): memory died of a thousand
 # cuts, not of one big tensor.
@@ -34,123 +34,9 @@ _OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says
 # would get this one request through and the next allocation of the step would fail: the process is short of memory.
 FRAGMENTATION_HEADROOM = 0.10
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Phase from frames (TRL 1.16 names, research/trl-grpo-memory.md §3, and the generic PyTorch/transformers ones).
-
-_OPTIMIZER_NAMES = {
-    "_multi_tensor_adamw", "_single_tensor_adamw", "_fused_adamw", "_fused_adam", "_multi_tensor_adam",
-    "_single_tensor_adam", "adamw", "adam", "_init_group", "optimizer_step", "init_state", "_init_state",
-}
-_BACKWARD_NAMES = {"_engine_run_backward", "run_backward", "_backward"}
-_GENERATION_NAMES = {
-    "_generate_single_turn", "_generate", "generate", "generate_batch", "_sample", "_beam_search",
-    "_assisted_decoding", "sync_weights", "wake_up", "load_weights", "_generate_with_continuous_batching",
-    "generate_batch_outputs", "_prefill",
-}
-_SCORING_NAMES = {"_calculate_rewards", "_generate_and_score_completions", "_compute_ref_per_token_logps"}
-# Log-prob helpers run in scoring too; the scoring rule (checked first) claims them under _generate_and_score_completions.
-_FORWARD_NAMES = {"_compute_loss", "compute_loss", "_fused_forward", "training_step", "compute_liger_loss",
-                  "_get_per_token_logps_and_entropies", "_get_per_token_logps", "selective_log_softmax"}
-_LOAD_NAMES = {
-    "from_pretrained", "_load_pretrained_model", "create_model_from_path", "get_peft_model", "load_state_dict",
-    "_move_model_to_device", "dispatch_model", "prepare_model_for_kbit_training", "_load_state_dict_into_meta_model",
-    "load_shard_file", "_materialize_copy", "convert_and_load_state_dict_in_model",
-}
-
-
-def _is_optimizer(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _OPTIMIZER_NAMES:
-        return True
-    return f.name in ("step", "_step", "update_step") and (
-        "/torch/optim/" in path or "/bitsandbytes/optim" in path or path.endswith("accelerate/optimizer.py")
-    )
-
-
-def _is_backward(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _BACKWARD_NAMES:
-        return True
-    return f.name == "backward" and (
-        "/torch/" in path or "accelerate/" in path or "/trl/" in path or "deepspeed" in path
-    )
-
-
-# transformers' Trainer evaluates through these; GRPO generates, scores and computes its loss inside prediction_step,
-# so an evaluation frame outranks every other: what ran out is the evaluation pass, whatever it was doing.
-_EVALUATION_NAMES = {"evaluation_loop", "prediction_step", "prediction_loop"}
-
-
-def _is_evaluation(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _EVALUATION_NAMES:
-        return True
-    return f.name in ("evaluate", "_evaluate") and ("transformers/" in path or "/trl/" in path)
-
-
-# Trainer's checkpoint save: the state dicts gathered and serialised (ZeRO-3 gathers 16-bit weights for it).
-_SAVE_NAMES = {"_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_rng_state"}
-
-_RULES: tuple[tuple[str, Any], ...] = (
-    ("evaluation", _is_evaluation),
-    ("save", lambda f: f.name in _SAVE_NAMES),
-    ("optimizer", _is_optimizer),
-    ("backward", _is_backward),
-    ("generation", lambda f: f.name in _GENERATION_NAMES),
-    ("scoring", lambda f: f.name in _SCORING_NAMES),
-    ("forward", lambda f: f.name in _FORWARD_NAMES),
-    ("load", lambda f: f.name in _LOAD_NAMES),
-    # Last resorts for plain PyTorch loops: a backward() call or a module's forward.
-    ("backward", lambda f: f.name == "backward"),
-    ("forward", lambda f: f.name in ("forward", "_call_impl", "_wrapped_call_impl")),
-)
-
-
-# vLLM's own start-up, inside TRL's GRPOTrainer.__init__: its weights, the profile run and the sampler's warm-up that
-# size its KV cache, and the KV cache itself (vllm/v1/worker/*, vllm 0.x); what each is, for the evidence.
-_VLLM_STARTUP = {
-    "allocate_kv_cache": "its KV cache", "_allocate_kv_cache_tensors": "its KV cache",
-    "initialize_kv_cache_tensors": "its KV cache", "initialize_kv_cache": "its KV cache",
-    "_dummy_sampler_run": "the sampler's warm-up", "profile_run": "its profile run", "_dummy_run": "its profile run",
-    "determine_available_memory": "its profile run", "warming_up_model": "its warm-up",
-    "compile_or_warm_up_model": "its warm-up", "load_weights": "its weights", "load_model": "its weights",
-}
-
-
-def vllm_startup_frame(frames: Sequence[Frame]) -> Frame | None:
-    """The innermost frame of vLLM's own start-up in a traceback (``_VLLM_STARTUP``), or None.
-
-    >>> vllm_startup_frame([Frame("trl/trainer/grpo_trainer.py", 1107, "__init__"),
-    ...                     Frame("vllm/v1/worker/utils.py", 596, "allocate_kv_cache")]).name
-    'allocate_kv_cache'
-    """
-    for f in reversed(frames):
-        if "vllm/" in f.filename.replace("\\", "/") and f.name in _VLLM_STARTUP:
-            return f
-    return None
-
-
-def phase_from_frames(frames: Sequence[Frame]) -> tuple[str, Frame | None]:
-    """The phase the traceback was in, and the frame that shows it.
-
-    Rules are tried in order of specificity: an optimizer frame beats a backward frame, which beats generation
-    (generation also runs model forwards), scoring, training forward and model load.
-
-    >>> phase_from_frames([Frame("trl/trainer/grpo_trainer.py", 2400, "_generate_and_score_completions"),
-    ...                    Frame("trl/trainer/grpo_trainer.py", 1873, "_generate_single_turn"),
-    ...                    Frame("transformers/models/qwen2/modeling_qwen2.py", 50, "forward")])[0]
-    'generation'
-    """
-    for phase, rule in _RULES:
-        for f in reversed(frames):
-            if rule(f):
-                return phase, f
-    return "unknown", None
-
-
-# --------------------------------------------------------------------------------------------------------------
-
+# phase_from_frames and vllm_startup_frame live in oom/phase.py; they are named here too for the callers that import
+# them with diagnose.
+__all__ = ["FRAGMENTATION_HEADROOM", "SMALL_REQUEST", "diagnose", "phase_from_frames", "vllm_startup_frame"]
 
 SMALLER_SHAPES = ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit."
 SMALLER_LOAD = ": only loading the weights smaller (4-bit, or 16-bit instead of float32) can make it fit."
@@ -179,7 +65,7 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     started = vllm_startup_frame(frames) if kind not in ("host-ram", "vllm-reservation", "impossible") else None
     if started is not None:  # vLLM's reservation, taken beside what the trainer already holds
         kind, report = "vllm-reservation", replace(report, origin="vllm-startup")
-        evidence = [_vllm_startup_sentence(report, _VLLM_STARTUP[started.name]), *evidence[1:]]
+        evidence = [_vllm_startup_sentence(report, VLLM_STARTUP[started.name]), *evidence[1:]]
         phase, frame = "load", started
     buffer = _framework_buffer(report, frames, buffers or {}) if kind not in ("host-ram", "vllm-reservation") \
         else None
@@ -191,7 +77,7 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
         evidence[0] = evidence[0][: -len(SMALLER_SHAPES)] + SMALLER_LOAD  # a weight tensor: only its size can change
     if phase != "unknown":
         where = f" in `{frame.name}` ({_short(frame.filename)}:{frame.line})" if frame else ""
-        evidence.append(f"It happened during {_PHASE_WORDS[phase]}{where}.")
+        evidence.append(f"It happened during {PHASE_WORDS[phase]}{where}.")
     return Diagnosis(kind=kind, phase=phase, evidence=tuple(evidence), report=report, frame=frame, buffer=buffer)
 
 
@@ -228,18 +114,6 @@ def _buffer_sentence(r: OOMReport, buffer: str, whole: bool) -> str:
             "DeepSpeed config, not from the step's shapes, so shorter sequences or fewer rows do not change it. Size "
             "it to the model: \"reduce_bucket_size\": \"auto\" in the DeepSpeed config (transformers fills in "
             "hidden_size²), or a number of elements.")
-
-
-_PHASE_WORDS = {
-    "load": "model loading",
-    "evaluation": "an evaluation pass (its generation, scoring and no-grad loss, with per_device_eval_batch_size rows)",
-    "generation": "generation",
-    "scoring": "scoring (rewards or no-grad log-probs)",
-    "forward": "the training forward pass",
-    "backward": "the backward pass",
-    "optimizer": "the optimizer step",
-    "save": "a checkpoint save",
-}
 
 
 def _short(path: str) -> str:
