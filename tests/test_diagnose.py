@@ -236,3 +236,16 @@ def test_nccl_and_thc_are_driver_failures_with_the_size_when_known():
     assert d.kind == "driver" and "NCCL" in d.evidence[0] and "(6.00 MiB requested)" in d.evidence[0]
     thc = parse_oom("THCudaCheck FAIL file=/pytorch/torch/lib/THC/generic/THCStorage.cu line=58 error=2 : out of memory")
     assert diagnose(thc).kind == "driver"
+
+
+def test_the_raylet_summary_is_parsed_once_into_report_fields():
+    (hit,) = scan_text((OOM_FIXTURES / "host_ray_raylet_remote_node_wrapped.txt").read_text(encoding="utf-8"))
+    assert (hit.report.origin, hit.report.workers_killed, hit.report.node) == ("ray", 1, "10.0.6.140")
+    assert "1 worker(s) (tasks or actors) killed by its memory monitor on node 10.0.6.140" in \
+        diagnose(hit.report).evidence[0]
+    # the diagnosis reads the fields, not the message
+    fields = OOMReport(backend="host", origin="ray", message="(raylet) summary", workers_killed=3, node="10.0.0.9")
+    assert diagnose(fields).evidence[0].startswith("Ray's raylet reports 3 worker(s) (tasks or actors) killed by its "
+                                                   "memory monitor on node 10.0.0.9: the node's RAM")
+    (verl,) = scan_text((OOM_FIXTURES / "host_ray_raylet_wrapped_verl_notes.txt").read_text(encoding="utf-8"))
+    assert (verl.report.workers_killed, verl.report.node) == (5, None)

@@ -16,7 +16,6 @@ request larger than the whole device points at a shape, not a budget.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -337,11 +336,6 @@ def _others_sentence(r: OOMReport) -> str:
     return f"Other processes hold {_f(r.others_total)} of the device ({parts}{more})."
 
 
-# The raylet's summary line: "N Workers (tasks / actors) killed due to memory pressure (OOM), ... (ID: ..., IP: X)"
-_RAYLET = re.compile(r"(?P<n>\d+)\s*Workers\s*\(\s*tasks\s*/\s*actors\s*\)\s*killed\s*due\s*to\s*memory\s*pressure"
-                     r"(?:.*?\bIP\s*:\s*(?P<ip>[\d.:a-fA-F]+))?", re.IGNORECASE | re.DOTALL)
-
-
 def _host_evidence(r: OOMReport) -> list[str]:
     if r.origin in ("oom-killer", "shell"):
         who = f"process {r.pid}" if r.pid else "the process"
@@ -349,9 +343,9 @@ def _host_evidence(r: OOMReport) -> list[str]:
         return [f"The kernel's OOM killer ended {who}{rss}: the host ran out of RAM, not the GPU."]
     if r.origin == "slurm":
         return ["Slurm's cgroup reported an OOM kill: the job exceeded its host-RAM allocation (--mem)."]
-    if r.origin == "ray" and (m := _RAYLET.search(r.message)):
-        node = f" on node {m.group('ip')}" if m.group("ip") else ""
-        return [f"Ray's raylet reports {m.group('n')} worker(s) (tasks or actors) killed by its memory monitor"
+    if r.origin == "ray" and r.workers_killed is not None:  # the raylet's summary (oom/parse/cluster.py)
+        node = f" on node {r.node}" if r.node else ""
+        return [f"Ray's raylet reports {r.workers_killed} worker(s) (tasks or actors) killed by its memory monitor"
                 f"{node}: the node's RAM, not the GPU, ran out. Ray retries such tasks; fewer workers per node or less "
                 "host memory per worker is the fix (RAY_memory_usage_threshold only moves the line)."]
     if r.origin == "ray":
