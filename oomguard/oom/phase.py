@@ -28,7 +28,8 @@ _GENERATION_NAMES = {
     "generate_batch_outputs", "_prefill",
 }
 _SCORING_NAMES = {"_calculate_rewards", "_generate_and_score_completions", "_compute_ref_per_token_logps"}
-# Log-prob helpers run in scoring too; the scoring rule (checked first) claims them under _generate_and_score_completions.
+# Log-prob helpers run in scoring too; the scoring rule (checked first) claims them under
+# _generate_and_score_completions.
 _FORWARD_NAMES = {"_compute_loss", "compute_loss", "_fused_forward", "training_step", "compute_liger_loss",
                   "_get_per_token_logps_and_entropies", "_get_per_token_logps", "selective_log_softmax"}
 _LOAD_NAMES = {
