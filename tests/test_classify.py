@@ -67,6 +67,17 @@ def test_a_pre_flight_stop_is_read_from_the_events_whatever_the_launcher_exits_w
         assert attempt.predicted_bytes == 3 << 30
 
 
+def test_a_stop_before_vllm_starts_is_diagnosed_with_its_reason_written_first(tmp_path):
+    reason = "vLLM's KV cache would hold 1,024 tokens, fewer than the 2,048 of one sequence"
+    events = [*trained(11), PreflightStop(predicted_bytes=1 << 30, capacity=2 << 30, pid=11, before="starts vLLM",
+                                          reason=reason), ended("predicted", 11)]
+    attempt, diag, _ = decide(tmp_path, result(87), events)
+    assert attempt.outcome == Outcome.PREDICTED and attempt.note == f"stopped before starting vLLM: {reason}"
+    assert diag.kind == "vllm-reservation" and diag.facts.reason == reason
+    assert diag.evidence == (f"{reason}.", "vLLM has no room for the KV cache of one full-length sequence: raise "
+                             "vllm_gpu_memory_utilization or lower vllm_max_model_length.")
+
+
 def finished(pid: int) -> StepDone:
     return StepDone(step=2, final=True, pid=pid)
 
@@ -138,6 +149,8 @@ def test_a_rank_killed_without_a_word_is_a_host_oom_only_with_evidence(tmp_path)
     evidence = ["the cgroup's OOM-kill counter rose from 0 to 1 during the attempt (memory.events)"]
     attempt, diag, _ = decide(tmp_path, result(1, host_oom=evidence), events)
     assert attempt.outcome == Outcome.OOM and diag.kind == "host-ram"
+    assert diag.facts.host_signs == tuple(evidence) and diag.evidence[-1] == "The cgroup's OOM-kill counter rose " \
+        "from 0 to 1 during the attempt (memory.events)." and attempt.oom["evidence"] == list(diag.evidence)
     assert "rank 1 (pid 12) was killed without a word (the command exited 1)" in attempt.oom["message"]
     weak = ["the attempt's processes reached 30 GiB of resident memory, 93% of the machine's RAM (32 GiB)"]
     attempt, _, _ = decide(tmp_path, result(1, host_oom=weak, strong=False), events)

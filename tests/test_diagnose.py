@@ -236,3 +236,142 @@ def test_nccl_and_thc_are_driver_failures_with_the_size_when_known():
     assert d.kind == "driver" and "NCCL" in d.evidence[0] and "(6.00 MiB requested)" in d.evidence[0]
     thc = parse_oom("THCudaCheck FAIL file=/pytorch/torch/lib/THC/generic/THCStorage.cu line=58 error=2 : out of memory")
     assert diagnose(thc).kind == "driver"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 40: the diagnosis is a verdict with its facts, written into sentences in one place; nothing reads a sentence
+# back, and nothing edits a Diagnosis after it is made.
+
+from dataclasses import replace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from oomguard.oom import diagnose as diagnose_module  # noqa: E402
+from oomguard.oom.diagnose import verdict  # noqa: E402
+from oomguard.oom.evidence import sentences  # noqa: E402
+from oomguard.vocab.diagnosis import Room, Verdict  # noqa: E402
+
+BUCKET = 2_000_000_000
+VLLM_KV = [f("__init__", "trl/trainer/grpo_trainer.py"), f("allocate_kv_cache", "vllm/v1/worker/utils.py")]
+LOAD = [f("from_pretrained", "transformers/modeling_utils.py")]
+# (report, frames, phase, buffers): every branch that once decided by reading a sentence, and one of each kind
+CASES = [
+    (report(requested=20 * GiB), (), None, None),  # impossible: smaller shapes
+    (report(requested=20 * GiB), LOAD, None, None),  # impossible while loading: a smaller load
+    (report(requested=2**52), LOAD, None, None),  # overflowed, while loading
+    (report(requested=BUCKET, capacity=1 * GiB), (), None, {"the bucket": BUCKET}),  # a bucket larger than the device
+    (report(requested=2**52), (), None, {"the bucket": 2**52}),  # an overflowed bucket
+    (report(requested=BUCKET, capacity=80 * GiB, free=1 * GiB, allocated=70 * GiB), (), "backward",
+     {"the bucket": BUCKET}),
+    (parse_oom(SEED), VLLM_KV, None, None),  # vLLM's start-up: its reservation, whatever the figures said
+    (parse_oom(SEED), (), None, None),
+    (report(requested=1 * GiB, capacity=80 * GiB, free=50 * GiB, allocated=23 * GiB, reserved_unallocated=2 * GiB,
+            allowed=24 * GiB), (), None, None),  # own cap, not fragmentation
+    (report(requested=2 * GiB, other_processes=(OtherProcess(123, 10 * GiB),), reserved_unallocated=0), (), None,
+     None),
+    (report(requested=1 * GiB, process=15 * GiB, allocated=6 * GiB, reserved_unallocated=0), (), None, None),
+    (report(requested=20 * MiB, reserved_unallocated=1 * MiB), (), None, None),
+    (parse_oom("RuntimeError: CUDA error: out of memory"), (), None, None),
+    (parse_oom("MemoryError"), (), "save", None),
+]
+
+
+def test_the_verdict_holds_the_facts_each_decision_rests_on():
+    v = verdict(report(requested=2**52))
+    assert (v.kind, v.facts.overflowed, v.facts.by_figures) == ("impossible", True, "impossible")
+    v = verdict(report(requested=20 * GiB), LOAD)
+    assert (v.kind, v.phase, v.facts.overflowed) == ("impossible", "load", False)
+    v = verdict(report(requested=BUCKET, capacity=1 * GiB), buffers={"the bucket": BUCKET})
+    assert (v.kind, v.buffer) == ("impossible", "the bucket")
+
+    v = verdict(report(requested=1 * GiB, capacity=80 * GiB, free=50 * GiB, allocated=23 * GiB,
+                       reserved_unallocated=2 * GiB, allowed=24 * GiB))
+    assert v.kind == "shortfall" and v.facts.own_cap and v.facts.cache_fits and v.facts.not_fragmentation
+    assert v.facts.room == Room(live=23 * GiB, need=24 * GiB, usable=24 * GiB) and v.facts.room.left == 0
+    v = verdict(report(requested=1 * GiB, capacity=80 * GiB, free=50 * GiB, allocated=10 * GiB,
+                       reserved_unallocated=2 * GiB, allowed=24 * GiB))
+    assert v.kind == "fragmentation" and not v.facts.not_fragmentation and v.facts.room.left == 13 * GiB
+
+    v = verdict(parse_oom(SEED), VLLM_KV)
+    assert (v.kind, v.phase, v.facts.by_figures, v.facts.vllm_startup) == (
+        "vllm-reservation", "load", "fragmentation", "its KV cache")
+    assert v.report.origin == "vllm-startup" and v.frame.name == "allocate_kv_cache"
+
+    v = verdict(report(requested=3 * GiB, capacity=80 * GiB, free=2 * GiB, allocated=70 * GiB,
+                       reserved_unallocated=5 * GiB, other_processes=(OtherProcess(51882, 77 * GiB),)))
+    assert v.facts.nvml_self == 51882 and v.report.process == 77 * GiB
+    d = diagnose(report(requested=1 * GiB, process=15 * GiB, allocated=6 * GiB, reserved_unallocated=0))
+    assert d.kind == "non-pytorch" and d.facts.outside_torch == 9 * GiB  # the Diagnosis carries the facts
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_no_decision_reads_a_sentence(case, monkeypatch):
+    """The verdict is decided before any sentence exists, and the sentences' wording changes no field of the
+    Diagnosis but the evidence: the writer is called once, by diagnose, with the verdict."""
+    r, frames, phase, buffers = CASES[case]
+    before = diagnose(r, frames, phase=phase, buffers=buffers)
+    written: list[Verdict] = []
+
+    def reworded(v: Verdict) -> tuple[str, ...]:
+        written.append(v)
+        return tuple(f"<{s.upper()}>" for s in sentences(v))
+
+    monkeypatch.setattr(diagnose_module, "sentences", reworded)
+    monkeypatch.setattr("oomguard.oom.evidence.SMALLER_SHAPES", ": reworded.")
+    monkeypatch.setattr("oomguard.oom.evidence.SMALLER_LOAD", ": reworded too.")
+    after = diagnose(r, frames, phase=phase, buffers=buffers)
+    assert len(written) == 1 and written[0] == verdict(r, frames, phase=phase, buffers=buffers)
+    assert (after.kind, after.phase, after.report, after.frame, after.buffer, after.facts) == (
+        before.kind, before.phase, before.report, before.frame, before.buffer, before.facts)
+    assert len(after.evidence) == len(before.evidence)
+
+
+def test_the_evidence_is_the_verdict_written():
+    for r, frames, phase, buffers in CASES:
+        v = verdict(r, frames, phase=phase, buffers=buffers)
+        d = diagnose(r, frames, phase=phase, buffers=buffers)
+        assert d.evidence == sentences(v) and (d.kind, d.phase, d.facts) == (v.kind, v.phase, v.facts)
+
+
+def test_a_bucket_or_a_load_words_the_impossible_verdict_from_its_facts():
+    shapes = diagnose(report(requested=20 * GiB)).evidence[0]
+    assert shapes.endswith("only smaller shapes (shorter sequences, fewer rows per step) can make it fit.")
+    load = diagnose(report(requested=20 * GiB), LOAD).evidence[0]
+    assert load == shapes.replace("smaller shapes (shorter sequences, fewer rows per step)",
+                                  "loading the weights smaller (4-bit, or 16-bit instead of float32)")
+    bucket = diagnose(report(requested=BUCKET, capacity=1 * GiB), buffers={"the bucket": BUCKET}).evidence
+    assert bucket[0].startswith("The request of 1.86 GiB (more than the whole device) is the bucket")
+    assert not any("larger than" in e for e in bucket)  # a bucket's size is the config's, not the shapes'
+    overflowed = diagnose(report(requested=2**52), buffers={"the bucket": 2**52}).evidence
+    assert overflowed[0].startswith("The request of") and "an overflowed shape" in overflowed[1]
+
+
+def test_what_the_caller_saw_is_written_with_the_verdict_not_after_it():
+    reason = "vLLM's KV cache would hold 100 tokens, fewer than one sequence of 200"
+    d = diagnose(OOMReport(backend="vllm", origin="vllm-kv", message=reason), reason=reason)
+    assert d.kind == "vllm-reservation" and d.facts.reason == reason
+    assert d.evidence[0] == reason + "." and d.evidence[1].startswith("vLLM has no room for the KV cache")
+
+    signs = ["the cgroup's OOM-kill counter rose from 0 to 1", "node 2: resident memory reached 30 GiB"]
+    d = diagnose(OOMReport(backend="host", origin="oom-killer", message="killed"), phase="save", host_signs=signs)
+    assert d.evidence == ("The kernel's OOM killer ended the process: the host ran out of RAM, not the GPU.",
+                          "It happened during a checkpoint save.",
+                          "The cgroup's OOM-kill counter rose from 0 to 1.", "Node 2: resident memory reached 30 GiB.")
+    assert d.facts.host_signs == tuple(signs)
+
+    d = diagnose(parse_oom(SEED), engine="EngineCore pid=7")
+    assert d.evidence[-1].startswith("It happened in vLLM's own engine process (EngineCore pid=7), not in the trainer")
+    assert d.facts == replace(diagnose(parse_oom(SEED)).facts, engine="EngineCore pid=7")
+
+
+def test_the_raylet_summary_is_parsed_once_into_report_fields():
+    (hit,) = scan_text((OOM_FIXTURES / "host_ray_raylet_remote_node_wrapped.txt").read_text(encoding="utf-8"))
+    assert (hit.report.origin, hit.report.workers_killed, hit.report.node) == ("ray", 1, "10.0.6.140")
+    assert "1 worker(s) (tasks or actors) killed by its memory monitor on node 10.0.6.140" in \
+        diagnose(hit.report).evidence[0]
+    # the diagnosis reads the fields, not the message
+    fields = OOMReport(backend="host", origin="ray", message="(raylet) summary", workers_killed=3, node="10.0.0.9")
+    assert diagnose(fields).evidence[0].startswith("Ray's raylet reports 3 worker(s) (tasks or actors) killed by its "
+                                                   "memory monitor on node 10.0.0.9: the node's RAM")
+    (verl,) = scan_text((OOM_FIXTURES / "host_ray_raylet_wrapped_verl_notes.txt").read_text(encoding="utf-8"))
+    assert (verl.report.workers_killed, verl.report.node) == (5, None)

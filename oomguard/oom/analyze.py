@@ -17,7 +17,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -93,21 +93,11 @@ def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, r
 
 
 def finding_from_hit(source: str, hit: Hit) -> dict[str, Any]:
-    d = diagnose(hit.report, hit.frames)
-    if hit.server is None:
-        return finding(source, hit.line, hit.report, d, rank=hit.rank, frames=hit.frames)
     # vLLM's own engine process (a server, ``trl vllm-serve`` / ``vllm serve``, or an engine a framework starts in
     # a process of its own): its memory is that engine's, which the trainer's knobs never reach
-    d = replace(d, evidence=(*d.evidence, ENGINE_SENTENCE.format(process=hit.server)))
-    return finding(source, hit.line, hit.report, d, rank=hit.rank, frames=hit.frames,
-                   extra={"vllm_process": hit.server})
-
-
-ENGINE_SENTENCE = ("It happened in vLLM's own engine process ({process}), not in the trainer: a vLLM server (TRL's "
-                   "vllm_mode=\"server\") or an engine started in a process of its own, whose memory the trainer's "
-                   "config does not set. Change that engine's gpu_memory_utilization and max_model_len (trl "
-                   "vllm-serve --gpu_memory_utilization, --max_model_len; vllm serve --gpu-memory-utilization, "
-                   "--max-model-len).")
+    d = diagnose(hit.report, hit.frames, engine=hit.server)
+    extra = None if hit.server is None else {"vllm_process": hit.server}
+    return finding(source, hit.line, hit.report, d, rank=hit.rank, frames=hit.frames, extra=extra)
 
 
 def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> dict[str, Any]:

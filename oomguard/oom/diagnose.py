@@ -4,6 +4,12 @@ The kinds call for different remedies. Fragmentation is fixed by the allocator's
 would be wasted on it. A neighbour holding the GPU is not fixed by anything oomguard changes in this process. A
 request larger than the whole device points at a shape, not a budget.
 
+A diagnosis is made in two steps. :func:`verdict` decides: the kind from the report's figures, the phase from the
+traceback (:mod:`oomguard.oom.phase`), and the facts each decision rests on (:class:`~oomguard.vocab.diagnosis.Facts`).
+:func:`oomguard.oom.evidence.sentences` writes the evidence from that verdict, in that one place. No decision reads a
+sentence, and what a caller knows beside the message (a stop's reason, the signs of the kernel's OOM killer, vLLM's
+own engine process) is an argument of :func:`diagnose`, so that nothing edits a Diagnosis after it is made.
+
 >>> from oomguard.oom.parse import parse_oom
 >>> d = diagnose(parse_oom("CUDA out of memory. Tried to allocate 1.90 GiB. GPU 0 has a total capacity of 15.73 GiB "
 ...     "of which 1.28 GiB is free. Including non-PyTorch memory, this process has 14.43 GiB memory in use. Of the "
@@ -16,158 +22,61 @@ request larger than the whole device points at a shape, not a budget.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
+from ..vocab.diagnosis import FRAGMENTATION_HEADROOM, OVERFLOW_FACTOR, Diagnosis, Facts, Room, Verdict
 from ..vocab.oomreport import Frame, OOMReport
-from ..vocab.sizes import MiB, format_size
+from ..vocab.sizes import MiB
+from .evidence import OUTSIDE_ALLOCATOR, sentences
+from .phase import VLLM_STARTUP, phase_from_frames, vllm_startup_frame
+
+# phase_from_frames and vllm_startup_frame live in oom/phase.py; they are named here too for the callers that import
+# them with diagnose.
+__all__ = ["FRAGMENTATION_HEADROOM", "SMALL_REQUEST", "diagnose", "phase_from_frames", "verdict", "vllm_startup_frame"]
 
 # Requests at or below this are the allocator's rounded small blocks (2 MiB, 20 MiB): memory died of a thousand
 # cuts, not of one big tensor.
 SMALL_REQUEST = 20 * MiB
 _OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says about capacity
-# Fragmentation is the verdict only when live tensors plus the request leave at least this share of the memory the
-# process may use (its allowance, or the device less other processes) free. Closer to the limit, a defragmented cache
-# would get this one request through and the next allocation of the step would fail: the process is short of memory.
-FRAGMENTATION_HEADROOM = 0.10
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Phase from frames (TRL 1.16 names, research/trl-grpo-memory.md §3, and the generic PyTorch/transformers ones).
-
-_OPTIMIZER_NAMES = {
-    "_multi_tensor_adamw", "_single_tensor_adamw", "_fused_adamw", "_fused_adam", "_multi_tensor_adam",
-    "_single_tensor_adam", "adamw", "adam", "_init_group", "optimizer_step", "init_state", "_init_state",
-}
-_BACKWARD_NAMES = {"_engine_run_backward", "run_backward", "_backward"}
-_GENERATION_NAMES = {
-    "_generate_single_turn", "_generate", "generate", "generate_batch", "_sample", "_beam_search",
-    "_assisted_decoding", "sync_weights", "wake_up", "load_weights", "_generate_with_continuous_batching",
-    "generate_batch_outputs", "_prefill",
-}
-_SCORING_NAMES = {"_calculate_rewards", "_generate_and_score_completions", "_compute_ref_per_token_logps"}
-# Log-prob helpers run in scoring too; the scoring rule (checked first) claims them under _generate_and_score_completions.
-_FORWARD_NAMES = {"_compute_loss", "compute_loss", "_fused_forward", "training_step", "compute_liger_loss",
-                  "_get_per_token_logps_and_entropies", "_get_per_token_logps", "selective_log_softmax"}
-_LOAD_NAMES = {
-    "from_pretrained", "_load_pretrained_model", "create_model_from_path", "get_peft_model", "load_state_dict",
-    "_move_model_to_device", "dispatch_model", "prepare_model_for_kbit_training", "_load_state_dict_into_meta_model",
-    "load_shard_file", "_materialize_copy", "convert_and_load_state_dict_in_model",
-}
-
-
-def _is_optimizer(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _OPTIMIZER_NAMES:
-        return True
-    return f.name in ("step", "_step", "update_step") and (
-        "/torch/optim/" in path or "/bitsandbytes/optim" in path or path.endswith("accelerate/optimizer.py")
-    )
-
-
-def _is_backward(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _BACKWARD_NAMES:
-        return True
-    return f.name == "backward" and (
-        "/torch/" in path or "accelerate/" in path or "/trl/" in path or "deepspeed" in path
-    )
-
-
-# transformers' Trainer evaluates through these; GRPO generates, scores and computes its loss inside prediction_step,
-# so an evaluation frame outranks every other: what ran out is the evaluation pass, whatever it was doing.
-_EVALUATION_NAMES = {"evaluation_loop", "prediction_step", "prediction_loop"}
-
-
-def _is_evaluation(f: Frame) -> bool:
-    path = f.filename.replace("\\", "/")
-    if f.name in _EVALUATION_NAMES:
-        return True
-    return f.name in ("evaluate", "_evaluate") and ("transformers/" in path or "/trl/" in path)
-
-
-# Trainer's checkpoint save: the state dicts gathered and serialised (ZeRO-3 gathers 16-bit weights for it).
-_SAVE_NAMES = {"_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_rng_state"}
-
-_RULES: tuple[tuple[str, Any], ...] = (
-    ("evaluation", _is_evaluation),
-    ("save", lambda f: f.name in _SAVE_NAMES),
-    ("optimizer", _is_optimizer),
-    ("backward", _is_backward),
-    ("generation", lambda f: f.name in _GENERATION_NAMES),
-    ("scoring", lambda f: f.name in _SCORING_NAMES),
-    ("forward", lambda f: f.name in _FORWARD_NAMES),
-    ("load", lambda f: f.name in _LOAD_NAMES),
-    # Last resorts for plain PyTorch loops: a backward() call or a module's forward.
-    ("backward", lambda f: f.name == "backward"),
-    ("forward", lambda f: f.name in ("forward", "_call_impl", "_wrapped_call_impl")),
-)
-
-
-# vLLM's own start-up, inside TRL's GRPOTrainer.__init__: its weights, the profile run and the sampler's warm-up that
-# size its KV cache, and the KV cache itself (vllm/v1/worker/*, vllm 0.x); what each is, for the evidence.
-_VLLM_STARTUP = {
-    "allocate_kv_cache": "its KV cache", "_allocate_kv_cache_tensors": "its KV cache",
-    "initialize_kv_cache_tensors": "its KV cache", "initialize_kv_cache": "its KV cache",
-    "_dummy_sampler_run": "the sampler's warm-up", "profile_run": "its profile run", "_dummy_run": "its profile run",
-    "determine_available_memory": "its profile run", "warming_up_model": "its warm-up",
-    "compile_or_warm_up_model": "its warm-up", "load_weights": "its weights", "load_model": "its weights",
-}
-
-
-def vllm_startup_frame(frames: Sequence[Frame]) -> Frame | None:
-    """The innermost frame of vLLM's own start-up in a traceback (``_VLLM_STARTUP``), or None.
-
-    >>> vllm_startup_frame([Frame("trl/trainer/grpo_trainer.py", 1107, "__init__"),
-    ...                     Frame("vllm/v1/worker/utils.py", 596, "allocate_kv_cache")]).name
-    'allocate_kv_cache'
-    """
-    for f in reversed(frames):
-        if "vllm/" in f.filename.replace("\\", "/") and f.name in _VLLM_STARTUP:
-            return f
-    return None
-
-
-def phase_from_frames(frames: Sequence[Frame]) -> tuple[str, Frame | None]:
-    """The phase the traceback was in, and the frame that shows it.
-
-    Rules are tried in order of specificity: an optimizer frame beats a backward frame, which beats generation
-    (generation also runs model forwards), scoring, training forward and model load.
-
-    >>> phase_from_frames([Frame("trl/trainer/grpo_trainer.py", 2400, "_generate_and_score_completions"),
-    ...                    Frame("trl/trainer/grpo_trainer.py", 1873, "_generate_single_turn"),
-    ...                    Frame("transformers/models/qwen2/modeling_qwen2.py", 50, "forward")])[0]
-    'generation'
-    """
-    for phase, rule in _RULES:
-        for f in reversed(frames):
-            if rule(f):
-                return phase, f
-    return "unknown", None
-
-
-# --------------------------------------------------------------------------------------------------------------
-
-
-SMALLER_SHAPES = ": only smaller shapes (shorter sequences, fewer rows per step) can make it fit."
-SMALLER_LOAD = ": only loading the weights smaller (4-bit, or 16-bit instead of float32) can make it fit."
 
 
 def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
-             buffers: Mapping[str, int] | None = None) -> Diagnosis:
-    """Classify an OOM and explain it with the figures it gives.
+             buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
+             engine: str | None = None) -> Diagnosis:
+    """Classify an OOM and explain it with the figures it gives: :func:`verdict`, written by
+    :func:`oomguard.oom.evidence.sentences`.
 
     ``phase`` overrides the phase read from ``frames`` (the training process knows it better at times).
     ``buffers`` names the framework buffers the run allocates in one piece (``{description: bytes}``, from
     ``vocab.distributed.deepspeed_buckets``): a request of one's size is that buffer, whose size a config decides.
+    What the caller knows beside the message: ``reason``, the training process's own words for a stop before vLLM
+    started (they lead the evidence); ``host_signs``, what the supervisor saw of the kernel's OOM killer (its OOM-kill
+    counter, its log, resident memory near the machine's RAM), one clause each, which close it; ``engine``, vLLM's own
+    engine process the message came from (a vLLM server, or an engine in a process of its own).
 
     >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=2_000_000_000, capacity=1 << 30, free=1 << 29),
     ...              buffers={"DeepSpeed's gradient reduce bucket": 2_000_000_000})
     >>> d.kind, d.buffer
     ('impossible', "DeepSpeed's gradient reduce bucket")
+    >>> diagnose(OOMReport("host", "oom-killer", "x"), host_signs=["the OOM-kill counter rose"]).evidence[-1]
+    'The OOM-kill counter rose.'
+    """
+    v = verdict(report, frames, phase=phase, buffers=buffers, reason=reason, host_signs=host_signs, engine=engine)
+    return Diagnosis(kind=v.kind, phase=v.phase, evidence=sentences(v), report=v.report, frame=v.frame,
+                     buffer=v.buffer, facts=v.facts)
+
+
+def verdict(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
+            buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
+            engine: str | None = None) -> Verdict:
+    """The decisions of :func:`diagnose` (same arguments), as values: the figures' verdict, then the phase, vLLM's
+    own start-up (its reservation, whatever the figures said) and the framework buffer the request is.
+
+    >>> v = verdict(OOMReport("cuda", "allocator", "x", requested=2**51, capacity=16 << 30, free=1 << 30))
+    >>> v.kind, v.facts.overflowed, v.phase
+    ('impossible', True, 'unknown')
     """
     frames = tuple(frames)
     found_phase, frame = phase_from_frames(frames)
@@ -175,24 +84,16 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
         phase = found_phase
     else:
         frame = None
-    kind, evidence, report = _classify(report)
-    started = vllm_startup_frame(frames) if kind not in ("host-ram", "vllm-reservation", "impossible") else None
+    v = _classify(report)
+    v = replace(v, phase=phase, frame=frame,
+                facts=replace(v.facts, reason=reason, host_signs=tuple(host_signs), engine=engine))
+    started = vllm_startup_frame(frames) if v.kind not in ("host-ram", "vllm-reservation", "impossible") else None
     if started is not None:  # vLLM's reservation, taken beside what the trainer already holds
-        kind, report = "vllm-reservation", replace(report, origin="vllm-startup")
-        evidence = [_vllm_startup_sentence(report, _VLLM_STARTUP[started.name]), *evidence[1:]]
-        phase, frame = "load", started
-    buffer = _framework_buffer(report, frames, buffers or {}) if kind not in ("host-ram", "vllm-reservation") \
-        else None
-    if buffer is not None:
-        if kind == "impossible" and evidence and evidence[0].endswith(SMALLER_SHAPES):
-            evidence.pop(0)
-        evidence.insert(0, _buffer_sentence(report, buffer, kind == "impossible"))
-    elif kind == "impossible" and phase == "load" and evidence and evidence[0].endswith(SMALLER_SHAPES):
-        evidence[0] = evidence[0][: -len(SMALLER_SHAPES)] + SMALLER_LOAD  # a weight tensor: only its size can change
-    if phase != "unknown":
-        where = f" in `{frame.name}` ({_short(frame.filename)}:{frame.line})" if frame else ""
-        evidence.append(f"It happened during {_PHASE_WORDS[phase]}{where}.")
-    return Diagnosis(kind=kind, phase=phase, evidence=tuple(evidence), report=report, frame=frame, buffer=buffer)
+        v = replace(v, kind="vllm-reservation", report=replace(v.report, origin="vllm-startup"), phase="load",
+                    frame=started, facts=replace(v.facts, vllm_startup=VLLM_STARTUP[started.name]))
+    if v.kind not in ("host-ram", "vllm-reservation"):
+        v = replace(v, buffer=_framework_buffer(v.report, frames, buffers or {}))
+    return v
 
 
 # DeepSpeed's default reduce bucket (500,000,000 elements) in 32- and 16-bit gradients, and the function of
@@ -221,48 +122,14 @@ def _framework_buffer(r: OOMReport, frames: Sequence[Frame], buffers: Mapping[st
     return None
 
 
-def _buffer_sentence(r: OOMReport, buffer: str, whole: bool) -> str:
-    size = f"The request of {_f(r.requested)}" if r.requested else "The failing request"
-    size += " (more than the whole device)" if whole else ""
-    return (f"{size} is {buffer}, allocated on every rank whatever the model's size: its size comes from the "
-            "DeepSpeed config, not from the step's shapes, so shorter sequences or fewer rows do not change it. Size "
-            "it to the model: \"reduce_bucket_size\": \"auto\" in the DeepSpeed config (transformers fills in "
-            "hidden_size²), or a number of elements.")
-
-
-_PHASE_WORDS = {
-    "load": "model loading",
-    "evaluation": "an evaluation pass (its generation, scoring and no-grad loss, with per_device_eval_batch_size rows)",
-    "generation": "generation",
-    "scoring": "scoring (rewards or no-grad log-probs)",
-    "forward": "the training forward pass",
-    "backward": "the backward pass",
-    "optimizer": "the optimizer step",
-    "save": "a checkpoint save",
-}
-
-
-def _short(path: str) -> str:
-    path = path.replace("\\", "/")
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    return path
-
-
-def _f(n: int | None) -> str:
-    return format_size(n)
-
-
-def _classify(r: OOMReport) -> tuple[str, list[str], OOMReport]:
-    """The kind, the evidence, and the report as diagnosed (this process told apart from its neighbours)."""
-    ev: list[str] = []
+def _classify(r: OOMReport) -> Verdict:
+    """The figures' verdict: the kind, the facts it rests on, and the report as diagnosed."""
     if r.backend == "host" or r.origin == "cpu-allocator":
-        return "host-ram", _host_evidence(r), r
+        return Verdict("host-ram", r, Facts(by_figures="host-ram"))
     if r.backend == "vllm":
-        return "vllm-reservation", _vllm_evidence(r), r
+        return Verdict("vllm-reservation", r, Facts(by_figures="vllm-reservation"))
 
-    r = _self_among_others(r, ev)
+    r, me = _self_among_others(r)
     limit = r.allowed if r.allowed is not None else r.capacity
     req = r.requested
     ru = r.reserved_unallocated
@@ -274,124 +141,40 @@ def _classify(r: OOMReport) -> tuple[str, list[str], OOMReport]:
     # The device still had room for the request, so the process's own allowance refused it, not the device.
     own_cap = (r.allowed is not None and (r.capacity is None or r.allowed < r.capacity) and req is not None
                and r.free is not None and r.free >= req)
-    usable = _usable(r, others, non_torch)
-
-    # The standing facts first, then the verdict.
-    if r.capacity is not None:
-        dev = f"{r.backend.upper()} device {r.device}" if r.device is not None else f"the {r.backend.upper()} device"
-        free = f", {_f(r.free)} free" if r.free is not None else ""
-        allowed = (f" (this process may use only {_allowance(r)}: a per-process allowance, set with "
-                   "torch.cuda.set_per_process_memory_fraction or oomguard's --gpu-memory)"
-                   if r.allowed is not None and r.allowed < r.capacity else "")
-        ev.append(f"{dev[0].upper()}{dev[1:]} has {_f(r.capacity)} in total{free}{allowed}.")
-    if r.process is not None:
-        live = f", of which {_f(alloc)} are live PyTorch tensors" if alloc is not None else ""
-        ev.append(f"This process holds {_f(r.process)}{live}.")
-    elif alloc is not None:
-        ev.append(f"PyTorch had {_f(alloc)} allocated in live tensors.")
+    facts = Facts(nvml_self=me, own_cap=own_cap, outside_torch=non_torch)
 
     if req is not None and (req >= _OVERFLOWED or (limit and req > limit)):
-        if r.allowed is not None and r.capacity is not None and r.allowed < r.capacity:
-            what = f"this process's allowed share ({_allowance(r)} of {_f(r.capacity)}, set by a memory fraction)"
-        elif limit:
-            what = f"the whole device ({_f(limit)})"
-        else:
-            what = "any device"
-        overflowed = req >= _OVERFLOWED or (limit and req > OVERFLOW_FACTOR * limit)
-        verdict = (f"The single request of {_f(req)} is larger than {what}"
-                   + (": that is an overflowed shape, not a memory budget." if overflowed else SMALLER_SHAPES))
-        return "impossible", [verdict, *ev], r
+        overflowed = req >= _OVERFLOWED or bool(limit and req > OVERFLOW_FACTOR * limit)
+        return _found("impossible", r, facts, overflowed=overflowed)
 
-    not_fragmentation = None
-    if req is not None and ru is not None and req > 0 and ru >= req:
-        pieces = (f"{_f(ru)} was reserved by PyTorch but unallocated, more than the {_f(req)} requested")
+    if req is not None and ru is not None and req > 0 and ru >= req:  # the cache holds more than the request
+        usable = _usable(r, others, non_torch)
         if alloc is None or usable is None:
-            ev.insert(0, pieces + ": the memory is there but split into pieces too small for one block.")
-            if others:
-                ev.append(_others_sentence(r))
-            return "fragmentation", ev, r
-        need = alloc + req
-        headroom = usable - need
-        room, of_room = _room_words(r, usable)
-        rule = (f"oomguard calls it fragmentation only when live tensors plus the request leave at least "
-                f"{FRAGMENTATION_HEADROOM:.0%} of the {room} free")
-        share = headroom / usable if usable else -1.0
-        if usable and headroom >= FRAGMENTATION_HEADROOM * usable:
-            ev.insert(0, pieces + ": the memory is there but split into pieces too small for one block.")
-            ev.insert(1, f"Live tensors ({_f(alloc)}) plus the request need {_f(need)} of {of_room}, "
-                         f"leaving {_f(headroom)} ({share:.0%}); {rule}, and they do.")
-            if others:
-                ev.append(_others_sentence(r))
-            return "fragmentation", ev, r
-        left = (f"leaving only {_f(headroom)} ({share:.1%})" if headroom >= 0
-                else f"{_f(-headroom)} more than it holds")
-        not_fragmentation = (f"{pieces}, yet this is not fragmentation: live tensors ({_f(alloc)}) plus the request "
-                             f"need {_f(need)} of {of_room}, {left}; {rule}. Defragmenting would not "
-                             "make the step fit.")
+            return _found("fragmentation", r, facts, cache_fits=True)
+        room = Room(live=alloc, need=alloc + req, usable=usable)
+        if usable and room.left >= FRAGMENTATION_HEADROOM * usable:
+            return _found("fragmentation", r, facts, cache_fits=True, room=room)
+        facts = replace(facts, cache_fits=True, room=room, not_fragmentation=True)
     device_full = r.free is None or req is None or r.free < req
     share_of = r.capacity or limit
     if (others and share_of and device_full
             and (others >= 0.25 * share_of or (req is not None and others >= req))):
-        ev.insert(0, _others_sentence(r) + " That memory belongs to another job, a vLLM server or other ranks of this "
-                     "run, and nothing changed in this process frees it.")
-        return "neighbour", _noted(ev, not_fragmentation), r
+        return _found("neighbour", r, facts)
     if (non_torch is not None and limit and not own_cap and non_torch >= 0.25 * limit
             and (req is None or non_torch >= req)):
-        where = ("Metal allocations outside PyTorch's MPS allocator" if r.backend == "mps"
-                 else "a colocated vLLM engine, NCCL buffers, the CUDA context")
-        ev.insert(0, f"{_f(non_torch)} of this process's memory is outside PyTorch's allocator ({where}).")
-        return "non-pytorch", _noted(ev, not_fragmentation), r
-    if r.origin in ("runtime", "driver", "library", "nccl", "level-zero"):
-        what = {"runtime": "the CUDA/HIP runtime", "driver": "the CUDA driver", "library": "a math library (cuBLAS, cuDNN, ...)",
-                "nccl": "NCCL while allocating communication buffers", "level-zero": "the Level Zero runtime"}[r.origin]
-        size = f" ({_f(req)} requested)" if req is not None else ""
-        ev.insert(0, f"Memory ran out in {what}{size}, outside PyTorch's caching allocator: the device was already "
-                     "full, and a CUDA context that failed this way may be unusable until the process restarts.")
-        return "driver", ev, r
+        return _found("non-pytorch", r, facts)
+    if r.origin in OUTSIDE_ALLOCATOR:
+        return _found("driver", r, facts)
     if req is None:
-        if r.origin == "async-allocator":
-            ev.insert(0, "PyTorch's cudaMallocAsync backend (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) refused "
-                         "an allocation. This build cuts its message short after \"Allocation on device\" (the device "
-                         "index is printed as a raw byte), so it gives no figures: run once without "
-                         "backend:cudaMallocAsync to see them.")
-        else:
-            ev.insert(0, "The message gives no figures to work with.")
-        return "unknown", ev, r
-    cap_sentence = (_own_cap_sentence(r, req, None if not_fragmentation or r.allowed_min is not None else alloc)
-                    if own_cap else None)
+        return _found("unknown", r, facts)
+    hidden = None
     if r.origin == "async-allocator" and r.capacity is not None and alloc is not None and r.free is not None:
         hidden = max(0, r.capacity - alloc - r.free)
-        ev.append(f"The cudaMallocAsync backend does not report what its pool caches: {_f(hidden)} of the device is "
-                  "neither live tensors nor free (kept in CUDA's memory pool, or held by other processes). PyTorch's "
-                  "native allocator (drop backend:cudaMallocAsync) reports its cache and can release it.")
-    if req <= SMALL_REQUEST:
-        ev.insert(0, f"The failing request was only {_f(req)}, one of the allocator's small blocks: memory filled up "
-                     "with many allocations rather than one large tensor, so the long-lived state is what to shrink.")
-        if cap_sentence:
-            ev.insert(1, cap_sentence)
-        return "small-allocations", _noted(ev, not_fragmentation), r
-    if cap_sentence:
-        ev.insert(0, cap_sentence)
-    elif r.free is not None and r.free >= req:
-        cap = (f"this process's allowed share of {_f(r.allowed)} (a memory fraction)" if r.allowed is not None
-               else "what the allocator could use")
-        ev.insert(0, f"The device still had {_f(r.free)} free, but the request of {_f(req)} did not fit in {cap}.")
-    elif r.free is not None:
-        ev.insert(0, f"The request of {_f(req)} did not fit in the {_f(r.free)} free; {_f(req - r.free)} more would "
-                     "have been needed.")
-    else:
-        ev.insert(0, f"The request of {_f(req)} did not fit.")
-    if not_fragmentation:
-        ev.append(not_fragmentation)
-    elif ru:
-        ev.append(f"Only {_f(ru)} was reserved but unallocated, so fragmentation is not the cause.")
-    return "shortfall", ev, r
+    return _found("small-allocations" if req <= SMALL_REQUEST else "shortfall", r, facts, pool_hidden=hidden)
 
 
-def _noted(ev: list[str], note: str | None) -> list[str]:
-    if note:
-        ev.append(note)
-    return ev
+def _found(kind: str, r: OOMReport, facts: Facts, **more: Any) -> Verdict:
+    return Verdict(kind, r, replace(facts, by_figures=kind, **more))
 
 
 def _usable(r: OOMReport, others: int, non_torch: int | None) -> int | None:
@@ -412,114 +195,15 @@ def _usable(r: OOMReport, others: int, non_torch: int | None) -> int | None:
     return max(0, allowed if on_device is None else min(allowed, on_device))
 
 
-def _allowance(r: OOMReport) -> str:
-    if r.allowed_min is not None and r.allowed is not None and r.allowed_min < r.allowed:
-        return f"at least {_f(r.allowed_min)} and below {_f(r.allowed)} (inferred)"
-    return _f(r.allowed)
-
-
-def _room_words(r: OOMReport, usable: int) -> tuple[str, str]:
-    """What ``usable`` is, as a noun and as "the N ..." for the sentences on fragmentation."""
-    if r.allowed is not None and usable >= (r.allowed if r.allowed_min is None else r.allowed_min) - 1:
-        if r.allowed_min is not None:
-            return "allowance", f"the allowance (at least {_f(usable)})"
-        return "allowance", f"the {_f(usable)} allowance"
-    return "device memory this process could use", f"the {_f(usable)} of device memory this process could use"
-
-
-def _own_cap_sentence(r: OOMReport, req: int, alloc: int | None) -> str:
-    assert r.allowed is not None and r.free is not None
-    s = (f"This process hit its own allowance of {_allowance(r)}, not the device's limit: the device still had "
-         f"{_f(r.free)} free, more than the {_f(req)} requested.")
-    if alloc is not None:
-        need = alloc + req
-        if need > r.allowed:
-            s += (f" Live tensors ({_f(alloc)}) plus the request need {_f(need)}, {_f(need - r.allowed)} more than the "
-                  "allowance.")
-        else:
-            s += (f" Live tensors ({_f(alloc)}) plus the request need {_f(need)}, leaving {_f(r.allowed - need)} of "
-                  "it.")
-    return s + " Give the process a larger allowance (--gpu-memory) or make the run smaller."
-
-
-def _self_among_others(r: OOMReport, ev: list[str]) -> OOMReport:
+def _self_among_others(r: OOMReport) -> tuple[OOMReport, int | None]:
     """Inside containers NVML cannot match PIDs, so this process shows up as "Process N has X memory in use".
 
-    One listed process, no "this process has" sentence, and at least PyTorch's own reserved memory: that is us.
+    One listed process, no "this process has" sentence, and at least PyTorch's own reserved memory: that is us. The
+    report with that memory moved to ``process``, and the pid (``None`` where no process was this one).
     """
     if r.process is not None or len(r.other_processes) != 1 or r.allocated is None:
-        return r
+        return r, None
     only = r.other_processes[0]
     if only.bytes is None or only.bytes < r.allocated + (r.reserved_unallocated or 0):
-        return r
-    ev.append(f"Process {only.pid} holds at least what PyTorch reserved here, so it is this process (NVML inside a "
-              "container cannot match process IDs).")
-    return replace(r, process=only.bytes, other_processes=())
-
-
-def _others_sentence(r: OOMReport) -> str:
-    parts = ", ".join(f"pid {p.pid}: {_f(p.bytes)}" for p in r.other_processes[:4])
-    more = f" and {len(r.other_processes) - 4} more" if len(r.other_processes) > 4 else ""
-    return f"Other processes hold {_f(r.others_total)} of the device ({parts}{more})."
-
-
-# The raylet's summary line: "N Workers (tasks / actors) killed due to memory pressure (OOM), ... (ID: ..., IP: X)"
-_RAYLET = re.compile(r"(?P<n>\d+)\s*Workers\s*\(\s*tasks\s*/\s*actors\s*\)\s*killed\s*due\s*to\s*memory\s*pressure"
-                     r"(?:.*?\bIP\s*:\s*(?P<ip>[\d.:a-fA-F]+))?", re.IGNORECASE | re.DOTALL)
-
-
-def _host_evidence(r: OOMReport) -> list[str]:
-    if r.origin in ("oom-killer", "shell"):
-        who = f"process {r.pid}" if r.pid else "the process"
-        rss = f" while it held {_f(r.process)} of RAM" if r.process else ""
-        return [f"The kernel's OOM killer ended {who}{rss}: the host ran out of RAM, not the GPU."]
-    if r.origin == "slurm":
-        return ["Slurm's cgroup reported an OOM kill: the job exceeded its host-RAM allocation (--mem)."]
-    if r.origin == "ray" and (m := _RAYLET.search(r.message)):
-        node = f" on node {m.group('ip')}" if m.group("ip") else ""
-        return [f"Ray's raylet reports {m.group('n')} worker(s) (tasks or actors) killed by its memory monitor"
-                f"{node}: the node's RAM, not the GPU, ran out. Ray retries such tasks; fewer workers per node or less "
-                "host memory per worker is the fix (RAY_memory_usage_threshold only moves the line)."]
-    if r.origin == "ray":
-        who = f"the task (pid {r.pid}" + (f", using {_f(r.process)})" if r.process else ")") if r.pid else "a task"
-        if r.capacity is not None and r.free is not None:
-            used = r.capacity - r.free
-            limit = (f", past its kill threshold of {r.allowed / r.capacity:.0%} ({_f(r.allowed)})"
-                     if r.allowed and r.capacity else "")
-            node = f" because the node's RAM use reached {_f(used)} of {_f(r.capacity)}{limit}"
-        else:
-            node = " because the node ran low on RAM"
-        return [f"Ray's memory monitor killed {who}{node}: the host ran out of RAM, not the GPU. Ray retries such "
-                "tasks; fewer workers per node or less host memory per worker is the fix (RAY_memory_usage_threshold "
-                "only moves the line)."]
-    if r.origin == "cpu-allocator":
-        req = f" of {_f(r.requested)}" if r.requested is not None else ""
-        return [f"PyTorch's CPU allocator could not get a block{req}: the host ran out of RAM (or hit a ulimit)."]
-    req = f" ({_f(r.requested)} requested)" if r.requested is not None else ""
-    return [f"Python raised MemoryError{req}: the host ran out of RAM."]
-
-
-def _vllm_startup_sentence(r: OOMReport, what: str) -> str:
-    asked = f" asked for {_f(r.requested)}" if r.requested is not None else " ran out"
-    free = f" with {_f(r.free)} of {_f(r.capacity)} free" if r.free is not None and r.capacity else ""
-    return (f"vLLM ran out of memory starting up: {what}{asked}{free}, beside what the trainer already holds. Its "
-            "reservation (vllm_gpu_memory_utilization × the device) does not fit with training: a smaller one leaves "
-            "both room.")
-
-
-def _vllm_evidence(r: OOMReport) -> list[str]:
-    if r.origin == "vllm-startup" and r.free is not None and r.requested is not None:
-        return [f"vLLM wanted {_f(r.requested)} at start-up (gpu_memory_utilization × total) but only {_f(r.free)} of "
-                f"{_f(r.capacity)} was free: the training side already holds the rest."]
-    if r.origin == "vllm-kv" and r.max_seq_len is not None and r.kv_cache_tokens is not None and r.requested is None:
-        return [f"vLLM refused to start: its KV cache holds {r.kv_cache_tokens:,} tokens, fewer than the model's max seq "
-                f"len of {r.max_seq_len:,}, so one full-length sequence does not fit. Raise "
-                f"vllm_gpu_memory_utilization or set vllm_max_model_length to at most {r.kv_cache_tokens:,}."]
-    if r.origin == "vllm-kv":
-        need = f" ({_f(r.requested)} needed, {_f(r.free)} available)" if r.requested is not None else ""
-        return [f"vLLM has no room for the KV cache of one full-length sequence{need}: raise "
-                "vllm_gpu_memory_utilization or lower vllm_max_model_length."]
-    if r.origin == "vllm-cumem":
-        return ["vLLM's memory pool could not wake up (cumem allocator): training left too little free memory for "
-                "its weights and KV cache."]
-    return ["vLLM ran out of memory while starting up or reserving its KV cache."]
+        return r, None
+    return replace(r, process=only.bytes, other_processes=()), only.pid

@@ -23,7 +23,6 @@ the decision once, for the whole job.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -223,8 +222,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
             attempt.note = f"stopped before {saved}: {stop.reason}"
             from ..oom.diagnose import diagnose
 
-            d = diagnose(OOMReport(backend="vllm", origin="vllm-kv", message=stop.reason))
-            return attempt, dataclasses.replace(d, evidence=(f"{stop.reason}.", *d.evidence))
+            return attempt, diagnose(OOMReport(backend="vllm", origin="vllm-kv", message=stop.reason), reason=stop.reason)
         attempt.note = (f"stopped before {saved}: predicted {format_size(stop.predicted_bytes or 0)}, more than "
                         f"{100 * stop.margin:.1f}% over the capacity")
         return attempt, None
@@ -241,8 +239,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.analyze import finding
         from ..oom.diagnose import diagnose
 
-        d = diagnose(report, phase="save" if saving(events) else None)
-        d = dataclasses.replace(d, evidence=(*d.evidence, *(e[0].upper() + e[1:] + "." for e in res.host_oom)))
+        d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom)
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d

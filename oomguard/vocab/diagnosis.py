@@ -1,18 +1,21 @@
-"""What an OOM means: the Diagnosis (kind, phase, evidence) and the words its fields take.
+"""What an OOM means: the Diagnosis (kind, phase, evidence), the Verdict and Facts it is written from, and the words
+its fields take.
 
 :func:`oomguard.oom.diagnose.diagnose` makes one from an OOMReport and its traceback; the remedies, the climb, the
-supervisor and the guard read it. A request many times the device (:data:`OVERFLOW_FACTOR`) is an overflowed shape,
-which no memory saving makes fit.
+supervisor and the guard read it. ``oom/diagnose.py`` decides (a :class:`Verdict`: the kind, the phase and the
+:class:`Facts` they rest on) and ``oom/evidence.py`` writes the evidence sentences from the verdict, in that one place;
+nothing reads a sentence back, and nothing edits a Diagnosis after it is made. A request many times the device
+(:data:`OVERFLOW_FACTOR`) is an overflowed shape, which no memory saving makes fit.
 
 >>> d = Diagnosis("fragmentation", "backward", ("2.41 GiB reserved but unallocated",),
 ...               OOMReport(backend="cuda", origin="allocator", message="", requested=2**30, free=2**29))
->>> d.shortfall == 2**29, d.to_dict()["kind"]
-(True, 'fragmentation')
+>>> d.shortfall == 2**29, d.to_dict()["kind"], d.facts.overflowed
+(True, 'fragmentation', False)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .oomreport import Frame, OOMReport
@@ -33,6 +36,79 @@ PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "
 
 # A request this many times the device is an overflowed shape, not a budget problem.
 OVERFLOW_FACTOR = 64
+# Fragmentation is the verdict only when live tensors plus the request leave at least this share of the memory the
+# process may use (its allowance, or the device less other processes) free. Closer to the limit, a defragmented cache
+# would get this one request through and the next allocation of the step would fail: the process is short of memory.
+FRAGMENTATION_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Room:
+    """The figures of the fragmentation test: live tensors plus the request, against the memory the process could
+    use (its allowance, or the device less other processes and its non-PyTorch memory).
+
+    >>> Room(live=6 * 2**30, need=7 * 2**30, usable=8 * 2**30).left == 2**30
+    True
+    """
+
+    live: int
+    need: int
+    usable: int
+
+    @property
+    def left(self) -> int:
+        """What the process could still use once the request is granted (negative: more than it holds)."""
+        return self.usable - self.need
+
+    @property
+    def share(self) -> float:
+        """``left`` as a share of ``usable`` (-1.0 where nothing is usable)."""
+        return self.left / self.usable if self.usable else -1.0
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a diagnosis rests on beside the report's figures: each decision of the diagnosis, as a value.
+
+    The figures' verdict (``by_figures``) and what it found: ``nvml_self`` (the pid NVML listed as another process
+    that is this one, inside a container), ``overflowed`` (a request many times any device: an overflowed shape),
+    ``own_cap`` (the process's own allowance refused a request the device had room for), ``cache_fits`` (memory
+    reserved but unallocated held more than the request), ``room`` (the fragmentation test's figures, where known) and
+    ``not_fragmentation`` (the cache held the request but too little room was left for the step), ``outside_torch``
+    (this process's memory outside PyTorch's allocator), ``pool_hidden`` (cudaMallocAsync: device memory neither live
+    tensors nor free). What the traceback showed: ``vllm_startup`` (what vLLM's own start-up was doing, "its KV
+    cache": the kind is then ``vllm-reservation`` whatever the figures said). What the caller saw: ``reason`` (the
+    training process's reason for stopping before vLLM started), ``host_signs`` (the supervisor's signs of the
+    kernel's OOM killer, one clause each) and ``engine`` (vLLM's own engine process, where the OOM happened there).
+    """
+
+    by_figures: str | None = None
+    nvml_self: int | None = None
+    overflowed: bool = False
+    own_cap: bool = False
+    cache_fits: bool = False
+    room: Room | None = None
+    not_fragmentation: bool = False
+    outside_torch: int | None = None
+    pool_hidden: int | None = None
+    vllm_startup: str | None = None
+    reason: str | None = None
+    host_signs: tuple[str, ...] = ()
+    engine: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A diagnosis before its sentences: the kind, the report as diagnosed (this process told apart from its
+    neighbours), the facts the kind rests on, the phase and the frame that shows it, and the framework buffer the
+    failing request is (``None`` where it is none)."""
+
+    kind: str
+    report: OOMReport
+    facts: Facts = field(default_factory=Facts)
+    phase: str = "unknown"
+    frame: Frame | None = None
+    buffer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +116,8 @@ class Diagnosis:
     """Why an OOM happened: ``kind``, ``phase`` and evidence sentences with the numbers.
 
     ``report`` is the report as diagnosed: where NVML listed this very process as another one (inside containers it
-    cannot match process IDs), that process's memory has moved to ``process``, so no process is both.
+    cannot match process IDs), that process's memory has moved to ``process``, so no process is both. ``facts`` are
+    what the kind rests on (:class:`Facts`); the evidence is written from them.
     """
 
     kind: str
@@ -51,6 +128,7 @@ class Diagnosis:
     # The framework buffer the failing request is, when recognised: "DeepSpeed's gradient reduce bucket
     # (reduce_bucket_size)". Its size comes from a config, not from the step's shapes.
     buffer: str | None = None
+    facts: Facts = field(default_factory=Facts)
 
     @property
     def shortfall(self) -> int | None:

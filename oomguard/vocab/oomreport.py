@@ -51,8 +51,10 @@ class OOMReport:
     ``allowed`` is a per-process allowance (``torch.cuda.set_per_process_memory_fraction``, which oomguard's
     ``--gpu-memory`` sets): the process may not reserve more, however much of the device is free. Where the
     allowance is inferred rather than printed (a memory snapshot records none), it lies between ``allowed_min`` and
-    ``allowed``. For Ray it is the node's kill threshold times its memory. For vLLM's KV-cache refusals, ``max_seq_len`` and ``kv_cache_tokens``
-    are token counts: the longest sequence the model was configured for, and what the KV cache can hold.
+    ``allowed``. For Ray it is the node's kill threshold times its memory; the raylet's memory-pressure summary gives
+    ``workers_killed`` (how many workers its memory monitor killed) and ``node`` (the node's IP, where printed). For
+    vLLM's KV-cache refusals, ``max_seq_len`` and ``kv_cache_tokens`` are token counts: the longest sequence the model
+    was configured for, and what the KV cache can hold.
 
     For MPS, ``allowed`` is the high-watermark limit ("max allowed"), ``allocated`` PyTorch's share ("MPS
     allocated"), ``process`` all Metal memory of the process (allocated + "other allocations", or the oldest builds'
@@ -77,6 +79,8 @@ class OOMReport:
     max_seq_len: int | None = None
     kv_cache_tokens: int | None = None
     allowed_min: int | None = None
+    workers_killed: int | None = None
+    node: str | None = None
 
     @property
     def others_total(self) -> int:

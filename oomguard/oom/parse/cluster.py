@@ -1,6 +1,7 @@
 """Cluster managers: Slurm's report of an OOM kill in a job step, and Ray's memory monitor killing workers.
 
-Ray writes decimal GB and kills at a threshold of the node's memory, which becomes the report's allowance.
+Ray writes decimal GB and kills at a threshold of the node's memory, which becomes the report's allowance. Its
+raylet's summary gives the number of workers killed and the node, which become ``workers_killed`` and ``node``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ SLURM: tuple[_Head, ...] = (
 # on the line and above 0: a summary of crashes alone ("0 Workers ... (OOM), 1 Workers crashed") is not an OOM, nor
 # documentation that quotes the words without one.
 _RAYLET_COUNT = re.compile(r"^\s*[1-9]\d*" + _W + r"Workers", _F)
+_RAYLET_FIGURES = re.compile(r"^\s*(\d+)" + _W + r"Workers" + r"(?:.*?\bIP" + _W + ":" + _W + r"([\d.:a-fA-F]+))?",
+                             _F | re.DOTALL)
+
+
+def _raylet_figures(core: str, text: str) -> dict[str, Any]:
+    """How many workers the memory monitor killed, and on which node (its IP), from the summary's head on.
+
+    >>> _raylet_figures("1 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers crashed due to "
+    ...                 "other reasons at node (ID: 73fc, IP: 10.0.6.140) over the last time period.", "")
+    {'workers_killed': 1, 'node': '10.0.6.140'}
+    """
+    m = _RAYLET_FIGURES.search(core)
+    return {"workers_killed": int(m.group(1)), "node": m.group(2)} if m else {}
+
 
 # Ray's memory monitor.
 RAY: tuple[_Head, ...] = (
@@ -60,6 +75,7 @@ RAY: tuple[_Head, ...] = (
         backend="host",
         complete=re.compile(_words("over the last time period"), _F),
         requires=_RAYLET_COUNT,
+        figures=_raylet_figures,
     ),
     # Ray's memory monitor kills workers when the node's RAM passes its threshold: "Task was killed due to the node
     # running low on memory." (Ray <= 2.54), "N worker(s) were killed due to ..." (2.55+).
