@@ -14,7 +14,8 @@ The parts (the name after ``generated:``, and the code each one is read from):
 
 - ``cli COMMAND``: a command's usage, its help and every option as ``--help`` prints it (click, ``oomguard/cli.py``)
 - ``exit-codes``: the exit codes of every command (``oomguard/cli.py`` RUN_EXIT_CODES, ``oomguard/vocab/protocol.py``)
-- ``knobs``: every knob, its type, TRL's default, where it reaches the training process (``oomguard knobs --json``)
+- ``knobs``: every knob, its type, TRL's default, its values, where it reaches the training process (``oomguard knobs
+  --json``, the knob table ``oomguard/vocab/knobtable.py``)
 - ``remedies``: every remedy, its trade, its checkpoint policy, its ladder parameters (``oomguard.strategies.REGISTRY``)
 - ``ladders``: the shipped ladders and their rungs in order (``oomguard ladders --json``)
 - ``report-fields``, ``attempt-fields``, ``lock-fields``: the keys of the RunReport, an attempt and a lock, as
@@ -127,14 +128,15 @@ def exit_codes(_: str | None = None) -> str:
 
 # -- knobs, remedies, ladders ---------------------------------------------------------------------------------------
 def knobs(_: str | None = None) -> str:
-    from oomguard.cli import describe_knobs
+    from oomguard.vocab.knobtable import TABLE, describe
 
     rows = []
-    for r in describe_knobs():
+    for r in describe():
         d = r["default"]
         default = "unset" if d is None else ",".join(map(str, d)) if isinstance(d, list) else str(d)
-        rows.append([f"`{r['name']}`", f"`{r['type']}`", f"`{default}`", ", ".join(r["reaches"]), r["meaning"]])
-    return _table(["knob", "type", "TRL default", "reaches", "meaning"], rows)
+        rows.append([f"`{r['name']}`", f"`{r['type']}`", f"`{default}`", TABLE[r["name"]].range_text(),
+                     ", ".join(r["reaches"]), r["meaning"]])
+    return _table(["knob", "type", "TRL default", "values", "reaches", "meaning"], rows)
 
 
 def remedies(_: str | None = None) -> str:
