@@ -260,3 +260,12 @@ def test_every_grpo_field_is_taken_under_its_own_name_and_nothing_else_is():
 def test_the_optimizer_names_in_a_stack_s_words_are_transformers_own():
     assert flag("swift", "optim", "adamw_bnb_8bit") == "--optim adamw_bnb_8bit" and "adamw_bnb_8bit" in OPTIMIZER_NAMES
     assert flag("unsloth", "optim", "adamw_8bit") == 'GRPOConfig(optim="adamw_8bit")'
+
+
+def test_an_unset_knob_is_not_said_and_a_diff_s_plain_values_are():
+    """A diff row may go to None (unset), and its values are plain JSON (a list for a tuple)."""
+    for stack in ("swift", "unsloth"):
+        assert flags(stack, dict.fromkeys(TABLE)) == []
+    row = TRL_DEFAULTS.diff(TRL_DEFAULTS.replace(lora_r=8, lora_target_modules=("q_proj", "v_proj")))[1].to_dict()
+    assert flag("swift", row["knob"], row["to"]) == "--target_modules q_proj v_proj"
+    assert flag("unsloth", row["knob"], row["to"]) == 'get_peft_model(target_modules=["q_proj", "v_proj"])'

@@ -154,6 +154,8 @@ class StackTable:
             seen.add(id(spelling))
             values = [changes[k] if k in changes else arg(among, k) if among is not None else None
                       for k in spelling.knobs]
+            if all(v is None for v in values):  # unset: nothing to say
+                continue
             words = self.say(spelling, values)
             if words is not None:
                 out[knob] = words
