@@ -14,7 +14,9 @@ The parts (the name after ``generated:``, and the code each one is read from):
 
 - ``cli COMMAND``: a command's usage, its help and every option as ``--help`` prints it (click, ``oomguard/cli.py``)
 - ``exit-codes``: the exit codes of every command (``oomguard/cli.py`` RUN_EXIT_CODES, ``oomguard/vocab/protocol.py``)
-- ``knobs``: every knob, its type, TRL's default, where it reaches the training process (``oomguard knobs --json``)
+- ``knobs``: every knob, its type, TRL's default, its values, where it reaches the training process (``oomguard knobs
+  --json``, the knob table ``oomguard/vocab/knobtable.py``)
+- ``stack-spellings``: the knobs ms-swift and an Unsloth notebook spell in their own words (``oomguard.vocab.stacks``)
 - ``remedies``: every remedy, its trade, its checkpoint policy, its ladder parameters (``oomguard.strategies.REGISTRY``)
 - ``ladders``: the shipped ladders and their rungs in order (``oomguard ladders --json``)
 - ``report-fields``, ``attempt-fields``, ``lock-fields``: the keys of the RunReport, an attempt and a lock, as
@@ -127,14 +129,38 @@ def exit_codes(_: str | None = None) -> str:
 
 # -- knobs, remedies, ladders ---------------------------------------------------------------------------------------
 def knobs(_: str | None = None) -> str:
-    from oomguard.cli import describe_knobs
+    from oomguard.vocab.knobtable import TABLE, describe
 
     rows = []
-    for r in describe_knobs():
+    for r in describe():
         d = r["default"]
         default = "unset" if d is None else ",".join(map(str, d)) if isinstance(d, list) else str(d)
-        rows.append([f"`{r['name']}`", f"`{r['type']}`", f"`{default}`", ", ".join(r["reaches"]), r["meaning"]])
-    return _table(["knob", "type", "TRL default", "reaches", "meaning"], rows)
+        rows.append([f"`{r['name']}`", f"`{r['type']}`", f"`{default}`", TABLE[r["name"]].range_text(),
+                     ", ".join(r["reaches"]), r["meaning"]])
+    return _table(["knob", "type", "TRL default", "values", "reaches", "meaning"], rows)
+
+
+def stack_spellings(_: str | None = None) -> str:
+    """The knobs a stack around TRL spells in its own words (``oomguard.vocab.stacks``), each stack a column; the
+    GRPOConfig fields they take under TRL's names are left out (a sentence on the page says so)."""
+    from oomguard.vocab.stacks import STACKS
+
+    names = [k for t in STACKS.values() for s in t.spellings if not s.trl_name for k in s.knobs]
+    rows = []
+    for knob in dict.fromkeys(names):
+        cells = []
+        for name, table in STACKS.items():
+            s = table.spelling(knob)
+            if s is None:
+                cells.append("")
+                continue
+            together = [k for k in s.knobs if k != knob]
+            args = (" ".join(f"`--{a}`" for a in s.args) if name == "swift"
+                    else f"`{s.point}(" + ", ".join(s.args) + ")`")
+            cells.append(args + (f" (with {', '.join(f'`{k}`' for k in together)})" if together else "")
+                         + "".join(f" (with `{n}=True`)" for n in s.needs))
+        rows.append([f"`{knob}`", *cells])
+    return _table(["knob", *(f"{'ms-swift' if n == 'swift' else 'Unsloth'}" for n in STACKS)], rows)
 
 
 def remedies(_: str | None = None) -> str:
@@ -337,7 +363,8 @@ def versions(_: str | None = None) -> str:
 
 
 GENERATORS: dict[str, Callable[[str | None], str]] = {
-    "cli": cli, "exit-codes": exit_codes, "knobs": knobs, "remedies": remedies, "ladders": ladders,
+    "cli": cli, "exit-codes": exit_codes, "knobs": knobs, "stack-spellings": stack_spellings, "remedies": remedies,
+    "ladders": ladders,
     "report-fields": report_fields, "attempt-fields": attempt_fields, "lock-fields": lock_fields,
     "json-log": json_log, "versions": versions,
 }

@@ -8,6 +8,8 @@ from typing import Any
 import click
 
 from . import __version__
+from .vocab.knobtable import KNOB_MEANINGS as KNOB_TABLE_MEANINGS
+from .vocab.knobtable import describe as describe_knobs
 
 EXIT_USAGE = 2
 EXIT_DOES_NOT_FIT = 3  # `oomguard plan`: the configuration is predicted not to fit (0 when it fits)
@@ -407,91 +409,8 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
 
 
 # ----------------------------------------------------------------------------------------------------------------
-_POINTS = {"env": "environment (allocator config)", "config": "GRPOConfig", "trainer": "GRPOTrainer",
-           "model": "from_pretrained"}
-
-# One line per knob for `oomguard knobs` (a test checks that every Knobs field has one).
-KNOB_MEANINGS: dict[str, str] = {
-    "expandable_segments": "PyTorch allocator: grow segments in place instead of caching new blocks (fragmentation)",
-    "max_split_size_mb": "PyTorch allocator: cached blocks larger than this are never split, so they stay whole",
-    "torch_empty_cache_steps": "empty the device cache every N steps",
-    "max_completion_length": "longest completion generated, in tokens",
-    "max_prompt_tokens": "prompts longer than this many tokens leave the dataset (oomguard's own; TRL 1.16 has none)",
-    "num_generations": "completions generated per prompt (the GRPO group)",
-    "per_device_train_batch_size": "completions per device in one micro-step",
-    "gradient_accumulation_steps": "micro-steps per optimizer step",
-    "steps_per_generation": "micro-steps served by one generation round",
-    "generation_batch_size": "completions generated per round, over all devices",
-    "per_device_eval_batch_size": "rows an evaluation pass generates and scores at once on each device",
-    "num_generations_eval": "completions per prompt at evaluation (unset: num_generations)",
-    "eval_strategy": "when the run evaluates (no, steps, epoch); read, never changed",
-    "use_liger_kernel": "TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the [batch, completion, vocab] logits",
-    "gradient_checkpointing": "recompute activations in the backward instead of keeping them "
-                              "(transformers 5: activation_checkpointing)",
-    "optim": "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",
-    "dtype": "the dtype the model is loaded in: float32, bfloat16, float16 or auto",
-    "bf16": "bf16 mixed precision (autocast), GPU or CPU; TRL turns it on unless fp16 is set",
-    "fp16": "fp16 mixed precision (autocast)",
-    "lora_r": "LoRA rank; 0 trains every weight (LoRA is injected as peft_config)",
-    "lora_alpha": "LoRA scaling alpha",
-    "lora_target_modules": "the modules LoRA adapts: names (q_proj,v_proj) or all-linear",
-    "load_in_4bit": "load the base model in NF4 4-bit (QLoRA); needs LoRA",
-    "beta": "KL coefficient; above 0 a reference model is kept in memory",
-    "use_vllm": "generate with vLLM",
-    "vllm_mode": "vLLM in the training process (colocate) or a separate server",
-    "vllm_gpu_memory_utilization": "the share of the GPU vLLM reserves in colocate mode",
-    "vllm_enable_sleep_mode": "vLLM gives its memory back between generation rounds",
-    "vllm_max_model_length": "vLLM's context length, which sizes its KV cache",
-    "offload_during_generation": "the trainer's weights and optimizer state wait in host RAM while a colocated vLLM "
-                                 "generates (ms-swift's --offload_model --offload_optimizer; TRL has no such option)",
-    "dataloader_num_workers": "data-loading worker processes (host RAM)",
-    "dataloader_prefetch_factor": "batches each data-loading worker prepares ahead (host RAM)",
-    "zero_stage": "DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config",
-    "offload_optimizer": "DeepSpeed: keep the optimizer state in host RAM",
-    "offload_params": "DeepSpeed: keep the parameters in host RAM",
-    "reduce_bucket_size": "DeepSpeed: elements per gradient reduce bucket, or auto (hidden_size²); unset: DeepSpeed's "
-                          "500,000,000 on every rank",
-    "stage3_prefetch_bucket_size": "DeepSpeed ZeRO-3: parameter elements fetched ahead, or auto (0.9 × hidden_size²)",
-    "stage3_param_persistence_threshold": "DeepSpeed ZeRO-3: parameters smaller than this stay whole on every rank, or "
-                                          "auto (10 × hidden_size)",
-    "overlap_comm": "DeepSpeed: overlap gradient reduction with the backward (ZeRO-1/2: two reduce buckets)",
-    "ds3_gather_for_generation": "ZeRO-3: gather the whole model on every rank to generate (True, TRL's default) or "
-                                 "gather it layer by layer (False: slower generation; DeepSpeed's prefetch still "
-                                 "holds part of the model)",
-    "fsdp_offload": "FSDP: offload parameters and gradients to the CPU",
-    "use_cpu": "train on the CPU even where a GPU backend is found; oomguard sets it only so that DeepSpeed's ranks "
-               "run on a CPU-only machine (an adaptation in the diff and the lock, never a rung)",
-    "learning_rate": "the optimizer's learning rate; read, never changed: bf16 weights are judged by whether an update "
-                     "of this size survives their rounding",
-    "loss_type": "GRPO's loss normalisation (dapo, grpo, dr_grpo, bnpo, ...); read, never changed: it decides whether "
-                 "a micro-batch split keeps the gradients",
-}
-
-
-def _knob_type(annotation: Any) -> str:
-    text = str(annotation).replace(" | None", "")
-    return {"tuple[str, ...] | str": "list of str, or all-linear", "int | str": "int, or auto"}.get(text, text)
-
-
-def describe_knobs() -> list[dict[str, Any]]:
-    """Every knob: name, type, TRL 1.16's default, the construction points it reaches, and what it means.
-
-    >>> row = next(r for r in describe_knobs() if r["name"] == "lora_r")
-    >>> row["type"], row["default"], row["reaches"]
-    ('int', 0, ['GRPOTrainer'])
-    """
-    from dataclasses import fields
-
-    from .vocab.knobs import REACH, TRL_DEFAULTS, Knobs
-
-    out = []
-    for f in fields(Knobs):
-        default = getattr(TRL_DEFAULTS, f.name)
-        out.append({"name": f.name, "type": _knob_type(f.type),
-                    "default": list(default) if isinstance(default, tuple) else default,
-                    "reaches": [_POINTS[p] for p in ("env", "config", "trainer", "model") if f.name in REACH[p]],
-                    "meaning": KNOB_MEANINGS.get(f.name, "")})
-    return out
+# One line per knob for `oomguard knobs`: the knob table's (oomguard/vocab/knobtable.py)
+KNOB_MEANINGS: dict[str, str] = dict(KNOB_TABLE_MEANINGS)
 
 
 @main.command("knobs")

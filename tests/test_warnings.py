@@ -6,9 +6,9 @@ from __future__ import annotations
 import types
 
 from oomguard.child import datasets
-from oomguard.vocab.events import CodeSeen, StepDone
 from oomguard.child.runtime import Runtime
 from oomguard.memory import device
+from oomguard.vocab.events import CodeSeen, StepDone
 from oomguard.vocab.protocol import Plan
 
 

@@ -7,19 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..vocab.events import CodeSeen
+from ..vocab.knobtable import CONFIG_KNOBS  # GRPOConfig fields that are knobs of the same name
 from .patching import missing_packages, overrides_reported, plain, set_attr, world
 from .probe import apply_probe
 from .runtime import Runtime
 
-# GRPOConfig fields that are knobs of the same name.
-CONFIG_KNOBS = (
-    "max_completion_length", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "steps_per_generation", "generation_batch_size", "beta", "optim", "torch_empty_cache_steps", "use_vllm",
-    "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
-    "dataloader_num_workers", "dataloader_prefetch_factor", "bf16", "fp16", "learning_rate", "loss_type",
-    "ds3_gather_for_generation", "use_liger_kernel", "per_device_eval_batch_size", "num_generations_eval", "eval_strategy",
-    "use_cpu",
-)
 
 def observe_config(cfg: Any) -> dict[str, Any]:
     from ..vocab.distributed import fsdp_options

@@ -19,7 +19,8 @@ swift's own construction points instead, in the training process (ms-swift 4.x):
 - ``swift.rlhf_trainers.grpo_trainer.GRPOTrainer.__init__``: once built, what TRL's trainer patch does after its
   init (the model's shape, the prompts' lengths, the progress callback, the pre-flight).
 
-``vocab/stacks.py`` holds the flags the diff and the lock are written in.
+How swift spells each knob is one table, ``oomguard/vocab/stacks/swift.py`` (``SWIFT``), read both ways: this adapter
+sets and observes the arguments through it, and the diff and the lock print swift's flags from it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from ...vocab.events import CodeSeen
 from ...vocab.knobs import STACK_ONLY
+from ...vocab.stacks.swift import ARGUMENTS, SWIFT
 from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
 
@@ -38,6 +40,8 @@ STACK = "swift"
 CANNOT_TAKE = ("max_prompt_tokens",)
 # knobs swift takes that TRL lacks: the trainer's weights and optimizer wait in host RAM while vLLM generates
 TAKES = tuple(sorted(STACK_ONLY))
+# the knob swift reads on RLHFArguments and again on its GRPOConfig: offload while vLLM generates
+OFFLOAD = ("offload_during_generation",)
 
 
 def observed_offload(args: Any) -> dict[str, Any]:
@@ -47,15 +51,12 @@ def observed_offload(args: Any) -> dict[str, Any]:
     >>> observed_offload(SimpleNamespace(offload_model=True, offload_optimizer=False)), observed_offload(object())
     ({'offload_during_generation': False}, {})
     """
-    if not hasattr(args, "offload_model"):
-        return {}
-    return {"offload_during_generation": bool(args.offload_model and getattr(args, "offload_optimizer", False))}
+    return SWIFT.observe(args, knobs=OFFLOAD)
 
 
 def apply_offload(rt: Runtime, args: Any) -> None:
     """oomguard's ``offload_during_generation`` as swift's two flags (only ever turned on)."""
-    if rt.overrides.offload_during_generation and hasattr(args, "offload_model"):
-        args.offload_model = args.offload_optimizer = True
+    SWIFT.apply(rt.overrides, args, knobs=OFFLOAD)
 
 
 def lacks(trl_lacks: Any) -> list[str]:
@@ -68,55 +69,26 @@ def lacks(trl_lacks: Any) -> list[str]:
 
 
 def observed_model_args(args: Any) -> dict[str, Any]:
-    """The user's model-level settings in oomguard's knobs.
+    """The user's model-level settings (and offload while vLLM generates) in oomguard's knobs.
 
     >>> from types import SimpleNamespace
     >>> observed_model_args(SimpleNamespace(tuner_type="lora", lora_rank=8, lora_alpha=32.0, quant_method=None,
     ...                                     quant_bits=None, torch_dtype=None, target_modules=["all-linear"]))
-    {'lora_r': 8, 'load_in_4bit': False, 'lora_alpha': 32, 'lora_target_modules': 'all-linear'}
+    {'lora_r': 8, 'lora_alpha': 32, 'lora_target_modules': 'all-linear', 'load_in_4bit': False}
     """
-    lora = str(getattr(args, "tuner_type", "") or "").lower() == "lora"
-    out: dict[str, Any] = {"lora_r": int(getattr(args, "lora_rank", 0) or 0) if lora else 0,
-                           "load_in_4bit": (getattr(args, "quant_method", None) == "bnb"
-                                            and getattr(args, "quant_bits", None) == 4)}
-    if lora:
-        out["lora_alpha"] = int(getattr(args, "lora_alpha", 0) or 0) or None
-        tm = getattr(args, "target_modules", None)
-        if isinstance(tm, (list, tuple)):
-            out["lora_target_modules"] = "all-linear" if list(tm) == ["all-linear"] else tuple(tm)
-    dtype = getattr(args, "torch_dtype", None)
-    if dtype is not None:
-        out["dtype"] = str(dtype).replace("torch.", "")
-    return out
+    return SWIFT.observe(args, point=ARGUMENTS)
 
 
 def apply_model_args(rt: Runtime, args: Any) -> None:
-    """oomguard's model-level knobs, set where swift reads them (before ``RLHFArguments.__post_init__``)."""
+    """oomguard's model-level knobs, set where swift reads them (before ``RLHFArguments.__post_init__``): LoRA, 4-bit,
+    the dtype, ZeRO as one of swift's DeepSpeed presets, vLLM's context and sleep, the offload while vLLM generates."""
     ov = rt.overrides
-    if ov.lora_r:
-        args.tuner_type = "lora"
-        args.lora_rank = int(ov.lora_r)
-        if ov.lora_alpha:
-            args.lora_alpha = int(ov.lora_alpha)
-        tm = ov.lora_target_modules
-        if tm is not None:
-            args.target_modules = ["all-linear"] if tm == "all-linear" else list(tm)
-    if ov.load_in_4bit:
-        args.quant_method, args.quant_bits = "bnb", 4
-    if ov.dtype is not None and ov.dtype != "auto":
-        args.torch_dtype = ov.dtype
-        if ov.dtype != "float32" and not _cuda():  # swift turns 16-bit mixed precision on, which needs use_cpu here
-            args.use_cpu = True
-            rt.adapt("use_cpu", True, "ms-swift turns 16-bit mixed precision on with a 16-bit dtype, which needs "
-                                      "use_cpu where there is no GPU")
-    if ov.zero_stage:
-        args.deepspeed = f"zero{int(ov.zero_stage)}" + ("_offload" if ov.offload_optimizer or ov.offload_params
-                                                         else "")
-    if ov.vllm_max_model_length is not None and hasattr(args, "vllm_max_model_len"):
-        args.vllm_max_model_len = int(ov.vllm_max_model_length)
-    if ov.vllm_enable_sleep_mode and hasattr(args, "sleep_level"):
-        args.sleep_level = max(1, int(getattr(args, "sleep_level", 0) or 0))
-    apply_offload(rt, args)
+    SWIFT.apply(ov, args, point=ARGUMENTS)
+    if ov.dtype is not None and ov.dtype not in ("auto", "float32") and not _cuda():
+        # swift turns 16-bit mixed precision on with a 16-bit dtype, which needs use_cpu here
+        args.use_cpu = True
+        rt.adapt("use_cpu", True, "ms-swift turns 16-bit mixed precision on with a 16-bit dtype, which needs "
+                                  "use_cpu where there is no GPU")
     probe = rt.plan.probe
     if probe and rt.probe_undecided():  # swift builds its trainer itself: nothing later could make it a probe
         rt.decide_probe("probe", "ms-swift's arguments are read before the model, so the probe is decided first")

@@ -31,6 +31,8 @@ import sys
 from typing import Any
 
 from ...vocab.events import CodeSeen
+from ...vocab.stacks.spelling import Code
+from ...vocab.stacks.unsloth import LOADER, PEFT, UNSLOTH
 from ..runtime import Runtime
 
 STACK = "unsloth"
@@ -53,12 +55,7 @@ def observed_loader(kwargs: dict[str, Any]) -> dict[str, Any]:
     """
     if not kwargs.get("fast_inference"):
         return {}
-    out: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"}
-    if isinstance(kwargs.get("gpu_memory_utilization"), (int, float)):
-        out["vllm_gpu_memory_utilization"] = float(kwargs["gpu_memory_utilization"])
-    if isinstance(kwargs.get("max_seq_length"), int):
-        out["vllm_max_model_length"] = int(kwargs["max_seq_length"])
-    return out
+    return {"use_vllm": True, "vllm_mode": "colocate", **UNSLOTH.observe(kwargs, point=LOADER)}
 
 
 def observed_model(model: Any) -> dict[str, Any]:
@@ -80,22 +77,27 @@ def observed_model(model: Any) -> dict[str, Any]:
 
 
 def apply_loader(rt: Runtime, kwargs: dict[str, Any]) -> None:
-    """oomguard's knobs, set in ``from_pretrained``'s arguments where Unsloth reads them."""
+    """oomguard's knobs, set in ``from_pretrained``'s arguments where Unsloth reads them (the notebook's spelling,
+    ``oomguard/vocab/stacks/unsloth.py``): the 4-bit load (never with a full fine-tune), the dtype, and with
+    ``fast_inference`` its vLLM's share of the GPU and context, with LoRA slots that hold the rank oomguard trains."""
     ov = rt.overrides
-    if ov.load_in_4bit:
-        kwargs.update(load_in_4bit=True, load_in_8bit=False, load_in_16bit=False, full_finetuning=False)
-    if ov.dtype is not None and ov.dtype != "auto":
-        import torch
+    _resolve(kwargs, UNSLOTH.apply(ov, kwargs, point=LOADER))
+    if kwargs.get("fast_inference") and ov.lora_r and int(kwargs.get("max_lora_rank") or 0) < int(ov.lora_r):
+        kwargs["max_lora_rank"] = int(ov.lora_r)  # vLLM's LoRA slots must hold the rank oomguard trains
 
-        kwargs.pop("torch_dtype", None)
-        kwargs["dtype"] = getattr(torch, ov.dtype)
-    if kwargs.get("fast_inference"):
-        if ov.vllm_gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = float(ov.vllm_gpu_memory_utilization)
-        if ov.vllm_max_model_length is not None:
-            kwargs["max_seq_length"] = int(ov.vllm_max_model_length)
-        if ov.lora_r and int(kwargs.get("max_lora_rank") or 0) < int(ov.lora_r):
-            kwargs["max_lora_rank"] = int(ov.lora_r)  # vLLM's LoRA slots must hold the rank oomguard trains
+
+def apply_peft(rt: Runtime, kwargs: dict[str, Any]) -> None:
+    """oomguard's checkpointing knob, set in ``get_peft_model``'s arguments (``use_gradient_checkpointing``)."""
+    _resolve(kwargs, UNSLOTH.apply(rt.overrides, kwargs, point=PEFT))
+
+
+def _resolve(kwargs: dict[str, Any], done: dict[str, Any]) -> None:
+    """The names in the notebook's code that the table sets (``torch.bfloat16``) as the objects they name."""
+    for name, value in done.items():
+        if isinstance(value, Code):
+            import importlib
+
+            kwargs[name] = getattr(importlib.import_module(value.module), value.attr)
 
 
 def patch_unsloth(rt: Runtime, module: Any) -> None:
@@ -138,9 +140,7 @@ def _from_pretrained(rt: Runtime, orig: Any) -> Any:
 def _get_peft_model(rt: Runtime, orig: Any) -> Any:
     @functools.wraps(orig)
     def get_peft_model(*args: Any, **kwargs: Any) -> Any:
-        gc = rt.overrides.gradient_checkpointing
-        if gc is not None:
-            kwargs["use_gradient_checkpointing"] = "unsloth" if gc else False
+        apply_peft(rt, kwargs)
         return orig(*args, **kwargs)
 
     get_peft_model._oomguard = True  # type: ignore[attr-defined]
@@ -201,4 +201,5 @@ def _on_cpu(trainer: Any) -> bool:
         return True
 
 
-__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "facts", "observed_loader", "patch_unsloth"]
+__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "apply_peft", "facts", "observed_loader",
+           "patch_unsloth"]

@@ -1,0 +1,76 @@
+"""RunFacts: what the training process reported about the run, beyond the knobs (remedies read these to decide)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the training process reported about the run, beyond the knobs: remedies read these to decide.
+
+    ``model_source``: ``"string"`` (TRL loads it, so dtype/4-bit can be injected), ``"from_pretrained"`` (the
+    script loaded it), ``"instance"`` (built otherwise: no load-time remedy applies), or ``None`` (not known yet).
+    """
+
+    world_size: int = 1
+    model_source: str | None = None
+    user_peft: bool = False  # the script passes a model already wrapped by PEFT (a peft_config alone is not this)
+    alloc_conf_locked: str | None = None  # the user's own expandable_segments:False, which oomguard respects
+    prompt_tokens_max: int | None = None
+    prompt_tokens_p95: int | None = None
+    dataset_rows: int | None = None
+    model_config: dict[str, Any] | None = None
+    launcher: str | None = None
+    checkpoints: bool | None = None
+    fsdp: bool = False  # the run uses FSDP (GRPOConfig.fsdp)
+    deepspeed: str | None = None  # where the run's DeepSpeed config comes from: "GRPOConfig", "accelerate", or None
+    missing_packages: tuple[str, ...] = ()  # optional packages the training process cannot import (peft, ...)
+    # The installed TRL, as the training process found it (oomguard.child.trlcompat): its version, its LM head
+    # ("fused" from TRL 1.15, "logits" before: what the memory model counts), and the knobs it has no way to take.
+    trl_version: str | None = None
+    trl_head: str | None = None
+    trl_lacks: tuple[str, ...] = ()
+    # Measured on the loaded weights at the run's learning rate (oomguard.child.precision): the share of the weights
+    # that one AdamW step moves when they are stored in bfloat16 without a float32 master copy (None: not measured).
+    bf16_moving: float | None = None
+    bf16_supported: bool | None = None  # the device computes in bfloat16 (None: not known; CPUs do)
+    device_total: int | None = None  # the device's size as the training process sees it (torch.cuda.mem_get_info)
+    # vLLM beside the trainer, as the training process found it before vLLM started (child/stacks/vllm.py): whether
+    # its platform has sleep mode, and which platform it is ("cuda", "cpu": the CPU build has no bitsandbytes)
+    vllm_sleep: bool | None = None
+    vllm_platform: str | None = None
+    # the least vllm_gpu_memory_utilization with which vLLM starts on this device (its engine, the activations of its
+    # profile run and one of the run's sequences), as the memory model judges it (Guide.vllm_floor); None: not known
+    vllm_min_utilization: float | None = None
+    stack: str | None = None  # the front-end around TRL the run trains with ("swift", "unsloth"), None: TRL itself
+    # what of the stack's memory no measurement covers (Unsloth's generated trainer): judged like an untested TRL
+    stack_untested: str | None = None
+    # the script's own loader takes load_in_4bit and prepares the model for the LoRA it adds after (Unsloth's
+    # FastLanguageModel): a 4-bit load reaches a script that passes its own PEFT model
+    load_takes_4bit: bool = False
+    # the training process computes on a CUDA device with Triton importable: GPU kernels such as Liger's can run
+    # (None: not known; False on the CPU and on the simulated device)
+    gpu_kernels: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("missing_packages", "trl_lacks"):
+            if not isinstance(getattr(self, name), tuple):  # JSON gives a list
+                object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+
+    def replace(self, **changes: Any) -> RunFacts:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RunFacts:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in dict(d or {}).items() if k in known})
+
+
+__all__ = ["RunFacts"]

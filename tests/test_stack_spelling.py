@@ -1,0 +1,271 @@
+"""Each stack's spelling of the knobs, read both ways (``oomguard/vocab/stacks/``): every knob a stack takes, printed
+as the end of a run and the lock print it, parsed back the way the stack parses it, and read back by the adapter's
+reader, is the value it started as; and what the adapter sets is what is printed.
+
+ms-swift and Unsloth are not installed here: swift's arguments are a ``SimpleNamespace`` holding the argument names
+the table declares, with swift's defaults, and the printed flags parsed into it by their types (as swift's argument
+parser would); a notebook's call is parsed with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+import shlex
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from oomguard.child.runtime import Runtime
+from oomguard.child.stacks import swift as swift_adapter
+from oomguard.child.stacks import unsloth as unsloth_adapter
+from oomguard.vocab.knobs import TRL_DEFAULTS
+from oomguard.vocab.knobtable import OPTIMIZER_NAMES, TABLE
+from oomguard.vocab.protocol import Plan
+from oomguard.vocab.stacks import flag, flags, said_by_knob, told
+from oomguard.vocab.stacks.spelling import Code
+from oomguard.vocab.stacks.swift import ARGUMENTS, SWIFT, SWIFT_ARGUMENTS
+from oomguard.vocab.stacks.unsloth import LOADER, PEFT, UNSLOTH
+
+DS_GROUP = ("zero_stage", "offload_optimizer", "offload_params")
+
+
+def values_of(knob: str) -> list[Any]:
+    """Values of ``knob`` worth a round trip, from its entry in the knob table: both booleans, each allowed value,
+    its range's ends, a list of names and the word it also takes."""
+    info = TABLE[knob]
+    if info.kind is bool:
+        return [True, False]
+    if info.allowed:
+        return [v for v in info.allowed if v != "auto"]  # the adapters never set "auto" (the model's own dtype)
+    if info.kind is tuple:
+        return [("q_proj", "v_proj"), *info.also]
+    if info.kind is int:
+        low = int(info.minimum if info.minimum is not None else (info.above or 0) + 1)
+        return [low, low + 16, *info.also]
+    if info.kind is float:
+        return [info.maximum if info.maximum is not None else 0.5, 0.04]
+    return ["adamw_bnb_8bit"] if knob == "optim" else [info.trl or "something"]
+
+
+def runtime(**overrides: Any) -> Runtime:
+    return Runtime(Plan(overrides=overrides))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ms-swift
+
+
+def swift_args(**given: Any) -> SimpleNamespace:
+    """swift's parsed arguments: the table's argument names at swift's defaults, TRL's names at TRL's."""
+    base = {name: default for name, (_, default) in SWIFT_ARGUMENTS.items()}
+    base.update({n: TRL_DEFAULTS.to_dict()[n] for n in SWIFT.takes() if TABLE[n].grpo_field})
+    base.update(given)
+    return SimpleNamespace(**base)
+
+
+def _typed(name: str, words: list[str]) -> Any:
+    kind = SWIFT_ARGUMENTS[name][0] if name in SWIFT_ARGUMENTS else TABLE[name].kind
+    if kind is list:
+        return words
+    (word,) = words
+    if word == "none":
+        return None
+    if kind is bool:
+        return {"true": True, "false": False}[word]
+    return kind(word)
+
+
+def parse_swift(said: list[str]) -> SimpleNamespace:
+    """The flags as swift's parser reads them into its arguments (a flag of a list takes every word up to the next)."""
+    args = swift_args()
+    name, words = None, []
+    for token in [*shlex.split(" ".join(said)), "--"]:
+        if token.startswith("--"):
+            if name is not None:
+                setattr(args, name, _typed(name, words))
+            name, words = token[2:], []
+        else:
+            words.append(token)
+    return args
+
+
+def swift_read(args: Any) -> dict[str, Any]:
+    """Every knob swift's arguments say, by the table's readers (what the adapter observes, and what the GRPOConfig
+    patches read under TRL's names)."""
+    out: dict[str, Any] = {}
+    for s in SWIFT.spellings:
+        out.update(s.from_args(args))
+    return out
+
+
+SWIFT_SINGLE = [(k, v) for k in SWIFT.takes() if k not in DS_GROUP for v in values_of(k)]
+
+
+@pytest.mark.parametrize("knob, value", SWIFT_SINGLE, ids=[f"{k}={v}" for k, v in SWIFT_SINGLE])
+def test_swift_round_trip_of_every_knob(knob, value):
+    said = flags("swift", {knob: value})
+    assert said and all(f.startswith("--") for f in said)
+    assert swift_read(parse_swift(said))[knob] == value
+
+
+@pytest.mark.parametrize("stage, optimizer, params", [(s, False, False) for s in (0, 1, 2, 3)]
+                         + [(2, True, False), (3, True, True)])
+def test_swift_round_trip_of_the_zero_stage_and_its_offloads(stage, optimizer, params):
+    """swift spells them together as one of its presets; each combination a preset says reads back as itself."""
+    values = dict(zip(DS_GROUP, (stage, optimizer, params), strict=True))
+    said = flags("swift", values)
+    assert said == [f"--deepspeed zero{stage}" + ("_offload" if optimizer else "")]
+    read = swift_read(parse_swift(said))
+    assert {k: read[k] for k in DS_GROUP} == values
+
+
+def test_zero3_with_optimizer_offload_prints_what_swift_is_given_and_reads_back_the_same():
+    """The issue's case: a stable swift config with ZeRO-3 and DeepSpeed's optimizer offload. The printer used to
+    write ``--deepspeed zero3 --offload_optimizer true``, which swift reads as its offload while vLLM generates."""
+    overrides = {"zero_stage": 3, "offload_optimizer": True}
+    said = flags("swift", overrides)  # what the lock and the terminal say
+    assert said == ["--deepspeed zero3_offload"]
+    parsed = parse_swift(said)
+    assert (parsed.deepspeed, parsed.offload_optimizer, parsed.offload_model) == ("zero3_offload", False, False)
+    read = swift_read(parsed)
+    assert read["zero_stage"] == 3 and read["offload_optimizer"] is True
+    assert read["offload_params"] is True  # swift's zero3_offload preset puts the parameters in host RAM too
+    assert read["offload_during_generation"] is False  # and it is not swift's offload while vLLM generates
+    # the adapter, replaying the lock's overrides, gives swift the same preset
+    applied = swift_args(deepspeed=None)
+    swift_adapter.apply_model_args(runtime(**overrides), applied)
+    assert applied.deepspeed == parsed.deepspeed and not applied.offload_optimizer
+    # a diff's rows: one flag, under the first of the two knobs; the terminal says it once
+    assert said_by_knob("swift", {"zero_stage": 3, "offload_optimizer": True}) == {"zero_stage": "--deepspeed zero3_offload"}
+    assert flag("swift", "zero_stage", 3, among=TRL_DEFAULTS.replace(offload_optimizer=True)) == "--deepspeed zero3_offload"
+    assert told("swift", ["--deepspeed zero3_offload"] * 2) == "as swift's flags: --deepspeed zero3_offload"
+
+
+def test_swift_s_offload_while_vllm_generates_is_its_two_flags_not_deepspeed_s():
+    said = flags("swift", {"offload_during_generation": True})
+    assert said == ["--offload_model true --offload_optimizer true"]
+    read = swift_read(parse_swift(said))
+    assert read["offload_during_generation"] is True and "zero_stage" not in read
+
+
+def test_an_offload_without_a_zero_stage_is_no_swift_flag():
+    """swift has no flag for DeepSpeed's offload alone: it is one of the presets, which need the stage."""
+    assert flags("swift", {"offload_optimizer": True}) == [] and flag("swift", "offload_params", True) is None
+
+
+ARGUMENT_KNOBS = [(k, v) for s in SWIFT.spellings if s.point == ARGUMENTS for k in s.knobs if k not in DS_GROUP
+                  for v in values_of(k) if v not in (False, 0)]  # the adapter only ever turns these on
+
+
+@pytest.mark.parametrize("knob, value", ARGUMENT_KNOBS, ids=[f"{k}={v}" for k, v in ARGUMENT_KNOBS])
+def test_what_the_swift_adapter_sets_is_what_is_printed(knob, value):
+    overrides = {knob: value, **({"lora_r": 16} if knob.startswith("lora_") and knob != "lora_r" else {})}
+    args = swift_args(tuner_type="full", sleep_level=0)
+    swift_adapter.apply_model_args(runtime(**overrides), args)
+    printed = parse_swift(flags("swift", overrides))
+    spelling = SWIFT.spelling(knob)
+    assert {a: getattr(args, a) for a in spelling.args} == {a: getattr(printed, a) for a in spelling.args}
+    assert spelling.from_args(args)[knob] == value
+
+
+def test_the_swift_adapter_keeps_a_user_s_stronger_setting_of_the_same_knob():
+    args = swift_args(sleep_level=2)
+    swift_adapter.apply_model_args(runtime(vllm_enable_sleep_mode=True), args)
+    assert args.sleep_level == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unsloth
+
+
+def parse_call(text: str, point: str) -> dict[str, Any]:
+    """A notebook's call as its keyword arguments (``torch.bfloat16`` as a name in the code)."""
+    if text.startswith("no "):  # the call is left out (no get_peft_model: a full fine-tune)
+        return {}
+    call = ast.parse(text, mode="eval").body
+    assert isinstance(call, ast.Call) and ast.unparse(call.func) == point
+    return {kw.arg: Code(ast.unparse(kw.value)) if isinstance(kw.value, ast.Attribute) else ast.literal_eval(kw.value)
+            for kw in call.keywords}
+
+
+UNSLOTH_CASES = [(k, v) for k in UNSLOTH.takes() for v in values_of(k)]
+
+
+@pytest.mark.parametrize("knob, value", UNSLOTH_CASES, ids=[f"{k}={v}" for k, v in UNSLOTH_CASES])
+def test_unsloth_round_trip_of_every_knob(knob, value):
+    spelling = UNSLOTH.spelling(knob)
+    text = flag("unsloth", knob, value)
+    kwargs = {**dict.fromkeys(spelling.needs, True), **parse_call(text, spelling.point)}
+    read = spelling.from_args(kwargs)[knob]
+    assert read == (list(value) if isinstance(value, tuple) and not isinstance(read, tuple) else value)
+
+
+def test_a_4bit_load_is_said_as_unsloth_is_given_it_and_overrules_a_full_fine_tune():
+    text = flag("unsloth", "load_in_4bit", True)
+    assert text == ("FastLanguageModel.from_pretrained(load_in_4bit=True, load_in_8bit=False, load_in_16bit=False, "
+                    "full_finetuning=False)")
+    kwargs = {"full_finetuning": True, "load_in_4bit": False, "max_seq_length": 1024}
+    unsloth_adapter.apply_loader(runtime(load_in_4bit=True), kwargs)
+    assert kwargs == {**parse_call(text, LOADER), "max_seq_length": 1024}
+    assert UNSLOTH.spelling("load_in_4bit").from_args({"load_in_4bit": True, "full_finetuning": True}) == {
+        "load_in_4bit": False}
+
+
+def test_the_unsloth_adapter_sets_what_is_said():
+    import torch
+
+    kwargs = {"torch_dtype": torch.float32, "fast_inference": True}
+    overrides = {"dtype": "bfloat16", "vllm_gpu_memory_utilization": 0.4, "vllm_max_model_length": 512}
+    unsloth_adapter.apply_loader(runtime(**overrides), kwargs)
+    said = {}
+    for text in flags("unsloth", overrides):
+        said.update(parse_call(text, LOADER))
+    assert said == {"dtype": Code("torch.bfloat16"), "gpu_memory_utilization": 0.4, "max_seq_length": 512}
+    assert kwargs == {"fast_inference": True, "dtype": torch.bfloat16, "gpu_memory_utilization": 0.4,
+                      "max_seq_length": 512}  # the alias torch_dtype dropped, the name resolved
+    peft: dict[str, Any] = {}
+    unsloth_adapter.apply_peft(runtime(gradient_checkpointing=False), peft)
+    assert peft == parse_call(flag("unsloth", "gradient_checkpointing", False), PEFT)
+    unchanged = {"use_gradient_checkpointing": "unsloth"}
+    unsloth_adapter.apply_peft(runtime(gradient_checkpointing=True), unchanged)
+    assert unchanged == {"use_gradient_checkpointing": "unsloth"}
+
+
+def test_vllm_s_loader_settings_mean_nothing_without_fast_inference():
+    kwargs = {"gpu_memory_utilization": 0.6}
+    unsloth_adapter.apply_loader(runtime(vllm_gpu_memory_utilization=0.3), kwargs)
+    assert kwargs == {"gpu_memory_utilization": 0.6}
+    assert unsloth_adapter.observed_loader({"fast_inference": False, "gpu_memory_utilization": 0.6}) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Both
+
+
+def test_every_grpo_field_is_taken_under_its_own_name_and_nothing_else_is():
+    """A knob that no stack spells in its own words is said under TRL's name only when it is a GRPOConfig field: the
+    DeepSpeed buffer sizes, FSDP's offload and the prompt filter are no flag of swift's."""
+    for table in (SWIFT, UNSLOTH):
+        for name, info in TABLE.items():
+            spelling = table.spelling(name)
+            if info.grpo_field:
+                assert spelling is not None, (table.name, name)
+            elif spelling is not None:
+                assert not spelling.trl_name, (table.name, name)
+    for knob in ("reduce_bucket_size", "fsdp_offload", "max_prompt_tokens", "expandable_segments"):
+        assert flag("swift", knob, 1) is None and flag("unsloth", knob, 1) is None
+
+
+def test_the_optimizer_names_in_a_stack_s_words_are_transformers_own():
+    assert flag("swift", "optim", "adamw_bnb_8bit") == "--optim adamw_bnb_8bit" and "adamw_bnb_8bit" in OPTIMIZER_NAMES
+    assert flag("unsloth", "optim", "adamw_8bit") == 'GRPOConfig(optim="adamw_8bit")'
+
+
+def test_an_unset_knob_is_not_said_and_a_diff_s_plain_values_are():
+    """A diff row may go to None (unset), and its values are plain JSON (a list for a tuple)."""
+    for stack in ("swift", "unsloth"):
+        assert flags(stack, dict.fromkeys(TABLE)) == []
+    row = TRL_DEFAULTS.diff(TRL_DEFAULTS.replace(lora_r=8, lora_target_modules=("q_proj", "v_proj")))[1].to_dict()
+    assert flag("swift", row["knob"], row["to"]) == "--target_modules q_proj v_proj"
+    assert flag("unsloth", row["knob"], row["to"]) == 'get_peft_model(target_modules=["q_proj", "v_proj"])'
