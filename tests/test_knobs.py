@@ -113,7 +113,7 @@ def test_every_field_is_one_entry_of_the_table_with_its_real_type():
 
 
 def test_the_derived_tables_say_what_the_entries_say():
-    from oomguard.child.patches import CONFIG_KNOBS
+    from oomguard.child.config import CONFIG_KNOBS
     from oomguard.cli import KNOB_MEANINGS
     from oomguard.vocab.knobs import DS_SIZE_KNOBS, REACH, STACK_ONLY
     from oomguard.vocab.knobtable import TABLE
@@ -131,7 +131,7 @@ def test_the_grpo_fields_are_grpo_config_s_own():
 
     import trl
 
-    from oomguard.child.patches import CONFIG_KNOBS
+    from oomguard.child.config import CONFIG_KNOBS
 
     assert set(CONFIG_KNOBS) <= {f.name for f in dataclasses.fields(trl.GRPOConfig)}
 
