@@ -59,7 +59,7 @@ if importlib.util.find_spec("oomguard") is None:
 from scenarios import compact_diff, minimal_verdict, missed_targets, undo_groups, undo_lock  # noqa: E402
 
 import oomguard  # noqa: E402, F401
-from oomguard.vocab.records import read_json_object  # noqa: E402
+from oomguard.vocab.files import read_json_object  # noqa: E402
 
 GiB = 1024**3
 ARCH = "q3b"

@@ -7,7 +7,7 @@ from 50% to 130% of its measured use, one per percent. On a card at least as lar
 stop there is a false stop (an OOM that would not have happened, traded for a climb); on a smaller card a stop saves
 an OOM. The built-in coefficients predict each row; the margin is how far over the card a prediction must be before
 the pre-flight stops it. ``default`` is the margin oomguard uses on a GPU without a machine calibration
-(``oomguard.decide.plan.Guide.stop_margin``).
+(``oomguard.decide.plan.Judge.stop_margin``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_calibrate import load_rows, measured_device, predict, row_config  # noqa: E402
 
-from oomguard.decide.plan import Guide  # noqa: E402
+from oomguard.decide.judge import Judge  # noqa: E402
 from oomguard.memory.estimate import Coefficients  # noqa: E402
 
 DEFAULT_ROWS = [ROOT / "tests" / "fixtures" / "h100" / n for n in ("calibration.jsonl", "calibration-q3b.jsonl")]
@@ -54,7 +54,7 @@ def main() -> None:
         for r in load_rows(path).values():
             pairs.append((predict(row_config(r), co, 80 * 2**30).peak_bytes, measured_device(r, co)[0]))
     worst = max(pr / m - 1 for pr, m in pairs)
-    default = Guide(16 * 2**30).stop_margin()[0]
+    default = Judge(16 * 2**30).stop_margin()[0]
     print(f"{len(pairs)} H100 rows; the built-in fit predicts at most {100 * worst:.1f}% over a row's device use")
     print(f"{'margin':>14} {'false stops':>14} {'stop rate (cards too small)':>30}")
     for m in sorted({0.0, 0.05, default, 0.10, 0.15, 0.20}):

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.vocab.records import read_json_object
+from oomguard.vocab.files import read_json_object
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "scripts" / "grpo_tiny.py")

@@ -299,7 +299,7 @@ def lock_fields(_: str | None = None) -> str:
 
     sup = Supervisor(["python", "train.py"], RunOptions(ladder=load_ladder("default"),
                                                         workdir=Path("/nonexistent")), JsonLogReporter())
-    return _keys_table([*sup._lock_data(TRL_DEFAULTS, {}, {}, []), "kept_at"], LOCK_KEYS, "lock")
+    return _keys_table([*sup.writer.lock(TRL_DEFAULTS, {}, {}, []).to_dict(), "kept_at"], LOCK_KEYS, "lock")
 
 
 # -- the JSON log ---------------------------------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
     try:
         import os
 
-        from .run.launch import MULTI_GPU, distributed_reason
+        from .decide.ladder import MULTI_GPU
+        from .run.launch import distributed_reason
 
         sim_option = "--simulate-gpu"
         if not simulate_gpu and os.environ.get("OOMGUARD_SIMULATE_GPU"):
@@ -341,9 +342,9 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     # (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
                   device_name=gpu_name() or "unknown GPU")
-    cal = p.guide.calibration if p.guide is not None else None
+    cal = p.judge.calibration if p.judge is not None else None
     calibration = ({"source": "machine", "key": cal.key, "runs": cal.runs, "description": cal.describe()} if cal
-                   else {"source": "built-in", "description": p.guide.describe() if p.guide else ""})
+                   else {"source": "built-in", "description": p.judge.describe() if p.judge else ""})
     alts = [a.to_dict() for a in p.alternatives()]
     from .decide.experiment import precision_warning
 
@@ -388,8 +389,8 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
         row = {"gpu": text, "capacity_bytes": cap, "peak_bytes": p.estimate.peak_bytes, "fits": p.fits,
                "suggest": p.suggest if not p.fits else {}, "exhausted": p.exhausted}
         if fit is not None:
-            assert p.guide is not None and p.facts is not None
-            judge = p.guide.fits(p.facts)
+            assert p.judge is not None and p.facts is not None
+            judge = p.judge.fits(p.facts)
             row["fit_knob"] = fit
             row["fit_value"] = largest(judge, k, fit, world_size=world_size, upper=upper) if judge else None
         rows.append(row)

@@ -57,7 +57,7 @@ def test_no_trial_without_a_plausible_cheaper_config_nor_for_a_choice_of_cheap_c
     d = c.choose_next(None, fits=lambda k: "8bit" in str(k.optim), plausible=plausible)
     assert not d.trial and c.remedies_in_force() == ["optimizer_8bit"]  # the choice costs precision only already
     # (after a trial ran out of memory, the memory model no longer finds configs that need as much plausible:
-    # Guide.plausible, tests/test_real_cards.py)
+    # Judge.plausible, tests/test_real_cards.py)
 
 
 @pytest.mark.slow

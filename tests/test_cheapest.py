@@ -15,7 +15,7 @@ from oomguard.decide.choose import Rung, replay
 from oomguard.decide.climb import Climb
 from oomguard.decide.experiment import summarise
 from oomguard.decide.ladder import load_ladder
-from oomguard.run.minimize import Minimizer
+from oomguard.decide.minimize import Minimizer
 from oomguard.strategies import COST_CLASSES, Context, cost_rank, make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from oomguard.vocab.records import Attempt

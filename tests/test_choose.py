@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from oomguard.decide.choose import Rung, choose, replay
 from oomguard.decide.climb import Climb
+from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
-from oomguard.decide.plan import Guide
 from oomguard.strategies import make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from oomguard.vocab.records import Attempt
@@ -63,7 +63,7 @@ def test_a_graded_knob_is_relaxed_to_the_closest_value_that_fits():
 
 
 def test_relaxing_stops_where_the_stricter_judge_says_but_the_rungs_are_chosen_by_fits():
-    """Relaxing pushes a config to the device's edge, so the Guide judges it with more room (``relax_fits``): the
+    """Relaxing pushes a config to the device's edge, so the Judge judges it with more room (``relax_fits``): the
     completions relax only to 352, though 448 is predicted to fit; which rungs are kept still follows ``fits``."""
     c = choose(TRL_DEFAULTS, rungs("expandable_segments", "shorter_sequences"), lambda k: memory(k) <= 21.3,
                order=ORDER, relax_fits=lambda k: memory(k) <= 20.3)
@@ -150,9 +150,9 @@ def test_the_choice_fits_and_no_single_rung_can_be_undone(cap: float, subset: se
             assert not fits(closer), f"{r.name} could come closer to the user's value: {closer}"
 
 
-def _quickstart_climb() -> tuple[Climb, Guide]:
+def _quickstart_climb() -> tuple[Climb, Judge]:
     facts = RunFacts(model_config=QWEN_3B, prompt_tokens_max=128, model_source="string")
-    return Climb(DEFAULT, facts=facts), Guide(24 * GiB)
+    return Climb(DEFAULT, facts=facts), Judge(24 * GiB)
 
 
 def test_climb_on_the_real_model_chooses_lora_for_the_quickstart_case():
@@ -177,7 +177,7 @@ def test_when_a_chosen_config_runs_out_of_memory_the_climb_chooses_again_and_nev
     # the probe of the chosen config runs out of memory: the model learns (here: much tighter), and chooses again
     c.record(Attempt(index=2, knobs=chosen.to_dict(), remedies=c.remedies_in_force(), outcome="oom", exit_code=86,
                      seconds=1.0))
-    tighter = Guide(24 * GiB, margin=0.6)
+    tighter = Judge(24 * GiB, margin=0.6)
     d = c.choose_next(None, fits=tighter.fits(c.facts), peak=tighter.peak(c.facts))
     assert d.exhausted is None
     again = c.effective()[0]

@@ -49,7 +49,7 @@ def test_the_default_choice_keeps_the_experiment_and_shows_what_trades_different
     assert "kept: 8 generations per prompt" in out.stderr and "trade differently" in out.stderr
     assert rep["alternatives"]
     for alt in rep["alternatives"]:
-        assert alt["avoids"] and load_lock(alt["lock"])["overrides"] == alt["overrides"]
+        assert alt["avoids"] and load_lock(alt["lock"]).overrides == alt["overrides"]
 
 
 @pytest.mark.slow

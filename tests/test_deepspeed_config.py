@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.runtime import Runtime
+from oomguard.decide.ladder import distributed_reason_of as facts_reason
 from oomguard.decide.ladder import load_ladder
 from oomguard.memory.estimate import ModelSpec, estimate
 from oomguard.oom.diagnose import diagnose
 from oomguard.oom.parse import parse_oom
 from oomguard.oom.recommend import ranked
-from oomguard.run.launch import distributed_reason, facts_reason, rendezvous
+from oomguard.run.launch import distributed_reason, rendezvous
 from oomguard.strategies import Context, make_remedy
 from oomguard.vocab.distributed import deepspeed_buckets, observe_deepspeed
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
@@ -231,8 +232,8 @@ def test_the_training_processes_report_picks_the_ladder_when_the_command_did_not
         opts = RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", ladder_auto=auto)
         sup = Supervisor(["true"], opts, ConsoleReporter(quiet=True, live=False))
         sup.ui.message = said.append  # type: ignore[method-assign]
-        sup._learn([seen])
-        assert sup.climb.ladder.name == ladder
+        sup.launcher.learn([seen])
+        assert sup.conductor.climb.ladder.name == ladder
     assert len(said) == 1 and said[0].startswith("ladder multi-gpu: the training process runs DeepSpeed")
     assert facts_reason(RunFacts(world_size=1)) is None
 

@@ -35,7 +35,7 @@ def test_the_choice_generates_in_smaller_rounds_and_keeps_the_experiment():
         4, 256, "float32", "adamw_torch", 0)
     assert p.climb.effective()[1]["steps_per_generation"] == "generation_rounds"
     # the split alone keeps the 16 rows generated at once: predicted over the device
-    split = p.guide.predict(p.facts, USER.with_geometry(1, 16, 16))
+    split = p.judge.predict(p.facts, USER.with_geometry(1, 16, 16))
     assert split.peak_bytes > DEVICE and split.dominant_phase == "generation"
 
 

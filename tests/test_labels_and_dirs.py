@@ -11,6 +11,7 @@ from oomguard.display.ui import ConsoleReporter
 from oomguard.run.resume import resume_plan
 from oomguard.run.supervisor import RunOptions, Supervisor
 from oomguard.strategies import make_remedy
+from oomguard.vocab.protocol import ResumePlan
 
 
 def test_minimize_trials_are_labelled_apart_from_the_counted_attempts(capsys):
@@ -42,16 +43,16 @@ def _after_a_new_run_rung(tmp_path: Path) -> Supervisor:
     """A supervisor whose climb took optimizer_8bit (a rung a checkpoint cannot continue) since the checkpoint."""
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", predict=False),
                      ConsoleReporter(quiet=True, live=False))
-    sup.checkpoint_knobs = sup.climb.effective()[0]
+    sup.launcher.checkpoint_knobs = sup.conductor.climb.effective()[0]
     rung = Rung(make_remedy("optimizer_8bit"))
-    sup.climb.climbed, sup.climb.applied = [rung], [rung]
+    sup.conductor.climb.climbed, sup.conductor.climb.applied = [rung], [rung]
     return sup
 
 
-def _resume(sup: Supervisor, index: int) -> dict:
+def _resume(sup: Supervisor, index: int) -> ResumePlan:
     """The resume plan the supervisor builds for real run ``index``."""
-    return resume_plan(sup.checkpoint, sup.checkpoint_knobs, sup.climb.effective()[0], sup.climb.climbed,
-                       sup.output_dir, index)
+    run, c = sup.launcher, sup.conductor.climb
+    return resume_plan(run.checkpoint, run.checkpoint_knobs, c.effective()[0], c.climbed, run.output_dir, index)
 
 
 def _checkpoint(d: Path) -> Path:
@@ -63,18 +64,18 @@ def _checkpoint(d: Path) -> Path:
 def test_a_resumed_run_writes_flat_under_the_users_output_dir(tmp_path):
     out = tmp_path / "out"
     sup = _after_a_new_run_rung(tmp_path)
-    sup.checkpoint = str(_checkpoint(out / "oomguard-attempt-6" / "checkpoint-4"))
-    sup.output_dir = str(out / "oomguard-attempt-6")  # the previous resumed run already wrote there
+    sup.launcher.checkpoint = str(_checkpoint(out / "oomguard-attempt-6" / "checkpoint-4"))
+    sup.launcher.output_dir = str(out / "oomguard-attempt-6")  # the previous resumed run already wrote there
     resume = _resume(sup, 8)
-    assert resume["mode"] == "weights" and resume["output_dir"] == str(out / "oomguard-attempt-8")
+    assert resume.mode == "weights" and resume.output_dir == str(out / "oomguard-attempt-8")
 
 
 def test_a_fresh_dir_is_never_one_that_exists(tmp_path):
     out = tmp_path / "out"
     sup = _after_a_new_run_rung(tmp_path)
-    sup.checkpoint = str(_checkpoint(out / "checkpoint-2"))
-    sup.output_dir = str(out)
+    sup.launcher.checkpoint = str(_checkpoint(out / "checkpoint-2"))
+    sup.launcher.output_dir = str(out)
     (out / "oomguard-attempt-3" / "checkpoint-2").mkdir(parents=True)  # an earlier oomguard run's checkpoints
     resume = _resume(sup, 3)
-    assert resume["output_dir"] == str(out / "oomguard-attempt-3-2")
-    assert _resume(sup, 4)["output_dir"] == str(out / "oomguard-attempt-4")
+    assert resume.output_dir == str(out / "oomguard-attempt-3-2")
+    assert _resume(sup, 4).output_dir == str(out / "oomguard-attempt-4")

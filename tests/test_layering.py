@@ -269,3 +269,37 @@ def test_the_layout_page_shows_the_same_rules():
         assert m, line
         rows[m.group(1)] = set() if m.group(2).strip() == "-" else {p.strip() for p in m.group(2).split(",")}
     assert rows == MAY_IMPORT
+
+
+def _private_imports() -> Iterator[str]:
+    """``from X import _name`` where X is another package's module: a private helper shared across packages."""
+    for module, path in MODULES.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if not base.startswith("oomguard"):
+                continue
+            home = base if base in MODULES and (PACKAGE.parent / (base.replace(".", "/") + "/__init__.py")).exists() \
+                else base.rpartition(".")[0]
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and home != package:
+                    yield f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {base}"
+
+
+def test_no_private_name_crosses_a_package():
+    """A helper another package needs is public and named for what it does; siblings in one package may share
+    private helpers (layout.md)."""
+    assert list(_private_imports()) == []
+
+
+def test_no_module_is_over_500_lines():
+    """One concern per module: a module past 500 lines holds more than one (layout.md)."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert long == {}

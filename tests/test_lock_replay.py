@@ -20,8 +20,8 @@ import pytest
 
 from oomguard.decide.climb import Climb
 from oomguard.decide.ladder import load_ladder
-from oomguard.run.supervisor import pinned_by
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.lock import Lock
 
 trl = pytest.importorskip("trl")
 
@@ -141,7 +141,7 @@ def lock_of(climb: Climb) -> dict:
 def replay(lock: dict, reported: dict, adapted: dict | None = None) -> Climb:
     """A replay of ``lock`` whose training process reports the script's values (``reported``), as run/supervisor.py
     builds it."""
-    c = Climb(load_ladder("default"), pinned=Knobs.from_dict(lock["overrides"]), pinned_by=pinned_by(lock))
+    c = Climb(load_ladder("default"), pinned=Knobs.from_dict(lock["overrides"]), pinned_by=Lock(lock["overrides"], diff=lock["diff"]).pinned_by())
     c.observe(reported)
     for knob, value in (adapted or {}).items():
         c.adapt(knob, value, "a reason")

@@ -292,7 +292,7 @@ def test_without_torch_for_the_store_the_nodes_meet_in_the_directory_and_say_so(
     said: list[str] = []
     sup.ui.message = said.append  # type: ignore[method-assign]
     sup.group.assemble = lambda wait=None: None  # type: ignore[method-assign]  (no other node in this test)
-    sup._open_group()
+    sup.open_group()
     assert sup.store_sync is None and sup.group.via is None
     assert "cannot meet through torchrun's rendezvous host" in said[0] and "--group DIR" in said[0]
     assert said[1].endswith(f"the group meets in {sup.group.base}")

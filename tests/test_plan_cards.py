@@ -55,7 +55,7 @@ def test_a_hub_id_is_read_from_the_cache_with_no_network_one_row_per_card(hub_ca
     spec = load_model_spec(LLAMA / "config.json")
     k = TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=16)
     p = make_plan(spec, k, 16 * GiB, facts=RunFacts())
-    judge = p.guide.fits(p.facts)
+    judge = p.judge.fits(p.facts)
     assert judge(k.replace(max_completion_length=longest[0]))
     assert not judge(k.replace(max_completion_length=longest[0] + 1))
     text = plan("--model", "acme/llama-1b", "--gpu", "16GiB,24GiB", "--fit", "num_generations", cache=hub_cache)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.decide.plan import Guide, make_plan
+from oomguard.decide.judge import Judge
+from oomguard.decide.plan import make_plan
 from oomguard.memory.estimate import ModelSpec
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.oomreport import OOMReport
@@ -112,7 +113,7 @@ def test_make_plan_keeps_the_ladder_order():
 def test_guide_learns_from_an_oom_it_did_not_predict():
     spec_cfg = json.loads((MODELS / "llama-3.2-1b" / "config.json").read_text())
     facts = RunFacts(model_config=spec_cfg)
-    g = Guide(24 * 2**30)
+    g = Judge(24 * 2**30)
     k = TRL_DEFAULTS.replace(dtype="bfloat16")
     assert g.predict(facts, k).fits(24 * 2**30)  # about 14 GiB predicted
     g.learn(facts, k, "oom", None, OOMReport("cuda", "allocator", "x", requested=2 * 2**30, allocated=20 * 2**30))

@@ -18,12 +18,13 @@ from oomguard.child.config import apply_config
 from oomguard.child.probe import apply_probe
 from oomguard.child.runtime import Runtime
 from oomguard.decide.climb import Climb
+from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
-from oomguard.decide.plan import Guide, make_plan
+from oomguard.decide.plan import make_plan
 from oomguard.memory.estimate import ModelSpec, sure_limit, sure_to_fit
 from oomguard.vocab.events import CodeSeen, DatasetSeen, ProbeDecided, parse_event, read_events
 from oomguard.vocab.knobs import TRL_DEFAULTS
-from oomguard.vocab.protocol import Plan
+from oomguard.vocab.protocol import Plan, ProbePlan
 from oomguard.vocab.records import Attempt
 
 MIB = 2**20
@@ -33,8 +34,8 @@ TINY = {"model_type": "llama", "vocab_size": 724, "hidden_size": 256, "num_hidde
 
 def runtime(tmp: Path, capacity: int, probe: bool = True, sure: bool = True) -> Runtime:
     tmp.mkdir(parents=True, exist_ok=True)
-    guide = Guide(capacity, simulated=True)
-    unless = {"unless_sure": guide.sure_plan()} if sure else {}
+    judge = Judge(capacity, simulated=True)
+    unless = {"unless_sure": judge.sure_plan()} if sure else {}
     plan = Plan(events=str(tmp / "events.jsonl"),
                 probe={"steps": 2, "rows": 64, "output_dir": str(tmp / "scratch"), **unless} if probe else None)
     rt = Runtime(plan)
@@ -59,7 +60,7 @@ def test_a_config_far_under_the_device_is_the_real_run(tmp_path):
 
 
 def test_a_config_near_the_edge_is_probed(tmp_path):
-    est = preflight.predict_estimate(runtime(tmp_path / "a", 1024 * MIB), Guide(1024 * MIB, simulated=True)
+    est = preflight.predict_estimate(runtime(tmp_path / "a", 1024 * MIB), Judge(1024 * MIB, simulated=True)
                                      .sure_plan(), TINY)
     capacity = int(est.peak_bytes * 1.1)  # 10% above the prediction: it may well fit, but only a probe can tell
     rt = runtime(tmp_path, capacity)
@@ -113,7 +114,7 @@ def test_the_probe_applied_after_grpo_configs_post_init_keeps_transformers_types
     cfg = trl.GRPOConfig(output_dir=str(tmp_path / "mine"), use_cpu=True, bf16=False, report_to=[],
                          save_strategy="steps", save_steps=50, eval_strategy="epoch", num_generations=4,
                          per_device_train_batch_size=4, max_completion_length=32)
-    apply_probe(runtime(tmp_path, 1024 * MIB), cfg, {"steps": 2, "output_dir": str(tmp_path / "scratch")})
+    apply_probe(runtime(tmp_path, 1024 * MIB), cfg, ProbePlan(steps=2, output_dir=str(tmp_path / "scratch")))
     assert cfg.save_strategy is SaveStrategy.STEPS and cfg.save_steps == 2
     assert cfg.eval_strategy is IntervalStrategy.STEPS and cfg.eval_steps == 2
     assert cfg.max_steps == 2 and cfg.output_dir == str(tmp_path / "scratch")
@@ -123,7 +124,7 @@ def test_the_probe_applied_after_grpo_configs_post_init_keeps_transformers_types
 def test_the_sure_rule():
     assert sure_to_fit(sure_limit(256 * MIB, 0.12), 256 * MIB, 0.12)
     assert not sure_to_fit(sure_limit(256 * MIB, 0.12) + 1024, 256 * MIB, 0.12)
-    g = Guide(256 * MIB, simulated=True)
+    g = Judge(256 * MIB, simulated=True)
     g.set_trl("fused", untested=True)
     est = make_plan(ModelSpec.from_config(TINY), TRL_DEFAULTS, 16 * 2**30).estimate
     assert not g.sure(est)  # a TRL newer than tested: never sure, whatever the size

@@ -48,12 +48,12 @@ def test_the_live_view_follows_the_second_trainer(tmp_path):
     sup = Supervisor(["true"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd"), ui)
     events = tmp_path / "events.jsonl"
     ui.attempt_start(1, 8, [], {}, "run")
-    watch = _Watch(AttemptKind.RUN, Knobs(), EventTail(events), sup._progress_state(1, AttemptKind.RUN, []))
+    watch = _Watch(AttemptKind.RUN, Knobs(), EventTail(events), sup.launcher.progress_state(1, AttemptKind.RUN, []))
 
     def emit(*evs):
         with events.open("a") as f:
             f.writelines(json.dumps(e) + "\n" for e in evs)
-        sup._watch(watch)
+        sup.launcher.poll(watch)
 
     emit({"event": "train_begin", "step": 0, "max_steps": 36}, {"event": "step", "step": 36, "peak": 10})
     assert (ui.state.step, ui.state.max_steps) == (36, 36)

@@ -21,8 +21,8 @@ from oomguard.child.preflight import verdict
 from oomguard.child.simulate import SimulatedDevice
 from oomguard.decide.choose import Rung
 from oomguard.decide.climb import Climb
+from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
-from oomguard.decide.plan import Guide
 from oomguard.memory.allocmodel import CARD_CONTEXT, context_for
 from oomguard.memory.calibration import Calibration
 from oomguard.memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, ModelSpec, estimate, load_bytes
@@ -30,6 +30,7 @@ from oomguard.oom.diagnose import diagnose
 from oomguard.oom.parse import parse_oom
 from oomguard.strategies import make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.protocol import PreflightPlan
 
 from helpers import PYTHON, SCRIPTS, run_oomguard
 
@@ -66,17 +67,17 @@ def test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_
     spec = ModelSpec.from_config(Q3B)
     original = TRL_DEFAULTS.merged(json.loads((H100 / "report-qwen3b-quickstart-8GiB-default.json").read_text())
                                    ["attempts"][0]["knobs"])
-    guide = Guide(8 * GiB)
-    margin, _ = guide.stop_margin()
-    assert verdict({"capacity": 8 * GiB, "margin": margin}, load_bytes(spec, original)) == "over"
+    judge = Judge(8 * GiB)
+    margin, _ = judge.stop_margin()
+    assert verdict(PreflightPlan(capacity=8 * GiB, margin=margin), load_bytes(spec, original)) == "over"
     facts = RunFacts(model_source="string", prompt_tokens_max=199, model_config=Q3B)
     climb = Climb(load_ladder("fastest"))
     climb.learn(facts)
     climb.observe(original.to_dict(only_set=True))
-    decision = climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts))
+    decision = climb.choose_next(None, fits=judge.fits(facts), peak=judge.peak(facts))
     chosen = climb.effective()[0]
     assert chosen.load_in_4bit and chosen.lora_r, decision.label()
-    assert guide.predict(facts, chosen).peak_bytes * (1 + guide.margin) <= 8 * GiB
+    assert judge.predict(facts, chosen).peak_bytes * (1 + judge.margin) <= 8 * GiB
     assert "lora" not in climb.remedies_in_force() or "load_4bit" in climb.remedies_in_force()
 
 
@@ -86,19 +87,19 @@ def test_the_8gib_quickstart_by_cost_keeps_the_generations_and_completions():
     Generations, completions and prompts per step stay the user's."""
     original = TRL_DEFAULTS.merged(json.loads((H100 / "report-qwen3b-quickstart-8GiB-default.json").read_text())
                                    ["attempts"][0]["knobs"])
-    guide = Guide(8 * GiB)
+    judge = Judge(8 * GiB)
     facts = RunFacts(model_source="string", prompt_tokens_max=199, model_config=Q3B)
     climb = Climb(load_ladder("default"))
     climb.learn(facts)
     climb.observe(original.to_dict(only_set=True))
-    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
-                      relax_fits=guide.fits(facts, guide.relax_margin))
+    climb.choose_next(None, fits=judge.fits(facts), peak=judge.peak(facts),
+                      relax_fits=judge.fits(facts, judge.relax_margin))
     chosen = climb.effective()[0]
     assert chosen.lora_r and not chosen.load_in_4bit and chosen.dtype == "bfloat16"
     assert (chosen.num_generations, chosen.max_completion_length) == (original.num_generations,
                                                                      original.max_completion_length)
     assert chosen.prompts_per_step() == original.prompts_per_step()
-    assert guide.predict(facts, chosen).peak_bytes * (1 + guide.margin) <= 8 * GiB
+    assert judge.predict(facts, chosen).peak_bytes * (1 + judge.margin) <= 8 * GiB
 
 
 # -- the pre-flight's margin: the model's measured error -------------------------------------------------------------
@@ -122,19 +123,19 @@ def test_the_stop_margin_is_the_built_in_fits_measured_over_prediction_plus_an_a
     assert len(rows) == 22
     worst = max(p / m - 1 for p, m in rows)
     assert worst <= DEVICE_OVERPREDICTION < worst + 0.005  # the constant is the rows' figure, rounded up
-    margin, source = Guide(16 * GiB).stop_margin()
+    margin, source = Judge(16 * GiB).stop_margin()
     assert margin == pytest.approx(DEVICE_OVERPREDICTION + STOP_ALLOWANCE) and "H100" in source
 
 
 def test_on_the_h100_rows_the_pre_flight_stops_no_config_that_fits():
     """Every row on a sweep of card sizes: a card it fits (at most its measured use over) is never stopped (no
     false stop), and most cards it does not fit are stopped before they load or generate."""
-    margin = Guide(16 * GiB).stop_margin()[0]
+    margin = Judge(16 * GiB).stop_margin()[0]
     false_stops = stops = over = 0
     for predicted, measured in h100_rows():
         for f in [x / 100 for x in range(50, 131)]:
             cap = int(measured * f)
-            stopped = verdict({"capacity": cap, "margin": margin}, predicted) == "over"
+            stopped = verdict(PreflightPlan(capacity=cap, margin=margin), predicted) == "over"
             if measured <= cap:
                 false_stops += stopped
             else:
@@ -148,9 +149,9 @@ def test_a_machine_with_history_takes_its_own_spread():
     runs = tuple({"predicted": 100, "measured": m, "reserved": int(m * 1.1), "expandable": False, "time": 0.0}
                  for m in (96, 100, 104, 100))
     cal = Calibration("NVIDIA H100 80GB HBM3|torch 2.11|trl 1.16", runs)
-    guide = Guide(16 * GiB)
-    guide.calibration = cal
-    margin, source = guide.stop_margin()
+    judge = Judge(16 * GiB)
+    judge.calibration = cal
+    margin, source = judge.stop_margin()
     assert margin == pytest.approx(cal.device_error() + STOP_ALLOWANCE) and "4 recorded runs" in source
 
 
@@ -159,13 +160,13 @@ def test_a_config_within_the_doubt_of_one_that_ran_out_of_memory_is_not_tried():
     tokens shorter, say) is not chosen again; one clearly smaller is."""
     spec_config = Q3B
     facts = RunFacts(prompt_tokens_max=128, model_config=spec_config)
-    guide = Guide(24 * GiB)
+    judge = Judge(24 * GiB)
     base = TRL_DEFAULTS.merged(Knobs(dtype="bfloat16", lora_r=16, lora_alpha=32, lora_target_modules="all-linear",
                                      max_completion_length=1024, per_device_train_batch_size=8))
-    fits = guide.fits(facts)
+    fits = judge.fits(facts)
     assert fits(base)
-    guide.learn(facts, base, "oom", None)  # it ran out of memory anyway
-    fits = guide.fits(facts)
+    judge.learn(facts, base, "oom", None)  # it ran out of memory anyway
+    fits = judge.fits(facts)
     near = base.replace(max_completion_length=1016)
     far = base.replace(max_completion_length=512)
     assert not fits(near) and fits(far)
@@ -257,7 +258,7 @@ def test_the_memory_model_counts_a_simulated_context():
     plain = estimate(spec, k, prompt_tokens=64, simulated=True)
     with_ctx = estimate(spec, k, prompt_tokens=64, simulated=True, context=CARD_CONTEXT)
     assert with_ctx.peak_bytes - plain.peak_bytes == CARD_CONTEXT
-    assert Guide(24 * GiB, simulated=True, context=CARD_CONTEXT).predict(
+    assert Judge(24 * GiB, simulated=True, context=CARD_CONTEXT).predict(
         RunFacts(model_config=Q3B, prompt_tokens_max=64), k).peak_bytes == with_ctx.peak_bytes
 
 
@@ -344,18 +345,18 @@ Q15 = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "interm
        "torch_dtype": "bfloat16"}  # Qwen2.5-1.5B's published shape
 
 
-def held_out_climb(ladder: str = "default") -> tuple[Climb, Guide, RunFacts, Knobs]:
+def held_out_climb(ladder: str = "default") -> tuple[Climb, Judge, RunFacts, Knobs]:
     """Issue 17's held-out case: Qwen2.5-1.5B, 16 generations x 16 per device, 1024-token completions, 16 GiB."""
     user = TRL_DEFAULTS.merged(Knobs(num_generations=16, per_device_train_batch_size=16, max_completion_length=1024,
                                      dtype="bfloat16"))
     facts = RunFacts(model_source="string", prompt_tokens_max=128, model_config=Q15)
-    guide = Guide(16 * GiB)
+    judge = Judge(16 * GiB)
     climb = Climb(load_ladder(ladder))
     climb.learn(facts)
     climb.observe(user.to_dict(only_set=True))
-    climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
-                      relax_fits=guide.fits(facts, guide.relax_margin))
-    return climb, guide, facts, user
+    climb.choose_next(None, fits=judge.fits(facts), peak=judge.peak(facts),
+                      relax_fits=judge.fits(facts, judge.relax_margin))
+    return climb, judge, facts, user
 
 
 def test_the_default_choice_keeps_the_recipes_completions_and_generations():
@@ -364,14 +365,14 @@ def test_the_default_choice_keeps_the_recipes_completions_and_generations():
     step and a full fine-tune, paying in speed and precision only, and says so."""
     from oomguard.decide.experiment import precision_warning, summarise
 
-    climb, guide, facts, user = held_out_climb()
+    climb, judge, facts, user = held_out_climb()
     chosen = climb.effective()[0]
     assert (chosen.max_completion_length, chosen.num_generations) == (1024, 16)
     assert chosen.prompts_per_step() == user.prompts_per_step() and not chosen.lora_r and not chosen.load_in_4bit
     assert {r.remedy.cost for r in climb.applied} <= {"none", "speed", "precision"}, climb.remedies_in_force()
-    assert guide.predict(facts, chosen).peak_bytes * (1 + guide.relax_margin) <= 16 * GiB
+    assert judge.predict(facts, chosen).peak_bytes * (1 + judge.relax_margin) <= 16 * GiB
     summary = summarise(user, chosen, [r.remedy for r in climb.applied], climb.effective()[1],
-                        slowdown=guide.slowdown(facts))
+                        slowdown=judge.slowdown(facts))
     # the recipe's own bf16 weights at TRL's 1e-6 do not learn: never called a full fine-tune, and the user is told
     assert summary.kept == ["16 generations per prompt", "1024-token completions", "1 prompt per step"]
     assert precision_warning(user, facts) is not None
@@ -386,12 +387,12 @@ def test_a_choice_that_cuts_completions_is_shown_with_one_that_keeps_them():
     signal, keeping all 1024 tokens and 16 generations, and they trade differently from the choice."""
     from oomguard.decide.alternatives import alternatives
 
-    climb, guide, facts, user = held_out_climb("fastest")
+    climb, judge, facts, user = held_out_climb("fastest")
     chosen = climb.effective()[0]
     assert chosen.max_completion_length < 1024  # the fastest ladder's choice follows its order
-    fits = guide.fits(facts, guide.relax_margin)
-    alts = alternatives(user, chosen, climb.applied, facts, fits, guide.peak(facts), ladder=climb.ladder,
-                        slowdown=guide.slowdown(facts))
+    fits = judge.fits(facts, judge.relax_margin)
+    alts = alternatives(user, chosen, climb.applied, facts, fits, judge.peak(facts), ladder=climb.ladder,
+                        slowdown=judge.slowdown(facts))
     assert 1 <= len(alts) <= 3
     keeper = next(a for a in alts if a.avoids == ["signal"])
     assert keeper.knobs.max_completion_length == 1024 and keeper.knobs.num_generations == 16
@@ -409,10 +410,10 @@ def test_the_default_choice_is_shown_with_configs_that_trade_differently():
     classes as the user had it (a faster run that cuts completions, say), with its predicted time."""
     from oomguard.decide.alternatives import alternatives
 
-    climb, guide, facts, user = held_out_climb()
+    climb, judge, facts, user = held_out_climb()
     chosen = climb.effective()[0]
-    alts = alternatives(user, chosen, climb.applied, facts, guide.fits(facts, guide.relax_margin),
-                        guide.peak(facts), ladder=climb.ladder, slowdown=guide.slowdown(facts))
+    alts = alternatives(user, chosen, climb.applied, facts, judge.fits(facts, judge.relax_margin),
+                        judge.peak(facts), ladder=climb.ladder, slowdown=judge.slowdown(facts))
     paid = {r.remedy.cost for r in climb.applied} - {"none"}
     assert alts and all(set(a.avoids) <= paid for a in alts)
     for a in alts:
@@ -425,25 +426,25 @@ def test_the_run_writes_each_alternative_as_a_lock_the_report_and_message_name(t
     from oomguard.run.supervisor import RunOptions, Supervisor
     from oomguard.vocab.records import Attempt, AttemptKind
 
-    climb, guide, _, _ = held_out_climb()
+    climb, judge, _, _ = held_out_climb()
     sup = Supervisor(["python", "train.py"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd",
                                                          capacity=16 * GiB, report_path=tmp_path / "r.json",
                                                          lock_path=tmp_path / "l.json"),
                      ConsoleReporter(quiet=True, live=False))
-    sup.climb, sup.guide = climb, guide
+    sup.conductor.climb, sup.conductor.judge = climb, judge
     sup.run_dir.mkdir(parents=True)
     final = climb.effective()[0]
     last = Attempt(index=1, knobs=final.to_dict(), remedies=climb.remedies_in_force(), outcome="ok", exit_code=0,
                    seconds=1.0, kind=AttemptKind.RUN, step=2)
     climb.record(last)
-    assert sup._finish(last) == 0
+    assert sup.writer.finish(last, None) == 0
     rep = json.loads((tmp_path / "r.json").read_text())
     alt = rep["alternatives"][0]
     lock = json.loads(Path(alt["lock"]).read_text())
     assert lock["overrides"] == alt["overrides"] and "max_completion_length" not in lock["overrides"]
     from oomguard.run.command import load_lock
 
-    assert load_lock(alt["lock"])["overrides"] == alt["overrides"]  # `--config` accepts it as it is
+    assert load_lock(alt["lock"]).overrides == alt["overrides"]  # `--config` accepts it as it is
 
 
 def test_a_rung_that_only_shrank_the_rows_is_named_for_that():
@@ -493,7 +494,7 @@ def test_a_pre_flight_stop_prints_one_line_for_the_job_and_every_rank_records_it
     rt = SimpleNamespace(emit=lambda ev: seen.append(ev.event_name()), end=lambda kind: seen.append(f"end:{kind}"),
                          stopping_on_purpose=lambda: seen.append("marked"))
     with pytest.raises(SystemExit) as stop:
-        preflight._stop(rt, {"capacity": 64 << 20, "margin": 0.117}, 100 << 20, "this config needs 100 MiB",
+        preflight._stop(rt, PreflightPlan(capacity=64 << 20, margin=0.117), 100 << 20, "this config needs 100 MiB",
                         "generates")
     assert stop.value.code == preflight.EXIT_PREDICTED
     # the stop is marked before the process ends, so a launcher's report of the exit stays off the terminal

@@ -7,8 +7,9 @@ import pytest
 
 from oomguard.oom.parse import parse_oom
 from oomguard.vocab.events import CodeSeen, StepDone, read_events
+from oomguard.vocab.files import write_json_atomic
 from oomguard.vocab.oomreport import Frame
-from oomguard.vocab.records import CRASH_SCHEMA, CrashRecord, RecordError, write_json_atomic
+from oomguard.vocab.records import CRASH_SCHEMA, CrashRecord, RecordError
 
 
 def test_crash_record_round_trip(tmp_path):

@@ -1,8 +1,8 @@
 """After the chosen config's probe fits: choose again with what the probe measured, and probe the changes the memory
 model is unsure of, so the config that runs changes no more than memory demands.
 
-Pure tests (no torch, nothing launched): toy memory models where the right answer is known, and the supervisor's
-decisions after each kind of attempt.
+Pure tests (no torch, nothing launched): toy memory models where the right answer is known, and the
+conductor's decisions after each kind of attempt.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from pathlib import Path
 
 from oomguard.decide.choose import Preference, Rung
 from oomguard.decide.climb import Climb
+from oomguard.decide.conductor import Conductor, Policy
+from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
-from oomguard.decide.plan import Guide
-from oomguard.display.ui import ConsoleReporter
-from oomguard.run.minimize import Minimizer
-from oomguard.run.supervisor import RunOptions, Supervisor
+from oomguard.decide.minimize import Minimizer
 from oomguard.strategies import make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from oomguard.vocab.records import Attempt, AttemptKind, Outcome
@@ -131,12 +130,12 @@ def test_undo_trials_ask_worth_when_each_rungs_turn_comes():
 
 
 def test_plausible_means_at_most_doubt_over_the_device():
-    g = Guide(10 * 2**30)
+    g = Judge(10 * 2**30)
     facts = RunFacts(model_config=LLAMA, prompt_tokens_max=200)
     k = TRL_DEFAULTS.replace(max_completion_length=256)
     peak = g.predict(facts, k).peak_bytes
-    assert Guide(int(peak / 1.03)).plausible(facts)(k) and not Guide(int(peak / 1.03)).fits(facts)(k)
-    assert not Guide(int(peak / 1.10)).plausible(facts)(k)
+    assert Judge(int(peak / 1.03)).plausible(facts)(k) and not Judge(int(peak / 1.03)).fits(facts)(k)
+    assert not Judge(int(peak / 1.10)).plausible(facts)(k)
     assert g.plausible(RunFacts()) is None  # no model config: nothing to predict
 
 
@@ -148,7 +147,7 @@ def test_a_config_predicted_as_large_as_one_that_ran_out_is_not_worth_an_undo_pr
     facts = RunFacts(model_config=LLAMA, prompt_tokens_max=200)
     small = TRL_DEFAULTS.replace(max_completion_length=256, optim="adamw_bnb_8bit")
     big = small.replace(optim="adamw_torch_fused")
-    g = Guide(int(Guide(10 * 2**30).predict(facts, big).peak_bytes / 1.2))
+    g = Judge(int(Judge(10 * 2**30).predict(facts, big).peak_bytes / 1.2))
     g.set_trl("logits")
     assert g.doubt > 0.3 and g.plausible(facts)(big) and g.plausible(facts)(small)
     g.failed.append((facts, small))  # the smaller config ran out of memory on the device
@@ -157,19 +156,19 @@ def test_a_config_predicted_as_large_as_one_that_ran_out_is_not_worth_an_undo_pr
     assert g.plausible(facts)(lora)  # less than what ran out: still worth a probe
 
 
-# -- the supervisor's decisions ---------------------------------------------------------------------------------
+# -- the conductor's decisions ---------------------------------------------------------------------------------
 
 
-def supervisor(tmp_path: Path, **kw) -> Supervisor:
-    opts = RunOptions(ladder=DEFAULT, workdir=tmp_path / "wd", capacity=24 * 2**30, **kw)
-    sup = Supervisor(["true"], opts, ConsoleReporter(quiet=True, live=False))
-    sup.climb.learn(RunFacts(model_config=LLAMA, prompt_tokens_max=200))
-    sup.reached = {"config", "trainer", "model"}  # every rung can reach the command
-    return sup
+def conductor(**kw) -> Conductor:
+    """The decisions of `oomguard run` with its default policy (``kw``: other options), before any judge."""
+    con = Conductor(Climb(DEFAULT), None, Policy(**kw), capacity=24 * 2**30, launched=True)
+    con.climb.learn(RunFacts(model_config=LLAMA, prompt_tokens_max=200))
+    con.reached = {"config", "trainer", "model"}  # every rung can reach the command
+    return con
 
 
-class ToyGuide:
-    """The Guide's judges over the toy model: ``fits`` under ``limit`` GiB, ``plausible`` under ``maybe``."""
+class ToyJudge:
+    """The Judge's judges over the toy model: ``fits`` under ``limit`` GiB, ``plausible`` under ``maybe``."""
 
     doubt = 0.06
     relax_margin = None  # relaxing is judged as choosing is
@@ -190,89 +189,90 @@ class ToyGuide:
         return lambda k: int(gib(k) * 2**30)
 
 
-def attempt(sup: Supervisor, kind: AttemptKind, outcome: Outcome) -> Attempt:
-    c = sup.climb
-    without = sup.minimizer.trial if kind == AttemptKind.MINIMIZE else None
+def attempt(con: Conductor, kind: AttemptKind, outcome: Outcome) -> Attempt:
+    """An attempt of ``kind`` that ended with ``outcome``, recorded in the climb (the toy judge learns nothing)."""
+    c = con.climb
+    without = con.minimizer.trial if kind == AttemptKind.MINIMIZE else None
     a = Attempt(index=len(c.attempts) + 1, knobs=c.effective(without)[0].to_dict(),
                 remedies=c.remedies_in_force(without), outcome=outcome, exit_code=0, seconds=1.0, kind=kind, step=2)
     c.record(a)
     return a
 
 
-def test_after_the_probe_fits_a_closer_config_is_probed_then_the_run(tmp_path):
-    sup = supervisor(tmp_path)
-    sup.guide = ToyGuide(10.0, 10.0)
-    first = attempt(sup, AttemptKind.PROBE, Outcome.OOM)
-    assert sup._decide(first, None) is AttemptKind.PROBE
-    chosen = sup.climb.effective()[0]
-    sup.guide = ToyGuide(14.5, 15.5)  # the probe measured less than predicted
-    probe = attempt(sup, AttemptKind.PROBE, Outcome.OK)
-    assert sup._decide(probe, None) is AttemptKind.PROBE  # a closer config, predicted to fit: probe it
+def test_after_the_probe_fits_a_closer_config_is_probed_then_the_run():
+    con = conductor()
+    con.judge = ToyJudge(10.0, 10.0)
+    first = attempt(con, AttemptKind.PROBE, Outcome.OOM)
+    assert con.after(first, None).kind is AttemptKind.PROBE
+    chosen = con.climb.effective()[0]
+    con.judge = ToyJudge(14.5, 15.5)  # the probe measured less than predicted
+    probe = attempt(con, AttemptKind.PROBE, Outcome.OK)
+    assert con.after(probe, None).kind is AttemptKind.PROBE  # a closer config, predicted to fit: probe it
     assert probe.choice is not None and probe.choice["after"] == "probe"
-    closer = sup.climb.effective()[0]
+    closer = con.climb.effective()[0]
     assert closer.max_completion_length > chosen.max_completion_length
-    assert closer.lora_r and sup.climb.remedies_in_force() == ["lora"]
-    again = attempt(sup, AttemptKind.PROBE, Outcome.OK)
-    assert sup._decide(again, None) is AttemptKind.RUN  # without LoRA the model is sure: no undo trial
+    assert closer.lora_r and con.climb.remedies_in_force() == ["lora"]
+    again = attempt(con, AttemptKind.PROBE, Outcome.OK)
+    assert con.after(again, None).kind is AttemptKind.RUN  # without LoRA the model is sure: no undo trial
 
 
-def test_a_doubtful_change_that_a_probe_shows_is_not_needed_is_dropped(tmp_path):
+def test_a_doubtful_change_that_a_probe_shows_is_not_needed_is_dropped():
     """The completions were cut to 384 tokens with LoRA and expandable segments; the model is unsure whether the cut
     (without it: 14.0 GiB of 12) and the allocator setting (12.5) are needed. By default only the change of what
     GRPO learns from is worth a probe: the cut is tried without and dropped; the allocator setting stays."""
-    sup = supervisor(tmp_path)
-    sup.guide = ToyGuide(12.0, 12.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    assert {"expandable_segments", "shorter_sequences"} <= set(sup.climb.remedies_in_force())
-    sup.guide = ToyGuide(12.0, 14.1)  # unsure whether the cut is needed
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.MINIMIZE
-    assert sup.minimizer.trial == "shorter_sequences"
-    trial = attempt(sup, AttemptKind.MINIMIZE, Outcome.OK)
-    assert sup._decide(trial, None) is AttemptKind.RUN  # expandable_segments costs nothing: no probe for it
-    assert "shorter_sequences" not in sup.climb.remedies_in_force() and "not needed" in trial.note
-    assert "expandable_segments" in sup.climb.remedies_in_force()
+    con = conductor()
+    con.judge = ToyJudge(12.0, 12.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    assert {"expandable_segments", "shorter_sequences"} <= set(con.climb.remedies_in_force())
+    con.judge = ToyJudge(12.0, 14.1)  # unsure whether the cut is needed
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.MINIMIZE
+    assert con.minimizer.trial == "shorter_sequences"
+    trial = attempt(con, AttemptKind.MINIMIZE, Outcome.OK)
+    assert con.after(trial, None).kind is AttemptKind.RUN  # expandable_segments costs nothing: no probe for it
+    assert "shorter_sequences" not in con.climb.remedies_in_force() and "not needed" in trial.note
+    assert "expandable_segments" in con.climb.remedies_in_force()
 
 
-def test_minimize_probes_even_a_change_that_costs_nothing(tmp_path):
-    sup = supervisor(tmp_path, minimize=True)
-    sup.guide = ToyGuide(12.0, 12.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    sup.guide = ToyGuide(12.0, 12.6)
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.MINIMIZE
+def test_minimize_probes_even_a_change_that_costs_nothing():
+    con = conductor(minimize=True)
+    con.judge = ToyJudge(12.0, 12.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    con.judge = ToyJudge(12.0, 12.6)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.MINIMIZE
     tried = []
-    while sup.minimizer.trial is not None:
-        tried.append(sup.minimizer.trial)
-        if sup._decide(attempt(sup, AttemptKind.MINIMIZE, Outcome.OOM), None) is not AttemptKind.MINIMIZE:
+    while con.minimizer.trial is not None:
+        tried.append(con.minimizer.trial)
+        if con.after(attempt(con, AttemptKind.MINIMIZE, Outcome.OOM), None).kind is not AttemptKind.MINIMIZE:
             break
     assert "expandable_segments" in tried
 
 
-def test_no_refine_goes_straight_to_the_run(tmp_path):
-    sup = supervisor(tmp_path, refine=False)
-    sup.guide = ToyGuide(10.0, 10.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    sup.guide = ToyGuide(14.5, 20.0)
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.RUN
+def test_no_refine_goes_straight_to_the_run():
+    con = conductor(refine=False)
+    con.judge = ToyJudge(10.0, 10.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    con.judge = ToyJudge(14.5, 20.0)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.RUN
 
 
-def test_a_closer_config_never_takes_the_real_runs_place_in_the_budget(tmp_path):
-    sup = supervisor(tmp_path, max_attempts=3)
-    sup.guide = ToyGuide(10.0, 10.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    sup.guide = ToyGuide(14.5, 10.0)
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.RUN  # 2 used, 1 left
+def test_a_closer_config_never_takes_the_real_runs_place_in_the_budget():
+    con = conductor(max_attempts=3)
+    con.judge = ToyJudge(10.0, 10.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    con.judge = ToyJudge(14.5, 10.0)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.RUN  # 2 used, 1 left
 
 
-def test_back_to_a_config_a_probe_ran_goes_on_without_probing_it_again(tmp_path):
-    sup = supervisor(tmp_path)
-    sup.guide = ToyGuide(10.0, 10.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    verified = sup.climb.effective()[0]
-    sup.guide = ToyGuide(14.5, 10.0)
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.PROBE
-    sup.guide = ToyGuide(1.0, 1.0)  # the closer config ran out of memory, and the model learned
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None) is AttemptKind.RUN
-    assert sup.climb.effective()[0] == verified
+def test_back_to_a_config_a_probe_ran_goes_on_without_probing_it_again():
+    con = conductor()
+    con.judge = ToyJudge(10.0, 10.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    verified = con.climb.effective()[0]
+    con.judge = ToyJudge(14.5, 10.0)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.PROBE
+    con.judge = ToyJudge(1.0, 1.0)  # the closer config ran out of memory, and the model learned
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None).kind is AttemptKind.RUN
+    assert con.climb.effective()[0] == verified
 
 
 def test_the_final_message_counts_undo_trials_that_ran_out_apart_from_the_climbs_ooms():
@@ -289,39 +289,39 @@ def test_the_final_message_counts_undo_trials_that_ran_out_apart_from_the_climbs
     assert "1 probe(s) without a change ran out of memory, showing it needed" in message
 
 
-def test_a_rechosen_config_whose_overrides_break_the_launch_gives_way_without_ending_the_run(tmp_path):
-    sup = supervisor(tmp_path)
-    sup.guide = ToyGuide(10.0, 10.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    verified, rungs = sup.climb.effective()[0], sup.climb.remedies_in_force()
-    sup.guide = ToyGuide(14.5, 10.0)
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.PROBE
-    broke = attempt(sup, AttemptKind.PROBE, Outcome.FAILED)
+def test_a_rechosen_config_whose_overrides_break_the_launch_gives_way_without_ending_the_run():
+    con = conductor()
+    con.judge = ToyJudge(10.0, 10.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    verified, rungs = con.climb.effective()[0], con.climb.remedies_in_force()
+    con.judge = ToyJudge(14.5, 10.0)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.PROBE
+    broke = attempt(con, AttemptKind.PROBE, Outcome.FAILED)
     broke.override_error = {"where": "GRPOConfig", "error": "ValueError: nope"}
-    assert sup._decide(broke, None) is AttemptKind.RUN  # not "failed": the config before it is known to fit
-    assert sup.climb.effective()[0] == verified and not sup.climb.refused  # no rung refused for good
-    assert sup.climb.remedies_in_force() == rungs
+    assert con.after(broke, None).kind is AttemptKind.RUN  # not "failed": the config before it is known to fit
+    assert con.climb.effective()[0] == verified and not con.climb.refused  # no rung refused for good
+    assert con.climb.remedies_in_force() == rungs
 
 
-def test_rungs_that_launched_are_never_taken_back_for_a_later_failure(tmp_path):
-    sup = supervisor(tmp_path)
-    sup.guide = ToyGuide(10.0, 10.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    assert sup.newly
-    assert sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OK), None) is AttemptKind.RUN
-    broke = attempt(sup, AttemptKind.RUN, Outcome.FAILED)
+def test_rungs_that_launched_are_never_taken_back_for_a_later_failure():
+    con = conductor()
+    con.judge = ToyJudge(10.0, 10.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    assert con.newly
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OK), None).kind is AttemptKind.RUN
+    broke = attempt(con, AttemptKind.RUN, Outcome.FAILED)
     broke.override_error = {"where": "GRPOTrainer", "error": "ValueError: resume"}
-    assert sup._decide(broke, None) is None and not sup.climb.refused
+    assert con.after(broke, None).kind is None and not con.climb.refused
 
 
-def test_no_optional_probe_when_max_time_leaves_no_room_for_it_and_the_run(tmp_path):
-    sup = supervisor(tmp_path, max_time=100.0)
-    sup.guide = ToyGuide(12.0, 12.0)
-    sup._decide(attempt(sup, AttemptKind.PROBE, Outcome.OOM), None)
-    sup.guide = ToyGuide(14.5, 15.5)
-    probe = attempt(sup, AttemptKind.PROBE, Outcome.OK)
+def test_no_optional_probe_when_max_time_leaves_no_room_for_it_and_the_run():
+    con = conductor(max_time=100.0)
+    con.judge = ToyJudge(12.0, 12.0)
+    con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    con.judge = ToyJudge(14.5, 15.5)
+    probe = attempt(con, AttemptKind.PROBE, Outcome.OK)
     probe.seconds = 120.0  # another probe would end past --max-time
-    assert sup._decide(probe, None) is AttemptKind.RUN
+    assert con.after(probe, None).kind is AttemptKind.RUN
 
 
 def test_when_the_budget_ends_after_a_config_fit_the_message_says_so():

@@ -269,3 +269,34 @@ def test_an_unset_knob_is_not_said_and_a_diff_s_plain_values_are():
     row = TRL_DEFAULTS.diff(TRL_DEFAULTS.replace(lora_r=8, lora_target_modules=("q_proj", "v_proj")))[1].to_dict()
     assert flag("swift", row["knob"], row["to"]) == "--target_modules q_proj v_proj"
     assert flag("unsloth", row["knob"], row["to"]) == 'get_peft_model(target_modules=["q_proj", "v_proj"])'
+
+
+def test_each_adapter_names_its_trigger_modules_and_the_functions_they_load():
+    """The bootstrap loads an adapter's patches from the adapter's own tables: each names functions it has, and a
+    stack with a spelling table has an adapter."""
+    import importlib
+
+    from oomguard.child.stacks import ADAPTERS
+
+    for name in ADAPTERS:
+        adapter = importlib.import_module(f"oomguard.child.stacks.{name}")
+        triggers = {**adapter.TRIGGERS, **adapter.SIMULATED_TRIGGERS}
+        assert triggers and all(callable(getattr(adapter, f, None)) for f in triggers.values()), name
+        assert all(isinstance(v, str) for v in adapter.SIMULATED_ENVIRONMENT.values())
+    assert {"swift", "unsloth"} <= set(ADAPTERS)
+
+
+def test_the_report_s_diff_flags_a_climb_to_zero3_offload_as_swift_takes_it():
+    """The run's report and its lock print the diff's flags: a climb that put ZeRO-3 and the optimizer offload in
+    force is one ``--deepspeed zero3_offload``, read from every knob in force, not ``zero3`` beside another flag."""
+    from oomguard.decide.climb import Climb
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.vocab.knobs import RunFacts
+    from oomguard.vocab.records import Attempt
+
+    c = Climb(load_ladder("multi-gpu"), facts=RunFacts(stack="swift"))
+    c.observe({"zero_stage": 2})
+    final = c.original().replace(zero_stage=3, offload_optimizer=True)
+    c.record(Attempt(index=1, knobs=final.to_dict(), remedies=[], outcome="ok", exit_code=0, seconds=1.0))
+    rows = {r["knob"]: r.get("flag") for r in c.report("stable", "", 0).diff}
+    assert rows == {"zero_stage": "--deepspeed zero3_offload", "offload_optimizer": None}

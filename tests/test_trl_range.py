@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.child import trlcompat
+from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import Exhausted, load_ladder
-from oomguard.decide.plan import Guide
 from oomguard.memory.estimate import SIMULATED_HEAD_ERROR, Coefficients, ModelSpec, estimate, measured_error
 from oomguard.strategies import Context
 from oomguard.vocab.knobs import STACK_ONLY, TRL_DEFAULTS, RunFacts
@@ -153,7 +153,7 @@ def test_the_memory_model_counts_the_head_the_installed_trl_has():
 
 
 def test_the_preflight_margin_is_the_measured_error_of_the_installed_trls_head():
-    g = Guide(300 * 2**20, simulated=True)
+    g = Judge(300 * 2**20, simulated=True)
     margins = g.stop_margins()
     assert set(margins) == {"fused", "logits", "rowchunk", "untested"}
     assert margins["untested"][0] == pytest.approx(2.02) and "newer than the tested" in margins["untested"][1]

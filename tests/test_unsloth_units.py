@@ -77,8 +77,9 @@ def test_rowchunk_grows_with_the_completion_and_never_with_less(c, b, v):
 
 def test_the_pre_flight_uses_the_rowchunk_margin_and_the_untested_one_for_unsloth_s_trainer():
     from oomguard.child.preflight import margin_of
+    from oomguard.vocab.protocol import PreflightPlan
 
-    pf = {"margins": {"rowchunk": [0.22, "rowchunk"], "fused": [0.1, "fused"], "untested": [2.0, "untested"]}}
+    pf = PreflightPlan(margins={"rowchunk": [0.22, "rowchunk"], "fused": [0.1, "fused"], "untested": [2.0, "untested"]})
     assert margin_of(pf, {"trl_version": "1.15.0", "trl_head": "rowchunk"}) == (0.22, "rowchunk")
     assert margin_of(pf, {"trl_version": "1.15.0", "trl_head": "fused", "stack_untested": "x"})[0] == 2.0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.decide.plan import Guide
+from oomguard.decide.judge import Judge
 from oomguard.memory.estimate import ModelSpec, estimate
 from oomguard.memory.estimate.vllm import vllm_memory
 from oomguard.oom.analyze import analyze_paths
@@ -139,7 +139,7 @@ def test_a_reservation_vllm_would_refuse_is_never_judged_to_fit():
     tight = VLLM.replace(vllm_gpu_memory_utilization=0.05, vllm_max_model_length=2048)
     est = estimate(TINY, tight, prompt_tokens=20, simulated=True, capacity=GiB)
     assert est.vllm_lacks > 0 and not est.fits(GiB) and est.peak_bytes < GiB
-    assert not Guide(GiB, simulated=True).judge(est)
+    assert not Judge(GiB, simulated=True).judge(est)
     assert any(n.startswith("vLLM's reservation (") for n in est.notes)
 
 
@@ -148,7 +148,7 @@ def test_the_reservation_never_shrinks_below_what_vllm_needs_to_start():
     rung: below it vLLM would refuse to start, and no smaller reservation could ever fit."""
     cfg = {"vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
            "num_key_value_heads": 2, "intermediate_size": 1024, "tie_word_embeddings": True}
-    floor = Guide(150 * MiB, simulated=True).vllm_floor(RunFacts(model_config=cfg, prompt_tokens_max=20), VLLM)
+    floor = Judge(150 * MiB, simulated=True).vllm_floor(RunFacts(model_config=cfg, prompt_tokens_max=20), VLLM)
     assert 0.4 < floor < 0.5
     k = RUNG.apply(Context(knobs=VLLM.replace(vllm_gpu_memory_utilization=0.55),
                            facts=RunFacts(prompt_tokens_max=20, vllm_min_utilization=floor)))

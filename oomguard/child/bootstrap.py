@@ -134,18 +134,19 @@ def install_hooks(rt: Runtime) -> None:
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
     when_imported("transformers.modeling_utils", patching("patch_from_pretrained"))
-    # the stacks around TRL, each in its adapter module (child/stacks/)
-    when_imported("trl.generation.vllm_generation", stack(rt, "vllm", "patch_trl"))
-    when_imported("swift.arguments.rlhf_args", stack(rt, "swift", "patch_arguments"))
-    when_imported("swift.rlhf_trainers.arguments", stack(rt, "swift", "patch_config"))
-    when_imported("swift.rlhf_trainers.grpo_trainer", stack(rt, "swift", "patch_trainer"))
-    when_imported("unsloth", stack(rt, "unsloth", "patch_unsloth"))
-    if rt.plan.simulate_gpu:
-        when_imported("vllm.v1.worker.cpu_worker", stack(rt, "vllm", "size_like_a_gpu"))
-        from .stacks.unsloth import SIMULATED_ENVIRONMENT
+    # the stacks around TRL, each an adapter module (child/stacks/) that names its own trigger modules
+    import importlib
 
-        for k, v in SIMULATED_ENVIRONMENT.items():
-            os.environ.setdefault(k, v)
+    from .stacks import ADAPTERS
+
+    for name in ADAPTERS:
+        adapter = importlib.import_module(f"{__package__}.stacks.{name}")
+        triggers = {**adapter.TRIGGERS, **(adapter.SIMULATED_TRIGGERS if rt.plan.simulate_gpu else {})}
+        for module, function in triggers.items():
+            when_imported(module, stack(rt, name, function))
+        if rt.plan.simulate_gpu:
+            for k, v in adapter.SIMULATED_ENVIRONMENT.items():
+                os.environ.setdefault(k, v)
 
 
 def stack(rt: Runtime, name: str, function: str) -> Any:
@@ -209,7 +210,7 @@ def on_torch(rt: Runtime, torch: Any) -> None:
 
 def _add_traceback(path: Any, text: str) -> None:
     """Put the full traceback into the CrashRecord just written (its ``traceback`` field)."""
-    from ..vocab.records import read_json, write_json_atomic
+    from ..vocab.files import read_json, write_json_atomic
 
     try:
         data = read_json(path)

@@ -54,9 +54,8 @@ def apply_config(rt: Runtime, cfg: Any, can_defer: bool = True) -> None:
             cfg.activation_checkpointing = ov.gradient_checkpointing
         cfg.gradient_checkpointing = ov.gradient_checkpointing
     plan = rt.plan
-    fresh = (plan.resume or {}).get("output_dir")
-    if fresh and (plan.resume or {}).get("mode") in ("weights", "restart"):
-        cfg.output_dir = fresh  # a new run must not write over the checkpoints of the one before
+    if plan.resume and plan.resume.output_dir and plan.resume.mode in ("weights", "restart"):
+        cfg.output_dir = plan.resume.output_dir  # a new run must not write over the checkpoints of the one before
     if plan.checkpoint_every:
         cfg.save_strategy = "steps"
         cfg.save_steps = int(plan.checkpoint_every)

@@ -61,8 +61,8 @@ def record_model(rt: Runtime, model: Any) -> None:
 
 def weights_checkpoint(rt: Runtime) -> str | None:
     """The checkpoint whose weights a new run starts from, after a rung that a checkpoint cannot continue."""
-    r = rt.plan.resume or {}
-    return r.get("checkpoint") if r.get("mode") == "weights" else None
+    r = rt.plan.resume
+    return r.checkpoint if r is not None and r.mode == "weights" else None
 
 def placed_elsewhere(kwargs: dict[str, Any], config: dict[str, Any] | None = None) -> bool:
     """A load the pre-flight cannot judge as "every weight on this device, in the load's dtype": spread by

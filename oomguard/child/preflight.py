@@ -3,7 +3,7 @@
 The training process knows the model's shape before anything is placed on the device: from the checkpoint's config
 (a model TRL loads by name, or one the script loads with ``from_pretrained``), or from the model already built. When
 the predicted device peak exceeds the capacity by more than the margin (the memory model's measured error, chosen by
-the supervisor: see ``oomguard.decide.plan.Guide.stop_margin``), running on would only cost a load or a generation and
+the supervisor: see ``oomguard.decide.plan.Judge.stop_margin``), running on would only cost a load or a generation and
 a crash, and on a shared GPU an OOM that a neighbour feels. The process reports a ``predicted`` event, ends with
 ``how=predicted`` and exits with ``EXIT_PREDICTED``; the supervisor records the attempt with the outcome
 ``predicted`` (from the events, whatever code a launcher between them turns that exit into) and chooses the next
@@ -18,15 +18,16 @@ Three points check:
 
 Pure apart from the process exit: no torch import here.
 
->>> verdict({"capacity": 100, "margin": 0.08}, predicted=120)
+>>> verdict(PreflightPlan(capacity=100, margin=0.08), predicted=120)
 'over'
->>> verdict({"capacity": 100, "margin": 0.08}, predicted=107) is None
+>>> verdict(PreflightPlan(capacity=100, margin=0.08), predicted=107) is None
 True
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 from ..memory.estimate import (
@@ -41,7 +42,7 @@ from ..memory.estimate import (
 )
 from ..vocab.events import PreflightStop
 from ..vocab.knobs import Knobs
-from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED
+from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED, PreflightPlan, SurePlan
 from ..vocab.sizes import format_size
 from ..vocab.trlrange import support
 from .runtime import Runtime, rank
@@ -55,24 +56,24 @@ LOAD_MARGIN = 0.1
 SIMULATED_LOAD_MARGIN = 0.005
 
 
-def verdict(preflight: dict[str, Any], predicted: int, facts: dict[str, Any] | None = None) -> str | None:
+def verdict(preflight: PreflightPlan, predicted: int, facts: dict[str, Any] | None = None) -> str | None:
     """``"over"`` when ``predicted`` exceeds the capacity by more than the margin, else None (run as usual)."""
-    cap = int(preflight.get("capacity") or 0)
+    cap = preflight.capacity
     if cap <= 0 or predicted <= cap * (1 + margin_of(preflight, facts)[0]):
         return None
     return "over"
 
 
-def margin_of(preflight: dict[str, Any], facts: dict[str, Any] | None = None) -> tuple[float, str]:
+def margin_of(preflight: PreflightPlan, facts: dict[str, Any] | None = None) -> tuple[float, str]:
     """The stop margin for the TRL this process runs, and where it comes from: the supervisor sends one per LM head
-    and one for a TRL newer than the tested releases (``margins``, see ``Guide.stop_margins``); ``margin`` when it
+    and one for a TRL newer than the tested releases (``margins``, see ``Judge.stop_margins``); ``margin`` when it
     sends none (``--preflight-margin``, a machine's own calibration, a plan of an older oomguard).
 
-    >>> pf = {"margin": 0.1, "margins": {"logits": [0.2, "logits"], "fused": [0.1, "fused"], "untested": [2.0, "new"]}}
+    >>> pf = PreflightPlan(margin=0.1, margins={"logits": [0.2, "logits"], "fused": [0.1, "fused"], "untested": [2.0, "new"]})
     >>> margin_of(pf, {"trl_head": "logits", "trl_version": "1.10.0"}), margin_of(pf, {"trl_version": "1.99.0"})
     ((0.2, 'logits'), (2.0, 'new'))
     """
-    margins = preflight.get("margins") or {}
+    margins = preflight.margins
     facts = facts or {}
     version = facts.get("trl_version")
     untested = (version and support(version).untested) or facts.get("stack_untested")
@@ -80,21 +81,22 @@ def margin_of(preflight: dict[str, Any], facts: dict[str, Any] | None = None) ->
     if key in margins:
         m, source = margins[key]
         return float(m), str(source)
-    return float(preflight.get("margin", DEFAULT_MARGIN)), str(preflight.get("margin_source") or "the model error")
+    margin = preflight.margin if preflight.margin is not None else DEFAULT_MARGIN
+    return float(margin), preflight.margin_source or "the model error"
 
 
-def _coefficients(preflight: dict[str, Any]) -> Coefficients:
+def _coefficients(preflight: PreflightPlan | SurePlan) -> Coefficients:
     fields = set(Coefficients.__dataclass_fields__)
-    return Coefficients(**{k: v for k, v in (preflight.get("coefficients") or {}).items() if k in fields})
+    return Coefficients(**{k: v for k, v in preflight.coefficients.items() if k in fields})
 
 
-def predict(rt: Runtime, preflight: dict[str, Any]) -> int | None:
+def predict(rt: Runtime, preflight: PreflightPlan | SurePlan) -> int | None:
     """The predicted device peak of this attempt's config, or None when the model cannot judge it."""
     est = predict_estimate(rt, preflight)
     return est.peak_bytes if est is not None else None
 
 
-def predict_estimate(rt: Runtime, preflight: dict[str, Any], config: dict[str, Any] | None = None) -> Any:
+def predict_estimate(rt: Runtime, preflight: PreflightPlan | SurePlan, config: dict[str, Any] | None = None) -> Any:
     """The memory model's Estimate of this attempt's config (of the model ``config``, default the one the process
     reported), or None when the model cannot judge it."""
     config = config or rt.model_config
@@ -105,8 +107,8 @@ def predict_estimate(rt: Runtime, preflight: dict[str, Any], config: dict[str, A
         facts = rt.facts()
         est = estimate(spec, rt.knobs(), world_size=int(facts.get("world_size") or 1),
                        prompt_tokens=facts.get("prompt_tokens_max"), coefficients=_coefficients(preflight),
-                       simulated=bool(preflight.get("simulated")), capacity=int(preflight.get("capacity") or 0),
-                       context=preflight.get("context"), head=facts.get("trl_head"),
+                       simulated=preflight.simulated, capacity=preflight.capacity,
+                       context=preflight.context, head=facts.get("trl_head"),
                        keeps_dtype_4bit=bool(facts.get("load_takes_4bit")))
     except (ValueError, KeyError, TypeError):
         return None
@@ -134,16 +136,16 @@ def check(rt: Runtime, before: str = "generates") -> None:
 
 def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
     """An attempt launched as a probe unless the memory model is sure of its config (the plan's ``unless_sure``,
-    from ``Guide.sure_plan``): decide it once the config, the model's shape (``config``) and the prompt lengths are
+    from ``Judge.sure_plan``): decide it once the config, the model's shape (``config``) and the prompt lengths are
     known, before anything is generated. Sure (``memory.estimate.sure_to_fit``: predicted clearly under the device,
     with the model's measured under-prediction for this TRL's LM head): this launch is the real run. Near the edge, a
     TRL or a stack around it that no measurement covers, or a model the memory model cannot read: a probe."""
     if not rt.probe_undecided():
         return
-    us = (rt.plan.probe or {}).get("unless_sure") or {}
+    us = (rt.plan.probe.unless_sure if rt.plan.probe is not None else None) or SurePlan()
     facts = rt.facts()
     version = facts.get("trl_version")
-    cap = int(us.get("capacity") or 0)
+    cap = us.capacity
     if version and support(version).untested:
         rt.decide_probe("probe", f"TRL {version} is newer than the tested releases")
         return
@@ -152,7 +154,7 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
         return
     est = predict_estimate(rt, us, config)
     head = str(facts.get("trl_head") or "fused")
-    under = (us.get("under") or {}).get(head)
+    under = us.under.get(head)
     if est is None or under is None or cap <= 0:
         rt.decide_probe("probe", "the memory model cannot judge this config")
         return
@@ -181,21 +183,21 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
         return
     try:
         spec = ModelSpec.from_config(config)
-        need = load_bytes(spec, knobs, coefficients=_coefficients(pf), simulated=bool(pf.get("simulated")),
-                          context=pf.get("context"), keeps_dtype_4bit=bool(rt.facts().get("load_takes_4bit")))
+        need = load_bytes(spec, knobs, coefficients=_coefficients(pf), simulated=pf.simulated, context=pf.context,
+                          keeps_dtype_4bit=bool(rt.facts().get("load_takes_4bit")))
     except (ValueError, KeyError, TypeError):
         return
-    margin = SIMULATED_LOAD_MARGIN if pf.get("simulated") else LOAD_MARGIN
-    load_pf = {**pf, "margin": min(margin, margin_of(pf, rt.facts())[0]), "margins": {}}
+    margin = SIMULATED_LOAD_MARGIN if pf.simulated else LOAD_MARGIN
+    load_pf = replace(pf, margin=min(margin, margin_of(pf, rt.facts())[0]), margins={})
     if verdict(load_pf, need) is None:
         return
     how = "4-bit" if knobs.load_in_4bit else knobs.dtype or "float32"
     _stop(rt, load_pf, need, f"loading this model needs {format_size(need)} (its weights in {how})", "loads")
 
 
-def _stop(rt: Runtime, pf: dict[str, Any], need: int, what: str, before: str,
+def _stop(rt: Runtime, pf: PreflightPlan, need: int, what: str, before: str,
           facts: dict[str, Any] | None = None, over: bool = True) -> None:
-    cap = int(pf["capacity"])
+    cap = pf.capacity
     margin, source = margin_of(pf, facts)
     rt.emit(PreflightStop(predicted_bytes=need, capacity=cap, margin=margin, before=before,
             **({} if over else {"reason": what})))

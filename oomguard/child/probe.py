@@ -11,18 +11,18 @@ import tempfile
 from typing import Any
 
 from ..vocab.events import ProbeDataset
+from ..vocab.protocol import ProbePlan
 from .datasets import prompt_lengths, tokenizer_for
 from .load import checkpoint_config, model_config_dict, placed_elsewhere
 from .patching import evaluates, saves, world
 from .runtime import Runtime
 
-PROBE_STEPS = 2  # a plan's probe names its steps; this is the default of a plan that names none
 
-def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
+def apply_probe(rt: Runtime, cfg: Any, probe: ProbePlan) -> None:
     """A short worst-case rehearsal: few steps, full-length completions, nothing reported. A config that evaluates
     runs one evaluation pass (of one batch, ``probe_eval_dataset``) and a config that saves writes one checkpoint,
     both after the last step, when the optimizer state exists: their peaks are measured with the steps'."""
-    steps = int(probe.get("steps", PROBE_STEPS))
+    steps = probe.steps
     cfg.max_steps = steps
     will_save = saves(cfg)
     _assign(cfg, "save_strategy", "steps" if will_save else "no")
@@ -33,7 +33,7 @@ def apply_probe(rt: Runtime, cfg: Any, probe: dict[str, Any]) -> None:
         if hasattr(cfg, "hub_strategy"):
             cfg.hub_strategy = "end"
     # The supervisor's scratch directory, deleted when the probe ends; never the user's own output_dir.
-    cfg.output_dir = probe.get("output_dir") or os.path.join(rt.plan.crash_dir or tempfile.mkdtemp(), "probe-output")
+    cfg.output_dir = probe.output_dir or os.path.join(rt.plan.crash_dir or tempfile.mkdtemp(), "probe-output")
     cfg.report_to = []
     cfg.push_to_hub = False
     if hasattr(cfg, "eval_strategy"):
@@ -73,11 +73,12 @@ def _assign(cfg: Any, name: str, value: str) -> None:
 
 def _probe_prompts(rt: Runtime, args: Any) -> int:
     """Distinct prompts the probe's steps consume: one generation batch of prompts per step (full groups)."""
-    steps = int(rt.plan.probe.get("steps", PROBE_STEPS))
+    probe = rt.plan.probe or ProbePlan()
     try:
         per_round = int(args.generation_batch_size) // int(args.num_generations)
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return int(rt.plan.probe.get("rows", 64))
+        return probe.rows
+    steps = probe.steps
     return max(1, per_round * steps)
 
 def probe_eval_dataset(dataset: Any, tokenizer: Any, model: Any, args: Any) -> Any:
@@ -123,7 +124,7 @@ def settle_probe(rt: Runtime, a: dict[str, Any], model: Any, args: Any, mik: dic
     preflight.decide_probe(rt, config)
     if not rt.probing():
         return
-    apply_probe(rt, args, rt.plan.probe or {})
+    apply_probe(rt, args, rt.plan.probe or ProbePlan())
     probe_datasets(rt, a, model, args)
 
 

@@ -44,8 +44,8 @@ class Runtime:
         self._adapted: set[str] = set()  # knobs oomguard changed to let the command run here (``adapt``)
         # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
         # model is sure of the config, not decided yet (``decide_probe``)
-        probe = plan.probe or {}
-        self.probe_as: str | None = None if probe.get("unless_sure") else "probe" if plan.probe else "run"
+        self.probe_as: str | None = ("run" if plan.probe is None else None if plan.probe.unless_sure is not None
+                                     else "probe")
 
     def stopping_on_purpose(self) -> None:
         """Mark, before this process stops itself on purpose (its own one-line reason printed already), that what a

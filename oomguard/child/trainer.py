@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ..vocab.events import CodeSeen, ModelSeen, PatchFailed, Resumed, Saving
+from ..vocab.protocol import ProbePlan
 from .datasets import prepare_dataset
 from .load import (
     bnb_config,
@@ -106,8 +107,8 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
 
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         rt.trainer = self
-        plan_resume = rt.plan.resume or {}
-        resume = plan_resume.get("checkpoint") if plan_resume.get("mode") == "continue" else None
+        plan_resume = rt.plan.resume
+        resume = plan_resume.checkpoint if plan_resume is not None and plan_resume.mode == "continue" else None
         if resume and not kwargs.get("resume_from_checkpoint") and not args:
             kwargs["resume_from_checkpoint"] = resume
             rt.emit(Resumed(checkpoint=resume))
@@ -205,7 +206,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     if rt.probe_undecided():
         settle_probe(rt, a, model, args, mik)
     elif rt.probing() and not getattr(args, "_oomguard_probe", False):  # a config built before the decision
-        apply_probe(rt, args, rt.plan.probe or {})
+        apply_probe(rt, args, rt.plan.probe or ProbePlan())
     if isinstance(model, str) and rt.plan.preflight and not placed_elsewhere(mik):
         # TRL loads it inside GRPOTrainer: judge the whole config from the checkpoint's config, before it loads
         config = checkpoint_config(model, mik)

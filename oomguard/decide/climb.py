@@ -25,7 +25,7 @@ from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
-from ..vocab.stacks import flag
+from ..vocab.stacks import said_by_knob
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
 from .experiment import Change, Experiment, summarise
@@ -195,6 +195,12 @@ class Climb:
     def learn(self, facts: RunFacts) -> None:
         """Take newer facts about the run (model shape, prompt lengths, world size) from the training code."""
         self.facts = facts
+
+    def switch_ladder(self, ladder: Ladder) -> None:
+        """Climb ``ladder`` instead, before anything was climbed (a run the training process reports distributed takes
+        the multi-gpu ladder): nothing climbed on the other is lost."""
+        assert not self.climbed, "the ladder changes only before the first rung is climbed"
+        self.ladder = ladder
 
     def give_up(self, reason: str, why: str) -> Exhausted:
         """Stop climbing for a reason outside the ladder (a replayed lock, a poisoned CUDA context)."""
@@ -377,11 +383,13 @@ class Climb:
         if last is not None:
             final = Knobs.from_dict(last.knobs)
         rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
-        for r in rows:  # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one
-            said = flag(self.facts.stack, r["knob"], r["to"])
-            if said is not None:
-                r["flag"] = said
         changes = {r["knob"]: r["to"] for r in rows}
+        # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one; a spelling of
+        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force
+        said = said_by_knob(self.facts.stack, changes, among=final)
+        for r in rows:
+            if r["knob"] in said:
+                r["flag"] = said[r["knob"]]
         for r in rows:  # what the rung did, where that is narrower than its name
             action = self._action(r["remedy"], changes, who) if r["remedy"] else None
             if action and action != r["remedy"]:

@@ -3,7 +3,7 @@ card", "how many generations fit on 24 GB" (``oomguard plan --fit KNOB``).
 
 Memory grows with each of these knobs, so the largest fitting value is found by bisection over the values GRPO
 accepts at the other settings (``num_generations`` must divide the generation batch, ...), judged by the same judge
-as ``oomguard run`` (``Guide.fits``: the model's error kept free).
+as ``oomguard run`` (``Judge.fits``: the model's error kept free).
 
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
 >>> largest(lambda k: k.max_completion_length <= 700, TRL_DEFAULTS, "max_completion_length", upper=4096)

@@ -33,6 +33,7 @@ except ImportError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
 from ..strategies import COST_CLASSES, LADDER_DIR, Context, Remedy, cost_rank, make_remedy
+from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs
 
 # How the memory model chooses a config from a ladder: by what the changes cost the experiment, or the ladder's order.
@@ -191,6 +192,28 @@ class Ladder:
                 return steps + rest, None
             passed.update(ran_out.skipped)
         return steps, Exhausted(tuple(passed.items()))
+
+
+MULTI_GPU = "multi-gpu"  # the ladder a distributed run gets when --ladder is not given
+
+
+def distributed_reason_of(facts: RunFacts) -> str | None:
+    """Why a run's facts (the training process's report, or `oomguard plan`'s options) make it distributed, so that
+    it takes the multi-gpu ladder when no ladder is named.
+
+    >>> distributed_reason_of(RunFacts(world_size=4))
+    'the training process reported 4 ranks'
+    >>> distributed_reason_of(RunFacts(deepspeed="accelerate")), distributed_reason_of(RunFacts()) is None
+    ("the training process runs DeepSpeed (its config from accelerate's plugin)", True)
+    """
+    if facts.deepspeed:
+        src = {"accelerate": "its config from accelerate's plugin", "GRPOConfig": "GRPOConfig.deepspeed"}
+        return f"the training process runs DeepSpeed ({src.get(facts.deepspeed, facts.deepspeed)})"
+    if facts.fsdp:
+        return "the training process runs FSDP (GRPOConfig.fsdp)"
+    if facts.world_size > 1:
+        return f"the training process reported {facts.world_size} ranks"
+    return None
 
 
 def available_ladders() -> dict[str, Path]:

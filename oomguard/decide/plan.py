@@ -18,34 +18,25 @@ to skip rungs predicted not to be enough.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..memory.calibration import builtin_description, load_calibration, machine_key, model_key, record_run
 from ..memory.estimate import (
-    STOP_ALLOWANCE,
     Coefficients,
     Estimate,
     ModelSpec,
-    estimate,
-    load_bytes,
-    measured_error,
-    sure_limit,
-    sure_to_fit,
 )
-from ..memory.estimate.vllm import vllm_memory
-from ..memory.steptime import slowdown
 from ..vocab.knobs import Knobs, RunFacts
-from ..vocab.trlrange import HEADS
-from .alternatives import Alternative, alternatives
+from .alternatives import Alternative
 from .choose import Rung
 from .climb import Climb
+from .conductor import Conductor, Policy
+from .judge import Judge
 from .ladder import Ladder, Step, load_ladder
 
 
 @dataclass
-class Plan:
+class Prediction:
     estimate: Estimate
     capacity: int
     knobs: Knobs
@@ -54,15 +45,15 @@ class Plan:
     exhausted: bool = False
     rungs: list[Rung] = field(default_factory=list)  # the suggested rungs as the choice keeps them (relaxed values)
     choose_by: str = "cost"  # how the ladder chose them (its ``choose_by``)
-    guide: Guide | None = None  # the judge, as `oomguard run` would judge
+    judge: Judge | None = None  # the judge, as `oomguard run` would judge
     facts: RunFacts | None = None
     climb: Climb | None = None  # the choice as `oomguard run` makes it (None when the config fits as it is)
 
     def alternatives(self) -> list[Alternative]:
-        """Configs predicted to fit that trade differently from the suggestion (``Guide.alternatives``)."""
-        if self.guide is None or self.climb is None or not self.steps or self.after is None:
+        """Configs predicted to fit that trade differently from the suggestion (``Judge.alternatives``)."""
+        if self.judge is None or self.climb is None or not self.steps or self.after is None:
             return []
-        return self.guide.alternatives(self.climb, self.steps[-1].knobs)
+        return self.judge.alternatives(self.climb, self.steps[-1].knobs)
 
     @property
     def fits(self) -> bool:
@@ -74,11 +65,11 @@ class Plan:
         ``stopped`` (predicted over the device by more than the pre-flight's margin: stopped before it generates,
         then the choice); ``then``, after a stop or where the config does not fit: how the chosen config starts
         (``run`` or ``probe``), None where there is no choice."""
-        guide = self.guide
-        if guide is None:
+        judge = self.judge
+        if judge is None:
             return {"first": "probe", "then": None}
-        margin = guide.stop_margin()[0]
-        if guide.sure(self.estimate):
+        margin = judge.stop_margin()[0]
+        if judge.sure(self.estimate):
             first = "run"
         elif self.estimate.peak_bytes > self.capacity * (1 + margin):
             first = "stopped"
@@ -86,7 +77,7 @@ class Plan:
             first = "probe"
         then = None
         if self.after is not None and self.climb is not None:
-            then = "run" if guide.sure(self.after) and self.climb.probe_may_be_skipped() else "probe"
+            then = "run" if judge.sure(self.after) and self.climb.probe_may_be_skipped() else "probe"
         return {"first": first, "then": then}
 
     @property
@@ -120,43 +111,33 @@ class Plan:
         }
 
 
-def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
-              coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None,
-              head: str | None = None, keeps_dtype_4bit: bool = False) -> Any:
-    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``; whether the
-    run's own loader keeps the dtype under a 4-bit load, ``keeps_dtype_4bit``)."""
-    def predict(k: Knobs) -> Estimate:
-        # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
-        return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
-                        simulated=simulated, capacity=capacity, context=context, head=head,
-                        keeps_dtype_4bit=keeps_dtype_4bit)
-
-    return predict
 
 
 def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
               facts: RunFacts | None = None, prompt_tokens: int | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False,
-              device_name: str | None = None) -> Plan:
+              device_name: str | None = None) -> Prediction:
     """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the config ``oomguard run`` would
-    choose: the same ``Climb.choose_next`` judged by the same ``Guide`` (the model's error kept free as headroom where
+    choose: the same ``Conductor.choose`` judged by the same ``Judge`` (the model's error kept free as headroom where
     a config has it), so plan never recommends a config run would not pick. The LM head is ``facts.trl_head`` (the
     installed TRL's, where the caller knows it), else the newest TRL's; ``device_name`` (NVML's) loads what earlier
     probes of this model on this machine taught, unless ``coefficients`` are given."""
     facts = (facts or RunFacts()).replace(model_source=(facts.model_source if facts else None) or "string",
                                           prompt_tokens_max=prompt_tokens)
-    guide = Guide(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
-    guide.set_trl(facts.trl_head)
-    facts = facts.replace(vllm_min_utilization=guide.vllm_floor(facts, knobs))
-    est = guide.predict(facts, knobs)
+    judge = Judge(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
+    judge.set_trl(facts.trl_head)
+    facts = facts.replace(vllm_min_utilization=judge.vllm_floor(facts, knobs))
+    est = judge.predict(facts, knobs)
     assert est is not None  # the spec is fixed: only knobs the model cannot judge fail, and those raise
-    plan = Plan(estimate=est, capacity=capacity, knobs=knobs, guide=guide, facts=facts)
+    plan = Prediction(estimate=est, capacity=capacity, knobs=knobs, judge=judge, facts=facts)
     if est.fits(capacity):
         return plan
     lad = ladder or load_ladder("default")
     climb = Climb(lad, base=knobs, facts=facts)
-    decision = climb.choose_next(None, fits=guide.fits(facts), peak=guide.peak(facts),
-                                 relax_fits=guide.fits(facts, guide.relax_margin))
+    # the choice `oomguard run` would make after its first OOM: its conductor's, with nothing launched (every knob
+    # reaches) and no probe to settle a cheaper trial
+    nxt = Conductor(climb, judge, Policy(probe_steps=0), capacity=capacity).choose(None, None)
+    decision = next(s.decision for s in nxt.said if s.decision is not None)
     plan.climb = climb
     plan.choose_by = lad.choose_by
     if decision.exhausted is not None:
@@ -168,332 +149,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     if steps:
         steps[-1] = replace(steps[-1], knobs=final)
     plan.steps, plan.rungs = steps, list(climb.applied)
-    plan.after = guide.predict(facts, final) if steps else None
+    plan.after = judge.predict(facts, final) if steps else None
     return plan
 
 
-class Guide:
-    """The memory model as the climb's judge during a run, calibrated online by every attempt.
-
-    After a successful attempt the measured peak sets the scale (measured / predicted). After an OOM the model
-    learns a lower bound (what was allocated plus the failing request), and if it had predicted a fit, it raises its
-    scale until the configuration no longer fits. So each failure makes the next decision more conservative.
-
-    ``margin`` is kept free on top of the predicted device peak when judging a config: the model's error on real
-    GPUs (a few percent) and on the simulated device (about 1%) must not turn a predicted fit into an OOM.
-    ``relax_margin`` is kept free when a graded knob is relaxed towards the user's value: relaxing pushes a config to
-    the device's edge for a few tokens or rows, so it stops where the model can be wrong the other way (on the
-    simulated device, fragmentation up to 12% more than predicted; on a GPU the same ``margin``).
-
-    ``doubt`` is the other side of that error: a config predicted over the device by less than this fraction may
-    still fit (``plausible``), and only a probe can tell. It is the model's measured over-prediction
-    (:meth:`stop_margin`): what is left after a probe has calibrated the allocated scale is mostly fragmentation,
-    which depends on the order and sizes of allocations. The pre-flight stops only configs predicted over the device
-    by more than it, and a config that ran out of memory in this run makes every config predicted within the doubt of
-    it (or above it) count as not fitting (``failed``).
-
-    The error is the one measured for the installed TRL's LM head (``set_trl``; the newest TRL's until the training
-    process reports its own). A TRL newer than the tested releases is stopped before it runs only beyond
-    ``UNTESTED_FACTOR`` times the device; its doubt stays that of its head, since the first probe calibrates the scale.
-    """
-
-    def __init__(self, capacity: int, *, simulated: bool = False, margin: float | None = None,
-                 coefficients: Coefficients | None = None, context: int | None = None,
-                 device_name: str | None = None, warn: Any = None, spec: ModelSpec | None = None) -> None:
-        self.capacity = capacity
-        self.simulated = simulated
-        self.margin = (0.02 if simulated else 0.05) if margin is None else margin
-        self.fixed_margin = margin is not None
-        self.head: str | None = None  # the installed TRL's LM head, once known (RunFacts.trl_head)
-        self.untested = False  # the installed TRL is newer than the newest tested release
-        self.relax_margin = self._relax_margin()
-        base = Coefficients.for_simulated() if simulated else Coefficients()
-        self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
-        self.base = base
-        self.failed: list[tuple[RunFacts, Knobs]] = []  # configs that ran out of memory in this run
-        # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
-        self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
-        self.warn = warn
-        self.fixed_spec = spec  # `oomguard plan`: the model is known before anything runs
-        # what earlier probes of the same model on this machine learned: loaded once the model is known
-        self.calibration = None
-        self.calibrated_for: str | None = None
-        self.given = coefficients is not None
-        self.coefficients = coefficients or base
-        if spec is not None:
-            self._calibrate(spec)
-        self.doubt, self.doubt_source = self.stop_margin()
-
-    def _calibrate(self, spec: ModelSpec) -> None:
-        """Load what earlier worst-case probes of this model on this machine taught (``memory.calibration``), the
-        first time the model is known and before this run has taught anything: another model's runs never apply."""
-        mk = model_key(spec)
-        if self.key is None or self.given or mk == self.calibrated_for:
-            return
-        first = self.calibrated_for is None
-        self.calibrated_for = mk
-        if not first:
-            return  # the coefficients already carry what this run learned
-        kw = {"warn": self.warn} if self.warn else {}
-        self.calibration = load_calibration(self.key, model=mk, **kw)
-        if self.calibration is not None:
-            self.coefficients = self.calibration.apply(self.base)
-            self.doubt, self.doubt_source = self.stop_margin()
-
-    def _relax_margin(self) -> float:
-        if self.fixed_margin:
-            return self.margin
-        return measured_error(simulated=True, head=self.head).under if self.simulated else self.margin
-
-    def set_trl(self, head: str | None, untested: bool = False) -> None:
-        """The installed TRL's LM head (``fused``/``logits``, None: not known) and whether it is newer than the newest
-        tested release: predictions, margins and doubt follow them from now on."""
-        self.head, self.untested = head, untested
-        self.relax_margin = self._relax_margin()
-        self.doubt, self.doubt_source = self.stop_margin(tested=True)
-
-    def stop_margin(self, head: str | None = None, *, untested: bool | None = None,
-                    tested: bool = False) -> tuple[float, str]:
-        """How far over the device a config must be predicted before the pre-flight stops it, and where the figure
-        comes from: this machine's recorded runs, once there are enough of them, else the built-in fit's measured
-        over-prediction for the installed TRL's LM head (H100 rows, or the simulated device's), plus
-        :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`; for a TRL newer than tested (``untested``, default: as
-        :meth:`set_trl` said) only beyond UNTESTED_FACTOR times the device, unless ``tested`` asks for its head's own.
-
-        >>> round(Guide(24 * 2**30).stop_margin()[0], 3), round(Guide(2**28, simulated=True).stop_margin()[0], 3)
-        (0.084, 0.117)
-        >>> Guide(2**28, simulated=True).stop_margin(untested=True)[0]
-        2.02
-        """
-        spread = self.calibration.device_error() if self.calibration is not None else None
-        if spread is not None:
-            return (max(0.0, spread) + STOP_ALLOWANCE,
-                    f"this machine's {self.calibration.runs} recorded runs: up to {100 * spread:.1f}% over, + "
-                    f"{100 * STOP_ALLOWANCE:.0f}%")
-        untested = self.untested if untested is None else untested
-        err = measured_error(simulated=self.simulated, head=head or self.head, untested=untested and not tested)
-        return err.over + STOP_ALLOWANCE, f"{err.source}, + {100 * STOP_ALLOWANCE:.0f}%"
-
-    def stop_margins(self) -> dict[str, list[Any]]:
-        """The pre-flight's margin for each LM head and for a TRL newer than tested, for the training process to pick
-        the one of the TRL it finds (``child/preflight.py``): ``{key: [margin, source]}``."""
-        out: dict[str, list[Any]] = {h: list(self.stop_margin(h, untested=False)) for h in HEADS}
-        out["untested"] = list(self.stop_margin(untested=True))
-        return out
-
-    def under(self, head: str | None = None) -> float:
-        """How much more than predicted a config may need (the model's measured under-prediction) with the LM head
-        ``head`` (default: the installed TRL's)."""
-        return measured_error(simulated=self.simulated, head=head or self.head).under
-
-    def sure(self, est: Estimate, head: str | None = None) -> bool:
-        """Whether the model is sure ``est`` fits the device (``memory.estimate.sure_to_fit``): far enough under it
-        that a probe could only confirm it. Never for a TRL newer than the tested releases, nor where a colocated
-        vLLM's reservation cannot hold what vLLM needs."""
-        return not self.untested and not est.vllm_lacks and sure_to_fit(est.peak_bytes, self.capacity,
-                                                                          self.under(head))
-
-    def sure_plan(self) -> dict[str, Any]:
-        """What the training process needs to decide whether an attempt launched as a probe is the real run
-        (``child/preflight.py``, ``decide_probe``): the device, the coefficients, and the measured under-prediction
-        for each LM head (the process picks the one of the TRL it finds; a TRL newer than tested is never sure)."""
-        return {"capacity": self.capacity, "simulated": self.simulated, "context": self.context,
-                "coefficients": asdict(self.coefficients), "under": {h: self.under(h) for h in HEADS},
-                "limits": {h: sure_limit(self.capacity, self.under(h)) for h in HEADS}}
-
-    def set_context(self, context: int) -> None:
-        """The context the training process measured outside the allocator (``--gpu-memory``): predictions from now
-        on count it instead of the built-in figure."""
-        self.context = int(context)
-
-    def describe(self) -> str:
-        """Which calibration the predictions use, for the report and `oomguard plan`."""
-        if self.calibration is not None:
-            return self.calibration.describe()
-        return builtin_description(simulated=self.simulated)
-
-    def head_for(self, facts: RunFacts) -> str | None:
-        """The LM head to model: the one the training process reported, else the one :meth:`set_trl` was told."""
-        return facts.trl_head or self.head
-
-    def record(self, facts: RunFacts, knobs: Knobs, peak: int | None, reserved: int | None) -> None:
-        """Keep a passing worst-case probe's measured peaks in this machine's calibration for this model
-        (``oomguard.memory.calibration``): the probe runs the worst case the prediction is for."""
-        if self.key is None or not peak:
-            return
-        spec = self.spec(facts)
-        if spec is None:
-            return
-        try:
-            est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
-                           context=self.context, head=self.head_for(facts),
-                           keeps_dtype_4bit=facts.load_takes_4bit)
-        except ValueError:
-            return
-        kw = {"warn": self.warn} if self.warn else {}
-        record_run(self.key, est.peak_alloc_bytes, peak, reserved, expandable=bool(knobs.expandable_segments),
-                   model=model_key(spec), **kw)
-
-    def spec(self, facts: RunFacts) -> ModelSpec | None:
-        if self.fixed_spec is not None:
-            return self.fixed_spec
-        if not facts.model_config:
-            return None
-        try:
-            spec = ModelSpec.from_config(facts.model_config)
-        except (ValueError, KeyError, TypeError):
-            return None
-        self._calibrate(spec)
-        return spec
-
-    def predict(self, facts: RunFacts, knobs: Knobs) -> Estimate | None:
-        spec = self.spec(facts)
-        if spec is None:
-            return None
-        try:
-            return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                             coefficients=self.coefficients, simulated=self.simulated, context=self.context,
-                             head=self.head_for(facts), keeps_dtype_4bit=facts.load_takes_4bit)(knobs)
-        except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
-            return None
-
-    def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None) -> None:
-        est = self.predict(facts, knobs)
-        if est is None:
-            return
-        co = self.coefficients
-        if outcome == "ok" and peak:
-            self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
-        if outcome == "oom" and not (report is not None and report.backend == "host"):  # a device OOM
-            self.failed.append((facts, knobs))
-        if outcome == "oom" and report is not None:
-            big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block
-            lower = (report.allocated or 0) + big
-            if lower > est.peak_alloc_bytes:
-                co = co.calibrated(lower, est.peak_alloc_bytes)
-            if self.judge(est):  # it predicted a fit, and memory ran out: not conservative enough
-                limit = self.capacity / (1 + self.margin)
-                co = co.calibrated(int(est.peak_alloc_bytes * limit / max(1, est.peak_bytes) * 1.05) + 1,
-                                   est.peak_alloc_bytes)
-            self.coefficients = co
-
-    def judge(self, est: Estimate, margin: float | None = None) -> bool:
-        """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare, and a colocated
-        vLLM's reservation holds what vLLM needs to start."""
-        return (est.peak_bytes * (1 + (self.margin if margin is None else margin)) <= self.capacity
-                and not est.vllm_lacks)
-
-    def fits(self, facts: RunFacts, margin: float | None = None) -> Any:
-        """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
-        doubt of one that ran out of memory in this run (or above it) does not fit, whatever the device's size
-        says: the model was wrong about that one, and as wrong about its neighbours. ``margin`` (default
-        ``self.margin``; ``self.relax_margin`` for relaxing graded knobs) is kept free."""
-        spec = self.spec(facts)
-        if spec is None:
-            return None
-        if self.load_only(facts):
-            def load_fits(k: Knobs) -> bool:
-                try:
-                    need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
-                                      context=self.context, keeps_dtype_4bit=facts.load_takes_4bit)
-                except ValueError:
-                    return False
-                return need * (1 + (self.margin if margin is None else margin)) <= self.capacity
-
-            return load_fits
-        ceiling = self.failed_ceiling(facts)
-
-        def judge(k: Knobs) -> bool:
-            est = self.predict(facts, k)
-            return est is not None and self.judge(est, margin) and (ceiling is None or est.peak_bytes < ceiling)
-
-        return judge
-
-    @staticmethod
-    def load_only(facts: RunFacts) -> bool:
-        """Whether only the load can be judged: the run stopped before GRPOTrainer was built (a load the pre-flight
-        judged alone), so the step's shapes are not known yet, the load is. A config whose load fits is worth a
-        launch: its trainer's pre-flight judges the rest, with the prompt lengths."""
-        return facts.model_source is None and facts.prompt_tokens_max is None
-
-    def failed_ceiling(self, facts: RunFacts) -> int | None:
-        """Below what predicted peak a config must be to be tried after the OOMs of this run: the smallest predicted
-        peak of a config that ran out of memory, less the doubt (None before any OOM)."""
-        peaks = self._failed_peaks(facts)
-        return int(min(peaks) * (1 - self.doubt)) if peaks else None
-
-    def _failed_peaks(self, facts: RunFacts) -> list[int]:
-        return [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
-
-    def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
-        """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the
-        device, and below every config that ran out of memory on the device in this run); None without a model.
-
-        What ``oomguard run`` probes after the chosen config fits, to learn whether a change it kept is needed. The
-        model's error is mostly common to configs of one run, so one predicted to need as much as a config that ran
-        out of memory here (the same, less a change that saves memory) is not worth a probe, however large the
-        model's error is (the logits LM head of TRL 0.29-1.14: 40%)."""
-        if self.spec(facts) is None:
-            return None
-        limit = self.capacity * (1 + (self.doubt if doubt is None else doubt))
-        failed = self._failed_peaks(facts)
-        if failed:
-            limit = min(limit, min(failed) - 1)
-
-        def maybe(k: Knobs) -> bool:
-            est = self.predict(facts, k)
-            return est is not None and est.peak_bytes <= limit
-
-        return maybe
-
-    def vllm_floor(self, facts: RunFacts, knobs: Knobs) -> float | None:
-        """The least ``vllm_gpu_memory_utilization`` with which a colocated vLLM starts on this device, with its
-        ``vllm_max_model_length`` no longer than the run's sequences (as the ``vllm_memory`` rung sets it) and the
-        model's margin kept free; None without vLLM colocate or a model.
-
-        >>> from oomguard.vocab.knobs import TRL_DEFAULTS
-        >>> cfg = {"vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-        ...        "num_key_value_heads": 2, "intermediate_size": 1024, "tie_word_embeddings": True}
-        >>> Guide(150 * 2**20, simulated=True).vllm_floor(RunFacts(model_config=cfg, prompt_tokens_max=20),
-        ...                                               TRL_DEFAULTS.replace(use_vllm=True))
-        0.46
-        """
-        spec = self.spec(facts)
-        if spec is None or not knobs.use_vllm or (knobs.vllm_mode or "colocate") != "colocate":
-            return None
-        length = (facts.prompt_tokens_max or 256) + int(knobs.max_completion_length or 512)
-        v = vllm_memory(spec, knobs.replace(vllm_max_model_length=length), self.capacity)
-        if v is None:
-            return None
-        return min(1.0, math.ceil(100 * v.floor * (1 + self.margin) / self.capacity) / 100)
-
-    def alternatives(self, climb: Climb, final: Knobs) -> list[Alternative]:
-        """Configs predicted to fit with the model's error as headroom that trade differently from ``final``, the
-        config ``climb`` chose (``oomguard.decide.alternatives``): one computation for `oomguard run`'s end and
-        `oomguard plan`."""
-        fits = self.fits(climb.facts, self.relax_margin)
-        if fits is None:
-            return []
-        return alternatives(climb.original(), final, climb.applied, climb.facts, fits, self.peak(climb.facts),
-                            ladder=climb.ladder, skip=tuple(climb.refused), slowdown=self.slowdown(climb.facts))
-
-    def slowdown(self, facts: RunFacts) -> Any:
-        """A (before, after) -> how much longer a step of ``after`` is predicted to take (0.1 for 10%), or None;
-        None without a model (``oomguard.memory.steptime``)."""
-        spec = self.spec(facts)
-        if spec is None:
-            return None
-
-        def longer(before: Knobs, after: Knobs) -> float | None:
-            return slowdown(spec, before, after, prompt_tokens=facts.prompt_tokens_max, world_size=facts.world_size)
-
-        return longer
-
-    def peak(self, facts: RunFacts) -> Any:
-        """A Knobs -> predicted device peak (bytes or None), for the report's reasons."""
-        def predicted(k: Knobs) -> int | None:
-            est = self.predict(facts, k)
-            return est.peak_bytes if est is not None else None
-
-        return predicted

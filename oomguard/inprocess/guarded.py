@@ -7,11 +7,11 @@ memory given back after a failed attempt (:mod:`oomguard.inprocess.release`), th
 (:mod:`oomguard.inprocess.isolate`). No module is named ``guard``: the package attribute ``oomguard.guard`` is the
 function, and importing any of these modules leaves it so.
 
-tenacity is the retry engine (its ``Retrying`` holds the budget, attempts and time composed as one stop condition,
-and the retry predicate): a plain loop would need its own counter, clock and exit paths, while here
-:meth:`Guarded._climb` reads top to bottom. Each attempt drives the
-Climb that ``oomguard run`` uses: ``record`` the attempt, ``learn`` the run's facts, ``choose_next`` on an OOM, or
-``give_up`` when only a fresh process could help.
+tenacity is the retry engine (its ``Retrying`` calls the attempt again while the retry predicate holds), and the
+decisions are those of ``oomguard run``, made by the same ``Conductor`` (``oomguard.decide.conductor``) with a policy
+of no probes: it ``record``-s each attempt (the memory model learns by the same rule), chooses the next config
+``after`` an OOM, and says when the budget (attempts, time) is ``spent``. Only ``give_up`` when only a fresh process
+could help is the guard's own: a call in this process cannot recover from what a CUDA runtime OOM leaves.
 
 Only OOMs are retried (``oomguard.is_oom``); anything else propagates unchanged.
 
@@ -39,9 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tenacity import Retrying, retry_if_result, stop_after_attempt, stop_after_delay, stop_never, wait_none
+from tenacity import Retrying, retry_if_result, stop_never, wait_none
 
-from ..decide.climb import Climb
+from ..decide.climb import Climb, Decision
+from ..decide.conductor import Conductor, Policy
 from ..decide.experiment import Experiment, cost_note, experiment_lines
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
@@ -96,6 +97,7 @@ class _Attempt:
         self.value = value
         self.diagnosis = diagnosis
         self.message = message
+        self.again = False  # the conductor chose a next config and the budget leaves room for it
 
     @property
     def outcome(self) -> str:
@@ -121,7 +123,7 @@ class Guarded:
         self.isolate = isolate
         self.predict = predict
         self.verbose = verbose
-        self._guide_obj: Any = None
+        self._judge_obj: Any = None
         self.report: RunReport | None = None
         self.takes_knobs = "knobs" in inspect.signature(fn).parameters
 
@@ -149,18 +151,12 @@ class Guarded:
         climb = Climb(self.ladder, base=self.initial, facts=RunFacts(alloc_conf_locked=user.locked_text()),
                       env_knobs={"expandable_segments": bool(user.expandable_segments),
                                  "max_split_size_mb": user.max_split_size_mb})
+        # a function that takes knobs may read them for memory the GRPO model does not describe: climbed unjudged
+        conductor = Conductor(climb, None if self.takes_knobs else self._judge(), self.policy(), subject="the function")
         reads: set[str] = set()
-        began = time.monotonic()
-        retryer = Retrying(
-            # the budget: attempts, and time (no new attempt once max_time seconds have passed since the first)
-            stop=stop_after_attempt(self.max_attempts) | (stop_after_delay(self.max_time) if self.max_time
-                                                          else stop_never),
-            wait=wait_none(),
-            retry=retry_if_result(lambda a: a.outcome == "oom" and a.record.climbed is not None),
-            retry_error_callback=lambda state: state.outcome.result(),
-            reraise=True,
-        )
-        last: _Attempt = retryer(self._attempt, climb, reads, args, kwargs)
+        retryer = Retrying(stop=stop_never, wait=wait_none(), retry=retry_if_result(lambda a: a.again),
+                           retry_error_callback=lambda state: state.outcome.result(), reraise=True)
+        last: _Attempt = retryer(self._attempt, conductor, reads, args, kwargs)
         if last.outcome == "ok":
             n = len(climb.attempts)
             self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
@@ -171,7 +167,7 @@ class Guarded:
                     self._log(logging.INFO, line)
             self._write()
             return last.value
-        late = self.max_time is not None and time.monotonic() - began >= self.max_time
+        late = self.max_time is not None and time.time() - climb.started >= self.max_time
         why = ("no rung left that can help" if climb.exhausted is not None
                else f"stopped after {len(climb.attempts)} attempt(s) and {self.max_time:g} s (max_time)" if late
                else f"stopped after {self.max_attempts} attempts (max_attempts)")
@@ -182,8 +178,16 @@ class Guarded:
             f"{self.fn.__name__} still ran out of memory after {len(climb.attempts)} attempt(s): {why}. "
             f"Last OOM: {last.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
 
-    def _attempt(self, climb: Climb, reads: set[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Attempt:
-        """One attempt: run the call with the climb's knobs, record it, and on an OOM choose the next rung."""
+    def policy(self) -> Policy:
+        """The climb's policy for a guarded call: ``oomguard run``'s with no probes (the call is the attempt), no
+        pre-flight, and the guard's budget."""
+        return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=0, preflight=False)
+
+    def _attempt(self, conductor: Conductor, reads: set[str], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> _Attempt:
+        """One attempt: run the call with the climb's knobs, have the conductor record it, and on an OOM ask it for
+        the next config."""
+        climb = conductor.climb
         index = len(climb.attempts) + 1
         knobs = climb.effective()[0]
         record = Attempt(index=index, knobs=knobs.to_dict(), remedies=climb.remedies_in_force(), outcome="ok",
@@ -206,31 +210,38 @@ class Guarded:
             climb.learn(climb.facts.replace(**result.facts))
         # the knobs as the call really ran them: a GRPOConfig built inside it reports the function's own values
         record.knobs = climb.effective()[0].to_dict()
-        guide = self._guide()
-        if guide is not None:
-            guide.learn(climb.facts, knobs, "ok" if result.ok else "oom", result.peak, result.report)
-            est = guide.predict(climb.facts, knobs)
-            record.predicted_bytes = est.peak_bytes if est else None
         attempt = _Attempt(record)
         if result.ok:
             attempt.value = result.value
-            climb.record(record)
+            conductor.record(record, None)
             return attempt
         # An OOM: everything below works from plain data; the exception and its frames are gone.
         release()
         record.memory = {"live_before": before, "live_after_release": live_bytes()}
-        self._record_oom(climb, attempt, result)
-        if attempt.diagnosis.kind == "driver" and not self.isolate:
+        self._record_oom(conductor, attempt, result)
+        if attempt.diagnosis is not None and attempt.diagnosis.kind == "driver" and not self.isolate:
             why = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
             climb.give_up("fresh_process", why)
             record.skipped = [{"remedy": "fresh_process", "reason": why}]
             self._log(logging.WARNING, f"not retrying {self.fn.__name__}(): {why}")
             return attempt
-        self._choose_next(climb, attempt, result, reads)
+        reached = ALLOCATOR_KNOBS if self.takes_knobs else reachable(result.reached)
+        fields = frozenset(set(reads) | set(reached))
+        nxt = conductor.after(record, attempt.diagnosis, read_fields=fields)
+        for said in nxt.said:
+            if said.decision is not None:
+                self._log_climb(said.decision, fields if self.takes_knobs else None)
+                if said.decision.exhausted is None:
+                    for step in said.decision.steps:
+                        if not allocapply.can_apply_here(step.remedy.name, self.isolate):
+                            record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
+            elif said.line is not None:
+                self._log(logging.INFO, said.line.strip())
+        attempt.again = nxt.kind is not None and not conductor.spent()
         return attempt
 
-    def _record_oom(self, climb: Climb, attempt: _Attempt, result: CallResult) -> None:
-        """Diagnose the OOM, put it in the attempt's record and the climb, and say it in one line."""
+    def _record_oom(self, conductor: Conductor, attempt: _Attempt, result: CallResult) -> None:
+        """Diagnose the OOM, have the conductor record the attempt, and say it in one line."""
         from ..oom.analyze import finding
 
         r, record = result.report, attempt.record
@@ -240,29 +251,10 @@ class Guarded:
         record.oom = finding(f"{self.fn.__name__}()", None, r, d, frames=result.frames)
         attempt.diagnosis = d
         attempt.message = r.message
-        climb.record(record)
+        conductor.record(record, d)
         self._log(logging.WARNING, f"{self.fn.__name__}() attempt {record.index}/{self.max_attempts} ran out of "
                   f"memory: {d.kind}{' during ' + d.phase if d.phase != 'unknown' else ''}"
                   f"{f' ({format_size(r.requested)} requested)' if r.requested else ''}")
-
-    def _choose_next(self, climb: Climb, attempt: _Attempt, result: CallResult, reads: set[str]) -> None:
-        """Let the climb choose the next knobs among the rungs that can reach the function; record the decision."""
-        record = attempt.record
-        reached = ALLOCATOR_KNOBS if self.takes_knobs else reachable(result.reached)
-        fields = set(reads) | set(reached)
-        guide = self._guide() if not self.takes_knobs else None
-        decision = climb.choose_next(attempt.diagnosis, frozenset(fields), subject="the function",
-                                     fits=self._fits(climb),
-                                     peak=guide.peak(climb.facts) if guide is not None else None,
-                                     relax_fits=self._fits(climb, relax=True))
-        record.climbed, record.skipped = decision.label(), decision.skipped_rows()
-        record.choice = decision.choice.to_dict() if decision.choice is not None else None
-        self._log_climb(decision, fields if self.takes_knobs else None)
-        if decision.exhausted is not None:
-            return
-        for step in decision.steps:
-            if not allocapply.can_apply_here(step.remedy.name, self.isolate):
-                record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
 
     # -- the report and the log lines --------------------------------------------------------------------------
     def _report(self, climb: Climb, reads: set[str], status: str, message: str, code: int | None) -> RunReport:
@@ -272,8 +264,8 @@ class Guarded:
             # loop); the diff shows what reached the function.
             report.diff = [r for r in report.diff if r["knob"] in reads or r["knob"] in ALLOCATOR_KNOBS]
         if status == "stable" and climb.applied:
-            guide = self._guide()
-            exp = climb.experiment(slowdown=guide.slowdown(climb.facts) if guide is not None else None)
+            judge = self._judge()
+            exp = climb.experiment(slowdown=judge.slowdown(climb.facts) if judge is not None else None)
             # what an experiment keeps is GRPO's: a function that built no GRPOConfig is told only what changed
             report.experiment = (exp if climb.observed else Experiment([], exp.changed)).to_dict()
         return report
@@ -287,7 +279,7 @@ class Guarded:
         logging unconfigured, Python's last-resort handler prints the bare message, so it then names oomguard."""
         log.log(level if self.verbose else logging.DEBUG, message if log.hasHandlers() else f"oomguard: {message}")
 
-    def _log_climb(self, decision: Any, read: set[str] | None) -> None:
+    def _log_climb(self, decision: Decision, read: frozenset[str] | None) -> None:
         """The climb in one line; for a function that takes ``knobs``, only the changes it reads (as in the diff)."""
         changes = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
                             for k, v in decision.changes.items() if read is None or k in read)
@@ -302,12 +294,12 @@ class Guarded:
                       f"{changes or 'no knob changed'} ({note})")
 
     # -- the memory model --------------------------------------------------------------------------------------
-    def _guide(self) -> Any:
+    def _judge(self) -> Any:
         """The memory model for this call's device, when guided climbing is possible (a GRPO model was seen)."""
         if not self.predict:
             return None
-        if getattr(self, "_guide_obj", None) is None:
-            from ..decide.plan import Guide
+        if getattr(self, "_judge_obj", None) is None:
+            from ..decide.judge import Judge
 
             cap = self.simulate_gpu
             context = None  # the device's own: a card's m_ctx, or the simulated device's (child/simulate.py)
@@ -324,14 +316,8 @@ class Guarded:
                 fraction = float(getter(dev)) if getter is not None else 1.0
                 if 0 < fraction < 1:  # the caller's cap bounds the allocator only: the context lies outside it
                     cap, context = int(cap * fraction), 0
-            self._guide_obj = Guide(cap, simulated=bool(self.simulate_gpu), context=context) if cap else None
-        return self._guide_obj
-
-    def _fits(self, climb: Climb, relax: bool = False) -> Any:
-        guide = self._guide()
-        if guide is None or self.takes_knobs:
-            return None
-        return guide.fits(climb.facts, guide.relax_margin if relax else None)
+            self._judge_obj = Judge(cap, simulated=bool(self.simulate_gpu), context=context) if cap else None
+        return self._judge_obj
 
 
 def _refuse_distributed() -> None:

@@ -1,6 +1,10 @@
 """One attempt of ``oomguard run``, from its plan to its record: the plan file and environment of the launch, the
 process watched while it runs (its events, the live view, a rank that died while others hang, a node of a group
-that must stop), and how it ended (``classify``) with what the training process said of itself."""
+that must stop), and how it ended (``classify``) with what the training process said of itself.
+
+``Launcher`` launches what the conductor (``oomguard.decide.conductor``) decides and hands back the record; its own
+state is what only a launch knows: the newest checkpoint the run wrote (a later run resumes from it), where the run
+writes, why a group ended early, the warnings said once and kept for the report, the device's context measured."""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..decide.climb import Climb
+from ..decide.conductor import Conductor, Next
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.events import (
     CheckpointSaved,
+    ChildEvent,
     CodeSeen,
     ConfigGenerated,
     EventTail,
@@ -28,34 +33,63 @@ from ..vocab.events import (
     ProcessStarted,
     TrainBegin,
 )
+from ..vocab.files import write_json_atomic
 from ..vocab.knobs import Knobs
-from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan
-from ..vocab.records import Attempt, AttemptKind, Outcome, write_json_atomic
+from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, PreflightPlan, ProbePlan, whereabouts
+from ..vocab.records import Attempt, AttemptKind, Outcome
+from ..vocab.serial import to_fields
 from .classify import classify
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
+from .learning import take_events
 from .options import BOOT_DIR, Reporter, RunOptions
-from .proc import Aside, ProcessResult, process_alive, run_attempt
+from .proc import Aside, Interrupts, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
 
-class Attempts:
-    """The Supervisor's part that launches and watches one attempt (a mixin of ``Supervisor``)."""
+class Launcher:
+    """Launches one attempt at a time and watches it (see the module)."""
 
-    # the Supervisor's state these methods read and write (set in Supervisor.__init__)
-    argv: list[str]
-    o: RunOptions
-    ui: Reporter
-    climb: Climb
-    guide: Any
-    group: Group | None
+    def __init__(self, argv: list[str], options: RunOptions, ui: Reporter, conductor: Conductor, run_dir: Path,
+                 group: Group | None, interrupts: Interrupts, *, sim_context: int | None, sized_by_nvml: bool) -> None:
+        self.argv, self.o, self.ui, self.conductor = argv, options, ui, conductor
+        self.run_dir, self.group, self.interrupts = run_dir, group, interrupts
+        self.sim_context = sim_context  # the simulated device's memory outside its allocator
+        self.sized_by_nvml = sized_by_nvml  # the device's size came from NVML: the training process's CUDA may differ
+        self.here = whereabouts()  # a PID of the training processes names one of ours only where this matches
+        user = allocconf.user_settings(os.environ)  # read from the variable torch reads
+        self.user_expandable = bool(user.expandable_segments)
+        self.user_max_split = user.max_split_size_mb
+        self.checkpoint: str | None = None  # the newest checkpoint the run wrote
+        self.checkpoint_knobs: Knobs | None = None  # the knobs of the run that wrote it
+        self.output_dir: str | None = None
+        self.warned_no_checkpoints = False
+        self.group_failure: str | None = None  # why the group ended early (a node died), for the report
+        self.warnings: list[str] = []  # one line each, said once and kept in the report
+        self.broken: str | None = None  # the first patch of oomguard's that failed in the training process
+        self.device: dict[str, Any] = {}  # what the training process measured about the device (event `device`)
 
-    def _launch(self, kind: AttemptKind) -> tuple[Attempt, Diagnosis | None]:
-        """Run one attempt of ``kind`` to its end and return its record and, for an OOM, its diagnosis."""
-        c = self.climb
+    def warn(self, line: str | None) -> None:
+        """Say ``line`` once, and keep it for the report."""
+        if line and line not in self.warnings:
+            self.warnings.append(line)
+            self.ui.message(f"warning: {line}")
+
+    def learn(self, events: list[ChildEvent]) -> None:
+        """Hand what the training process reported to the conductor (``learning.take_events``)."""
+        device = take_events(self.conductor, events, sized_by_nvml=self.sized_by_nvml, say=self.ui.message,
+                             warn=self.warn)
+        if device:
+            self.device = device
+
+    def launch(self, nxt: Next) -> tuple[Attempt, Diagnosis | None]:
+        """Run the attempt ``nxt`` names to its end, have the conductor record it, and return its record and, for an
+        OOM, its diagnosis."""
+        c, kind = self.conductor.climb, nxt.kind
+        assert kind is not None
         index = len(c.attempts) + 1
-        without = self.minimizer.trial if kind == AttemptKind.MINIMIZE else None
+        without = nxt.without if kind == AttemptKind.MINIMIZE else None
         knobs = c.effective(without)[0]
         adir = self.group.attempt_dir(index) if self.group else self.run_dir / f"attempt-{index}"
         adir.mkdir(parents=True, exist_ok=True)
@@ -65,37 +99,39 @@ class Attempts:
         # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
         scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
         # a probe unless the training process finds the memory model sure of the config: then it is the real run
-        deferred = kind == AttemptKind.PROBE and self._may_skip_probe()
-        probe = ({"steps": self.o.probe_steps, "rows": 64, "output_dir": str(scratch),
-                  **({"unless_sure": self.guide.sure_plan()} if deferred else {})} if scratch is not None else None)
+        judge = self.conductor.judge
+        deferred = kind == AttemptKind.PROBE and nxt.deferred and judge is not None
+        probe = (ProbePlan(steps=self.conductor.probe_steps, output_dir=str(scratch),
+                           unless_sure=judge.sure_plan() if deferred and judge is not None else None)
+                 if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
-                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir), events=str(events_path),
-                    remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
+                    simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
+                    events=str(events_path), remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN or deferred else None)
         self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides,
                               AttemptKind.RUN if deferred else kind)
         if resume:
-            self.ui.message(f"  {resume['mode']}: {resume['why']}")
+            self.ui.message(f"  {resume.mode}: {resume.why}")
         watch = Watch(kind, knobs, GroupTail(adir) if self.group else EventTail(events_path),
-                       self._progress_state(index, kind, remedies))
+                       self.progress_state(index, kind, remedies))
         if self.group is not None:
             self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
                                        c.actions_in_force(without), "max_attempts": self.o.max_attempts,
                                        "alloc": self._alloc_options(knobs)})
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
-        res = self._start(self._env(self._write_plan(adir, plan), knobs), watch, scratch, aside)
+        res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
         if aside.lines:
             self.ui.message(f"  what the launcher printed after the stop ({aside.lines} lines) is in "
                             f"{aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
-        self._watch(watch, live=False)  # the last lines the process wrote
+        self.poll(watch, live=False)  # the last lines the process wrote
         events = watch.events
-        self._learn(events)
+        self.learn(events)
         attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message)
-        attempt.kind, attempt.resume = watch.kind, resume
+        attempt.kind, attempt.resume = watch.kind, to_fields(resume) if resume is not None else None
         decided = next((e for e in events if isinstance(e, ProbeDecided)), None)
         if decided is not None:
             attempt.probe_decision = {"decided": decided.decided, "why": decided.why,
@@ -108,7 +144,7 @@ class Attempts:
                                  g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
         broken = [e for e in events if isinstance(e, PatchFailed)]
         for e in broken:
-            self._warn(e.line())
+            self.warn(e.line())
             self.broken = self.broken or e.line()
         configured = any(isinstance(e, CodeSeen) and e.point == "config" for e in events)
         if attempt.kind != AttemptKind.RUN and not configured:
@@ -125,10 +161,10 @@ class Attempts:
         broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
         if attempt.outcome == Outcome.FAILED and broke is not None:
             attempt.override_error = {"where": broke.where, "error": broke.error}
-        self._teach_guide(attempt, diag)
+        self.conductor.record(attempt, diag)
         return attempt, diag
 
-    def _start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
+    def start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
                aside: Aside | None = None) -> ProcessResult:
         """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
         126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
@@ -136,7 +172,8 @@ class Attempts:
         try:
             with self.ui.live():
                 return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
-                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch), aside=aside)
+                                   on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch),
+                                   aside=aside)
         except FileNotFoundError:
             raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
         except PermissionError:
@@ -159,14 +196,14 @@ class Attempts:
             return []
         return [e.pid for e in w.events if isinstance(e, ProcessStarted) and e.pid and e.where == self.here]
 
-    def _write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
+    def write_plan(self, adir: Path, plan: Plan | dict[str, Any]) -> Path:
         name = f"plan-node{self.group.m.node}.json" if self.group else "plan.json"
         return write_json_atomic(adir / name, plan if isinstance(plan, dict) else plan.to_dict())
 
     def _tick(self, w: Watch) -> int | None:
         """While an attempt runs: its events (``_watch``), and in a group, whether the group told this node to stop
         (SIGTERM, then SIGKILL after the grace)."""
-        sig = self._watch(w)
+        sig = self.poll(w)
         if self.group is None or sig is not None:
             return sig
         if w.trouble_at is None:
@@ -185,7 +222,7 @@ class Attempts:
         ``res``; a node that falls silent ends the group."""
         assert self.group is not None
         try:
-            for node, r in sorted(self.group.gather(index, tick=lambda: self._watch(w, live=False)).items()):
+            for node, r in sorted(self.group.gather(index, tick=lambda: self.poll(w, live=False)).items()):
                 res.interrupted = res.interrupted or r.get("interrupted")
                 res.host_oom.extend(f"node {node}: {e}" for e in r.get("host_oom") or [])
                 res.host_strong = res.host_strong or bool(r.get("host_strong"))
@@ -195,14 +232,14 @@ class Attempts:
             self.group.fail(str(e))
 
     def _env(self, plan_path: Path, knobs: Knobs) -> dict[str, str]:
-        return self._env_with(plan_path, self._alloc_options(knobs))
+        return self.env_with(plan_path, self._alloc_options(knobs))
 
     def _alloc_options(self, knobs: Knobs) -> dict[str, str]:
         """The allocator options oomguard adds to the user's own for ``knobs``."""
         return allocconf.added(knobs.expandable_segments, knobs.max_split_size_mb,
                                had_expandable=self.user_expandable, had_max_split=self.user_max_split)
 
-    def _env_with(self, plan_path: Path, alloc: dict[str, str]) -> dict[str, str]:
+    def env_with(self, plan_path: Path, alloc: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.o.extra_env)
         env[PLAN_ENV] = str(plan_path)
@@ -226,40 +263,33 @@ class Attempts:
             label = w.progress.label or ""
             if label.startswith("attempt "):  # named as the attempt it may have been: the end line names the probe
                 w.progress.label = "probe " + label[len("attempt "):]
-            self.ui.message(f"  {ev.why}: a {self.o.probe_steps}-step worst-case probe first")
+            self.ui.message(f"  {ev.why}: a {self.conductor.probe_steps}-step worst-case probe first")
 
-    def _preflight(self) -> dict[str, Any] | None:
+    def _preflight(self) -> PreflightPlan | None:
         """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
-        if self.guide is None or not self.o.preflight or self.o.replay:
+        judge, policy = self.conductor.judge, self.conductor.policy
+        if judge is None or not policy.preflight or policy.replay:
             return None
-        margin, source = self._stop_margin()
+        margin, source = self.conductor.stop_margin()
         # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
         # finds (the supervisor may not see the command's environment); --preflight-margin sets the one margin
-        margins = self.guide.stop_margins() if self.o.preflight_margin is None else None
-        return {"capacity": self.capacity, "margin": margin, "margin_source": source,
-                **({"margins": margins} if margins else {}),
-                "simulated": self.guide.simulated, "context": self.guide.context,
-                "coefficients": dataclasses.asdict(self.guide.coefficients)}
+        margins = judge.stop_margins() if policy.preflight_margin is None else None
+        return PreflightPlan(capacity=int(self.conductor.capacity or 0), margin=margin, margin_source=source,
+                             margins=margins or {}, simulated=judge.simulated, context=judge.context,
+                             coefficients=dataclasses.asdict(judge.coefficients))
 
-    def _stop_margin(self) -> tuple[float, str]:
-        """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
-        if self.o.preflight_margin is not None:
-            return self.o.preflight_margin, "--preflight-margin"
-        assert self.guide is not None
-        return self.guide.stop_margin()
-
-    def _progress_state(self, index: int, kind: AttemptKind, remedies: list[str]) -> Any:
+    def progress_state(self, index: int, kind: AttemptKind, remedies: list[str]) -> Any:
         """The live view's state (the console reporter owns one; for others, --json-log, it is kept here)."""
         state = getattr(self.ui, "state", None)
         if state is not None:
-            state.capacity = self.capacity
+            state.capacity = self.conductor.capacity
             return state
         from ..display.ui import Progress
 
         return Progress(index=index, max_attempts=self.o.max_attempts, kind=kind, remedies=remedies,
-                        capacity=self.capacity)
+                        capacity=self.conductor.capacity)
 
-    def _watch(self, w: Watch, live: bool = True) -> int | None:
+    def poll(self, w: Watch, live: bool = True) -> int | None:
         """While an attempt runs: follow its new events; end a group whose rank died of OOM but which hangs."""
         fresh = w.tail.poll()
         for ev in fresh:

@@ -16,11 +16,11 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
+from ..vocab.files import read_json
 from ..vocab.knobs import TRL_DEFAULTS, check_values
-from ..vocab.records import read_json
-from ..vocab.schema import LOCK_SCHEMA, RecordError, check_schema
+from ..vocab.lock import Lock
+from ..vocab.schema import RecordError
 from ..vocab.trlrange import Support, support
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
@@ -204,7 +204,8 @@ def _same_environment(program: str) -> bool:
     return bool(words) and os.path.dirname(os.path.abspath(words[0])) == here
 
 
-def load_lock(path: str) -> dict[str, Any]:
+def load_lock(path: str) -> Lock:
+    """The lock at ``path``, to replay with ``--config``; a UsageError (one line) where it cannot be one."""
     try:
         data = read_json(path)
     except FileNotFoundError:
@@ -212,28 +213,20 @@ def load_lock(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read the lock file {path}: {e}") from None
     try:
-        check_schema(data, LOCK_SCHEMA, path)
+        lock = Lock.from_dict(data, path)
     except RecordError as e:
         raise UsageError(str(e)) from None
     # A lock is read back as Knobs are checked (types, ranges, optimizer names, GRPO's batch rules), before anything
     # runs: a hand-edited or corrupted lock is refused, never replayed or reported as a stable config.
-    overrides = data.get("overrides")
-    if overrides is None:
-        overrides = data["overrides"] = {}
-    if not isinstance(overrides, dict):
-        raise UsageError(f"{path}: \"overrides\" must be an object of knob values; re-create the lock with "
-                         "`oomguard run` (without --config)")
-    world = data.get("world_size")
-    world = world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else 1
-    stable = data.get("stable")
-    problems = check_values(stable, world) if isinstance(stable, dict) else []
+    stable = lock.stable
+    problems = check_values(stable, lock.world_size) if stable is not None else []
     if not problems:
-        base = TRL_DEFAULTS.merged(stable) if isinstance(stable, dict) else TRL_DEFAULTS
-        problems = check_values(overrides, world, base=base)
+        base = TRL_DEFAULTS.merged(stable) if stable is not None else TRL_DEFAULTS
+        problems = check_values(lock.overrides, lock.world_size, base=base)
     if problems:
         raise UsageError(f"{path}: not a usable lock: {'; '.join(problems)}; fix it or re-create it with "
                          "`oomguard run` (without --config)")
-    return data
+    return lock
 
 
 __all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "UsageError", "load_lock",

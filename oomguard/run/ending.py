@@ -1,6 +1,7 @@
 """The end of ``oomguard run``: its status and exit code (``conclude``), what the stable config kept and changed,
 the alternatives that trade differently (each with its lock), and the report, lock and HTML page, written so
-that no earlier report or lock is lost."""
+that no earlier report or lock is lost. ``Writer`` reads the climb and the judge from the conductor and what only
+the launches knew (warnings, a broken patch, the device's context, why a group ended) from the launcher."""
 
 from __future__ import annotations
 
@@ -8,49 +9,44 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..decide.climb import Climb
+from ..decide.conductor import Conductor
 from ..decide.experiment import Experiment
+from ..vocab.files import publish, write_json_atomic
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs
-from ..vocab.records import (
-    Attempt,
-    RunReport,
-    now_iso,
-    publish,
-    write_json_atomic,
-)
-from ..vocab.schema import LOCK_SCHEMA
+from ..vocab.lock import Lock
+from ..vocab.records import Attempt, RunReport
 from ..vocab.stacks import flags
+from .attempts import Launcher
 from .group import Group
 from .options import Reporter, RunOptions
 from .verdict import conclude
 
 
-class Ending:
-    """The Supervisor's part that ends a run and writes what it found (a mixin of ``Supervisor``)."""
+class Writer:
+    """Ends a run: its status, report, lock and alternatives (see the module)."""
 
-    # the Supervisor's state these methods read and write (set in Supervisor.__init__)
-    argv: list[str]
-    o: RunOptions
-    ui: Reporter
-    climb: Climb
-    guide: Any
-    group: Group | None
+    def __init__(self, argv: list[str], options: RunOptions, ui: Reporter, conductor: Conductor, launcher: Launcher,
+                 run_dir: Path, group: Group | None) -> None:
+        self.argv, self.o, self.ui, self.conductor, self.launcher = argv, options, ui, conductor, launcher
+        self.run_dir, self.group = run_dir, group
 
-    def _finish(self, last: Attempt | None) -> int:
-        c = self.climb
-        status, code, message = conclude(last, c, signum=self.interrupts.signum, replay=self.o.replay,
-                                         reached=bool(self.reached), max_attempts=self.o.max_attempts,
-                                         max_time=self.o.max_time, broken=self.broken)
-        if self.group_failure is not None and status == "failed":
-            message = self.group_failure
+    def finish(self, last: Attempt | None, signum: int | None) -> int:
+        """Conclude the run after ``last`` (``signum``: the signal that interrupted it), write what it found, and
+        return the exit code."""
+        c, judge, run = self.conductor.climb, self.conductor.judge, self.launcher
+        status, code, message = conclude(last, c, signum=signum, replay=self.o.replay,
+                                         reached=bool(self.conductor.reached), max_attempts=self.o.max_attempts,
+                                         max_time=self.o.max_time, broken=run.broken)
+        if run.group_failure is not None and status == "failed":
+            message = run.group_failure
+        margin = self.conductor.stop_margin() if judge is not None and self.o.preflight else None
         report = c.report(status, message, code, command=self.argv,
-                          device={"simulate_gpu": self.o.simulate_gpu, "simulate_context": self.sim_context,
-                                  "gpu_memory": self.o.gpu_memory, "capacity": self.capacity,
-                                  **({"context": self.device} if self.device else {}),
-                                  **({"preflight_margin": self._stop_margin()[0],
-                                      "preflight_margin_source": self._stop_margin()[1]}
-                                     if self.guide is not None and self.o.preflight else {}),
-                                  **({"calibration": self.guide.describe()} if self.guide is not None else {})})
+                          device={"simulate_gpu": self.o.simulate_gpu, "simulate_context": run.sim_context,
+                                  "gpu_memory": self.o.gpu_memory, "capacity": self.conductor.capacity,
+                                  **({"context": run.device} if run.device else {}),
+                                  **({"preflight_margin": margin[0], "preflight_margin_source": margin[1]}
+                                     if margin is not None else {}),
+                                  **({"calibration": judge.describe()} if judge is not None else {})})
         if last is not None and last.generated:
             who = {r["knob"]: r["remedy"] for r in report.diff}
             for kind, g in last.generated.items():
@@ -66,17 +62,17 @@ class Ending:
             except Exception as e:
                 self.ui.message(f"could not work out alternatives to the stable config ({type(e).__name__}: {e})")
         if self.group is not None:
-            report.group = self._group_info()
-        report.warnings = list(self.warnings)
+            report.group = self.group_info()
+        report.warnings = list(run.warnings)
         lock_path = self._write_outputs(report, status)
         if self.group is not None:
-            lock = (self._lock_data(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
-                                    report.diff) if lock_path is not None else None)
+            lock = (self.lock(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
+                              report.diff).to_dict() if lock_path is not None else None)
             self.group.finish({"status": status, "exit_code": code, "report": report.to_dict(), "lock": lock})
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
 
-    def _group_info(self) -> dict[str, Any]:
+    def group_info(self) -> dict[str, Any]:
         assert self.group is not None
         m = self.group.m
         return {"node": m.node, "nodes": m.nodes, "leader": 0, "session": str(self.group.session),
@@ -85,55 +81,58 @@ class Ending:
     def _experiment(self, final: Knobs) -> Experiment:
         """What the stable config kept of the user's experiment and what it changed, in cost classes, with the
         predicted time of each speed change (oomguard.decide.experiment)."""
-        c = self.climb
-        return c.experiment(final, self.guide.slowdown(c.facts) if self.guide is not None else None)
+        c, judge = self.conductor.climb, self.conductor.judge
+        return c.experiment(final, judge.slowdown(c.facts) if judge is not None else None)
 
     def _alternatives(self, final: Knobs) -> list[Any]:
         """Configs predicted to fit, with the model's error as headroom, that trade differently from ``final``
         (oomguard.decide.alternatives), each written as a lock in the run's directory so that one flag runs it."""
-        c = self.climb
-        if self.guide is None or self.o.replay:
+        c, judge = self.conductor.climb, self.conductor.judge
+        if judge is None or self.conductor.policy.replay:
             return []
-        alts = self.guide.alternatives(c, final)
+        alts = judge.alternatives(c, final)
         for n, a in enumerate(alts, 1):
             path = self.run_dir / f"alternative-{n}.lock.json"
-            write_json_atomic(path, self._lock_data(a.knobs, c.original().to_dict(), a.knobs.to_dict(),
-                                                    [{**r.to_dict(), "remedy": None} for r in c.original().diff(
-                                                        a.knobs)]))
+            diff = [{**r.to_dict(), "remedy": None} for r in c.original().diff(a.knobs)]
+            write_json_atomic(path, self.lock(a.knobs, c.original().to_dict(), a.knobs.to_dict(), diff).to_dict())
             alts[n - 1] = dataclasses.replace(a, lock=str(path))
         return alts
 
-    def _lock_data(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
-                   diff: list[dict[str, Any]]) -> dict[str, Any]:
-        overrides = self.climb.overrides(knobs)
-        said = flags(self.climb.facts.stack, overrides)
-        return {"schema": LOCK_SCHEMA, "created": now_iso(), "command": self.argv, "ladder": self.o.ladder.name,
-                "overrides": overrides, "original": original, "stable": stable,
-                "world_size": self.climb.facts.world_size, "diff": diff,
-                **({"stack": self.climb.facts.stack, "flags": said} if said else {})}
+    def lock(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
+             diff: list[dict[str, Any]]) -> Lock:
+        """The lock that replays ``knobs``: what oomguard changed on top of the script's own values."""
+        c = self.conductor.climb
+        overrides = c.overrides(knobs)
+        said = flags(c.facts.stack, overrides)
+        return Lock(overrides=overrides, command=list(self.argv), ladder=self.o.ladder.name, original=original,
+                    stable=stable, world_size=c.facts.world_size or 1, diff=diff,
+                    stack=c.facts.stack if said else None, flags=said)
 
     def _write_outputs(self, report: RunReport, status: str) -> Path | None:
         """The report (and HTML), and the lock when stable. Each run keeps its own copies; the top-level files are
         copies of the latest, and an older one that no run keeps is kept aside first."""
-        c = self.climb
+        c, judge = self.conductor.climb, self.conductor.judge
         kept = self.o.workdir / "kept"
         aside = publish(report.to_dict(), self.run_dir / "report.json", self.o.report_path, kept)
         if self.o.html_path:
             from ..display.html import write_run_html
 
             breakdown = None
-            if self.guide is not None and report.attempts:
-                est = self.guide.predict(c.facts, Knobs.from_dict(report.attempts[-1].knobs))
+            if judge is not None and report.attempts:
+                est = judge.predict(c.facts, Knobs.from_dict(report.attempts[-1].knobs))
                 breakdown = dict(est.breakdown) if est else None
             write_run_html(self.o.html_path, report.to_dict(), breakdown)
         lock_path: Path | None = None
         if status == "stable":
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
-            lock_aside = publish(self._lock_data(final, report.original, report.stable, report.diff),
+            lock_aside = publish(self.lock(final, report.original, report.stable, report.diff).to_dict(),
                                  self.run_dir / "lock.json", lock_path, kept)
             aside = aside or lock_aside
         if aside is not None:
             self.ui.message(f"an older report or lock (not kept by any run) was kept aside in {kept}/ before the new "
                             "one replaced it")
         return lock_path
+
+
+__all__ = ["Writer"]

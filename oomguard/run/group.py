@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, stop_never, wait_fixed
 
 from ..vocab.events import EventTail
-from ..vocab.records import write_json_atomic
+from ..vocab.files import write_json_atomic
 from .launch import GROUP_ENV, GroupError, Membership, membership_of
 
 TIMEOUT_ENV = "OOMGUARD_GROUP_TIMEOUT"  # seconds of silence after which a node counts as dead

@@ -22,10 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..vocab.knobs import RunFacts
 from ..vocab.launchers import ACCELERATE, DEEPSPEED, LAUNCHERS, TORCHRUN, Launcher, by_module, by_script
 
-MULTI_GPU = "multi-gpu"  # the ladder a distributed command gets when --ladder is not given
 GROUP_ENV = "OOMGUARD_GROUP"  # the group's shared directory, when --group is not given
 PORT_ENV = "OOMGUARD_GROUP_PORT"  # the port of the group's store on torchrun's rendezvous host
 DISTRIBUTED_TYPES = ("DEEPSPEED", "FSDP", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU",
@@ -163,25 +161,6 @@ def distributed_reason(argv: Sequence[str], env: Mapping[str, str]) -> str | Non
     return None
 
 
-def facts_reason(facts: RunFacts) -> str | None:
-    """Why the training process's own report makes the run distributed (it is known after the first attempt's
-    start: a launcher oomguard cannot read, a config built in the script).
-
-    >>> facts_reason(RunFacts(world_size=4))
-    'the training process reported 4 ranks'
-    >>> facts_reason(RunFacts(deepspeed="accelerate")), facts_reason(RunFacts()) is None
-    ("the training process runs DeepSpeed (its config from accelerate's plugin)", True)
-    """
-    if facts.deepspeed:
-        src = {"accelerate": "its config from accelerate's plugin", "GRPOConfig": "GRPOConfig.deepspeed"}
-        return f"the training process runs DeepSpeed ({src.get(facts.deepspeed, facts.deepspeed)})"
-    if facts.fsdp:
-        return "the training process runs FSDP (GRPOConfig.fsdp)"
-    if facts.world_size > 1:
-        return f"the training process reported {facts.world_size} ranks"
-    return None
-
-
 def store_port(port: int, env: Mapping[str, str]) -> int:
     """The port of a group's store on torchrun's rendezvous host (oomguard/run/rendezvous.py): ``$OOMGUARD_GROUP_PORT``,
     else the rendezvous port plus one (torchrun's own store there lives only while an attempt runs).
@@ -300,5 +279,5 @@ def membership_of(argv: Sequence[str], env: Mapping[str, str], *, group: str | N
                       store=store)
 
 
-__all__ = ["GROUP_ENV", "MULTI_GPU", "PORT_ENV", "GroupError", "Membership", "accelerate_yaml", "distributed_reason",
-           "facts_reason", "membership_of", "rendezvous", "store_port"]
+__all__ = ["GROUP_ENV", "PORT_ENV", "GroupError", "Membership", "accelerate_yaml", "distributed_reason", "membership_of",
+           "rendezvous", "store_port"]

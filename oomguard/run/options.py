@@ -8,20 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..decide.climb import UNDO_BY_DEFAULT
+from ..decide.conductor import Policy
 from ..decide.ladder import Exhausted, Ladder, Step
 from ..vocab.diagnosis import Diagnosis
+from ..vocab.lock import Lock
 from ..vocab.records import Attempt, RunReport
 from ..vocab.trlrange import Support
 from .group import Membership
 
-__all__ = ["BOOT_DIR", "PROBE_TAIL", "RANK_GRACE_ENV", "UNDO_BY_DEFAULT", "Reporter", "RunOptions", "rank_grace"]
+__all__ = ["BOOT_DIR", "RANK_GRACE_ENV", "Reporter", "RunOptions", "rank_grace"]
 
 BOOT_DIR = Path(__file__).resolve().parents[1] / "child" / "_boot"
-# The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
-# the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
-# memory model learns from it, so choices after a probe keep that room.
-PROBE_TAIL = 0.01
 # How long the other ranks may take to stop after one rank's end decided the attempt, before oomguard stops them:
 # they are usually stuck at a collective waiting for the rank that is gone. The default suits a real job (a rank
 # that writes its own record of a pre-flight stop or an OOM a little later than the first); tests shorten it.
@@ -75,7 +72,7 @@ class RunOptions:
     report_path: Path = Path("oomguard-report.json")
     lock_path: Path = Path("oomguard.lock.json")
     workdir: Path = Path(".oomguard")
-    replay: dict[str, Any] | None = None  # a lock file's content: replay it without climbing
+    replay: Lock | None = None  # a lock file's content: replay it without climbing
     grace: float = 20.0
     echo: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -90,9 +87,17 @@ class RunOptions:
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report
     preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
-    preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Guide.stop_margin)
+    preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Judge.stop_margin)
     membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
     trl: Support | None = None  # the command's TRL as read before launching (run.command.trl_support), if readable
     # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
     ladder_auto: bool = False
     ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
+
+    def policy(self, device: bool) -> Policy:
+        """The options that shape the climb's decisions, for its conductor; ``device``: whether a device could run
+        out of memory (an accelerator, a simulated or named size)."""
+        return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=self.probe_steps,
+                      always_probe=self.always_probe, refine=self.refine, minimize=self.minimize,
+                      replay=bool(self.replay), preflight=self.preflight, preflight_margin=self.preflight_margin,
+                      ladder_auto=self.ladder_auto, device=device)

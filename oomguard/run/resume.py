@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..decide.choose import Rung
 from ..vocab.knobs import Knobs
+from ..vocab.protocol import ResumePlan
 
 
 def fresh_dir(output_dir: str | None, checkpoint: Path, index: int) -> str:
@@ -41,7 +41,7 @@ def fresh_dir(output_dir: str | None, checkpoint: Path, index: int) -> str:
 
 
 def resume_plan(checkpoint: str | None, checkpoint_knobs: Knobs | None, knobs: Knobs, climbed: Sequence[Rung],
-                output_dir: str | None, index: int) -> dict[str, Any] | None:
+                output_dir: str | None, index: int) -> ResumePlan | None:
     """The plan's ``resume`` entry for real run ``index`` with ``knobs``, or None without a usable checkpoint.
 
     ``climbed`` are the rungs climbed so far: those whose knobs differ from the checkpoint's run (climbed since,
@@ -58,17 +58,18 @@ def resume_plan(checkpoint: str | None, checkpoint_knobs: Knobs | None, knobs: K
         fresh = fresh_dir(output_dir, ckpt, index)
         weights = any(ckpt.glob("model*.safetensors")) or any(ckpt.glob("pytorch_model*.bin"))
         if not weights:
-            return {"mode": "restart", "checkpoint": str(ckpt), "output_dir": fresh,
-                    "why": f"{', '.join(new_run)} changes what is trained and {ckpt.name} holds only an adapter: "
-                           f"the run starts again from step 0 in {fresh} (your checkpoints stay as they are)"}
-        return {"mode": "weights", "checkpoint": str(ckpt), "output_dir": fresh,
-                "why": f"{', '.join(new_run)} changes the optimizer state, the adapters or the dtype, so "
-                       f"{ckpt.name} cannot simply continue: a new run starts from its weights (step 0, fresh "
-                       f"optimizer) and saves into {fresh}"}
+            return ResumePlan(mode="restart", checkpoint=str(ckpt), output_dir=fresh,
+                              why=f"{', '.join(new_run)} changes what is trained and {ckpt.name} holds only an "
+                                  f"adapter: the run starts again from step 0 in {fresh} (your checkpoints stay as "
+                                  "they are)")
+        return ResumePlan(mode="weights", checkpoint=str(ckpt), output_dir=fresh,
+                          why=f"{', '.join(new_run)} changes the optimizer state, the adapters or the dtype, so "
+                              f"{ckpt.name} cannot simply continue: a new run starts from its weights (step 0, fresh "
+                              f"optimizer) and saves into {fresh}")
     why = f"continuing from {ckpt} (resume_from_checkpoint)"
     if drift:
         why += f"; {', '.join(drift)} changed the batch geometry, so the data position and LR schedule drift"
-    return {"mode": "continue", "checkpoint": str(ckpt), "why": why}
+    return ResumePlan(mode="continue", checkpoint=str(ckpt), why=why)
 
 
 __all__ = ["fresh_dir", "resume_plan"]

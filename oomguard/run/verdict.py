@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from ..decide.climb import Climb
+from ..vocab.lock import Lock
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from .command import EXIT_EXHAUSTED
 
 
-def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: dict[str, Any] | None = None,
+def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: Lock | None = None,
              reached: bool = True, max_attempts: int = 8, max_time: float | None = None,
              broken: str | None = None) -> tuple[str, int, str]:
     """``(status, exit code, message)`` after the last attempt; ``reached``: the command passed through a
@@ -54,7 +54,7 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
 
 
-def _stable_message(climb: Climb, replay: dict[str, Any] | None) -> str:
+def _stable_message(climb: Climb, replay: Lock | None) -> str:
     ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind != AttemptKind.MINIMIZE)
     stops = sum(1 for a in climb.attempts if a.outcome == Outcome.PREDICTED and a.kind != AttemptKind.MINIMIZE)
     trials = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM and a.kind == AttemptKind.MINIMIZE)
@@ -64,7 +64,7 @@ def _stable_message(climb: Climb, replay: dict[str, Any] | None) -> str:
             f" and {stops} pre-flight stop(s) (predicted not to fit, stopped before loading or generating)" if stops
             else "") + proof
     if replay:
-        return (f"the locked config fit: replayed the lock's {len(replay.get('overrides') or {})} override(s), no "
+        return (f"the locked config fit: replayed the lock's {len(replay.overrides)} override(s), no "
                 "rung climbed")
     if climb.adapted:
         return ("the command fit on the first attempt; nothing changed for memory, only what lets it run here: "

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
+
+from .serial import coerce, hints
 
 STRICT_ENV = "OOMGUARD_STRICT_EVENTS"
 # what every event carries besides its own fields (Runtime.emit adds them)
@@ -358,56 +358,6 @@ def strict() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    cached = _HINTS.get(cls)
-    if cached is None:
-        cached = _HINTS[cls] = typing.get_type_hints(cls)
-    return cached
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """``value`` as a field of type ``hint`` holds it; a malformed value reads as the field's empty value (a torn or
-    foreign line must never stop the supervisor)."""
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if optional else []
-    base = args[0] if len(args) == 1 else hint
-    origin = typing.get_origin(base)
-    if base is Any:
-        return value
-    if value is None:
-        return None if type(None) in typing.get_args(hint) else _empty(base)
-    if base is bool:
-        return value is True
-    if base is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _int(value)
-    if base is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            return None
-    if base is str:
-        return value if isinstance(value, str) else str(value)
-    if origin is dict or base is dict:
-        return dict(value) if isinstance(value, dict) else (None if type(None) in typing.get_args(hint) else {})
-    if origin is tuple:
-        return tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else ()
-    return value
-
-
-def _empty(base: Any) -> Any:
-    return {bool: False, str: "", float: 0.0}.get(base, () if typing.get_origin(base) is tuple else None)
-
-
-def _int(v: Any) -> int | None:
-    try:
-        return None if v is None or isinstance(v, bool) else int(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def parse_event(d: dict[str, Any]) -> Event:
     """One event line, typed by its ``event`` name, generically over the class's fields. Missing or malformed fields
     read as their empty values, never an exception; an unknown event or field raises :class:`ProtocolError` under
@@ -424,12 +374,12 @@ def parse_event(d: dict[str, Any]) -> Event:
         if strict():
             raise ProtocolError(f"unknown event {name!r}: {json.dumps(d, default=str)[:300]}")
         return OtherEvent(kind=name, data=dict(d))
-    hints = _hints(cls)
+    known = hints(cls)
     names = {f.name for f in fields(cls)}
     unknown = set(d) - names - set(ENVELOPE)
     if unknown and strict():
         raise ProtocolError(f"event {name!r} has field(s) {', '.join(sorted(unknown))} that {cls.__name__} lacks")
-    values = {k: _coerce(d[k], hints[k]) for k in names if k in d}
+    values = {k: coerce(d[k], known[k]) for k in names if k in d}
     values.update(_IMPLIED.get(name, {}))
     return cls(**values)
 

@@ -44,7 +44,7 @@ class RunFacts:
     vllm_sleep: bool | None = None
     vllm_platform: str | None = None
     # the least vllm_gpu_memory_utilization with which vLLM starts on this device (its engine, the activations of its
-    # profile run and one of the run's sequences), as the memory model judges it (Guide.vllm_floor); None: not known
+    # profile run and one of the run's sequences), as the memory model judges it (Judge.vllm_floor); None: not known
     vllm_min_utilization: float | None = None
     stack: str | None = None  # the front-end around TRL the run trains with ("swift", "unsloth"), None: TRL itself
     # what of the stack's memory no measurement covers (Unsloth's generated trainer): judged like an untested TRL

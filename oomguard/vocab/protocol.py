@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schema import PLAN_SCHEMA, check_schema
+from .serial import read_fields, to_fields
 
 PLAN_ENV = "OOMGUARD_PLAN"
 SIMULATE_ENV = "OOMGUARD_SIMULATE_GPU"
@@ -34,9 +35,63 @@ STOPPED_MARK = "stopped-on-purpose"
 END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
 
 
+@dataclass(frozen=True)
+class SurePlan:
+    """What the training process needs to decide whether an attempt launched as a probe is the real run
+    (``child/preflight.decide_probe``; built by ``Judge.sure_plan``): the device, the coefficients, and the measured
+    under-prediction for each LM head with the limit it gives (a TRL newer than tested is never sure)."""
+
+    capacity: int = 0
+    simulated: bool = False
+    context: int | None = None
+    coefficients: dict[str, Any] = field(default_factory=dict)
+    under: dict[str, float] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """A short worst-case probe instead of the command's run (``child/probe.py``): ``steps`` optimizer steps on
+    ``rows`` of the longest prompts, saving into oomguard's scratch ``output_dir``; with ``unless_sure``, the real run
+    instead where the memory model is sure of the config."""
+
+    steps: int = 2
+    rows: int = 64
+    output_dir: str | None = None
+    unless_sure: SurePlan | None = None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a real run continues from the newest checkpoint (``run/resume.resume_plan``): ``continue`` (TRL's
+    resume_from_checkpoint), ``weights`` (a new run from its weights, saving into ``output_dir``) or ``restart``
+    (from step 0 into ``output_dir``: the checkpoint holds only an adapter), and why."""
+
+    mode: str = "continue"
+    checkpoint: str = ""
+    why: str = ""
+    output_dir: str | None = field(default=None, metadata={"omit": True})
+
+
+@dataclass(frozen=True)
+class PreflightPlan:
+    """What the training process needs to stop a config the memory model is sure cannot fit (``child/preflight.py``):
+    the device, the margin over it (``margins``: one per LM head and one for a TRL newer than tested, each
+    ``[margin, source]``; ``margin`` where the supervisor sends none), and the model's coefficients."""
+
+    capacity: int = 0
+    margin: float | None = None
+    margin_source: str = ""
+    margins: dict[str, Any] = field(default_factory=dict)
+    simulated: bool = False
+    context: int | None = None
+    coefficients: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Plan:
-    """What the supervisor asks of one attempt (schema ``oomguard.plan/1``)."""
+    """What the supervisor asks of one attempt (schema ``oomguard.plan/1``). Its parts may be given as their JSON
+    objects: they are read as their records."""
 
     attempt: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -45,23 +100,28 @@ class Plan:
     gpu_memory: int | None = None
     crash_dir: str | None = None
     events: str | None = None
-    probe: dict[str, Any] | None = None
-    resume: dict[str, Any] | None = None
+    probe: ProbePlan | None = None
+    resume: ResumePlan | None = None
     checkpoint_every: int | None = None
     remedies: list[str] = field(default_factory=list)
     log_to_trainer: bool = True
-    preflight: dict[str, Any] | None = None  # capacity, margin, coefficients, simulated: see child/preflight.py
+    preflight: PreflightPlan | None = None
+
+    def __post_init__(self) -> None:
+        for name, cls in (("probe", ProbePlan), ("resume", ResumePlan), ("preflight", PreflightPlan)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, read_fields(cls, value))
 
     @classmethod
     def load(cls, path: str) -> Plan:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         check_schema(data, PLAN_SCHEMA, path)
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return read_fields(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": PLAN_SCHEMA, **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+        return {"schema": PLAN_SCHEMA, **to_fields(self)}
 
 
 def whereabouts() -> str:

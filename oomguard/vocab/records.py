@@ -14,7 +14,6 @@ record, and an existing file is replaced only by a complete one.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -25,103 +24,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .files import write_atomic
+from .files import read_json, write_json_atomic
 from .oomreport import Frame, OOMReport
 from .schema import CRASH_SCHEMA, REPORT_SCHEMA, RecordError, check_schema
+from .serial import to_fields
 
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically (``oomguard.vocab.files.write_atomic``) and return the path."""
-    return write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
-
-
-def publish(data: dict[str, Any], kept: str | os.PathLike[str], top: str | os.PathLike[str],
-            aside_dir: str | os.PathLike[str]) -> Path | None:
-    """Write a run's record (report or lock) to its own file ``kept`` and a copy of it to ``top``; lose nothing.
-
-    ``kept`` (under the run's workdir) is never replaced; ``top`` (``oomguard-report.json``, ``oomguard.lock.json``)
-    always holds the latest run's record, with ``kept_at`` naming the kept copy. A ``top`` file that is not such a copy
-    (written by an older oomguard, or by hand, or whose kept copy is gone) is first copied into ``aside_dir``.
-    Returns the path it was kept at, or None.
-
-    >>> import tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> _ = write_json_atomic(os.path.join(d, "top.json"), {"status": "stable", "by": "an older run"})
-    >>> aside = publish({"status": "failed"}, os.path.join(d, "runs", "2", "report.json"), os.path.join(d, "top.json"),
-    ...                 os.path.join(d, "kept"))
-    >>> read_json(aside)["by"], read_json(os.path.join(d, "top.json"))["status"]
-    ('an older run', 'failed')
-    >>> publish({"status": "stable"}, os.path.join(d, "runs", "3", "report.json"), os.path.join(d, "top.json"),
-    ...         os.path.join(d, "kept")) is None  # the top file was a copy of run 2's, which is kept
-    True
-    """
-    kept, top = Path(kept), Path(top)
-    data = {**data, "kept_at": str(kept.resolve())}
-    write_json_atomic(kept, data)
-    aside = None
-    if top.exists() and not _is_kept_copy(top):
-        aside = _keep_aside(top, Path(aside_dir))
-    write_json_atomic(top, data)
-    return aside
-
-
-def _is_kept_copy(path: Path) -> bool:
-    """True when ``path`` is a byte-for-byte copy of the record its ``kept_at`` names."""
-    try:
-        text = path.read_bytes()
-        where = json.loads(text).get("kept_at")
-        return bool(where) and Path(where).resolve() != path.resolve() and Path(where).read_bytes() == text
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _keep_aside(path: Path, aside_dir: Path) -> Path:
-    """Copy ``path`` into ``aside_dir`` under a name stamped with its modification time; never overwrite."""
-    import shutil
-
-    aside_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-    dest = aside_dir / f"{path.stem}-{stamp}{path.suffix}"
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = aside_dir / f"{path.stem}-{stamp}-{n}{path.suffix}"
-    shutil.copy2(path, dest)
-    return dest
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
-    if isinstance(o, Path):
-        return str(o)
-    to_dict = getattr(o, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    return repr(o)
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """A JSON object from ``path``, or None when it is missing, unreadable or not an object (a run cut short may
-    leave no report, or half of one).
-
-    >>> read_json_object("/nonexistent/report.json") is None
-    True
-    """
-    try:
-        data = read_json(path)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass
@@ -157,28 +67,7 @@ class CrashRecord:
     traceback: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": CRASH_SCHEMA,
-            "created": self.created,
-            "message": self.message,
-            "exception_type": self.exception_type,
-            "report": self.report.to_dict(),
-            "frames": [f.to_dict() for f in self.frames],
-            "phase": self.phase,
-            "step": self.step,
-            "memory_stats": self.memory_stats,
-            "knobs": self.knobs,
-            "observed": self.observed,
-            "peak_bytes": self.peak_bytes,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "pid": self.pid,
-            "host": self.host,
-            "device": self.device,
-            "attempt": self.attempt,
-            "model_config": self.model_config,
-            "traceback": self.traceback,
-        }
+        return {"schema": CRASH_SCHEMA, **to_fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "crash record") -> CrashRecord:
@@ -257,7 +146,7 @@ class Attempt:
     remedies: list[str]
     outcome: str  # an Outcome
     exit_code: int | None
-    seconds: float
+    seconds: float = field(metadata={"round": 3})
     peak_bytes: int | None = None
     oom: dict[str, Any] | None = None
     step: int | None = None
@@ -276,29 +165,7 @@ class Attempt:
     probe_decision: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "kind": self.kind,
-            "knobs": self.knobs,
-            "remedies": self.remedies,
-            "outcome": self.outcome,
-            "exit_code": self.exit_code,
-            "seconds": round(self.seconds, 3),
-            "peak_bytes": self.peak_bytes,
-            "peak_reserved_bytes": self.peak_reserved_bytes,
-            "predicted_bytes": self.predicted_bytes,
-            "oom": self.oom,
-            "step": self.step,
-            "climbed": self.climbed,
-            "skipped": self.skipped,
-            "resume": self.resume,
-            "note": self.note,
-            "memory": self.memory,
-            "generated": self.generated,
-            "choice": self.choice,
-            "override_error": self.override_error,
-            "probe_decision": self.probe_decision,
-        }
+        return to_fields(self)
 
 
 @dataclass
@@ -321,33 +188,15 @@ class RunReport:
     # configs predicted to fit that trade differently (oomguard.decide.alternatives)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     # what the stable config kept of the user's experiment and what it changed (oomguard.decide.experiment)
-    experiment: dict[str, Any] | None = None
-    group: dict[str, Any] | None = None  # a job on several nodes: this node's place in it (oomguard.run.group)
+    experiment: dict[str, Any] | None = field(default=None, metadata={"omit": True})
+    # a job on several nodes: this node's place in it (oomguard.run.group)
+    group: dict[str, Any] | None = field(default=None, metadata={"omit": True})
     # one line each: what the user should know that is not an OOM (a config whose weights cannot move, a patch of
     # oomguard's that failed)
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list, metadata={"omit": True})
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": REPORT_SCHEMA,
-            "status": self.status,
-            "message": self.message,
-            "exit_code": self.exit_code,
-            "command": self.command,
-            "ladder": self.ladder,
-            "started": self.started,
-            "finished": self.finished,
-            "device": self.device,
-            "attempts": [a.to_dict() for a in self.attempts],
-            "original": self.original,
-            "stable": self.stable,
-            "diff": self.diff,
-            "facts": self.facts,
-            "alternatives": self.alternatives,
-            **({"experiment": self.experiment} if self.experiment is not None else {}),
-            **({"group": self.group} if self.group is not None else {}),
-            **({"warnings": self.warnings} if self.warnings else {}),
-        }
+        return {"schema": REPORT_SCHEMA, **to_fields(self)}
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         return write_json_atomic(path, self.to_dict())

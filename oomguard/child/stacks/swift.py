@@ -36,6 +36,11 @@ from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
 
 STACK = "swift"
+# the modules whose import loads this adapter's patches (the bootstrap reads these tables)
+TRIGGERS = {"swift.arguments.rlhf_args": "patch_arguments", "swift.rlhf_trainers.arguments": "patch_config",
+            "swift.rlhf_trainers.grpo_trainer": "patch_trainer"}
+SIMULATED_TRIGGERS: dict[str, str] = {}
+SIMULATED_ENVIRONMENT: dict[str, str] = {}
 # knobs swift has no way to take: oomguard drops long prompts from a TRL dataset; swift encodes its own
 CANNOT_TAKE = ("max_prompt_tokens",)
 # knobs swift takes that TRL lacks: the trainer's weights and optimizer wait in host RAM while vLLM generates
@@ -92,8 +97,8 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
     probe = rt.plan.probe
     if probe and rt.probe_undecided():  # swift builds its trainer itself: nothing later could make it a probe
         rt.decide_probe("probe", "ms-swift's arguments are read before the model, so the probe is decided first")
-    if probe and rt.probing() and probe.get("output_dir"):  # a probe's files go to oomguard's scratch directory
-        args.output_dir = probe["output_dir"]
+    if probe and rt.probing() and probe.output_dir:  # a probe's files go to oomguard's scratch directory
+        args.output_dir = probe.output_dir
         args.save_strategy = "no"
         args.add_version = False
 

@@ -38,6 +38,9 @@ from ..runtime import Runtime
 STACK = "unsloth"
 # reported as soon as Unsloth is imported: its loader quantises and prepares a model for the LoRA added after it
 LOADER_FACTS = {"stack": STACK, "load_takes_4bit": True}
+# the modules whose import loads this adapter's patches (the bootstrap reads these tables)
+TRIGGERS = {"unsloth": "patch_unsloth"}
+SIMULATED_TRIGGERS: dict[str, str] = {}
 # set in the training process under --simulate-gpu, before Unsloth is imported (it reads it at import)
 SIMULATED_ENVIRONMENT = {"UNSLOTH_COMPILE_DISABLE": "1"}
 # the classes a notebook loads with (GPU path: separate classes; CPU backend: one class under several names)

@@ -31,6 +31,12 @@ from typing import Any
 from ...vocab.events import CodeSeen, ModelSeen, VLLMMemory
 from ..runtime import Runtime, rank
 
+# the modules whose import loads this adapter's patches (the bootstrap reads these tables), and those under the
+# simulated device only
+TRIGGERS = {"trl.generation.vllm_generation": "patch_trl"}
+SIMULATED_TRIGGERS = {"vllm.v1.worker.cpu_worker": "size_like_a_gpu"}
+SIMULATED_ENVIRONMENT: dict[str, str] = {}
+
 EAGER_LINE = ("oomguard: vLLM runs eager under the simulated device: its compiled kernels allocate below what the "
               "simulated device can count (a run on a GPU keeps vLLM's compilation)\n")
 

@@ -1,5 +1,5 @@
 """The uncertain coefficients of the memory model, fitted to real measurements, and the measured errors of its
-predictions that the pre-flight check and the Guide add as margins.
+predictions that the pre-flight check and the Judge add as margins.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ class), one probe each; a removal that
 still fits is kept. Two callers: ``--minimize`` tries every rung (proof, for users who want it); by default only
 the rungs the memory model is unsure of are tried: those that change what is trained or learned from (capacity and
 signal: LoRA, 4-bit, fewer generations, shorter completions) whose removal it predicts just over the device, within
-its error (``Guide.plausible``). A speed or precision change the model is unsure of stays without a probe: worth a
+its error (``Judge.plausible``). A speed or precision change the model is unsure of stays without a probe: worth a
 launch only with ``--minimize``. A trial whose knobs equal those of an attempt already made is skipped, so no config is
 probed twice (a rung climbed twice is one trial; a rung that changes nothing here is none).
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from ..decide.cheapest import cost_rank
-from ..decide.climb import Climb
 from ..vocab.knobs import Knobs
+from .cheapest import cost_rank
+from .climb import Climb
 
 
 @dataclass

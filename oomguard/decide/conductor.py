@@ -1,0 +1,380 @@
+"""The one owner of a climb's decisions, for `oomguard run`, `@oomguard.guard` and `oomguard plan` alike.
+
+A front-end launches (or calls) and reports how each attempt ended; the conductor decides everything else: whether the
+first config is probed, what the next attempt is (a probe, the real run, an undo trial, nothing), which config it
+runs (``Climb``, judged by the memory model handed to it once: ``Judge``), what each attempt teaches the model, which
+ladder a distributed run takes, and when the budget is spent. Its policy (``Policy``) is the user's options; its
+state is the climb's and its own (the undo trials, the rungs the last choice put in force, the last diagnosis).
+
+What it decides comes back as data (``Next``): the next attempt's kind, and what to tell the user, in order
+(``Said``: a line, or the climb's decision for the front-end to show its way), so a front-end reads top to bottom::
+
+    nxt = conductor.first()
+    while nxt.kind is not None and not conductor.spent():
+        attempt, diagnosis = launcher.launch(nxt)      # which calls conductor.record(attempt, diagnosis)
+        nxt = conductor.after(attempt, diagnosis)
+
+>>> from oomguard.decide.ladder import load_ladder
+>>> c = Conductor(Climb(load_ladder("default")), None, Policy(probe_steps=0))
+>>> c.first().kind
+<AttemptKind.RUN: 'run'>
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..vocab.diagnosis import Diagnosis
+from ..vocab.facts import RunFacts
+from ..vocab.knobs import Knobs, reachable
+from ..vocab.records import Attempt, AttemptKind, Outcome
+from ..vocab.sizes import format_size
+from ..vocab.trlrange import head_of, support
+from .choose import Choice
+from .climb import UNDO_BY_DEFAULT, Climb, Decision
+from .judge import Judge
+from .ladder import MULTI_GPU, distributed_reason_of, load_ladder
+from .minimize import Minimizer
+
+# The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
+# the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
+# memory model learns from it, so choices after a probe keep that room.
+PROBE_TAIL = 0.01
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The user's options that shape a climb's decisions (``oomguard run``'s flags; the guard's arguments)."""
+
+    max_attempts: int = 8
+    max_time: float | None = None
+    probe_steps: int = 2  # a short worst-case probe before a real run (0: never)
+    always_probe: bool = False  # probe even a config the memory model is sure of
+    refine: bool = True  # once a probe fits: choose again with what it measured; probe the changes it is unsure of
+    minimize: bool = False  # prove every change needed with an undo trial
+    replay: bool = False  # a lock replayed: its config runs as it is, never climbed
+    preflight: bool = True  # the training process stops a config the model is sure cannot fit
+    preflight_margin: float | None = None  # how far over the device that is; None: the model's measured error
+    ladder_auto: bool = False  # --ladder not given: a run the training process reports distributed takes multi-gpu
+    device: bool = True  # a device could run out of memory (an accelerator, a simulated or named size)
+
+
+@dataclass(frozen=True)
+class Said:
+    """One thing to tell the user, in order: a ``line``, or the climb's ``decision`` (``exhausted`` when there was
+    nothing left), shown as the front-end shows decisions."""
+
+    line: str | None = None
+    decision: Decision | None = None
+
+
+@dataclass
+class Next:
+    """What comes next: an attempt of ``kind`` (None: the run is done), a probe ``deferred`` until the training
+    process finds the model sure of its config (then it is the real run), an undo trial ``without`` one rung, and
+    what to tell the user first."""
+
+    kind: AttemptKind | None
+    deferred: bool = False
+    without: str | None = None
+    said: list[Said] = field(default_factory=list)
+
+    def line(self, text: str) -> Next:
+        self.said.append(Said(line=text))
+        return self
+
+
+class Conductor:
+    """The decisions of one climb (see the module): ``first``, ``after`` each attempt, ``learn`` from it,
+    ``take_facts`` the training process reports, ``choose`` after an OOM (also what ``oomguard plan`` asks)."""
+
+    def __init__(self, climb: Climb, judge: Judge | None, policy: Policy, *, capacity: int | None = None,
+                 launched: bool = False, subject: str = "the command") -> None:
+        self.climb = climb
+        self.subject = subject  # what runs the attempts, in the climb's sentences
+        self.judge = judge  # the memory model; public so that a test can stand in what a probe taught it
+        self.policy = policy
+        self.capacity = capacity if capacity is not None else judge.capacity if judge is not None else None
+        self.probe_steps = policy.probe_steps  # a TRL or stack no measurement covers is probed even under --no-probe
+        self.minimizer = Minimizer()
+        self.newly: list[str] = []  # rungs the last choice put in force (taken back if their overrides break)
+        self.last_diag: Diagnosis | None = None  # the OOM the climb last answered
+        # the construction points the command passed through (config, trainer, model): what its knobs reach; None where
+        # nothing is launched (`oomguard plan`: every knob reaches)
+        self.reached: set[str] | None = set() if launched else None
+        self.trl_seen: tuple[str, str | None, str | None] | None = None
+
+    # -- the start and the budget ------------------------------------------------------------------------------
+    def first(self) -> Next:
+        """The first attempt: the user's config (a lock's, replayed), probed unless there is nothing to probe."""
+        if self.probe_steps > 0 and self.policy.device:
+            return Next(AttemptKind.PROBE, deferred=self.may_skip_probe())
+        return Next(AttemptKind.RUN)
+
+    def may_skip_probe(self) -> bool:
+        """Whether an attempt launched as a probe may become the real run where the training process finds the model
+        sure of its config (``Judge.sure``): not after a real OOM in this run (the model was wrong here), nor with
+        --always-probe or --minimize, nor while a change of what is trained or learned is in force (a probe is what
+        can show it is not needed)."""
+        if self.judge is None or self.policy.always_probe or self.policy.minimize:
+            return False
+        return self.climb.probe_may_be_skipped()
+
+    def spent(self) -> bool:
+        """--max-attempts (undo trials are extra work the user asked for: they do not count) or --max-time."""
+        c = self.climb
+        counted = sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE)
+        late = self.policy.max_time is not None and time.time() - c.started >= self.policy.max_time
+        return counted >= self.policy.max_attempts or late
+
+    def room_for(self, attempts: int, counted: bool = True) -> bool:
+        """Whether the budget leaves room for this many more attempts, so that an optional probe never takes the
+        real run's place: --max-attempts (for attempts it counts), and --max-time by the longest attempt so far."""
+        c = self.climb
+        if counted and sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE) + attempts > \
+                self.policy.max_attempts:
+            return False
+        if self.policy.max_time is not None:
+            longest = max((a.seconds for a in c.attempts), default=0.0)
+            return time.time() - c.started + (attempts - 1) * longest < self.policy.max_time
+        return True
+
+    # -- what the training process reports ---------------------------------------------------------------------
+    def take_facts(self, facts: RunFacts) -> list[str]:
+        """Newer facts about the run: the climb learns them, the judge the LM head and device the training process
+        found, the ladder follows a run the training process reports distributed (before anything was climbed on
+        the other). Returns the lines to say."""
+        c = self.climb
+        if self.judge is not None:  # what vLLM needs on this device, for the rung that shrinks its reservation
+            facts = facts.replace(vllm_min_utilization=self.judge.vllm_floor(facts, c.effective()[0]))
+        c.learn(facts)
+        lines = self.take_trl(facts.trl_version, facts.trl_head, facts.stack_untested)
+        if self.policy.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and \
+                (why := distributed_reason_of(facts)):
+            c.switch_ladder(load_ladder(MULTI_GPU))
+            lines.append(ladder_line(why))
+        return lines
+
+    def take_trl(self, version: str | None, head: str | None, stack_untested: str | None = None) -> list[str]:
+        """The command's TRL, read before launching or reported by the training process: a release newer than the
+        tested ones (or a stack whose memory no measurement covers) gets one line, and a probe verifies its first
+        choice even under --no-probe; the judge models its LM head (the reported one, else the one its release is
+        known to have) and its measured error."""
+        if version is None or (version, head, stack_untested) == self.trl_seen:
+            return []
+        s = support(version)
+        untested = s.untested or bool(stack_untested)
+        lines = []
+        if untested and (self.trl_seen is None or self.trl_seen[0] != version or self.trl_seen[2] != stack_untested):
+            lines.append(str(s.message) if s.untested else
+                         f"{stack_untested}: the pre-flight stops only far over the device, and a probe verifies the "
+                         "first choice")
+            if self.probe_steps <= 0 and not self.policy.replay:
+                self.probe_steps = 2
+        self.trl_seen = (version, head, stack_untested)
+        if self.judge is not None:
+            self.judge.set_trl(head or head_of(version), untested)
+        return lines
+
+    def take_device(self, total: int | None, from_nvml: bool) -> str | None:
+        """The size of the device the training process computes on, as CUDA reports it there: where the size came
+        from NVML and differs (a device order or a MIG layout NVML could not resolve), it is the one judged."""
+        if not total or not from_nvml or total == self.capacity:
+            return None
+        old, self.capacity = self.capacity, total
+        if self.judge is not None:
+            self.judge.set_capacity(total)
+        return (f"the training process sees a device of {format_size(total)}"
+                + (f", not the {format_size(old)} NVML reported" if old else "") + ": predictions use its size from now on")
+
+    def record(self, attempt: Attempt, diag: Diagnosis | None) -> None:
+        """An attempt ended: the memory model learns from it (``learn``), and the climb records it."""
+        self.learn(attempt, diag)
+        self.climb.record(attempt)
+
+    def learn(self, attempt: Attempt, diag: Diagnosis | None) -> None:
+        """What an attempt teaches the memory model, the same for a launch and a guarded call: its prediction is
+        recorded on it; a success teaches the steady state only once an optimizer step has run with its state in
+        place (``step`` at least 2, or a call that ran to its end without counting steps); a probe's peak counts
+        PROBE_TAIL higher; an OOM teaches a lower bound; a passing probe is kept in this machine's calibration."""
+        judge, c = self.judge, self.climb
+        if judge is None:
+            return
+        knobs = Knobs.from_dict(attempt.knobs)
+        est = judge.predict(c.facts, knobs)
+        if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
+            attempt.predicted_bytes = est.peak_bytes if est else None
+        if attempt.outcome == Outcome.OK and attempt.step is not None and attempt.step < 2:
+            return
+        peak = attempt.peak_bytes
+        if peak and attempt.kind != AttemptKind.RUN:
+            peak = int(peak * (1 + PROBE_TAIL))
+        judge.learn(c.facts, knobs, attempt.outcome, peak, diag.report if diag else None)
+        if attempt.outcome == Outcome.OK and attempt.kind != AttemptKind.RUN:
+            # what this machine teaches later runs of this model: a probe's worst case, like the prediction's
+            judge.record(c.facts, knobs, attempt.peak_bytes, attempt.peak_reserved_bytes)
+
+    # -- what comes next ---------------------------------------------------------------------------------------
+    def after(self, attempt: Attempt, diag: Diagnosis | None, *, read_fields: frozenset[str] | None = None) -> Next:
+        """The next attempt after ``attempt`` ended (``record``-ed already), or ``Next(None)``. ``read_fields``: the
+        knobs that reach the code, where the front-end knows them (a guarded call); else what the command passed
+        through."""
+        c, p = self.climb, self.policy
+        if attempt.outcome == Outcome.INTERRUPTED:
+            return Next(None)
+        if attempt.outcome != Outcome.FAILED:
+            self.newly = []  # the rungs in force launched: a later failure is not theirs
+        trial_of = c.trial_of
+        if c.settle_rechoice(attempt.outcome == Outcome.OK) and attempt.outcome != Outcome.OK:
+            if trial_of is not None:  # a cheaper trial did not fit: the choice it stood in for, probed in its turn
+                c.trial_of = None
+                attempt.note = ("the cheaper config tried first did not fit: back to the config the memory model "
+                                "chose, which changes what is trained or learned")
+                return Next(AttemptKind.PROBE).line(f"  {attempt.note}")
+            # the config chosen again after a probe fit did not hold: back to that one, which needs no new probe
+            attempt.note = "the config chosen again did not hold: back to the config the probe before showed to fit"
+            return self._after_fit(attempt, Next(None).line(f"  {attempt.note}"))
+        if attempt.outcome == Outcome.FAILED:
+            if attempt.override_error is not None and self.newly and not p.replay:
+                return self._take_back(attempt, attempt.override_error)
+            return Next(None)
+        if attempt.kind == AttemptKind.MINIMIZE:
+            attempt.note = self.minimizer.settle(c, attempt.outcome == Outcome.OK)
+            return self._after_fit(attempt, Next(None))
+        if attempt.outcome == Outcome.OK:
+            return Next(None) if attempt.kind == AttemptKind.RUN else self._after_fit(attempt, Next(None))
+        # out of memory, or stopped by the pre-flight check
+        if p.replay:
+            exhausted = c.give_up("lock", "a locked config is replayed without climbing")
+            return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
+        self.last_diag = diag
+        return self.choose(attempt, diag, read_fields=read_fields)
+
+    def choose(self, attempt: Attempt | None, diag: Diagnosis | None, *,
+               read_fields: frozenset[str] | None = None) -> Next:
+        """Let the climb choose the next config after an OOM (or a pre-flight stop), judged by the memory model, and
+        say what it chose and why. ``read_fields``: the knobs that reach the code (default: what the command passed
+        through). Also what `oomguard plan` asks (``attempt`` None)."""
+        c, judge = self.climb, self.judge
+        if read_fields is None and self.reached is not None:
+            read_fields = reachable(self.reached)
+        before = set(c.remedies_in_force())
+        fits = judge.fits(c.facts) if judge is not None else None
+        peak = judge.peak(c.facts) if judge is not None else None
+        relax = judge.fits(c.facts, judge.relax_margin) if judge is not None else None
+        plausible = judge.plausible(c.facts, self.doubt()) if judge is not None and self.probe_steps > 0 else None
+        decision = c.choose_next(diag, read_fields, subject=self.subject, fits=fits, peak=peak, relax_fits=relax,
+                                 plausible=plausible)
+        if attempt is not None:
+            attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
+        if decision.exhausted is not None:
+            return Next(None, said=[Said(decision=decision)])
+        if attempt is not None:
+            attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
+        self.newly = [n for n in c.remedies_in_force() if n not in before]
+        nxt = Next(AttemptKind.RUN, said=[Said(decision=decision)])
+        if decision.choice is not None:
+            for line in self.explain(decision.choice):
+                nxt.line(line)
+        if decision.trial and c.trial_of is not None:
+            kept = ", ".join(dict.fromkeys(r.name for r in c.trial_of.rungs))
+            nxt.line(f"  first a probe without what changes the experiment: {', '.join(c.remedies_in_force())} is "
+                     f"predicted within the memory model's error of the device (the choice, {kept}, follows if it "
+                     "does not fit)")
+        if self.probe_steps <= 0:
+            return nxt
+        if c.effective()[0] in c.verified:  # a probe already ran this config: no second probe
+            return self._after_fit(attempt, nxt.line("  back to a config a probe already showed to fit"))
+        nxt.kind, nxt.deferred = AttemptKind.PROBE, self.may_skip_probe()
+        return nxt
+
+    def doubt(self) -> float | None:
+        """How far over the device a config may be predicted and still be worth a probe: the model's doubt, but not so
+        far that the pre-flight would stop the probe."""
+        if self.judge is None:
+            return None
+        return min(self.judge.doubt, self.stop_margin()[0]) if self.policy.preflight else self.judge.doubt
+
+    def stop_margin(self) -> tuple[float, str]:
+        """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
+        if self.policy.preflight_margin is not None:
+            return self.policy.preflight_margin, "--preflight-margin"
+        assert self.judge is not None
+        return self.judge.stop_margin()
+
+    def _after_fit(self, attempt: Attempt | None, nxt: Next) -> Next:
+        """After a probe fits (or an undo trial settles): a config the user prefers that the model, calibrated by
+        what the probe measured, now predicts to fit (probed next); else the next undo trial (every rung with
+        --minimize; by default those whose removal the model is unsure of); else the real run."""
+        c, p = self.climb, self.policy
+        judge = self.judge if p.refine else None
+        if judge is not None and self.room_for(2) and (fits := judge.fits(c.facts)) is not None:
+            choice = c.rechoose(fits, judge.peak(c.facts), judge.fits(c.facts, judge.relax_margin))
+            if choice is not None:
+                if attempt is not None:
+                    attempt.choice = {**choice.to_dict(), "after": "probe"}
+                nxt.line("  re-chose with what the probe measured: a config closer to yours is predicted to fit")
+                for line in self.explain(choice):
+                    nxt.line(line)
+                nxt.kind = AttemptKind.PROBE
+                return nxt
+        # a change the model is unsure of, but not so unsure that the pre-flight check would stop the trial
+        worth = judge.plausible(c.facts, self.doubt()) if judge is not None else None
+        if not self.minimizer.started and c.applied and (p.minimize or worth is not None):
+            # by default only what changes the experiment is worth a launch to undo; --minimize tries every change
+            self.minimizer.start(c, None if p.minimize else UNDO_BY_DEFAULT)
+        if (self.minimizer.started and self.room_for(2, counted=False)
+                and (name := self.minimizer.next_trial(c, None if p.minimize else worth))):
+            why = "--minimize" if p.minimize else "predicted just over the device without it, within the model's error"
+            nxt.line(f"  is {name} needed? one probe without it ({why})")
+            nxt.kind, nxt.without = AttemptKind.MINIMIZE, name
+            return nxt
+        nxt.kind = AttemptKind.RUN
+        return nxt
+
+    def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
+        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""
+        why = f"applying it failed in {err.get('where')}: {err.get('error')}"
+        names, self.newly = self.newly, []
+        self.climb.take_back(names, why)
+        attempt.note = f"oomguard's overrides broke the launch, not the script: took back {', '.join(names)}"
+        nxt = self.choose(attempt, self.last_diag)
+        nxt.said.insert(0, Said(line=f"  took back {', '.join(names)}: {why}"))
+        return nxt
+
+    def explain(self, ch: Choice) -> list[str]:
+        """One line per rung dropped and per graded knob relaxed by the choice, with the prediction behind it."""
+        cap = format_size(self.capacity) if self.capacity else "the device"
+        lines = []
+        if ch.dropped:
+            peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
+            them = "it" if len(ch.dropped) == 1 else "them"
+            why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
+            if self.judge is not None and Judge.load_only(self.climb.facts):
+                why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
+                       "once GRPOTrainer is built")
+            lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
+        for knob, climbed, chosen in ch.relaxed:
+            lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
+        return lines
+
+
+def ladder_line(why: str) -> str:
+    """The line that says which ladder oomguard picked by itself, and why."""
+    return (f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's buffers, ZeRO "
+            "stages, offload) come before any trade of quality; --ladder NAME picks another")
+
+
+def say(nxt: Next, line: Callable[[str], None], decision: Callable[[Decision], None]) -> None:
+    """Tell the user what ``nxt`` says, in order, through a front-end's two ways of saying things."""
+    for s in nxt.said:
+        if s.decision is not None:
+            decision(s.decision)
+        elif s.line is not None:
+            line(s.line)
+
+
+__all__ = ["PROBE_TAIL", "Conductor", "Next", "Policy", "Said", "ladder_line", "say"]
