@@ -252,6 +252,22 @@ class ModelSpec:
         return (self.embedding_params + self.dense_layers * dense + self.moe_layers * moe + self.hidden_size
                 + self.vision_params)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all of a dense model's, a MoE's routed ``top_k`` of its experts (the
+        compute a step costs, not the memory it holds).
+
+        >>> moe = ModelSpec(151936, 2048, 48, 32, 4, 128, 6144, False, moe=MoeSpec(128, 8, 768, 48))
+        >>> round(moe.params / 1e9, 2), round(moe.active_params / 1e9, 2)   # Qwen3-30B-A3B
+        (30.53, 3.35)
+        """
+        m = self.moe
+        if m is None:
+            return self.params
+        idle = self.moe_layers * (m.num_experts - m.top_k) * sum(
+            _numel(s) for _n, s in m.expert_tensors(self.hidden_size)) // m.num_experts
+        return self.params - idle
+
     def param_tensors(self) -> list[int]:
         """Element counts of every parameter tensor (what per-tensor optimizer rules need); ``embed_tokens`` first."""
         out = [self.vocab_size * self.hidden_size] * (1 if self.tie_word_embeddings else 2)
