@@ -104,7 +104,7 @@ def test_class_defaults_are_transformers_defaults():
     classes = {"gemma3_text": transformers.Gemma3TextConfig, "siglip_vision_model": transformers.SiglipVisionConfig,
                "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
                "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
-               "gpt_oss": transformers.GptOssConfig}
+               "gpt_oss": transformers.GptOssConfig, "mixtral": transformers.MixtralConfig}
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
     classes["qwen2_5_vl_vision"] = Qwen2_5_VLVisionConfig

@@ -30,9 +30,10 @@ class MoeSpec:
     ``moe_layers``: how many decoder layers have the MoE block (the others keep the dense MLP of
     ``intermediate_size``). ``shared_intermediate``: width of the shared expert MLP (DeepSeek: ``n_shared_experts ·
     moe_intermediate_size``; Qwen2-MoE: ``shared_expert_intermediate_size``), 0 for none; ``shared_gate``: Qwen2-MoE's
-    ``shared_expert_gate`` Linear(h, 1). ``expert_bias`` / ``router_bias``: gpt-oss. ``router_logits``: the config
-    asks for the auxiliary load-balancing loss (``output_router_logits``), so every layer's router logits stay alive
-    until the loss. ``peft_pattern``: PEFT's transformers-v5 conversion applies (the model type is in transformers'
+    ``shared_expert_gate`` Linear(h, 1). ``expert_bias`` / ``router_bias``: gpt-oss. ``router_logits``: the model
+    has a non-zero ``router_aux_loss_coef`` (declared, or its class's 0.001), so TRL 1.16 computes the auxiliary
+    load-balancing loss whatever ``output_router_logits`` says (``grpo_trainer.py``: ``aux_loss_enabled``), and every
+    MoE layer's router logits and their softmax stay alive until the loss. ``peft_pattern``: PEFT's transformers-v5 conversion applies (the model type is in transformers'
     ``conversion_mapping`` as a ``"mixtral"``- or ``"qwen2_moe"``-style model): ``all-linear``, or naming the
     pattern's v4 expert modules (``w1``/``w3``/``w2``, or ``gate_proj``/``up_proj``/``down_proj``) and ``gate``, adapts
     the fused experts (gate_up at twice the rank) and the router. ``mxfp4``: the

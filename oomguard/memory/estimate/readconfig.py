@@ -44,11 +44,13 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl_vision": {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16,
                           "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                           "window_size": 112, "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31]},
-    "qwen2_moe": {"qkv_bias": True, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 5632},
-    "qwen3_moe": {"decoder_sparse_step": 1},
+    "qwen2_moe": {"qkv_bias": True, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 5632,
+                  "router_aux_loss_coef": 0.001},
+    "qwen3_moe": {"decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
+    "mixtral": {"router_aux_loss_coef": 0.001},
     "deepseek_v2": {"first_k_dense_replace": 0, "n_shared_experts": 2},
     "deepseek_v3": {"first_k_dense_replace": 3, "n_shared_experts": 1},
-    "gpt_oss": {"num_experts_per_tok": 4},
+    "gpt_oss": {"num_experts_per_tok": 4, "router_aux_loss_coef": 0.001},
 }
 
 # Facts of an architecture that no config key declares, read from transformers 5.24's modeling code:
@@ -242,7 +244,7 @@ def _moe(d: Mapping[str, Any], top: Mapping[str, Any], model_type: str, L: int, 
     gpt_oss = model_type in GPT_OSS
     return MoeSpec(num_experts=E, top_k=top_k, expert_intermediate=width, moe_layers=moe_layers,
                    shared_intermediate=shared, shared_gate=shared_gate, expert_bias=gpt_oss, router_bias=gpt_oss,
-                   router_logits=bool(d.get("output_router_logits")), peft_pattern=PEFT_MOE_PATTERN.get(model_type),
+                   router_logits=bool(d.get("router_aux_loss_coef")), peft_pattern=PEFT_MOE_PATTERN.get(model_type),
                    mxfp4=isinstance(q, Mapping) and q.get("quant_method") == "mxfp4",
                    router_name="router" if gpt_oss else "gate")
 

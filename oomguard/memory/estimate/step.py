@@ -360,6 +360,8 @@ def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, 
     A = max(A_dense, A_moe)
     ckpt = tokens * h * g.b_res  # one checkpointed layer input
     stored = L * ckpt if gc else spec.dense_layers * A_dense + spec.moe_layers * A_moe
+    if spec.moe is not None and spec.moe.router_logits:  # the auxiliary loss: each MoE layer's logits and softmax
+        stored += spec.moe_layers * tokens * spec.moe.num_experts * 2 * g.b_c
     v_layer = v_stored = 0
     v = spec.vision
     if v is not None and images is not None and images.per_prompt > 0:
