@@ -274,10 +274,17 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--prompt-tokens", type=click.IntRange(1), default=None, metavar="N",
               help="Padded prompt length (default 256).")
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
+@click.option("--images-per-prompt", type=click.IntRange(0), default=None, metavar="N",
+              help="A vision-language model's images in each prompt (default 1; 0: text only). Their tokens are "
+                   "added to --prompt-tokens, which counts the text only.")
+@click.option("--image-size", default=None, metavar="HxW",
+              help="The largest image's size in pixels, e.g. 1080x1920 (default: as large as the processor's pixel "
+                   "budget, max_pixels=N, or the model directory's preprocessor_config.json, allows).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | None, prompt_tokens: int | None,
-         world_size: int, as_json: bool, knobs: tuple[str, ...]) -> None:
+         world_size: int, images_per_prompt: int | None, image_size: str | None, as_json: bool,
+         knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
@@ -285,6 +292,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
       oomguard plan --model config.json --gpu 24GiB lora_r=32 load_in_4bit=true --json
       oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
       oomguard plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu 16GiB,24GiB,80GiB --fit max_completion_length
+      oomguard plan --model ./Qwen2.5-VL-3B-Instruct --gpu 24GiB --images-per-prompt 2 --image-size 1080x1920
 
     KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
     unset knobs take.
@@ -296,7 +304,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     """
     from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
-    from .decide.plan import make_plan
+    from .decide.plan import make_plan, plan_images
     from .memory.estimate import EstimateError, load_model_spec
     from .memory.hubconfig import HubConfigError, config_path
     from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
@@ -321,6 +329,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
         spec = load_model_spec(config_path(model_path))
+        image_facts, k = plan_images(spec, k, config_path(model_path), images_per_prompt, image_size)
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
@@ -334,7 +343,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     from .vocab.trlrange import head_of
 
     trl = trl_support([sys.executable]).version
-    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
+    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl), **image_facts)
     if len(capacities) > 1 or fit_knob is not None:
         _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
                     as_json)
@@ -355,7 +364,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     if as_json:
         import json
 
-        click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts,
+        click.echo(json.dumps({**p.to_dict(), "images": image_facts or None, "calibration": calibration, "device": device, "alternatives": alts,
                                "warnings": [warning] if warning else []}, indent=2))
     else:
         from .display.render import console, plan_table

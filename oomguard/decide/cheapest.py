@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..strategies import COST_CLASSES, Context, cost_rank
+from ..strategies.images import pixel_cut
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts
 from .choose import Choice, Rung, relax_rungs, replay
 from .ladder import Ladder
@@ -56,7 +57,8 @@ SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero
 
 def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, float]:
     """How far ``k`` moved from ``user`` within each cost class that has graded values (0 for the others): for
-    ``signal`` the relative cuts of completion length, generations and prompts per step, summed; for ``speed`` the
+    ``signal`` the relative cuts of completion length, generations and prompts per step, summed, with half the cut of
+    a vision-language model's pixel budget (``strategies.images.pixel_cut``); for ``speed`` the
     share of a step's time its changes add, roughly (:data:`SPEED_COST`; a smaller vLLM reservation by its cut).
 
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
@@ -91,7 +93,8 @@ def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, floa
     out = dict.fromkeys(COST_CLASSES, 0.0)
     out["signal"] = round(cut(user.max_completion_length, k.max_completion_length)
                           + cut(user.num_generations or 8, k.num_generations or 8)
-                          + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size)), 9)
+                          + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size))
+                          + pixel_cut(user.max_pixels, k.max_pixels), 9)
     out["speed"] = round(speed, 9)
     return out
 

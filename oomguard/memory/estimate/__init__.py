@@ -85,6 +85,7 @@ from .coefficients import (
     sure_limit,
     sure_to_fit,
 )
+from .fed import fed, images_of, load_fed
 from .model import (
     MXFP4_BYTES_PER_PARAM,
     EstimateError,
@@ -126,8 +127,11 @@ __all__ = [
     "VisionSpec",
     "describe",
     "estimate",
+    "fed",
     "image_tokens",
+    "images_of",
     "load_bytes",
+    "load_fed",
     "load_model_spec",
     "load_pixel_budget",
     "lora_targets",
