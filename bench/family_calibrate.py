@@ -102,10 +102,16 @@ def images(cfg: Config) -> Any:
     return Images(per_prompt=1, height=IMAGE, width=IMAGE, max_pixels=IMAGE * IMAGE, min_pixels=56 * 56)
 
 
-def vlm_processor(vocab_size: int) -> Any:
-    """Qwen2.5-VL's processor over a word-level tokenizer whose last ids are the chat and vision tokens."""
+def vlm_processor(vocab_size: int, max_pixels: int = IMAGE * IMAGE) -> Any:
+    """Qwen2.5-VL's processor over a word-level tokenizer whose last ids are the chat and vision tokens, with a pixel
+    budget of ``max_pixels`` per image."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+
+    try:
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:  # transformers before 5.4 (TRL 0.29.1's): the PIL processor has the class's own name
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
 
     specials = ["<pad>", "<unk>", "<eos>"]
     vocab = {t: i for i, t in enumerate(specials)}
@@ -118,7 +124,7 @@ def vlm_processor(vocab_size: int) -> Any:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
                                         additional_special_tokens=VLM_SPECIALS[4:])
     tokenizer.chat_template = VLM_TEMPLATE
-    ip = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=IMAGE * IMAGE)
+    ip = ImageProcessor(min_pixels=56 * 56, max_pixels=max_pixels)
 
     class ImageOnly(Qwen2_5_VLProcessor):  # no video processor: its class needs torchvision
         def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
@@ -127,9 +133,11 @@ def vlm_processor(vocab_size: int) -> Any:
     return ImageOnly(image_processor=ip, tokenizer=tokenizer, chat_template=VLM_TEMPLATE)
 
 
-def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, **config: Any) -> Any:
+def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, image: int = IMAGE,
+                      max_pixels: int = IMAGE * IMAGE, **config: Any) -> Any:
     """The calibration run of ``_phases.build_trainer`` for the VLM: conversational prompts of exactly P words, one
-    random RGB image each (the dataset's ``image`` column), Qwen2.5-VL's processor (:func:`vlm_processor`)."""
+    random RGB image of ``image`` x ``image`` pixels each (the dataset's ``image`` column), Qwen2.5-VL's processor
+    with a budget of ``max_pixels`` (:func:`vlm_processor`)."""
     import random
 
     import numpy as np
@@ -140,12 +148,12 @@ def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, **co
 
     random.seed(0)
     torch.manual_seed(0)
-    processor = vlm_processor(ARCHS["vlm"]["vocab_size"])
+    processor = vlm_processor(ARCHS["vlm"]["vocab_size"], max_pixels)
     rng = random.Random(0)
     nrng = np.random.default_rng(0)
     words = ARCHS["vlm"]["vocab_size"] - 3 - len(VLM_SPECIALS)
     data = [{"prompt": [{"role": "user", "content": " ".join(f"w{rng.randrange(3, 3 + words)}" for _ in range(cfg.P))}],
-             "image": Image.fromarray(nrng.integers(0, 255, (IMAGE, IMAGE, 3), dtype=np.uint8))} for _ in range(rows)]
+             "image": Image.fromarray(nrng.integers(0, 255, (image, image, 3), dtype=np.uint8))} for _ in range(rows)]
 
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,

@@ -269,30 +269,45 @@ def test_image_tokens_and_the_pixel_budget(tmp_path):
 
 # -- measured rows ----------------------------------------------------------------------------------------------------
 
-def test_measured_rows_of_each_family():
+# Each fixture: TRL's release, its rows, and the error each row's prediction stays within (over, under) with the median
+# bound. TRL 1.16 with transformers 5.24, which the model follows: 5% and 2%, issue 41's bounds. TRL 0.29.1 with
+# transformers 5.3.0 (the logits LM head, and 5.3's own modeling code: its DeepSeek caches the expanded keys and values,
+# not the latent): within +8% / -7%, the median within 2%; three rows cannot train there (docs/limitations.md).
+FAMILY_ROWS = {"1.16": (ROWS, 0.05, 0.05, ()),
+               "0.29.1": (FIXTURES / "families" / "cpu-rows-trl-0.29.1.json", 0.08, 0.07,
+                          ("moe-mixed-full-c256", "deepseek-lora16", "moe-mixed-nogc-b8"))}
+
+
+@pytest.mark.parametrize("release", list(FAMILY_ROWS))
+def test_measured_rows_of_each_family(release):
     """``python bench/family_calibrate.py --json tests/fixtures/families/cpu-rows.json`` (TRL 1.16, transformers
-    5.24, the simulated device): each prediction within 5% of the measured peak, the median within 2%."""
+    5.24, the simulated device), and the same under TRL 0.29.1 in tests/compat.sh's environment (``--json
+    tests/fixtures/families/cpu-rows-trl-0.29.1.json``): each prediction within the release's bounds of the measured
+    peak (``FAMILY_ROWS``), the median within 2%; the rows that cannot train under a release are the ones named."""
     sys.path.insert(0, str(BENCH))
     from cpu_calibrate import Config
     from family_calibrate import images, knobs
 
-    rows = json.loads(ROWS.read_text())
+    path, over, under, failing = FAMILY_ROWS[release]
+    rows = json.loads(path.read_text())
     assert {r["arch"]["model_type"] for r in rows} >= {"qwen3", "qwen3_moe", "gpt_oss", "gemma3_text",
                                                        "qwen2_5_vl", "deepseek_v3"}
+    assert sorted(r["config"]["name"] for r in rows if "error" in r) == sorted(failing)
     errors = {}
     for r in rows:
-        assert "error" not in r, r["config"]["name"]
+        if "error" in r:
+            continue
+        assert r["trl"].startswith(release), r["trl"]
         cfg = Config(**r["config"])
         spec = ModelSpec.from_config(r["arch"])
         text = cfg.P + (5 if spec.vision is not None else 0)
         est = estimate(spec, knobs(cfg), prompt_tokens=text, coefficients=Coefficients.for_simulated(),
                        simulated=True, head=r["trl_head"], images=images(cfg))
         assert est.trainable_params == r["trainable"], cfg.name
-        if spec.vision is not None:
+        if spec.vision is not None and r["prompt_tokens"]:
             assert r["prompt_tokens"] == [est_prompt := text + image_tokens(spec.vision, images(cfg))], est_prompt
         errors[cfg.name] = (est.peak_alloc_bytes - r["peak"]) / r["peak"]
-    worst = max(errors, key=lambda n: abs(errors[n]))
-    assert abs(errors[worst]) <= 0.05, (worst, errors[worst])
+    assert all(-under <= e <= over for e in errors.values()), errors
     assert statistics.median(abs(e) for e in errors.values()) <= 0.02, errors
 
 

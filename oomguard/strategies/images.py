@@ -8,8 +8,6 @@ completions or generations, this rung comes before those in the ladders.
 
 from __future__ import annotations
 
-from typing import Any
-
 from oomguard.vocab.diagnosis import Diagnosis
 from oomguard.vocab.knobs import Knobs
 
@@ -61,7 +59,7 @@ class SmallerImages(Remedy):
         if ctx.knobs.max_pixels is None:
             return "the image processor's pixel budget is not known yet"
         floor = self._floor(ctx)
-        if ctx.knobs.max_pixels <= floor:
+        if self._effective(ctx) <= floor:
             why = (f"what {f.image_processor or 'the image processor'} takes at least"
                    if floor == f.pixel_budget_floor else "the ladder's min_pixels")
             return f"max_pixels is at its floor ({floor:,} pixels: {why})"
@@ -70,31 +68,50 @@ class SmallerImages(Remedy):
     def _floor(self, ctx: Context) -> int:
         return max(int(ctx.facts.pixel_budget_floor or 1), int(self.p["min_pixels"]))
 
+    @staticmethod
+    def _effective(ctx: Context) -> int:
+        """The pixels the largest image gets now: the budget, or the image itself where it is smaller (a budget
+        above it changes nothing)."""
+        f, budget = ctx.facts, int(ctx.knobs.max_pixels or 0)
+        if f.image_height and f.image_width and f.pixel_budget_floor != budget:
+            return min(budget, f.image_height * f.image_width)
+        return budget
+
     def apply(self, ctx: Context) -> Knobs:
-        """>>> from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
+        """Half the pixels the largest image gets now (in whole 28 x 28 tokens), not below the floor.
+
+        >>> from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
         >>> qwen = RunFacts(images_per_prompt=1, pixel_budget_floor=3136)
         >>> SmallerImages().apply(Context(knobs=TRL_DEFAULTS.replace(max_pixels=1003520), facts=qwen)).max_pixels
         501760
+        >>> small = qwen.replace(image_height=448, image_width=448)   # a budget above the image changes nothing
+        >>> SmallerImages().apply(Context(knobs=TRL_DEFAULTS.replace(max_pixels=1003520), facts=small)).max_pixels
+        100352
         """
-        current = int(ctx.knobs.max_pixels or 0)
-        new = int(current * float(self.p["factor"])) // TOKEN_PIXELS * TOKEN_PIXELS
+        new = int(self._effective(ctx) * float(self.p["factor"])) // TOKEN_PIXELS * TOKEN_PIXELS
         return ctx.knobs.replace(max_pixels=max(self._floor(ctx), new))
 
     def relax(self, user: Knobs, current: Knobs, world_size: int = 1) -> list[Knobs]:
-        """Budgets between the climbed and the user's, largest first, on a grid of an eighth of the user's budget in
-        whole image tokens.
+        """Budgets between the climbed one and the user's, largest first: eight steps an octave (each halving the
+        rung took, in eighths), in whole image tokens. Where the user's budget is above the largest image, the
+        steps above the image change nothing and are judged like the user's own.
 
         >>> from oomguard.vocab.knobs import TRL_DEFAULTS
         >>> cands = SmallerImages().relax(TRL_DEFAULTS.replace(max_pixels=1003520),
-        ...                               TRL_DEFAULTS.replace(max_pixels=501760))
-        >>> [k.max_pixels for k in cands]
-        [878080, 752640, 627200]
+        ...                               TRL_DEFAULTS.replace(max_pixels=250880))
+        >>> [k.max_pixels for k in cands][:3], [k.max_pixels for k in cands][-2:], len(cands)
+        ([940800, 878080, 815360], [313600, 282240], 15)
         """
         u, c = user.max_pixels, current.max_pixels
         if not u or not c or c >= u:
             return []
-        step = max(TOKEN_PIXELS, u // 8 // TOKEN_PIXELS * TOKEN_PIXELS)
-        return [current.replace(max_pixels=v) for v in range(u - step, c, -step)]
+        values: set[int] = set()
+        low = c
+        while low < u:
+            step = max(TOKEN_PIXELS, low // 8 // TOKEN_PIXELS * TOKEN_PIXELS)
+            values.update(v for v in range(low + step, min(u, 2 * low) + 1, step) if c < v < u)
+            low *= 2
+        return [current.replace(max_pixels=v) for v in sorted(values, reverse=True)]
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         """>>> from oomguard.vocab.knobs import TRL_DEFAULTS
@@ -114,11 +131,15 @@ class SmallerImages(Remedy):
                       halve_request(d) if d.phase in ("generation", "scoring", "forward", "backward") else None)
 
 
-def pixel_cut(user: Any, knobs: Any) -> float:
-    """How far the budget moved, for the cost of a choice: half as much as the same share of completion tokens (a
-    user of a vision-language model gives up resolution before reasoning).
+def pixel_cut(user: int | None, knobs: int | None, image_pixels: int | None = None) -> float:
+    """How far the budget moved, for the cost of a choice: of the pixels the largest image got (the user's budget, or
+    the image where it is smaller), and half as much as the same share of completion tokens (a user of a
+    vision-language model gives up resolution before reasoning).
 
-    >>> pixel_cut(1003520, 501760)
-    0.25
+    >>> pixel_cut(1003520, 501760), pixel_cut(12845056, 1036800, image_pixels=1080 * 1920)
+    (0.25, 0.25)
     """
-    return 0.5 * max(0.0, 1.0 - float(knobs) / float(user)) if user and knobs else 0.0
+    if not user or not knobs:
+        return 0.0
+    had = min(user, image_pixels) if image_pixels else user
+    return 0.5 * max(0.0, 1.0 - float(knobs) / float(had))
