@@ -67,7 +67,8 @@ class CrashRecord:
     traceback: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": CRASH_SCHEMA, **to_fields(self)}
+        # "created" second, as records have always been written: a reader's line numbers point past it
+        return {"schema": CRASH_SCHEMA, "created": self.created, **to_fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "crash record") -> CrashRecord:
