@@ -170,3 +170,24 @@ def test_census_sites_from_cuda_snapshots_are_read_without_torch() -> None:
     (h,) = grown("site", site_totals(snap(1)), site_totals(snap(4)), least=MiB, since=9, until=12)
     assert (h.name, h.grown, h.count) == ("/home/me/rewards.py:12 in leaky_reward", 18 * MiB, 3)
 
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_real_grpo_with_a_leaky_reward_function(tiny_model: str, tmp_path) -> None:
+    """The same as test_a_reward_function_that_keeps_tensors_is_a_leak_named_by_its_line_and_its_list, through TRL's
+    GRPOTrainer (its batch's widths, its optimizer state appearing at step 1) on the simulated device."""
+    trace = tmp_path / "trace.jsonl"
+    out = subprocess.run([PYTHON, str(SCRIPTS / "grpo_tiny.py"), "--model", tiny_model, "--output-dir",
+                          str(tmp_path / "out"), "--max-steps", "11", "--leak-mib", "6", "--mem-trace", str(trace)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    samples = [MemSample.from_event(e) for e in events if e["event"] == "mem"]
+    assert all(s is not None and s.prompt_tokens and s.completion_tokens == 32 for s in samples)
+    (leak,) = next(e for e in events if e["event"] == "mem_trend")["verdicts"]
+    assert leak["kind"] == "leak" and abs(leak["rate"] - 6 * MiB) <= 0.2 * 6 * MiB
+    names = [h["name"] for h in next(e for e in events if e["event"] == "mem_holders")["holders"]]
+    assert "list `CACHE` of module `leaky_rewards`" in names
+    assert any(n.endswith("in leaky_reward") for n in names)

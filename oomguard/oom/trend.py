@@ -205,7 +205,8 @@ class Leak:
     """Memory kept step after step (``where``: ``device`` or ``host``), ``rate`` bytes per step from ``since`` to
     ``until`` (fitted ``start`` to ``end``). ``runs_out_at`` is the step at which ``limit`` is reached at that rate
     (``None`` without a limit). ``basis`` is what grew: ``kept`` (allocated at the step's end), ``peak`` (a log
-    that shows only peaks: longer sequences would look the same) or ``rss``. ``holders`` says where the memory is held,
+    that shows only peaks: longer sequences would look the same), ``rss`` (the process's host memory) or ``used``
+    (the machine's used host memory, where a log gives only that). ``holders`` says where the memory is held,
     where a census found it."""
 
     where: str
@@ -318,12 +319,13 @@ def _runs_out(limit: int | None, level: float | None, rate: float, last: int) ->
 
 
 def assess(samples: Sequence[MemSample], *, capacity: int | None = None, host_limit: int | None = None,
-           settle: int = SETTLE) -> Trend:
+           settle: int = SETTLE, host_basis: str = "rss") -> Trend:
     """The verdicts of one process's trace (see the module's docstring for the rules).
 
     ``capacity`` is the device's size (else the largest the samples carry), ``host_limit`` the host memory the
-    process may use (its cgroup's ``memory.max``, else the machine's RAM). Samples are taken in step order; a step
-    seen twice keeps its last sample.
+    process may use (its cgroup's ``memory.max``, else the machine's RAM). ``host_basis`` says what the samples'
+    ``host_rss`` is: ``rss`` (the process's own) or ``used`` (the machine's used memory, as verl logs it). Samples
+    are taken in step order; a step seen twice keeps its last sample.
 
     >>> assess([MemSample(s, kept=1 << 30, peak=2 << 30) for s in range(1, 30)]).verdicts
     ()
@@ -335,7 +337,7 @@ def assess(samples: Sequence[MemSample], *, capacity: int | None = None, host_li
         capacity = max((s.capacity for s in ordered if s.capacity), default=None)
     verdicts: list[Verdict] = []
     if settled:
-        verdicts.extend(_leaks(settled, capacity, host_limit))
+        verdicts.extend(_leaks(settled, capacity, host_limit, host_basis))
         frag = _fragmentation(settled, capacity, any(v.kind == "leak" for v in verdicts))
         if frag is not None:
             verdicts.append(frag)
@@ -344,7 +346,8 @@ def assess(samples: Sequence[MemSample], *, capacity: int | None = None, host_li
                  settled[-1].step if settled else None)
 
 
-def _leaks(settled: Sequence[MemSample], capacity: int | None, host_limit: int | None) -> list[Leak]:
+def _leaks(settled: Sequence[MemSample], capacity: int | None, host_limit: int | None,
+           host_basis: str) -> list[Leak]:
     out = []
     kept_known = any(s.kept is not None for s in settled)
     basis = "kept" if kept_known else "peak"
@@ -365,7 +368,7 @@ def _leaks(settled: Sequence[MemSample], capacity: int | None, host_limit: int |
         h = _first_growth(settled, lambda s: s.host_rss, growth_floor(host_limit, median(rss), least=HOST_FLOOR_BYTES))
         if h is not None:
             out.append(Leak("host", h.rate, h.since, h.until, round(h.start), round(h.end), host_limit,
-                            _runs_out(host_limit, h.end, h.rate, h.until), "rss"))
+                            _runs_out(host_limit, h.end, h.rate, h.until), host_basis))
     return out
 
 
@@ -443,7 +446,9 @@ def describe(v: Verdict) -> str:
     """The sentence of one verdict, with its numbers (never parsed back)."""
     if isinstance(v, Leak):
         if v.where == "host":
-            head = (f"Host leak: the training process's resident host memory grew by {format_size(v.rate)} per step "
+            whose = "the machine's used host memory" if v.basis == "used" else \
+                "the training process's resident host memory"
+            head = (f"Host leak: {whose} grew by {format_size(v.rate)} per step "
                     f"from step {v.since} to step {v.until} (from {format_size(v.start)} to {format_size(v.end)}), "
                     "step after step.")
             limit = "the host's memory limit"
