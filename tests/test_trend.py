@@ -155,7 +155,7 @@ def test_six_mib_a_step_on_the_issue_device() -> None:
     assert t.fragmentation is None and not t.long_samples
     text = describe(leak)
     assert text.startswith("Leak: the memory kept at the end of each step grew by 6.00 MiB per step from step 3")
-    assert "the device (112.00 MiB) is full from step 9" in text
+    assert "the device (112.00 MiB) is full by step 9 at the latest" in text
 
 
 def test_a_leak_that_starts_late_is_found_in_the_recent_window() -> None:

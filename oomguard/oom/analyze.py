@@ -323,6 +323,8 @@ def _trends(src: str, traces: Sequence[Trace], result: AnalyzeResult, findings: 
     read: list[tuple[int, dict[str, Any]]] = []
     for trace in traces:
         t = assess(with_capacity(trace, capacity), host_basis=trace.host_basis)
+        if trace.holders and t.leak is not None:
+            t = replace(t, verdicts=tuple(replace(v, holders=trace.holders) if v is t.leak else v for v in t.verdicts))
         samples = trace.samples
         if len(samples) > MAX_TRACE_POINTS:
             samples = [samples[round(i * (len(samples) - 1) / (MAX_TRACE_POINTS - 1))] for i in range(MAX_TRACE_POINTS)]

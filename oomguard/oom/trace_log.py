@@ -42,7 +42,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO
 
 from ..vocab.sizes import GiB, KiB, MiB
-from ..vocab.trace import MEM_EVENT, MemSample
+from ..vocab.trace import MEM_EVENT, Holder, MemSample
+
+HOLDERS_EVENT = "mem_holders"  # where a leak's memory is held, as the training process's census found it
 
 # metric key -> (field, unit in bytes, or 1 for tokens); "host_used" is the machine's used host memory
 METRIC_KEYS: dict[str, tuple[str, int]] = {
@@ -73,7 +75,7 @@ _VERL = re.compile(r"^\s*step:(\d+) - ")
 # oomguard's own logged peak) always; DeepSpeed's see_memory_usage (each of its lines names it; its step number is on
 # its message line) and oomguard's "mem" events (they hold "kept") where the first chunk shows them
 _ALWAYS = (re.compile(rb"lloc"), re.compile(rb"eak"))
-_IF_SEEN = {b"see_memory_usage": re.compile(rb"see_memory_usage"), b'"event"': re.compile(rb'"kept"')}
+_IF_SEEN = {b"see_memory_usage": re.compile(rb"see_memory_usage"), b'"event"': re.compile(rb'"kept"|"holders"')}
 DORMANT_AFTER = 64 << 20  # bytes read without a memory line, after which a log is not looked at again
 PENDING_LINES = 2  # a step number on a line of its own (DeepSpeed's see_memory_usage message) holds for the next two
 CACHE_LINES = 1024  # printed lines parsed, kept by their text (a log repeats its lines)
@@ -112,12 +114,14 @@ class Trace:
     pid: int | None = None
     host_basis: str = "rss"
     form: str = ""
+    holders: tuple[Holder, ...] = ()  # where a leak's memory is held (an events file's census)
 
 
 class _Builder:
     """Samples per step, merged: a step's figures may come over several lines."""
 
     def __init__(self, source: str, form: str, pid: int | None = None) -> None:
+        self.holders: tuple[Holder, ...] = ()
         self.traces: list[Trace] = []
         self.source, self.form, self.pid = source, form, pid
         self.current: Trace | None = None
@@ -137,6 +141,7 @@ class _Builder:
     def _close(self) -> None:
         if self.current is not None:
             self.current.samples = [MemSample(step=s, **f) for s, f in sorted(self.by_step.items())]
+            self.current.holders, self.holders = self.holders, ()
             if self.current.samples:
                 self.traces.append(self.current)
         self.current, self.by_step, self.last_step = None, {}, None
@@ -270,6 +275,11 @@ class TraceReader:
             self._last_raw = raw
 
     def _dict(self, n: int, obj: dict[str, Any]) -> None:
+        if obj.get("event") == HOLDERS_EVENT and isinstance(obj.get("holders"), list):
+            key = obj.get("pid"), obj.get("rank")
+            b = self._events.setdefault(key, _Builder(self.source, "events", obj.get("pid")))
+            b.holders = tuple(Holder.from_dict(h) for h in obj["holders"] if isinstance(h, dict))
+            return
         if obj.get("event") == MEM_EVENT:
             sample = MemSample.from_event(obj)
             if sample is not None:
