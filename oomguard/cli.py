@@ -61,7 +61,7 @@ def main() -> None:
               help="List every remedy for each OOM (without it, the top 3-5; --json always has them all, ranked).")
 def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: str | None, show_all: bool) -> None:
     """Explain the OOMs in logs, crash records, run reports and memory snapshots (files or directories)."""
-    from .display.render import console, findings, note, snapshots
+    from .display.render import console, findings, note, snapshots, trends
     from .oom.analyze import analyze_paths, for_terminal
     from .vocab.sizes import SizeError, parse_size
 
@@ -88,6 +88,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
         if not result.findings and result.files_read:
             out.print(f"No out-of-memory error found in {result.files_read} file(s).")
         snapshots(out, result.snapshots)
+        trends(out, result.trends)
     if html_path:
         from .display.html import write_analyze_html
 

@@ -42,6 +42,10 @@ class Runtime:
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
         self._adapted: set[str] = set()  # knobs oomguard changed to let the command run here (``adapt``)
+        # the process's peaks before the per-step trace last reset the device's peak counters (child/trace.py), so
+        # that peak_bytes() stays the peak of the whole process
+        self.peak_floor = 0
+        self.reserved_floor = 0
         # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
         # model is sure of the config, not decided yet (``decide_probe``)
         self.probe_as: str | None = ("run" if plan.probe is None else None if plan.probe.unless_sure is not None
@@ -174,26 +178,34 @@ class Runtime:
         self.end(END_EXIT, code=exit_status(self.exit_code))
 
     # -- memory ------------------------------------------------------------------------------------------------
+    def keep_peaks(self, allocated: int | None, reserved: int | None) -> None:
+        """Remember the process's peaks before the device's peak counters are reset (the per-step trace resets them
+        at each step), so that :meth:`peak_bytes` and :meth:`peak_reserved_bytes` stay the whole process's."""
+        self.peak_floor = max(self.peak_floor, allocated or 0)
+        self.reserved_floor = max(self.reserved_floor, reserved or 0)
+
     def peak_bytes(self) -> int | None:
+        """The peak of allocated memory of the whole process so far (across the trace's per-step resets)."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
-            return dev.peak
+            return max(dev.peak, self.peak_floor)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.max_memory_allocated())
+            return max(int(torch.cuda.max_memory_allocated()), self.peak_floor)
         return None
 
     def peak_reserved_bytes(self) -> int | None:
+        """The peak of reserved memory of the whole process so far (across the trace's per-step resets)."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
-            return dev.model.peak_reserved
+            return max(dev.model.peak_reserved, self.reserved_floor)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.max_memory_reserved())
+            return max(int(torch.cuda.max_memory_reserved()), self.reserved_floor)
         return None
 
     def memory_stats(self) -> dict[str, Any] | None:

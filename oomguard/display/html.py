@@ -20,6 +20,7 @@ from typing import Any
 from ..vocab.files import write_atomic
 from ..vocab.records import climbed_labels
 from ..vocab.sizes import format_size
+from .trace_chart import trend_block
 
 _COLOURS = {"ok": "#2e9d5b", "oom": "#d64545", "predicted": "#e08a2c", "failed": "#8a8a8a", "interrupted": "#c9a227"}
 _TERM_COLOURS = {"weights": "#4c72b0", "reference": "#8172b2", "gradients": "#dd8452", "optimizer": "#c44e52",
@@ -293,6 +294,8 @@ def analyze_html(result: Any) -> str:
         body.append(f"<h2>Snapshot {_e(s.get('source'))}</h2>")
         body.append(breakdown_chart({"allocated": s.get("allocated_bytes") or 0,
                                      "overhead": s.get("reserved_unallocated_bytes") or 0}))
+    for t in data.get("trends") or []:
+        body.append(trend_block(t))
     if data.get("notes"):
         body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in data["notes"]) + "</ul>")
     return _page("oomguard analyze", "".join(body), data)
