@@ -150,6 +150,11 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
               help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
                    "steps (oomguard continues from the newest checkpoint).")
+@click.option("--no-leak-restart", is_flag=True,
+              help="Stop at the first OOM the memory trace shows is a leak (memory kept step after step), instead "
+                   "of resuming from the last checkpoint with the same config (exit code 76).")
+@click.option("--no-trace", is_flag=True,
+              help="Do not sample memory at each training step (no leak, long-sample or fragmentation diagnosis).")
 @click.option("--html", "html_path", default=None, metavar="PATH",
               help="Also write a self-contained HTML report (charts of peak against capacity, breakdown, timeline).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the OOMs, the rungs climbed and the result.")
@@ -165,7 +170,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, always_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
-        minimize: bool, no_refine: bool, checkpoint_every: int | None,
+        minimize: bool, no_refine: bool, checkpoint_every: int | None, no_leak_restart: bool, no_trace: bool,
         html_path: str | None, quiet: bool, json_log: bool, group_dir: str | None, node_rank: int | None,
         nodes: int | None) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
@@ -245,7 +250,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=html_file,
                          membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
-                         ladder_reason=why, oom_grace=oom_grace)
+                         ladder_reason=why, oom_grace=oom_grace, leak_restart=not no_leak_restart,
+                         trace=not no_trace)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:

@@ -130,7 +130,7 @@ def _events(*args: str) -> list[dict]:
 
 def test_a_reward_function_that_keeps_tensors_is_a_leak_named_by_its_line_and_its_list() -> None:
     events = _events("--steps", "12")
-    trend = next(e for e in events if e["event"] == "mem_trend")
+    trend = next(e for e in events if e["event"] == "mem_trend")["trend"]
     (leak,) = trend["verdicts"]  # the simulated device's tensors are not counted again as a host leak
     assert leak["kind"] == "leak" and abs(leak["rate"] - 6 * MiB) <= 0.2 * 6 * MiB
     assert leak["runs_out_at"] is not None
@@ -147,7 +147,7 @@ def test_a_reward_function_that_keeps_tensors_is_a_leak_named_by_its_line_and_it
 
 def test_a_reward_function_that_grows_a_host_cache_is_a_host_leak() -> None:
     events = _events("--steps", "10", "--host")
-    trend = next(e for e in events if e["event"] == "mem_trend")
+    trend = next(e for e in events if e["event"] == "mem_trend")["trend"]
     kinds = [v["kind"] for v in trend["verdicts"]]
     assert kinds == ["host-leak"]
     assert abs(trend["verdicts"][0]["rate"] - 16 * MiB) <= 0.2 * 16 * MiB

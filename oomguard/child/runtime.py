@@ -30,6 +30,7 @@ class Runtime:
         self.resolved: dict[str, Any] = {}  # observed values a stack changed after the script set them
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
+        self.memwatch: Any = None  # the per-step memory trace (child/memwatch.py), from the first train_begin
         self.crashed = False
         self.crash_path: Path | None = None  # the CrashRecord this process wrote (once)
         self.started = time.time()
@@ -260,9 +261,15 @@ class Runtime:
         if not frames and exc is not oom:
             frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         phase, _ = phase_from_frames(frames)
-        step = None
+        step = prompt_tokens = completion_tokens = None
         if self.trainer is not None:
             step = getattr(getattr(self.trainer, "state", None), "global_step", None)
+            try:  # the batch the step that ran out trains on: a long sample shows in its widths
+                from .trace import batch_lengths
+
+                prompt_tokens, completion_tokens = batch_lengths(self.trainer)
+            except Exception:
+                pass
         cls = type(oom)
         rec = CrashRecord(
             message=str(oom),
@@ -280,6 +287,8 @@ class Runtime:
             device=self.device_name(),
             attempt=self.plan.attempt,
             model_config=self.model_config,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
         name = f"crash-rank{rank()}.json" if rank() is not None else f"crash-{os.getpid()}.json"
         path = Path(self.plan.crash_dir) / name

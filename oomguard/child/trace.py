@@ -37,10 +37,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Protocol
 
-from ..vocab.trace import MEM_EVENT
-from .runtime import Runtime
+
+class KeepsPeaks(Protocol):
+    """What the tracer needs of the process's Runtime (``child.runtime``, which reads the batch's lengths from here
+    when it writes a crash record: this module does not import it back)."""
+
+    def keep_peaks(self, allocated: int | None, reserved: int | None) -> None: ...
 
 
 class StepTracer:
@@ -50,7 +54,7 @@ class StepTracer:
     ``reset_peak=False`` leaves the device's peak counters alone (no per-step peak then).
     """
 
-    def __init__(self, rt: Runtime | None = None, *, reset_peak: bool = True) -> None:
+    def __init__(self, rt: KeepsPeaks | None = None, *, reset_peak: bool = True) -> None:
         self.rt = rt
         self.reset_peak = reset_peak
         self._capacity: int | None = None
@@ -178,4 +182,4 @@ def _width(t: Any) -> int | None:
         return None
 
 
-__all__ = ["MEM_EVENT", "StepTracer", "batch_lengths"]
+__all__ = ["StepTracer", "batch_lengths"]

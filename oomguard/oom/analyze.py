@@ -17,7 +17,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -103,11 +103,13 @@ def finding_from_hit(source: str, hit: Hit) -> dict[str, Any]:
     return finding(source, hit.line, hit.report, d, rank=hit.rank, frames=hit.frames, extra=extra)
 
 
-def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> dict[str, Any]:
+def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1, d: Diagnosis | None = None) -> dict[str, Any]:
     """A crash record's OOM, its message parsed again (so an older record gains what the parser learned since),
-    diagnosed with the phase the training process recorded, remedies pasted against the knobs it ran with."""
+    diagnosed with the phase the training process recorded (``d``: as the caller diagnosed it, with what it knew
+    beside the record), remedies pasted against the knobs it ran with."""
     report = _reparsed(rec.message, rec.report)
-    d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
+    if d is None:
+        d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
     return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
 

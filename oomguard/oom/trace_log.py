@@ -41,10 +41,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO
 
+from ..vocab.events import MemHolders, MemSampled
 from ..vocab.sizes import GiB, KiB, MiB
-from ..vocab.trace import MEM_EVENT, Holder, MemSample
-
-HOLDERS_EVENT = "mem_holders"  # where a leak's memory is held, as the training process's census found it
+from ..vocab.trace import Holder, MemSample
 
 # metric key -> (field, unit in bytes, or 1 for tokens); "host_used" is the machine's used host memory
 METRIC_KEYS: dict[str, tuple[str, int]] = {
@@ -275,12 +274,12 @@ class TraceReader:
             self._last_raw = raw
 
     def _dict(self, n: int, obj: dict[str, Any]) -> None:
-        if obj.get("event") == HOLDERS_EVENT and isinstance(obj.get("holders"), list):
+        if obj.get("event") == MemHolders.name and isinstance(obj.get("holders"), list):
             key = obj.get("pid"), obj.get("rank")
             b = self._events.setdefault(key, _Builder(self.source, "events", obj.get("pid")))
             b.holders = tuple(Holder.from_dict(h) for h in obj["holders"] if isinstance(h, dict))
             return
-        if obj.get("event") == MEM_EVENT:
+        if obj.get("event") == MemSampled.name:
             sample = MemSample.from_event(obj)
             if sample is not None:
                 key = obj.get("pid"), obj.get("rank")

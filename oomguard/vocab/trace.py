@@ -1,7 +1,7 @@
 """A run's memory trace: one :class:`MemSample` per optimizer step, and :class:`Holder`, where grown memory is held.
 
 The training process measures a sample at each step's end (:mod:`oomguard.child.trace`) and sends it as a ``mem``
-event (:data:`MEM_EVENT`, the fields of :meth:`MemSample.to_event`); ``oomguard analyze`` reads the same samples back
+event (``vocab.events.MemSampled``, the fields of :meth:`MemSample.to_event`); ``oomguard analyze`` reads the same samples back
 from an events file or a log (:mod:`oomguard.oom.trace_log`); :mod:`oomguard.oom.trend` tells a leak, a long sample
 and fragmentation apart from them; :mod:`oomguard.display.trace_chart` draws them. Every field but ``step`` may be
 unknown (``None``): a log that prints only a peak gives only a peak.
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
-
-MEM_EVENT = "mem"  # the event name of one sample in a run's events file
 
 
 def _int(v: Any) -> int | None:

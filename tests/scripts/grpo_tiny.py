@@ -60,8 +60,8 @@ def mem_trace_callback(path: str, model, base):
 
         def on_step_end(self, args, state, control, **kw):
             with open(path, "a", encoding="utf-8") as f:
-                for name, data in watch.step_end(state.global_step, kw.get("trainer") or TRAINER[0]):
-                    f.write(json.dumps({"event": name, **data}) + "\n")
+                for ev in watch.step_end(state.global_step, kw.get("trainer") or TRAINER[0]):
+                    f.write(json.dumps(ev.to_json()) + "\n")
 
     return Trace()
 

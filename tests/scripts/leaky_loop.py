@@ -43,8 +43,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         (leaky_rewards.host_leaky_reward if a.host else leaky_rewards.leaky_reward)(["a completion"] * 4)
-        for name, data in watch.step_end(step):
-            print(json.dumps({"event": name, **data}), flush=True)
+        for ev in watch.step_end(step):
+            print(json.dumps(ev.to_json()), flush=True)
 
 
 if __name__ == "__main__":
