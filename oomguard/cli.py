@@ -19,6 +19,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("N", "the command's own code when it succeeds, or when it fails for a reason other than an OOM (passed "
           "through at once, no retry)"),
     ("75", "the ladder or the budget (--max-attempts, --max-time) is used up"),
+    ("76", "the run leaks memory and stopped at the leak (--no-leak-restart, or a leak too fast for a restart to get "
+           "past its checkpoint); a leaking run that finished every step through restarts exits 0, status leaked"),
     ("130/143", "interrupted (SIGINT/SIGTERM)"),
     ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
     ("126", "the command is not executable"),

@@ -15,6 +15,7 @@ from oomguard.oom.trend import (
     Leak,
     LongSample,
     assess,
+    at_oom,
     describe,
     growth_floor,
 )
@@ -235,3 +236,19 @@ def test_too_few_samples_say_nothing_and_to_dict_is_plain() -> None:
     d = leaky.to_dict()
     assert d["verdicts"][0]["kind"] == "leak" and d["verdicts"][0]["rate"] == 64 * MiB
     assert d["verdicts"][0]["evidence"].startswith("Leak:")
+
+
+def test_an_oom_confirms_a_young_leak_but_not_a_flat_or_settling_trace():
+    """Four settled steps are a leak at an OOM only when every one rose and the rate reaches the device by then."""
+    cap = 112 * MiB
+    young = [MemSample(s, kept=48 * MiB + 6 * MiB * s, peak=64 * MiB + 6 * MiB * s, capacity=cap) for s in range(1, 8)]
+    assert at_oom(young, step=8).leak is not None  # the capacity read from the samples
+    assert at_oom(young[:5], step=6).leak is None  # three settled steps: too few
+    flat = [MemSample(s, kept=60 * MiB, peak=100 * MiB, capacity=cap) for s in range(1, 8)]
+    assert at_oom(flat, step=8).leak is None
+    settling = [MemSample(s, kept=60 * MiB + (2 * MiB if s > 4 else MiB * s // 2), peak=100 * MiB, capacity=cap)
+                for s in range(1, 8)]
+    assert at_oom(settling, step=8).leak is None
+    dip = [MemSample(s, kept=48 * MiB + 6 * MiB * s - (8 * MiB if s == 5 else 0), peak=64 * MiB + 6 * MiB * s,
+                     capacity=cap) for s in range(1, 8)]
+    assert at_oom(dip, step=8).leak is None  # not every step rose

@@ -55,7 +55,9 @@ def sentences(v: Verdict) -> tuple[str, ...]:
     out += (s[:1].upper() + s[1:] + "." for s in f.host_signs)
     if f.engine is not None:
         out.append(ENGINE_SENTENCE.format(process=f.engine))
-    out += late  # a long sample at the step that ran out, beside the figures' own kind
+    if late:  # a long sample at the step that ran out, beside the figures' own verdict (a terminal shows the first few)
+        first = 1 + bool(f.reason)
+        out[first:first] = late
     return tuple(out)
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from statistics import median
 from typing import Any
 
@@ -64,6 +65,9 @@ from .trendwords import FragmentationGrowth, Leak, LongSample, Trend, Verdict, d
 
 SETTLE = 2  # samples left out at the start of a trace (see the module's docstring)
 MIN_SAMPLES = 6  # settled samples a verdict on growth needs
+# at an OOM that the growth itself foretold (:func:`at_oom`), fewer will do, if every step rose
+MIN_SAMPLES_AT_OOM = 4
+FORETOLD_EARLY = 3  # an OOM this many steps before the growth's projection still confirms it (fragmentation)
 MIN_TAU = 0.5  # Kendall's tau of a growth: most pairs of steps rise
 MAX_POINTS = 96  # a window is thinned to this many samples (Theil-Sen compares every pair)
 FLOOR_BYTES = 1 * MiB  # the least growth a verdict names, on a device
@@ -204,8 +208,9 @@ def at_oom(samples: Sequence[MemSample], *, step: int | None, capacity: int | No
            dataset_prompt_max: int | None = None) -> Trend:
     """What one process's trace says of its OOM at ``step``: :func:`assess`'s verdicts, and a long sample at the
     step that ran out where nothing grew (no leak) and its lengths (the crash record's: ``prompt_tokens``,
-    ``completion_tokens``) are a tenth above the usual; without them, where the dataset's longest prompt
-    (``dataset_prompt_max``) is a tenth above any prompt the steps before trained on.
+    ``completion_tokens``) are a tenth above the usual; else (no widths, or the step before's: an OOM while
+    generating), where the dataset's longest prompt (``dataset_prompt_max``) is a tenth above any prompt the steps
+    before trained on.
 
     >>> MiB = 1 << 20
     >>> flat = [MemSample(s, kept=64 * MiB, peak=90 * MiB, prompt_tokens=20, completion_tokens=32) for s in range(1, 12)]
@@ -218,6 +223,10 @@ def at_oom(samples: Sequence[MemSample], *, step: int | None, capacity: int | No
     if trend.leak is not None or trend.host_leak is not None or step is None:
         return trend
     settled = sorted(samples, key=lambda s: s.step)[SETTLE:]
+    short = _foretold_leak(settled, capacity or max((s.capacity for s in samples if s.capacity), default=None), step)
+    if short is not None:
+        return Trend((short, *(v for v in trend.verdicts if not isinstance(v, FragmentationGrowth))), trend.used,
+                     trend.skipped, trend.first_step, trend.last_step)
     kept = [s.kept for s in settled if s.kept is not None]
     usual_kept = round(median(kept)) if kept else None
     tokens = [s.tokens for s in settled if s.tokens is not None]
@@ -228,7 +237,8 @@ def at_oom(samples: Sequence[MemSample], *, step: int | None, capacity: int | No
         if usual is not None and total >= (1 + LONG_TOKEN_SHARE) * usual:
             long = LongSample(step, 0, 0, usual_kept, total, round(usual), prompt_tokens, completion_tokens,
                               at_oom=True)
-    elif dataset_prompt_max is not None:
+    # the batch's widths may be the step before's (an OOM while generating, before the new batch is kept)
+    if long is None and dataset_prompt_max is not None:
         seen = [s.prompt_tokens for s in settled if s.prompt_tokens is not None]
         if seen and dataset_prompt_max >= (1 + LONG_TOKEN_SHARE) * max(seen):
             long = LongSample(step, 0, 0, usual_kept, None, round(median(seen)), dataset_prompt_max, None,
@@ -236,6 +246,44 @@ def at_oom(samples: Sequence[MemSample], *, step: int | None, capacity: int | No
     if long is None:
         return trend
     return Trend((*trend.verdicts, long), trend.used, trend.skipped, trend.first_step, trend.last_step)
+
+
+def _foretold_leak(settled: Sequence[MemSample], capacity: int | None, step: int) -> Leak | None:
+    """A leak too young for :func:`assess` (fewer than :data:`MIN_SAMPLES` settled steps) that the OOM confirms:
+    kept memory and peak rose at every step, by the growth floor in all, and the recent peak plus the rate reaches the
+    device by the step that ran out (a step later at most, or up to :data:`FORETOLD_EARLY` steps sooner: the
+    allocator's cache fragments as the kept memory grows). A run whose device is smaller than its leak's first
+    steps need runs out before a full trace exists; this is its verdict.
+
+    >>> MiB = 1 << 20
+    >>> leak = [MemSample(s, kept=40 * MiB + 6 * MiB * s, peak=64 * MiB + 6 * MiB * s) for s in range(1, 8)]
+    >>> round(at_oom(leak, step=8, capacity=112 * MiB).leak.rate / MiB, 1)
+    6.0
+    >>> at_oom(leak, step=8, capacity=200 * MiB).leak is None   # the growth does not explain this OOM
+    True
+    """
+    if not capacity:
+        return None
+    rows = [s for s in settled if s.kept is not None and s.peak is not None]
+    if not MIN_SAMPLES_AT_OOM <= len(rows) < MIN_SAMPLES or rows[-1].step + 1 < step:
+        return None
+    kept = [float(s.kept or 0) for s in rows]
+    peaks = [float(s.peak or 0) for s in rows]
+    floor = growth_floor(capacity, median(kept))
+    if any(b <= a for a, b in pairwise(kept)) or kept[-1] - kept[0] < floor:
+        return None
+    if peaks[-1] - peaks[0] < floor:
+        return None
+    xs = [s.step for s in rows]
+    rate = theil_sen(xs, kept)
+    if rate <= 0:
+        return None
+    full = _runs_out(capacity, max(peaks[-2:]), rate, xs[-1])
+    if full is None or not full - FORETOLD_EARLY <= step <= full + 1:
+        return None
+    mid = median(y - rate * x for x, y in zip(xs, kept, strict=True))
+    return Leak("device", rate, xs[0], xs[-1], round(mid + rate * xs[0]), round(mid + rate * xs[-1]), capacity, full,
+                "kept")
 
 
 def _runs_out(limit: int | None, level: float | None, rate: float, last: int) -> int | None:

@@ -216,6 +216,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
                      buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend)
         attempt.outcome = Outcome.OOM
         attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
+        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
         if crash.step is not None:
             attempt.step = crash.step
@@ -247,8 +248,9 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.analyze import finding
         from ..oom.diagnose import diagnose
 
-        d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom,
-                     trend=late_trend(events, None, host_limit, attempt.step))
+        trend = late_trend(events, None, host_limit, attempt.step)
+        d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom, trend=trend)
+        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d

@@ -171,6 +171,7 @@ class Attempt:
     probe_decision: dict[str, Any] | None = None
     # the memory trace of its main process, one sample per step (thinned): step, kept, peak, reserved, host_rss
     trace: list[dict[str, Any]] = field(default_factory=list, metadata={"omit": True})
+    trend: dict[str, Any] | None = field(default=None, metadata={"omit": True})  # what the trace said of its OOM
 
     def to_dict(self) -> dict[str, Any]:
         return to_fields(self)

@@ -10,6 +10,7 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
   --kill-self-at-step N  SIGKILL itself at step N; with --oom-kill-counter PATH after counting it in a cgroup's
                       memory.events, as the kernel's OOM killer would
   --leak-mib N        add a reward function that keeps N MiB of tensors a step in a module-level list
+  --host-leak-mib N   add a reward function that grows a host-memory cache by N MiB a step
                       (tests/scripts/leaky_rewards.py), as a reward function that logs into a list does
   --mem-trace PATH    (without oomguard run) write the training process's memory watch events (oomguard/child/
                       memwatch.py) to PATH, on a simulated device of --simulate-mib MiB
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=8)
     p.add_argument("--long-prompts", type=int, default=0, help="this many extra prompts 8x longer")
     p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--long-at-step", type=int, default=None,
+                   help="one prompt 8x longer, met at this step (the dataset in order: one prompt per step)")
     p.add_argument("--trl-precision", action="store_true",
                    help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
@@ -104,6 +107,7 @@ def main() -> None:
                    help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
                         "kernel's OOM killer does")
     p.add_argument("--leak-mib", type=float, default=0.0)
+    p.add_argument("--host-leak-mib", type=float, default=0.0)
     p.add_argument("--mem-trace", default=None)
     p.add_argument("--simulate-mib", type=int, default=512)
     p.add_argument("--dataloader-num-workers", type=int, default=0)
@@ -122,6 +126,8 @@ def main() -> None:
 
     if a.leak_mib:
         os.environ["LEAK_MIB"] = str(a.leak_mib)
+    if a.host_leak_mib:
+        os.environ["HOST_LEAK_MIB"] = str(a.host_leak_mib)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -131,7 +137,7 @@ def main() -> None:
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     rows = []
     for i in range(a.rows + a.long_prompts):
-        n = a.prompt_words * (8 if i >= a.rows else 1)
+        n = a.prompt_words * (8 if i >= a.rows or (a.long_at_step and i == a.long_at_step - 1) else 1)
         text = " ".join(words[(i + j) % len(words)] for j in range(n))
         rows.append({"prompt": [{"role": "user", "content": f"{i}: {text}"}], "answer": str(i % 7)})
     dataset = Dataset.from_list(rows)
@@ -164,6 +170,7 @@ def main() -> None:
         **({} if a.num_generations_eval is None else {"num_generations_eval": a.num_generations_eval}),
         generation_kwargs={"min_new_tokens": a.max_completion_length},
         dataloader_num_workers=a.dataloader_num_workers,
+        **({"shuffle_dataset": False} if a.long_at_step else {}),
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
         deepspeed=deepspeed_config(a.deepspeed),
         **({"ds3_gather_for_generation": False} if a.no_ds3_gather else {}),
@@ -213,11 +220,11 @@ def main() -> None:
 
     rewards = [reward_len, reward_answer]
     callbacks = [Behaviour()]
-    if a.leak_mib:
+    if a.leak_mib or a.host_leak_mib:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from leaky_rewards import leaky_reward
+        import leaky_rewards
 
-        rewards.append(leaky_reward)
+        rewards.append(leaky_rewards.leaky_reward if a.leak_mib else leaky_rewards.host_leaky_reward)
     if a.mem_trace:
         callbacks.append(mem_trace_callback(a.mem_trace, model, TrainerCallback))
     if os.environ.get("OOMGUARD_TEST_ENDING"):  # an ending a launch-form test asks of every form alike
