@@ -202,7 +202,9 @@ def ladders(_: str | None = None) -> str:
 # -- records --------------------------------------------------------------------------------------------------------
 REPORT_KEYS = {
     "schema": "`oomguard.report/1`; a reader refuses another major version",
-    "status": "`stable`, `exhausted`, `failed` or `interrupted`",
+    "status": "`stable`, `leaked` (the run leaks memory: it finished every step through restarts from its "
+              "checkpoints with your config, or stopped at the leak: [late OOMs](../how-to/late-ooms.md)), "
+              "`exhausted`, `failed` or `interrupted`",
     "message": "the one-line verdict the terminal printed",
     "exit_code": "the code oomguard exited with",
     "command": "the command as launched (the interpreter resolved to its path)",
@@ -258,6 +260,10 @@ ATTEMPT_KEYS = {
     "probe_decision": "launched as a probe unless the memory model is sure of its config: what the training process "
                       "decided (`decided`: `run` or `probe`), `why`, the `predicted_bytes` and the `limit` it is sure "
                       "up to ([one launch when the model is sure](../concepts/preflight-and-probes.md))",
+    "trace": "only when the training process sent one: its main process's memory per step (thinned), `[{step, kept, "
+             "peak, reserved, host_rss, prompt_tokens, completion_tokens}]` ([late OOMs](../how-to/late-ooms.md))",
+    "trend": "only after an OOM the trace explains: its `verdicts` (`kind`: `leak`, `host-leak`, `fragmentation-growth` or "
+             "`long-sample`, with their numbers and `evidence`, the sentence the terminal printed), `used`, `skipped`",
 }
 LOCK_KEYS = {
     "schema": "`oomguard.lock/1`",
@@ -290,7 +296,8 @@ def report_fields(_: str | None = None) -> str:
 def attempt_fields(_: str | None = None) -> str:
     from oomguard.vocab.records import Attempt
 
-    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0).to_dict()), ATTEMPT_KEYS, "attempt")
+    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0, trace=[{}], trend={}).to_dict()), ATTEMPT_KEYS,
+                       "attempt")
 
 
 def lock_fields(_: str | None = None) -> str:
