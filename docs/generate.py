@@ -202,7 +202,9 @@ def ladders(_: str | None = None) -> str:
 # -- records --------------------------------------------------------------------------------------------------------
 REPORT_KEYS = {
     "schema": "`oomguard.report/1`; a reader refuses another major version",
-    "status": "`stable`, `exhausted`, `failed` or `interrupted`",
+    "status": "`stable`, `leaked` (the run leaks memory: it finished every step through restarts from its "
+              "checkpoints with your config, or stopped at the leak: [late OOMs](../how-to/late-ooms.md)), "
+              "`exhausted`, `failed` or `interrupted`",
     "message": "the one-line verdict the terminal printed",
     "exit_code": "the code oomguard exited with",
     "command": "the command as launched (the interpreter resolved to its path)",
@@ -217,7 +219,9 @@ REPORT_KEYS = {
     "original": "TRL's defaults overlaid with what your script set (recorded when it built its `GRPOConfig`)",
     "stable": "the knobs of the config that held, or null",
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
-            "`fewer_prompts_per_step`); when the run did not become stable, what was tried",
+            "`fewer_prompts_per_step`); when the run did not become stable, what was tried. `remedy` is a rung's name, "
+            "`lock` for a replayed lock's override, or `adaptation` for a change made so that the command runs where "
+            "it is launched, not for memory (`use_cpu=True` on a machine without a GPU)",
     "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages, "
              "where its DeepSpeed config comes from (`deepspeed`: `GRPOConfig` or `accelerate`), the installed TRL "
              "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take)",
@@ -256,6 +260,10 @@ ATTEMPT_KEYS = {
     "probe_decision": "launched as a probe unless the memory model is sure of its config: what the training process "
                       "decided (`decided`: `run` or `probe`), `why`, the `predicted_bytes` and the `limit` it is sure "
                       "up to ([one launch when the model is sure](../concepts/preflight-and-probes.md))",
+    "trace": "only when the training process sent one: its main process's memory per step (thinned), `[{step, kept, "
+             "peak, reserved, host_rss, prompt_tokens, completion_tokens}]` ([late OOMs](../how-to/late-ooms.md))",
+    "trend": "only after an OOM the trace explains: its `verdicts` (`kind`: `leak`, `host-leak`, `fragmentation-growth` or "
+             "`long-sample`, with their numbers and `evidence`, the sentence the terminal printed), `used`, `skipped`",
 }
 LOCK_KEYS = {
     "schema": "`oomguard.lock/1`",
@@ -288,7 +296,8 @@ def report_fields(_: str | None = None) -> str:
 def attempt_fields(_: str | None = None) -> str:
     from oomguard.vocab.records import Attempt
 
-    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0).to_dict()), ATTEMPT_KEYS, "attempt")
+    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0, trace=[{}], trend={}).to_dict()), ATTEMPT_KEYS,
+                       "attempt")
 
 
 def lock_fields(_: str | None = None) -> str:

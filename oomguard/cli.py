@@ -19,6 +19,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("N", "the command's own code when it succeeds, or when it fails for a reason other than an OOM (passed "
           "through at once, no retry)"),
     ("75", "the ladder or the budget (--max-attempts, --max-time) is used up"),
+    ("76", "the run leaks memory and stopped at the leak (--no-leak-restart, or a leak too fast for a restart to get "
+           "past its checkpoint); a leaking run that finished every step through restarts exits 0, status leaked"),
     ("130/143", "interrupted (SIGINT/SIGTERM)"),
     ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
     ("126", "the command is not executable"),
@@ -61,7 +63,7 @@ def main() -> None:
               help="List every remedy for each OOM (without it, the top 3-5; --json always has them all, ranked).")
 def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: str | None, show_all: bool) -> None:
     """Explain the OOMs in logs, crash records, run reports and memory snapshots (files or directories)."""
-    from .display.render import console, findings, note, snapshots
+    from .display.render import console, findings, note, snapshots, trends
     from .oom.analyze import analyze_paths, for_terminal
     from .vocab.sizes import SizeError, parse_size
 
@@ -88,6 +90,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
         if not result.findings and result.files_read:
             out.print(f"No out-of-memory error found in {result.files_read} file(s).")
         snapshots(out, result.snapshots)
+        trends(out, result.trends)
     if html_path:
         from .display.html import write_analyze_html
 
@@ -149,6 +152,11 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
               help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
                    "steps (oomguard continues from the newest checkpoint).")
+@click.option("--no-leak-restart", is_flag=True,
+              help="Stop at the first OOM the memory trace shows is a leak (memory kept step after step), instead "
+                   "of resuming from the last checkpoint with the same config (exit code 76).")
+@click.option("--no-trace", is_flag=True,
+              help="Do not sample memory at each training step (no leak, long-sample or fragmentation diagnosis).")
 @click.option("--html", "html_path", default=None, metavar="PATH",
               help="Also write a self-contained HTML report (charts of peak against capacity, breakdown, timeline).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the OOMs, the rungs climbed and the result.")
@@ -164,7 +172,7 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
 def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_time: float | None, simulate_gpu: str | None,
         simulate_context: str | None, gpu_memory: str | None, report_path: str, lock_path: str, config_path: str | None, workdir: str,
         probe_steps: int, no_probe: bool, always_probe: bool, no_predict: bool, preflight_margin: float | None, no_preflight: bool,
-        minimize: bool, no_refine: bool, checkpoint_every: int | None,
+        minimize: bool, no_refine: bool, checkpoint_every: int | None, no_leak_restart: bool, no_trace: bool,
         html_path: str | None, quiet: bool, json_log: bool, group_dir: str | None, node_rank: int | None,
         nodes: int | None) -> None:
     """Run COMMAND; on a GPU out-of-memory error, climb the remedy ladder and relaunch until it fits.
@@ -244,7 +252,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                          simulate_context=sim_ctx,
                          checkpoint_every=checkpoint_every, html_path=html_file,
                          membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
-                         ladder_reason=why, oom_grace=oom_grace)
+                         ladder_reason=why, oom_grace=oom_grace, leak_restart=not no_leak_restart,
+                         trace=not no_trace)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:

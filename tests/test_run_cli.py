@@ -84,8 +84,8 @@ def test_run_help_lists_every_exit_code():
     from oomguard.run import supervisor
 
     codes = {c for code, _ in RUN_EXIT_CODES for c in code.split("/") if c.isdigit()}
-    assert {str(supervisor.EXIT_EXHAUSTED), str(supervisor.EXIT_BUG), str(supervisor.EXIT_NOT_FOUND),
-            str(supervisor.EXIT_NOT_EXECUTABLE), "2", "130", "143"} == codes
+    assert {str(supervisor.EXIT_EXHAUSTED), str(supervisor.EXIT_LEAKED), str(supervisor.EXIT_BUG),
+            str(supervisor.EXIT_NOT_FOUND), str(supervisor.EXIT_NOT_EXECUTABLE), "2", "130", "143"} == codes
     helptext = subprocess.run([sys.executable, "-m", "oomguard", "run", "--help"], capture_output=True,
                               text=True).stdout
     assert all(code in helptext for code in codes)

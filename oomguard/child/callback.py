@@ -19,6 +19,16 @@ def make_callback(rt: Runtime) -> Any:
             rt.emit(TrainBegin(step=state.global_step, max_steps=state.max_steps,
                     save_steps=getattr(args, "save_steps", None), save_strategy=str(getattr(args, "save_strategy", "")),
                     output_dir=args.output_dir))
+            if rt.plan.trace and rt.memwatch is None:
+                from .memwatch import MemWatch
+
+                # transformers' own memory metrics read the process's peak at the end: leave the counters alone
+                rt.memwatch = MemWatch(rt, host_limit=rt.plan.host_limit, census_after=rt.plan.census_after,
+                                       reset_peak=bool(getattr(args, "skip_memory_metrics", True)))
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if rt.memwatch is not None:
+                traced(rt, lambda w: w.step_begin())
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # Before the first step allocates the long-lived optimizer state: without this, that state is carved
@@ -28,6 +38,9 @@ def make_callback(rt: Runtime) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit(StepDone(step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
+            if rt.memwatch is not None:
+                for ev in traced(rt, lambda w: w.step_end(state.global_step, rt.trainer)) or []:
+                    rt.emit(ev)
             while rt.after_first_step:
                 rt.after_first_step.pop(0)()
             if rt.overrides.torch_empty_cache_steps == 1:
@@ -47,6 +60,18 @@ def make_callback(rt: Runtime) -> Any:
             rt.emit(StepDone(final=True, step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
 
     return OOMGuardCallback()
+
+
+def traced(rt: Runtime, call: Any) -> Any:
+    """``call(rt.memwatch)``; the trace must never break a run: a failure turns it off for the process, said once."""
+    try:
+        return call(rt.memwatch)
+    except Exception as e:
+        import sys
+
+        rt.memwatch = None
+        sys.stderr.write(f"oomguard: the memory trace stopped ({type(e).__name__}: {e}); the run goes on without it\n")
+        return None
 
 
 def host_peak() -> int | None:

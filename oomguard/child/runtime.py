@@ -30,6 +30,7 @@ class Runtime:
         self.resolved: dict[str, Any] = {}  # observed values a stack changed after the script set them
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
+        self.memwatch: Any = None  # the per-step memory trace (child/memwatch.py), from the first train_begin
         self.crashed = False
         self.crash_path: Path | None = None  # the CrashRecord this process wrote (once)
         self.started = time.time()
@@ -42,6 +43,10 @@ class Runtime:
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
         self._adapted: set[str] = set()  # knobs oomguard changed to let the command run here (``adapt``)
+        # the process's peaks before the per-step trace last reset the device's peak counters (child/trace.py), so
+        # that peak_bytes() stays the peak of the whole process
+        self.peak_floor = 0
+        self.reserved_floor = 0
         # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
         # model is sure of the config, not decided yet (``decide_probe``)
         self.probe_as: str | None = ("run" if plan.probe is None else None if plan.probe.unless_sure is not None
@@ -174,26 +179,34 @@ class Runtime:
         self.end(END_EXIT, code=exit_status(self.exit_code))
 
     # -- memory ------------------------------------------------------------------------------------------------
+    def keep_peaks(self, allocated: int | None, reserved: int | None) -> None:
+        """Remember the process's peaks before the device's peak counters are reset (the per-step trace resets them
+        at each step), so that :meth:`peak_bytes` and :meth:`peak_reserved_bytes` stay the whole process's."""
+        self.peak_floor = max(self.peak_floor, allocated or 0)
+        self.reserved_floor = max(self.reserved_floor, reserved or 0)
+
     def peak_bytes(self) -> int | None:
+        """The peak of allocated memory of the whole process so far (across the trace's per-step resets)."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
-            return dev.peak
+            return max(dev.peak, self.peak_floor)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.max_memory_allocated())
+            return max(int(torch.cuda.max_memory_allocated()), self.peak_floor)
         return None
 
     def peak_reserved_bytes(self) -> int | None:
+        """The peak of reserved memory of the whole process so far (across the trace's per-step resets)."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
-            return dev.model.peak_reserved
+            return max(dev.model.peak_reserved, self.reserved_floor)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.max_memory_reserved())
+            return max(int(torch.cuda.max_memory_reserved()), self.reserved_floor)
         return None
 
     def memory_stats(self) -> dict[str, Any] | None:
@@ -248,9 +261,15 @@ class Runtime:
         if not frames and exc is not oom:
             frames = [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
         phase, _ = phase_from_frames(frames)
-        step = None
+        step = prompt_tokens = completion_tokens = None
         if self.trainer is not None:
             step = getattr(getattr(self.trainer, "state", None), "global_step", None)
+            try:  # the batch the step that ran out trains on: a long sample shows in its widths
+                from .trace import batch_lengths
+
+                prompt_tokens, completion_tokens = batch_lengths(self.trainer)
+            except Exception:
+                pass
         cls = type(oom)
         rec = CrashRecord(
             message=str(oom),
@@ -268,6 +287,8 @@ class Runtime:
             device=self.device_name(),
             attempt=self.plan.attempt,
             model_config=self.model_config,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
         )
         name = f"crash-rank{rank()}.json" if rank() is not None else f"crash-{os.getpid()}.json"
         path = Path(self.plan.crash_dir) / name

@@ -62,6 +62,8 @@ class SimulatedDevice:
         self._trace: list[tuple[str, int, int]] | None = [] if os.environ.get(TRACE_ENV) else None
         self._ids: dict[int, int] = {}
         self._next_id = 0
+        # the code line that allocated each live storage, while a census asks (record_sites): {key: site}
+        self._sites: dict[int, str] | None = None
         if self._trace is not None:
             import atexit
 
@@ -99,6 +101,8 @@ class SimulatedDevice:
                 self.model.free(block)
                 return
             self._live[key] = (ref, block, nbytes)
+            if self._sites is not None:
+                self._sites[key] = allocation_site()
             if self._trace is not None:
                 self._ids[key] = self._next_id
                 self._trace.append(("a", self._next_id, nbytes))
@@ -110,6 +114,8 @@ class SimulatedDevice:
                 self._pending.append(key)
                 return
             entry = self._live.pop(key, None)
+            if self._sites is not None:
+                self._sites.pop(key, None)
             if entry is not None and self._trace is not None and key in self._ids:
                 self._trace.append(("f", self._ids.pop(key), 0))
             if entry is not None:
@@ -174,6 +180,25 @@ class SimulatedDevice:
             for key, (ref, _block, nbytes) in list(self._live.items()):
                 self._live[key] = (ref, model.malloc(nbytes), nbytes)
             self.model = model
+
+    # -- where memory is held ----------------------------------------------------------------------------------
+    def record_sites(self, on: bool = True) -> None:
+        """Record the code line that allocates each storage from now on (a census of where memory grows,
+        :mod:`oomguard.child.census`); it costs a walk of the Python stack per allocation, so it is on only while a
+        census runs. Storages allocated before have no site."""
+        with self._lock:
+            self._sites = {} if on else None
+
+    def sites(self) -> dict[str, tuple[int, int]]:
+        """Live storages by the site that allocated them: ``{site: (bytes, storages)}`` (those recorded)."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for key, site in (self._sites or {}).items():
+                entry = self._live.get(key)
+                if entry is not None:
+                    b, n = out.get(site, (0, 0))
+                    out[site] = (b + entry[2], n + 1)
+        return out
 
     # -- facts -------------------------------------------------------------------------------------------------
     @property
@@ -265,6 +290,33 @@ class SimulatedDevice:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+
+
+_OWN = os.path.dirname(os.path.abspath(__file__))
+
+
+def _inside(filename: str, roots: tuple[str, ...]) -> bool:
+    return filename.startswith(roots) or filename.startswith("<frozen")
+
+
+def allocation_site() -> str:
+    """``file:line in function`` of the innermost frame outside torch and oomguard's training-process side: the
+    code that asked for the memory.
+
+    >>> allocation_site().endswith("in <module>")
+    True
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    roots = (_OWN, os.path.dirname(os.path.abspath(torch.__file__))) if torch is not None and torch.__file__ \
+        else (_OWN,)
+    f = sys._getframe(1)
+    while f is not None and _inside(f.f_code.co_filename, roots):
+        f = f.f_back  # type: ignore[assignment]
+    if f is None:
+        return "(unknown)"
+    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
 
 
 _DEVICE: SimulatedDevice | None = None

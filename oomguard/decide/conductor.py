@@ -22,12 +22,13 @@ What it decides comes back as data (``Next``): the next attempt's kind, and what
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..vocab.diagnosis import Diagnosis
+from ..vocab.diagnosis import LEAK_KINDS, Diagnosis
 from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs, reachable
 from ..vocab.records import Attempt, AttemptKind, Outcome
@@ -60,6 +61,7 @@ class Policy:
     preflight_margin: float | None = None  # how far over the device that is; None: the model's measured error
     ladder_auto: bool = False  # --ladder not given: a run the training process reports distributed takes multi-gpu
     device: bool = True  # a device could run out of memory (an accelerator, a simulated or named size)
+    leak_restart: bool = True  # after an OOM the memory trace shows is a leak: resume with the same config
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Next:
     deferred: bool = False
     without: str | None = None
     said: list[Said] = field(default_factory=list)
+    checkpoint_every: int | None = None  # save a checkpoint every this many steps (a leak's restarts)
 
     def line(self, text: str) -> Next:
         self.said.append(Said(line=text))
@@ -106,6 +109,8 @@ class Conductor:
         # nothing is launched (`oomguard plan`: every knob reaches)
         self.reached: set[str] | None = set() if launched else None
         self.trl_seen: tuple[str, str | None, str | None] | None = None
+        self.leaks: list[int] = []  # the attempts that ran out of memory through a leak and were resumed as they were
+        self.checkpoint_every: int | None = None  # the checkpoint cadence a leak's restarts need
 
     # -- the start and the budget ------------------------------------------------------------------------------
     def first(self) -> Next:
@@ -126,7 +131,7 @@ class Conductor:
     def spent(self) -> bool:
         """--max-attempts (undo trials are extra work the user asked for: they do not count) or --max-time."""
         c = self.climb
-        counted = sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE)
+        counted = sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE and a.index not in self.leaks)
         late = self.policy.max_time is not None and time.time() - c.started >= self.policy.max_time
         return counted >= self.policy.max_attempts or late
 
@@ -199,7 +204,8 @@ class Conductor:
         """What an attempt teaches the memory model, the same for a launch and a guarded call: its prediction is
         recorded on it; a success teaches the steady state only once an optimizer step has run with its state in
         place (``step`` at least 2, or a call that ran to its end without counting steps); a probe's peak counts
-        PROBE_TAIL higher; an OOM teaches a lower bound; a passing probe is kept in this machine's calibration."""
+        PROBE_TAIL higher; an OOM teaches a lower bound (not a leak's: the code ran out, not the config); a passing probe
+        is kept in this machine's calibration."""
         judge, c = self.judge, self.climb
         if judge is None:
             return
@@ -208,6 +214,8 @@ class Conductor:
         if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
             attempt.predicted_bytes = est.peak_bytes if est else None
         if attempt.outcome == Outcome.OK and attempt.step is not None and attempt.step < 2:
+            return
+        if diag is not None and diag.kind in LEAK_KINDS:  # the code's leak ran out, not the config
             return
         peak = attempt.peak_bytes
         if peak and attempt.kind != AttemptKind.RUN:
@@ -247,6 +255,8 @@ class Conductor:
         if attempt.outcome == Outcome.OK:
             return Next(None) if attempt.kind == AttemptKind.RUN else self._after_fit(attempt, Next(None))
         # out of memory, or stopped by the pre-flight check
+        if diag is not None and diag.kind in LEAK_KINDS:
+            return self._after_leak(attempt, diag)
         if p.replay:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
@@ -335,6 +345,30 @@ class Conductor:
         nxt.kind = AttemptKind.RUN
         return nxt
 
+    def _after_leak(self, attempt: Attempt, diag: Diagnosis) -> Next:
+        """The OOM was a leak (the memory trace shows memory kept step after step): no rung is climbed for it. The
+        run resumes from its last checkpoint with the same config, saving often enough to move on at the leak's
+        pace (half the steps it made before running out), as long as each restart gets further; with
+        --no-leak-restart, or where a restart made no progress, it stops."""
+        c = self.climb
+        made = (attempt.step or 0) - resumed_step(attempt.resume)
+        where = "the host's memory" if diag.kind == "host-leak" else "the device"
+        if not self.policy.leak_restart or (self.leaks and made <= 0):
+            why = ("--no-leak-restart: stopped at the first leak" if not self.policy.leak_restart else
+                   f"the leak fills {where} before the run gets past its last checkpoint")
+            c.give_up("leak", why)
+            attempt.note = f"a leak, not a shortfall: no config change cures it; {why}"
+            return Next(None).line(f"  {attempt.note}; fix the code that keeps the memory (the evidence says where)")
+        cadence = max(1, made // 2)
+        self.checkpoint_every = min(self.checkpoint_every or cadence, cadence)
+        self.leaks.append(attempt.index)
+        attempt.note = (f"a leak, not a shortfall: resumed with the same config from the last checkpoint, saving "
+                        f"every {self.checkpoint_every} step(s)")
+        return Next(AttemptKind.RUN, checkpoint_every=self.checkpoint_every).line(
+            f"  a leak, not a shortfall: no config change cures it, so the run resumes from its last checkpoint "
+            f"with the same config, with a checkpoint at least every {self.checkpoint_every} step(s) (it made {made} "
+            f"step(s) before {where} was full); --no-leak-restart stops instead")
+
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
         """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""
         why = f"applying it failed in {err.get('where')}: {err.get('error')}"
@@ -362,6 +396,18 @@ class Conductor:
         return lines
 
 
+def resumed_step(resume: dict[str, Any] | None) -> int:
+    """The step an attempt resumed from (its resume plan's checkpoint, ``checkpoint-N``), 0 where it started afresh.
+
+    >>> resumed_step({"mode": "continue", "checkpoint": "/out/checkpoint-12"}), resumed_step(None)
+    (12, 0)
+    """
+    if not resume or resume.get("mode") != "continue":
+        return 0
+    m = re.search(r"checkpoint-(\d+)/?$", str(resume.get("checkpoint") or ""))
+    return int(m.group(1)) if m else 0
+
+
 def ladder_line(why: str) -> str:
     """The line that says which ladder oomguard picked by itself, and why."""
     return (f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's buffers, ZeRO "
@@ -377,4 +423,4 @@ def say(nxt: Next, line: Callable[[str], None], decision: Callable[[Decision], N
             line(s.line)
 
 
-__all__ = ["PROBE_TAIL", "Conductor", "Next", "Policy", "Said", "ladder_line", "say"]
+__all__ = ["PROBE_TAIL", "Conductor", "Next", "Policy", "Said", "ladder_line", "resumed_step", "say"]

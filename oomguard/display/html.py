@@ -20,6 +20,7 @@ from typing import Any
 from ..vocab.files import write_atomic
 from ..vocab.records import climbed_labels
 from ..vocab.sizes import format_size
+from .trace_chart import trace_svg, trend_block
 
 _COLOURS = {"ok": "#2e9d5b", "oom": "#d64545", "predicted": "#e08a2c", "failed": "#8a8a8a", "interrupted": "#c9a227"}
 _TERM_COLOURS = {"weights": "#4c72b0", "reference": "#8172b2", "gradients": "#dd8452", "optimizer": "#c44e52",
@@ -257,6 +258,15 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
     if breakdown:
         body.append("<h2>Memory breakdown (memory model, final config)</h2>" + breakdown_chart(breakdown))
     body.append("<h2>Attempts</h2>" + timeline_chart(attempts))
+    traced = [a for a in attempts if len(a.get("trace") or []) >= 4]
+    if traced:  # the memory trace of each attempt that trained a few steps: a leak shows as a rising line
+        body.append("<h2>Memory per step</h2>")
+        for a in traced:
+            verdicts = (a.get("trend") or {}).get("verdicts") or []
+            step = a.get("step")
+            body.append(trace_svg(a["trace"], capacity=capacity, verdicts=verdicts,
+                                  oom_step=step + 1 if a.get("outcome") == "oom" and isinstance(step, int) else None,
+                                  title=f"Attempt {a.get('index')} ({a.get('kind', 'run')})"))
     body.append("<h2>What changed</h2>" + _diff_table(report.get("diff") or []))
     from ..decide.experiment import experiment_lines
     from .ui import alternatives_lines
@@ -293,6 +303,8 @@ def analyze_html(result: Any) -> str:
         body.append(f"<h2>Snapshot {_e(s.get('source'))}</h2>")
         body.append(breakdown_chart({"allocated": s.get("allocated_bytes") or 0,
                                      "overhead": s.get("reserved_unallocated_bytes") or 0}))
+    for t in data.get("trends") or []:
+        body.append(trend_block(t))
     if data.get("notes"):
         body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in data["notes"]) + "</ul>")
     return _page("oomguard analyze", "".join(body), data)

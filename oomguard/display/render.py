@@ -90,6 +90,17 @@ def snapshots(out: Console, items: Sequence[dict[str, Any]]) -> None:
             out.print(f"  {len(s['oom_events'])} OOM event(s) in the trace")
 
 
+def trends(out: Console, items: Sequence[dict[str, Any]]) -> None:
+    """Each memory trace ``oomguard analyze`` read (``AnalyzeResult.trends``) and what it says."""
+    for t in items:
+        out.print()
+        who = f", process {t['pid']}" if t.get("pid") else ""
+        out.print(Text(f"{t['source']}:{t.get('first_line') or 1}  memory trace, {t['steps']} steps "
+                       f"({t.get('first_step')} to {t.get('last_step')} read after settling){who}", style="bold"))
+        for e in t.get("evidence") or ["Nothing grows: no leak, no fragmentation growth, no long sample."]:
+            out.print(f"   • {escape(e)}", soft_wrap=True)
+
+
 def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What oomguard changed") -> None:
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in ("knob", "original", "stable", "remedy"):

@@ -223,7 +223,8 @@ class ConsoleReporter:
     def finish(self, report: RunReport, report_path: Path, lock_path: Path | None) -> None:
         from .render import diff_table
 
-        colour = {"stable": "green", "failed": "red", "exhausted": "red", "interrupted": "yellow"}[report.status]
+        colour = {"stable": "green", "failed": "red", "exhausted": "red", "interrupted": "yellow",
+                  "leaked": "yellow"}[report.status]
         self._say(f"[bold {colour}]{report.status}[/]: {_plain(report.message)}")
         if report.diff and report.status in ("stable", "exhausted"):
             title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"

@@ -37,6 +37,7 @@ from ..oom.diagnose import phase_from_frames
 from ..oom.parse import is_oom, oom_in_chain, report_from_exception
 from ..vocab.knobs import Knobs
 from ..vocab.oomreport import Frame, OOMReport
+from ..vocab.trace import MemSample
 from .release import drop_traceback, peak_bytes
 from .tracked import track
 
@@ -55,6 +56,7 @@ class CallResult:
     observed: dict[str, Any] = field(default_factory=dict)  # style (a): what the code set (GRPOConfig, ...)
     reached: set[str] = field(default_factory=set)  # style (a): the construction points the call went through
     facts: dict[str, Any] = field(default_factory=dict)  # style (a): model shape, prompt lengths, ...
+    samples: list[MemSample] = field(default_factory=list)  # style (a): the trainer's memory trace, one per step
 
 
 def call_once(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, overrides: dict[str, Any], reads: set[str],
@@ -92,6 +94,8 @@ def call_once(fn: Callable[..., Any], takes_knobs: bool, knobs: Knobs, overrides
             if rt.model_config:
                 facts["model_config"] = rt.model_config
             out.facts = facts
+            if rt.memwatch is not None:
+                out.samples = list(rt.memwatch.samples)
         return out
     finally:
         if rt is not None:

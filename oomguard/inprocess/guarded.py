@@ -46,11 +46,13 @@ from ..decide.conductor import Conductor, Policy
 from ..decide.experiment import Experiment, cost_note, experiment_lines
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
+from ..oom.trend import assess, at_oom, describe
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
 from ..vocab.records import Attempt, RunReport, rung_label
 from ..vocab.sizes import format_size, parse_size
+from ..vocab.trace import MemSample
 from . import allocapply
 from .attempt import CallResult, call_once, start_simulation, stop_simulation
 from .isolate import check_picklable, lookup, run_isolated
@@ -125,6 +127,9 @@ class Guarded:
         self.verbose = verbose
         self._judge_obj: Any = None
         self.report: RunReport | None = None
+        # memory at the end of each call that fit, over the guarded function's life: a leak across calls shows here
+        self.calls: list[MemSample] = []
+        self._leak_said = False
         self.takes_knobs = "knobs" in inspect.signature(fn).parameters
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -168,10 +173,14 @@ class Guarded:
             self._write()
             return last.value
         late = self.max_time is not None and time.time() - climb.started >= self.max_time
-        why = ("no rung left that can help" if climb.exhausted is not None
+        leaked = climb.exhausted is not None and climb.exhausted.skipped[:1] and climb.exhausted.skipped[0][0] == "leak"
+        why = (f"it leaks memory, which no config change cures ({last.diagnosis.evidence[0]})"
+               if leaked and last.diagnosis is not None and last.diagnosis.evidence
+               else "no rung left that can help" if climb.exhausted is not None
                else f"stopped after {len(climb.attempts)} attempt(s) and {self.max_time:g} s (max_time)" if late
                else f"stopped after {self.max_attempts} attempts (max_attempts)")
-        self.report = self._report(climb, reads, "exhausted", f"{why}; last OOM: {last.message}", None)
+        self.report = self._report(climb, reads, "leaked" if leaked else "exhausted", f"{why}; last OOM: {last.message}",
+                                   None)
         self._write()
         skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.record.skipped[-4:])
         raise OOMGuardExhausted(
@@ -181,7 +190,8 @@ class Guarded:
     def policy(self) -> Policy:
         """The climb's policy for a guarded call: ``oomguard run``'s with no probes (the call is the attempt), no
         pre-flight, and the guard's budget."""
-        return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=0, preflight=False)
+        return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=0, preflight=False,
+                      leak_restart=False)
 
     def _attempt(self, conductor: Conductor, reads: set[str], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> _Attempt:
@@ -214,6 +224,7 @@ class Guarded:
         if result.ok:
             attempt.value = result.value
             conductor.record(record, None)
+            self._watch_calls(live_bytes(), result.peak)
             return attempt
         # An OOM: everything below works from plain data; the exception and its frames are gone.
         release()
@@ -246,7 +257,10 @@ class Guarded:
 
         r, record = result.report, attempt.record
         assert r is not None  # a failed call carries its OOMReport
-        d = diagnose(r, result.frames, phase=result.phase)
+        samples = result.samples or self.calls  # the trainer's steps in this call, else the calls before it
+        last = max((s.step for s in samples), default=0)
+        d = diagnose(r, result.frames, phase=result.phase,
+                     trend=at_oom(samples, step=last + 1) if samples else None)
         record.outcome = "oom"
         record.oom = finding(f"{self.fn.__name__}()", None, r, d, frames=result.frames)
         attempt.diagnosis = d
@@ -255,6 +269,18 @@ class Guarded:
         self._log(logging.WARNING, f"{self.fn.__name__}() attempt {record.index}/{self.max_attempts} ran out of "
                   f"memory: {d.kind}{' during ' + d.phase if d.phase != 'unknown' else ''}"
                   f"{f' ({format_size(r.requested)} requested)' if r.requested else ''}")
+
+    def _watch_calls(self, kept: int | None, peak: int | None) -> None:
+        """Memory at the end of a call that fit: a leak across calls (the function keeps memory from one call to
+        the next) is said once, with the call at which it runs out at that rate."""
+        if kept is None:
+            return
+        self.calls.append(MemSample(step=len(self.calls) + 1, kept=kept, peak=peak))
+        leak = assess(self.calls).leak
+        if leak is not None and not self._leak_said:
+            self._leak_said = True
+            self._log(logging.WARNING, f"{self.fn.__name__}() keeps memory from call to call (each call is a step "
+                      f"here): {describe(leak)}")
 
     # -- the report and the log lines --------------------------------------------------------------------------
     def _report(self, climb: Climb, reads: set[str], status: str, message: str, code: int | None) -> RunReport:

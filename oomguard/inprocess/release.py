@@ -130,9 +130,12 @@ def release() -> None:
     gc.collect()
     torch = loaded_torch()
     if torch is not None:
-        torch.zeros((), requires_grad=True).sum().backward()
-        if cuda_in_use():
-            torch.zeros((), device="cuda", requires_grad=True).sum().backward()
+        try:  # a tiny backward frees autograd's cached graph; on a device still full (a leak) even that may fail
+            torch.zeros((), requires_grad=True).sum().backward()
+            if cuda_in_use():
+                torch.zeros((), device="cuda", requires_grad=True).sum().backward()
+        except torch.OutOfMemoryError:
+            pass
         gc.collect()
     from ..child import simulate
 

@@ -17,7 +17,7 @@ import gzip
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -30,6 +30,8 @@ from .diagnose import diagnose
 from .parse import Hit, parse_oom, scan_stream
 from .recommend import ranked
 from .snapshot import SnapshotError, load_snapshot_bytes, looks_like_pickle, oom_reports, summarize
+from .trace_log import Tee, Trace, TraceReader, traces_from_state, with_capacity
+from .trend import assess
 
 DEFAULT_MAX_BYTES = 64 * GiB
 BIG_FILE = 1 * GiB
@@ -42,9 +44,10 @@ class AnalyzeResult:
     notes: list[str] = field(default_factory=list)  # one line each: "path: reason"
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     files_read: int = 0
+    trends: list[dict[str, Any]] = field(default_factory=list)  # memory traces read, with their verdicts
 
     def to_dict(self) -> dict[str, Any]:
-        return {"findings": self.findings, "snapshots": self.snapshots, "notes": self.notes,
+        return {"findings": self.findings, "snapshots": self.snapshots, "trends": self.trends, "notes": self.notes,
                 "files_read": self.files_read}
 
 
@@ -100,11 +103,13 @@ def finding_from_hit(source: str, hit: Hit) -> dict[str, Any]:
     return finding(source, hit.line, hit.report, d, rank=hit.rank, frames=hit.frames, extra=extra)
 
 
-def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1) -> dict[str, Any]:
+def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1, d: Diagnosis | None = None) -> dict[str, Any]:
     """A crash record's OOM, its message parsed again (so an older record gains what the parser learned since),
-    diagnosed with the phase the training process recorded, remedies pasted against the knobs it ran with."""
+    diagnosed with the phase the training process recorded (``d``: as the caller diagnosed it, with what it knew
+    beside the record), remedies pasted against the knobs it ran with."""
     report = _reparsed(rec.message, rec.report)
-    d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
+    if d is None:
+        d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
     return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
 
@@ -219,6 +224,8 @@ def _analyze_file(path: Path, result: AnalyzeResult, max_bytes: int | None, prog
                 _text(src, g, size, result, max_bytes, progress, compressed=True)
         elif head.lstrip()[:1] == b"{" and b'"schema"' in head and b"oomguard." in head:
             _record(src, f, result)
+        elif head.lstrip()[:1] == b"{" and b'"log_history"' in head:
+            _trainer_state(src, f, result)
         elif b"\x00" in head:
             result.notes.append(f"{src}: binary file, not a log, crash record or memory snapshot; skipped")
         else:
@@ -229,11 +236,14 @@ def _text(src: str, f: BinaryIO, size: int, result: AnalyzeResult, max_bytes: in
           compressed: bool = False) -> None:
     if size >= BIG_FILE and progress:
         progress(f"{src}: {format_size(size)}{' compressed' if compressed else ''}, scanning…")
+    reader = TraceReader(src)
+    first = len(result.findings)
     try:
-        for hit in scan_stream(f, max_bytes=max_bytes):
+        for hit in scan_stream(Tee(f, reader), max_bytes=max_bytes):  # type: ignore[arg-type]
             result.findings.append(finding_from_hit(src, hit))
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         result.notes.append(f"{src}: read failed part-way ({e}); findings before that point are kept")
+    _trends(src, reader.done(), result, result.findings[first:])
     result.files_read += 1
     if max_bytes is not None and not compressed and size > max_bytes:
         result.notes.append(f"{src}: {format_size(size)} log, only the first {format_size(max_bytes)} scanned "
@@ -283,3 +293,42 @@ def _record(src: str, f: BinaryIO, result: AnalyzeResult) -> None:
         result.notes.append(str(e))
         return
     result.files_read += 1
+
+
+def _trainer_state(src: str, f: BinaryIO, result: AnalyzeResult) -> None:
+    try:
+        data = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        result.notes.append(f"{src}: looks like a trainer_state.json but is not valid JSON ({e})")
+        return
+    result.files_read += 1
+    _trends(src, traces_from_state(data if isinstance(data, dict) else {}, src), result, [])
+
+
+MAX_TRACE_POINTS = 2000  # samples kept in a trend's JSON (for its chart), evenly thinned beyond
+
+
+def _trends(src: str, traces: Sequence[Trace], result: AnalyzeResult, findings: Sequence[dict[str, Any]]) -> None:
+    """Each memory trace of a file, with its verdicts (``oom/trend.py``); an OOM of the same file that follows a trace
+    with verdicts gets them as evidence too (the same sentences)."""
+    capacity = max((f["capacity_bytes"] for f in findings if f.get("capacity_bytes")), default=None)
+    read: list[tuple[int, dict[str, Any]]] = []
+    for trace in traces:
+        t = assess(with_capacity(trace, capacity), host_basis=trace.host_basis)
+        if trace.holders and t.leak is not None:
+            t = replace(t, verdicts=tuple(replace(v, holders=trace.holders) if v is t.leak else v for v in t.verdicts))
+        samples = trace.samples
+        if len(samples) > MAX_TRACE_POINTS:
+            samples = [samples[round(i * (len(samples) - 1) / (MAX_TRACE_POINTS - 1))] for i in range(MAX_TRACE_POINTS)]
+        entry = {"source": src, "input": f"trace-{trace.form}", "pid": trace.pid, "first_line": trace.first_line,
+                 "last_line": trace.last_line, "steps": len(trace.samples), "capacity_bytes": capacity or max(
+                     (s.capacity for s in trace.samples if s.capacity), default=None),
+                 **t.to_dict(), "evidence": list(t.evidence()), "samples": [s.to_event() for s in samples]}
+        result.trends.append(entry)
+        read.append((trace.first_line or 0, entry))
+    for f in findings:  # the trace the OOM ended (the latest that began before it), where it says something
+        line = f.get("line")
+        before = [e for first, e in read if isinstance(line, int) and first <= line]
+        if before and before[-1]["verdicts"]:
+            f["trend"] = [v["kind"] for v in before[-1]["verdicts"]]
+            f["evidence"] = [*f["evidence"], *before[-1]["evidence"]]

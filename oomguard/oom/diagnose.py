@@ -31,6 +31,7 @@ from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.sizes import MiB
 from .evidence import OUTSIDE_ALLOCATOR, sentences
 from .phase import VLLM_STARTUP, phase_from_frames, vllm_startup_frame
+from .trendwords import Trend, describe
 
 # phase_from_frames and vllm_startup_frame live in oom/phase.py; they are named here too for the callers that import
 # them with diagnose.
@@ -44,7 +45,7 @@ _OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says
 
 def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
              buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
-             engine: str | None = None) -> Diagnosis:
+             engine: str | None = None, trend: Trend | None = None) -> Diagnosis:
     """Classify an OOM and explain it with the figures it gives: :func:`verdict`, written by
     :func:`oomguard.oom.evidence.sentences`.
 
@@ -54,7 +55,10 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     What the caller knows beside the message: ``reason``, the training process's own words for a stop before vLLM
     started (they lead the evidence); ``host_signs``, what the supervisor saw of the kernel's OOM killer (its OOM-kill
     counter, its log, resident memory near the machine's RAM), one clause each, which close it; ``engine``, vLLM's own
-    engine process the message came from (a vLLM server, or an engine in a process of its own).
+    engine process the message came from (a vLLM server, or an engine in a process of its own); ``trend``, what the
+    run's memory trace says of the OOM (``oom.trend.at_oom``): a leak is the kind ``leak`` (``host-leak`` for the
+    host), whatever the figures said, fragmentation that grew makes a shortfall ``fragmentation``, and a long sample
+    at the step that ran out is said beside the figures' kind.
 
     >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=2_000_000_000, capacity=1 << 30, free=1 << 29),
     ...              buffers={"DeepSpeed's gradient reduce bucket": 2_000_000_000})
@@ -63,14 +67,15 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     >>> diagnose(OOMReport("host", "oom-killer", "x"), host_signs=["the OOM-kill counter rose"]).evidence[-1]
     'The OOM-kill counter rose.'
     """
-    v = verdict(report, frames, phase=phase, buffers=buffers, reason=reason, host_signs=host_signs, engine=engine)
+    v = verdict(report, frames, phase=phase, buffers=buffers, reason=reason, host_signs=host_signs, engine=engine,
+                trend=trend)
     return Diagnosis(kind=v.kind, phase=v.phase, evidence=sentences(v), report=v.report, frame=v.frame,
                      buffer=v.buffer, facts=v.facts)
 
 
 def verdict(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
             buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
-            engine: str | None = None) -> Verdict:
+            engine: str | None = None, trend: Trend | None = None) -> Verdict:
     """The decisions of :func:`diagnose` (same arguments), as values: the figures' verdict, then the phase, vLLM's
     own start-up (its reservation, whatever the figures said) and the framework buffer the request is.
 
@@ -93,7 +98,27 @@ def verdict(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | Non
                     frame=started, facts=replace(v.facts, vllm_startup=VLLM_STARTUP[started.name]))
     if v.kind not in ("host-ram", "vllm-reservation"):
         v = replace(v, buffer=_framework_buffer(v.report, frames, buffers or {}))
-    return v
+    return _with_trend(v, trend) if trend is not None else v
+
+
+# Kinds a leak on the device does not override: one request larger than the whole device, the host, the runtime's own
+NOT_A_DEVICE_LEAK = ("impossible", "host-ram", "driver", "vllm-reservation")
+
+
+def _with_trend(v: Verdict, trend: Trend) -> Verdict:
+    """What the run's memory trace adds to the figures' verdict (see ``diagnose``)."""
+    late = []
+    kind = v.kind
+    if v.kind == "host-ram" and trend.host_leak is not None:
+        kind, late = "host-leak", [describe(trend.host_leak)]
+    elif v.kind not in NOT_A_DEVICE_LEAK and trend.leak is not None:
+        kind, late = "leak", [describe(trend.leak)]
+    elif v.kind in ("shortfall", "small-allocations") and trend.fragmentation is not None:
+        kind, late = "fragmentation", [describe(trend.fragmentation)]
+    late += [describe(s) for s in trend.long_samples if s.at_oom]
+    if not late:
+        return v
+    return replace(v, kind=kind, facts=replace(v.facts, late=tuple(late)))
 
 
 # DeepSpeed's default reduce bucket (500,000,000 elements) in 32- and 16-bit gradients, and the function of

@@ -31,7 +31,11 @@ def sentences(v: Verdict) -> tuple[str, ...]:
     and what the caller saw."""
     r, f = v.report, v.facts
     out = [f"{f.reason}."] if f.reason else []
-    if f.vllm_startup is not None:
+    late = list(f.late)
+    if late and v.kind != f.by_figures:  # the trace decided the kind: its sentence, then the figures alone
+        out.append(late.pop(0))
+        out += [_host_sentence(r)] if r.backend == "host" else _details(r, f)
+    elif f.vllm_startup is not None:
         out += [_vllm_startup_sentence(r, f.vllm_startup), *_details(r, f)]
     elif v.kind == "host-ram":
         out.append(_host_sentence(r))
@@ -51,6 +55,9 @@ def sentences(v: Verdict) -> tuple[str, ...]:
     out += (s[:1].upper() + s[1:] + "." for s in f.host_signs)
     if f.engine is not None:
         out.append(ENGINE_SENTENCE.format(process=f.engine))
+    if late:  # a long sample at the step that ran out, beside the figures' own verdict (a terminal shows the first few)
+        first = 1 + bool(f.reason)
+        out[first:first] = late
     return tuple(out)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..vocab.oomreport import Frame, OOMReport
+from ..vocab.trace import Holder
 
 _ACTIVE = {"active_allocated", "active_pending_free", "active_awaiting_free"}
 
@@ -259,3 +260,65 @@ def oom_reports(summary: SnapshotSummary) -> list[tuple[OOMReport, tuple[Frame, 
         )
         out.append((report, tuple(reversed(ev.frames))))
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Where memory grew between two snapshots (a leak's evidence)
+
+
+def site_name(f: Frame) -> str:
+    """``file:line in function``, the file shortened to its path inside site-packages.
+
+    >>> site_name(Frame("/venv/lib/python3.11/site-packages/trl/trainer/grpo_trainer.py", 2275, "_generate"))
+    'trl/trainer/grpo_trainer.py:2275 in _generate'
+    """
+    path = f.filename.replace("\\", "/")
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{path}:{f.line} in {f.name}"
+
+
+def site_totals(snap: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Live blocks by the site that allocated them (the innermost frame outside torch): ``{site: (bytes,
+    blocks)}``. Blocks without frames (allocated before ``_record_memory_history`` was on) are left out.
+
+    >>> blk = {"size": 6 << 20, "state": "active_allocated",
+    ...        "frames": [{"filename": "/t/torch/random.py", "line": 3, "name": "randn"},
+    ...                   {"filename": "/w/rewards.py", "line": 12, "name": "leaky_reward"}]}
+    >>> site_totals({"segments": [{"blocks": [blk, blk, {"size": 2 << 20, "state": "active_allocated"}]}]})
+    {'/w/rewards.py:12 in leaky_reward': (12582912, 2)}
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for seg in snap.get("segments") or []:
+        if not isinstance(seg, dict):
+            continue
+        for b in seg.get("blocks") or []:
+            if not isinstance(b, dict) or b.get("state") != "active_allocated":
+                continue
+            top = top_python_frame(_frames(b.get("frames")))
+            if top is None:
+                continue
+            key = site_name(top)
+            size, n = out.get(key, (0, 0))
+            out[key] = (size + _int(b.get("size")), n + 1)
+    return out
+
+
+def grown(kind: str, before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], *, least: int,
+          since: int | None = None, until: int | None = None, most: int = 5) -> tuple[Holder, ...]:
+    """The holders (sites or objects, ``{name: (bytes, count)}`` at two steps) that gained at least ``least`` bytes,
+    the most first.
+
+    >>> grown("site", {"a.py:1 in f": (6 << 20, 1)}, {"a.py:1 in f": (54 << 20, 9), "b.py:2 in g": (1 << 10, 1)},
+    ...       least=1 << 20, since=4, until=12)
+    (Holder(kind='site', name='a.py:1 in f', grown=50331648, count=8, since=4, until=12),)
+    """
+    out = []
+    for name, (size, n) in after.items():
+        b, c = before.get(name, (0, 0))
+        if size - b >= least:
+            out.append(Holder(kind, name, size - b, max(0, n - c), since, until))
+    out.sort(key=lambda h: -h.grown)
+    return tuple(out[:most])

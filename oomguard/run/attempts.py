@@ -15,10 +15,12 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..decide.conductor import Conductor, Next
+from ..oom.trendwords import held
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.events import (
@@ -27,6 +29,9 @@ from ..vocab.events import (
     CodeSeen,
     ConfigGenerated,
     EventTail,
+    MemHolders,
+    MemSampled,
+    MemTrend,
     OverrideFailed,
     PatchFailed,
     ProbeDecided,
@@ -38,14 +43,37 @@ from ..vocab.knobs import Knobs
 from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, PreflightPlan, ProbePlan, whereabouts
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
+from ..vocab.trace import Holder
 from .classify import classify
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
+from .hostmem import host_limit
 from .learning import take_events
 from .options import BOOT_DIR, Reporter, RunOptions
 from .proc import Aside, Interrupts, ProcessResult, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
+
+CENSUS_AFTER = 3  # steps into a run restarted after a leak before the training process finds where it is held
+TRACE_POINTS = 256  # a report keeps at most this many samples of an attempt's memory trace (evenly thinned)
+
+
+def trace_of(events: list[ChildEvent]) -> list[dict[str, Any]]:
+    """The memory trace of an attempt's main process (the one with the most samples), thinned for the report.
+
+    >>> trace_of([MemSampled(step=s, kept=10, peak=20, pid=1) for s in range(1, 4)])[-1]
+    {'step': 3, 'kept': 10, 'peak': 20}
+    """
+    samples = [e for e in events if isinstance(e, MemSampled) and e.step is not None]
+    if not samples:
+        return []
+    pid = Counter(e.pid for e in samples).most_common(1)[0][0]
+    mine = [e for e in samples if e.pid == pid]
+    if len(mine) > TRACE_POINTS:
+        stride = len(mine) / TRACE_POINTS
+        mine = [mine[int(i * stride)] for i in range(TRACE_POINTS - 1)] + [mine[-1]]
+    keys = ("step", "kept", "peak", "reserved", "host_rss", "prompt_tokens", "completion_tokens")
+    return [{k: getattr(e, k) for k in keys if getattr(e, k) is not None} for e in mine]
 
 
 class Launcher:
@@ -69,6 +97,10 @@ class Launcher:
         self.warnings: list[str] = []  # one line each, said once and kept in the report
         self.broken: str | None = None  # the first patch of oomguard's that failed in the training process
         self.device: dict[str, Any] = {}  # what the training process measured about the device (event `device`)
+        self.host_limit = host_limit()  # the host memory a training process may use, for its trace's host leaks
+        self.trends_said: set[str] = set()  # the memory trace's live warnings said so far (each once)
+        self.script_saves: int | None = None  # the script's own checkpoint cadence, in steps (TrainBegin)
+        self.leak_held: str | None = None  # where a leak's memory is held, as the training process found it
 
     def warn(self, line: str | None) -> None:
         """Say ``line`` once, and keep it for the report."""
@@ -109,13 +141,15 @@ class Launcher:
         plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
                     events=str(events_path), remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
-                    checkpoint_every=self.o.checkpoint_every if kind == AttemptKind.RUN or deferred else None)
+                    checkpoint_every=self._saves(nxt) if kind == AttemptKind.RUN or deferred else None,
+                    trace=self.o.trace, host_limit=self.host_limit,
+                    census_after=CENSUS_AFTER if self.conductor.leaks else None)
         self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides,
                               AttemptKind.RUN if deferred else kind)
         if resume:
             self.ui.message(f"  {resume.mode}: {resume.why}")
         watch = Watch(kind, knobs, GroupTail(adir) if self.group else EventTail(events_path),
-                       self.progress_state(index, kind, remedies))
+                      self.progress_state(index, kind, remedies), saves_set=plan.checkpoint_every)
         if self.group is not None:
             self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
                                        c.actions_in_force(without), "max_attempts": self.o.max_attempts,
@@ -130,7 +164,8 @@ class Launcher:
         self.poll(watch, live=False)  # the last lines the process wrote
         events = watch.events
         self.learn(events)
-        attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message)
+        attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message, self.host_limit)
+        attempt.trace = trace_of(events)
         attempt.kind, attempt.resume = watch.kind, to_fields(resume) if resume is not None else None
         decided = next((e for e in events if isinstance(e, ProbeDecided)), None)
         if decided is not None:
@@ -289,6 +324,28 @@ class Launcher:
         return Progress(index=index, max_attempts=self.o.max_attempts, kind=kind, remedies=remedies,
                         capacity=self.conductor.capacity)
 
+    def _saves(self, nxt: Next) -> int | None:
+        """The checkpoint cadence of a real run: a leak's restarts need one (unless the script already saves as
+        often), else --checkpoint-every."""
+        every = nxt.checkpoint_every
+        if every is not None and self.script_saves is not None and self.script_saves <= every:
+            every = None
+        return every or self.o.checkpoint_every
+
+    def _trend_said(self, ev: MemTrend) -> None:
+        """What the memory trace says while the run goes on: a leak (with the step the device or the host is full at
+        that rate) or fragmentation that grows, each sentence once; the first of each kind is kept for the report."""
+        for v in ev.trend.get("verdicts") or []:
+            text, kind = v.get("evidence"), v.get("kind")
+            if not text or text in self.trends_said or kind == "long-sample":
+                continue
+            first = not any(said.split(":", 1)[0] == text.split(":", 1)[0] for said in self.trends_said)
+            self.trends_said.add(text)
+            if first:
+                self.warn(f"while it runs: {text}")
+            else:
+                self.ui.message(f"  the memory trace now: {text}")
+
     def poll(self, w: Watch, live: bool = True) -> int | None:
         """While an attempt runs: follow its new events; end a group whose rank died of OOM but which hangs."""
         fresh = w.tail.poll()
@@ -303,10 +360,18 @@ class Launcher:
                 continue
             if isinstance(ev, TrainBegin):
                 self.output_dir = ev.output_dir or self.output_dir
+                if w.saves_set is None:  # the script's own cadence (oomguard set none): a leak's restarts keep it
+                    steps = "steps" in ev.save_strategy.lower().split(".")[-1:]
+                    self.script_saves = ev.save_steps if steps and ev.save_steps else None
                 if "no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints:
                     self.warned_no_checkpoints = True
                     self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
                                     "step 0; add --checkpoint-every N to lose at most N steps")
+            elif isinstance(ev, MemTrend):
+                self._trend_said(ev)
+            elif isinstance(ev, MemHolders) and ev.holders:
+                self.leak_held = held(tuple(Holder.from_dict(h) for h in ev.holders)).strip()
+                self.ui.message(f"  where the leak is held: {self.leak_held}")
             elif isinstance(ev, CheckpointSaved) and ev.path:
                 self.checkpoint, self.checkpoint_knobs = ev.path, w.knobs
         if fresh and live:

@@ -24,15 +24,19 @@ the decision once, for the whole job.
 from __future__ import annotations
 
 import signal
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.events import (
     CheckpointSaved,
     ChildEvent,
     CodeSeen,
+    DatasetSeen,
+    MemSampled,
     OOMRaised,
     PreflightStop,
     ProcessEnded,
@@ -45,6 +49,7 @@ from ..vocab.oomreport import OOMReport
 from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
 from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
+from ..vocab.trace import MemSample
 from .proc import ProcessResult
 
 
@@ -182,8 +187,10 @@ def _sigkill(returncode: int) -> bool:
 
 
 def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildEvent], knobs: Knobs,
-             remedies: list[str], warn: Callable[[str], None]) -> tuple[Attempt, Diagnosis | None]:
-    """The Attempt record of launch ``index`` and, for an OOM, its Diagnosis."""
+             remedies: list[str], warn: Callable[[str], None],
+             host_limit: int | None = None) -> tuple[Attempt, Diagnosis | None]:
+    """The Attempt record of launch ``index`` and, for an OOM, its Diagnosis (with what the training process's memory
+    trace says of it: ``late_trend``; ``host_limit``, the host memory it could use)."""
     steps = [e.step for e in events if isinstance(e, StepDone) and e.step is not None]
     peaks = [e.peak for e in events if isinstance(e, StepDone) and e.peak is not None]
     reserved = [e.reserved for e in events if isinstance(e, StepDone) and e.reserved is not None]
@@ -204,10 +211,12 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.diagnose import diagnose
         from ..vocab.distributed import deepspeed_buckets
 
+        trend = late_trend(events, crash.pid, host_limit, crash.step, crash.prompt_tokens, crash.completion_tokens)
         d = diagnose(crash.report, crash.frames, phase=crash.phase,
-                     buffers=deepspeed_buckets(crash.knobs, crash.model_config))
+                     buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend)
         attempt.outcome = Outcome.OOM
-        attempt.oom = finding_from_crash(str(adir / "crash"), crash)
+        attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
+        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
         if crash.step is not None:
             attempt.step = crash.step
@@ -239,7 +248,9 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.analyze import finding
         from ..oom.diagnose import diagnose
 
-        d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom)
+        trend = late_trend(events, None, host_limit, attempt.step)
+        d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom, trend=trend)
+        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.outcome = Outcome.OOM
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d
@@ -274,7 +285,31 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     return attempt, None
 
 
-__all__ = ["Ranks", "classify", "crash_record"]
+def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | None, step: int | None,
+               prompt_tokens: int | None = None, completion_tokens: int | None = None) -> Any:
+    """What the memory trace of process ``pid`` (None: the process with the most samples) says of its OOM at the
+    step after ``step`` (``oom.trend.at_oom``), or None without a trace.
+
+    >>> late_trend([], None, None, 3) is None
+    True
+    """
+    samples = [e for e in events if isinstance(e, MemSampled) and e.step is not None]
+    if pid is None and samples:
+        pid = Counter(e.pid for e in samples).most_common(1)[0][0]
+    mine = [MemSample(step=int(e.step or 0), kept=e.kept, peak=e.peak, reserved=e.reserved, host_rss=e.host_rss,
+                      prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens, capacity=e.capacity)
+            for e in samples if e.pid == pid]
+    if not mine:
+        return None
+    from ..oom.trend import at_oom
+
+    dataset = max((e.prompt_tokens_max for e in events if isinstance(e, DatasetSeen) and e.prompt_tokens_max),
+                  default=None)
+    return at_oom(mine, step=(step or max(s.step for s in mine)) + 1, host_limit=host_limit,
+                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, dataset_prompt_max=dataset)
+
+
+__all__ = ["Ranks", "classify", "crash_record", "late_trend"]
 
 
 def saving(events: Iterable[ChildEvent]) -> bool:

@@ -36,7 +36,9 @@ class Writer:
         c, judge, run = self.conductor.climb, self.conductor.judge, self.launcher
         status, code, message = conclude(last, c, signum=signum, replay=self.o.replay,
                                          reached=bool(self.conductor.reached), max_attempts=self.o.max_attempts,
-                                         max_time=self.o.max_time, broken=run.broken)
+                                         max_time=self.o.max_time, broken=run.broken,
+                                         leaks=[a for a in c.attempts if a.index in self.conductor.leaks],
+                                         held=run.leak_held)
         if run.group_failure is not None and status == "failed":
             message = run.group_failure
         margin = self.conductor.stop_margin() if judge is not None and self.o.preflight else None

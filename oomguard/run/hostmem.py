@@ -133,6 +133,14 @@ def _meminfo_total(proc: Path) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
+def host_limit(proc: Path = Path("/proc")) -> int | None:
+    """The host memory a training process launched from here may use: its cgroup's limit, else the machine's RAM
+    (None where neither can be read)."""
+    cgroup = find_cgroup(proc)
+    lim = cgroup.limit() if cgroup else None
+    return lim if lim is not None else _meminfo_total(proc)
+
+
 def peak_rss(pid: int, proc: Path = Path("/proc")) -> int | None:
     """A process's resident-memory high-water mark (``VmHWM``) in bytes."""
     try:

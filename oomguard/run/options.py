@@ -93,6 +93,8 @@ class RunOptions:
     # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
     ladder_auto: bool = False
     ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
+    trace: bool = True  # the training process samples its memory at each step (leaks, long samples, fragmentation)
+    leak_restart: bool = True  # after an OOM the trace shows is a leak: resume with the same config (else: stop)
 
     def policy(self, device: bool) -> Policy:
         """The options that shape the climb's decisions, for its conductor; ``device``: whether a device could run
@@ -100,4 +102,4 @@ class RunOptions:
         return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=self.probe_steps,
                       always_probe=self.always_probe, refine=self.refine, minimize=self.minimize,
                       replay=bool(self.replay), preflight=self.preflight, preflight_margin=self.preflight_margin,
-                      ladder_auto=self.ladder_auto, device=device)
+                      ladder_auto=self.ladder_auto, device=device, leak_restart=self.leak_restart)

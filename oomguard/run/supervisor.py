@@ -29,6 +29,7 @@ from .attempts import Launcher
 from .command import (
     EXIT_BUG,
     EXIT_EXHAUSTED,
+    EXIT_LEAKED,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
     UsageError,
@@ -159,5 +160,5 @@ class Supervisor:
             self.ui.decision(d.steps, None, d.changes, d.skipped_rows())
 
 
-__all__ = ["BOOT_DIR", "EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "EXIT_OOM", "Reporter",
+__all__ = ["BOOT_DIR", "EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_LEAKED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "EXIT_OOM", "Reporter",
            "RunOptions", "Supervisor", "UsageError", "load_lock", "resolve_command"]

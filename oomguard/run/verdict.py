@@ -9,21 +9,36 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from ..decide.climb import Climb
 from ..vocab.lock import Lock
 from ..vocab.records import Attempt, AttemptKind, Outcome
-from .command import EXIT_EXHAUSTED
+from .command import EXIT_EXHAUSTED, EXIT_LEAKED
 
 
 def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: Lock | None = None,
              reached: bool = True, max_attempts: int = 8, max_time: float | None = None,
-             broken: str | None = None) -> tuple[str, int, str]:
+             broken: str | None = None, leaks: Sequence[Attempt] = (),
+             held: str | None = None) -> tuple[str, int, str]:
     """``(status, exit code, message)`` after the last attempt; ``reached``: the command passed through a
     construction point (GRPOConfig, GRPOTrainer or from_pretrained), so rungs could reach it; ``broken``: the line of
-    a patch of oomguard's that failed (``PatchFailed.line``), the reason rungs could not reach it."""
+    a patch of oomguard's that failed (``PatchFailed.line``), the reason rungs could not reach it; ``leaks``: the
+    attempts that ran out of memory through a leak and were resumed with the same config; ``held``: where the leak's
+    memory is held, as the training process found it.
+
+    A run that leaks ends ``leaked``: with exit code 0 where it finished every step through restarts from its
+    checkpoints, EXIT_LEAKED where it stopped at a leak (--no-leak-restart, or a leak too fast to get past a
+    checkpoint)."""
     if signum or last is None or last.outcome == Outcome.INTERRUPTED:
         return "interrupted", 128 + (signum or 2), "interrupted; no retry"
+    if climb.exhausted is not None and climb.exhausted.skipped[:1] and climb.exhausted.skipped[0][0] == "leak":
+        return "leaked", EXIT_LEAKED, f"the run leaks memory and stopped: {climb.exhausted.skipped[0][1]}. " + \
+            _leak_said(last, held)
+    if leaks and last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
+        return "leaked", last.exit_code or 0, (f"finished every step after {len(leaks)} restart(s) from its "
+                                               "checkpoints with the same config (no knob changed for the leak): "
+                                               + _leak_said(leaks[-1], held))
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         status, message = "stable", _stable_message(climb, replay)
         if last.exit_code:  # the training processes all finished; a launcher's own code is passed through untouched
@@ -52,6 +67,15 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
                 "from_pretrained before running out of memory, so only allocator settings apply")
         return "exhausted", EXIT_EXHAUSTED, "the ladder is used up: no rung left that can help"
     return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
+
+
+def _leak_said(a: Attempt, held: str | None) -> str:
+    """The leak's own sentence, from the attempt's diagnosis, where it is held, and the way out."""
+    evidence = (a.oom or {}).get("evidence") or []
+    said = str(evidence[0]) if evidence else "The run leaks memory (the report's evidence says how fast)."
+    if held and "It is held here" not in said:
+        said = said.replace(" Only a fix", f" {held} Only a fix", 1) if " Only a fix" in said else f"{said} {held}"
+    return said
 
 
 def _stable_message(climb: Climb, replay: Lock | None) -> str:

@@ -27,6 +27,7 @@ class Watch:
     decided_at: float | None = None  # when a rank's end decided the attempt while others may still run
     trouble_at: float | None = None  # when the group told this node to stop (a node died, the leader ended the job)
     decided: bool = False  # an attempt launched as a probe unless the model is sure: the training process decided
+    saves_set: int | None = None  # the checkpoint cadence oomguard set for this attempt (None: the script's own)
 
 
 __all__ = ["PROBE_DIR_PREFIX", "Watch"]

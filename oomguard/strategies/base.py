@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from oomguard.vocab.diagnosis import OVERFLOW_FACTOR, Diagnosis
+from oomguard.vocab.diagnosis import LEAK_KINDS, OVERFLOW_FACTOR, Diagnosis
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 
 from .params import Param
@@ -131,6 +131,8 @@ class Remedy:
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is None:
             return None
+        if d.kind in LEAK_KINDS:
+            return "the run leaks memory step after step: no config change cures that, only a fix to the code"
         if self.addresses == "host":
             return None if d.kind == "host-ram" else "it addresses host RAM, and the GPU ran out"
         if d.kind == "host-ram":

@@ -30,8 +30,13 @@ KINDS = (
     "host-ram",
     "vllm-reservation",
     "driver",
+    "leak",
+    "host-leak",
     "unknown",
 )
+# A run whose memory trace shows memory kept step after step until it ran out: no config change cures it (the climb
+# climbs nothing for it; `oomguard run` resumes from a checkpoint with the same config).
+LEAK_KINDS = ("leak", "host-leak")
 PHASES = ("load", "generation", "scoring", "forward", "backward", "optimizer", "evaluation", "save", "unknown")
 
 # A request this many times the device is an overflowed shape, not a budget problem.
@@ -95,6 +100,7 @@ class Facts:
     reason: str | None = None
     host_signs: tuple[str, ...] = ()
     engine: str | None = None
+    late: tuple[str, ...] = ()  # what the run's memory trace said of the OOM (``oom.trend.at_oom``), one sentence each
 
 
 @dataclass(frozen=True)

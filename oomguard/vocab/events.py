@@ -331,6 +331,51 @@ class PatchFailed(Event):
 
 
 @dataclass(frozen=True)
+class MemSampled(Event):
+    """``mem``: one optimizer step's memory, at its end (``vocab.trace.MemSample``'s fields; ``child/trace.py``)."""
+
+    name: ClassVar[str] = "mem"
+    step: int | None = None
+    kept: int | None = None
+    peak: int | None = None
+    reserved: int | None = None
+    host_rss: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    capacity: int | None = None
+    pid: int | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class MemTrend(Event):
+    """``mem_trend``: what the process's memory trace says now, when it says something new (a leak, its projected
+    step, fragmentation that grows, a long sample): ``oom.trend.Trend.to_dict``, each verdict with its sentence."""
+
+    name: ClassVar[str] = "mem_trend"
+    trend: dict[str, Any] = field(default_factory=dict)
+    pid: int | None = None
+    rank: int | None = None
+
+    def sentences(self) -> list[str]:
+        return [str(v.get("evidence")) for v in self.trend.get("verdicts") or [] if v.get("evidence")]
+
+
+@dataclass(frozen=True)
+class MemHolders(Event):
+    """``mem_holders``: where a leak's memory is held, from two tallies ``since`` and ``until`` (steps): the sites
+    and objects that grew (``vocab.trace.Holder`` dicts), and the leak's sentence with them."""
+
+    name: ClassVar[str] = "mem_holders"
+    since: int | None = None
+    until: int | None = None
+    holders: list[dict[str, Any]] = field(default_factory=list)
+    evidence: str | None = None
+    pid: int | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
 class OtherEvent(Event):
     """An event this supervisor does not know (never written by the same oomguard version): kept whole."""
 
@@ -348,7 +393,7 @@ EVENTS: dict[str, type[Event]] = {
     cls.name: cls for cls in (ProcessStarted, ModelSeen, DatasetSeen, ProbeDataset, TrainBegin, CheckpointSaved,
                               Saving, Evaluated, OOMRaised, ConfigGenerated, PreflightStop, ProbeDecided, Adapted,
                               Resumed, WeightsFrom, DeviceMeasured, VLLMMemory, ProcessEnded, OverrideFailed,
-                              PatchFailed)
+                              PatchFailed, MemSampled, MemTrend, MemHolders)
 }
 EVENTS.update({"config": CodeSeen, "trainer": CodeSeen, "facts": CodeSeen, "step": StepDone, "train_end": StepDone})
 _IMPLIED = {"config": {"point": "config"}, "trainer": {"point": "trainer"}, "facts": {"point": "facts"},
@@ -431,7 +476,8 @@ class EventTail:
 
 __all__ = [
     "ENVELOPE", "EVENTS", "STRICT_ENV", "Adapted", "CheckpointSaved", "ChildEvent", "CodeSeen", "ConfigGenerated",
-    "DatasetSeen", "DeviceMeasured", "Evaluated", "Event", "EventTail", "ModelSeen", "OOMRaised", "OtherEvent",
+    "DatasetSeen", "DeviceMeasured", "Evaluated", "Event", "EventTail", "MemHolders", "MemSampled", "MemTrend",
+    "ModelSeen", "OOMRaised", "OtherEvent",
     "OverrideFailed", "PatchFailed", "PreflightStop", "ProbeDataset", "ProbeDecided", "ProcessEnded",
     "ProcessStarted", "ProtocolError", "Resumed", "Saving", "StepDone", "TrainBegin", "VLLMMemory", "WeightsFrom",
     "parse_event", "read_events", "strict",

@@ -106,6 +106,9 @@ class Plan:
     remedies: list[str] = field(default_factory=list)
     log_to_trainer: bool = True
     preflight: PreflightPlan | None = None
+    trace: bool = True  # a memory sample at each optimizer step's end (child/memwatch.py), and its trend
+    host_limit: int | None = None  # the host memory the process may use (its cgroup's limit, else the RAM)
+    census_after: int | None = None  # find where a leak is held after this many steps (a run known to leak)
 
     def __post_init__(self) -> None:
         for name, cls in (("probe", ProbePlan), ("resume", ResumePlan), ("preflight", PreflightPlan)):

@@ -43,7 +43,8 @@ class CrashRecord:
     (``torch.cuda.memory_stats()`` on a GPU, the simulated device's counters on CPU), ``knobs`` (the effective
     knobs), ``observed`` (what the script itself set), ``peak_bytes``, ``rank``/``world_size``, ``pid``, ``host``,
     ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``,
-    ``traceback`` (the full formatted traceback, chained exceptions included: the terminal shows only its last frames).
+    ``traceback`` (the full formatted traceback, chained exceptions included: the terminal shows only its last frames),
+    ``prompt_tokens``/``completion_tokens`` (the widths of the batch the step that ran out trained on, where known).
     """
 
     message: str
@@ -65,9 +66,13 @@ class CrashRecord:
     model_config: dict[str, Any] | None = None
     created: str = field(default_factory=now_iso)
     traceback: str | None = None
+    # the longest prompt and completion of the batch the step that ran out trained on, where the trainer held it
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": CRASH_SCHEMA, **to_fields(self)}
+        # "created" second, as records have always been written: a reader's line numbers point past it
+        return {"schema": CRASH_SCHEMA, "created": self.created, **to_fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "crash record") -> CrashRecord:
@@ -95,6 +100,8 @@ class CrashRecord:
                 model_config=d.get("model_config"),
                 created=str(d.get("created", "")),
                 traceback=d.get("traceback") if isinstance(d.get("traceback"), str) else None,
+                prompt_tokens=d.get("prompt_tokens") if isinstance(d.get("prompt_tokens"), int) else None,
+                completion_tokens=d.get("completion_tokens") if isinstance(d.get("completion_tokens"), int) else None,
             )
         except (TypeError, ValueError, KeyError) as e:
             raise RecordError(f"{source}: malformed crash record ({e})") from None
@@ -163,6 +170,9 @@ class Attempt:
     override_error: dict[str, Any] | None = None  # applying oomguard's overrides failed: where, error
     # launched as a probe unless the memory model is sure of the config: what the training process decided, and why
     probe_decision: dict[str, Any] | None = None
+    # the memory trace of its main process, one sample per step (thinned): step, kept, peak, reserved, host_rss
+    trace: list[dict[str, Any]] = field(default_factory=list, metadata={"omit": True})
+    trend: dict[str, Any] | None = field(default=None, metadata={"omit": True})  # what the trace said of its OOM
 
     def to_dict(self) -> dict[str, Any]:
         return to_fields(self)
@@ -172,7 +182,7 @@ class Attempt:
 class RunReport:
     """All attempts, the original and stable knobs, and the diff (schema ``oomguard.report/1``)."""
 
-    status: str  # stable | exhausted | failed | interrupted
+    status: str  # stable | leaked | exhausted | failed | interrupted
     attempts: list[Attempt]
     original: dict[str, Any]
     stable: dict[str, Any] | None

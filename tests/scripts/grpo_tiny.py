@@ -9,6 +9,11 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
                       --oom-marker PATH only once, with --oom-rank R only on rank R
   --kill-self-at-step N  SIGKILL itself at step N; with --oom-kill-counter PATH after counting it in a cgroup's
                       memory.events, as the kernel's OOM killer would
+  --leak-mib N        add a reward function that keeps N MiB of tensors a step in a module-level list
+  --host-leak-mib N   add a reward function that grows a host-memory cache by N MiB a step
+                      (tests/scripts/leaky_rewards.py), as a reward function that logs into a list does
+  --mem-trace PATH    (without oomguard run) write the training process's memory watch events (oomguard/child/
+                      memwatch.py) to PATH, on a simulated device of --simulate-mib MiB
 
 OOMGUARD_TEST_ENDING (tests/scripts/endings.py) adds a reward function that ends the process as asked, the same way
 under every launcher.
@@ -39,6 +44,32 @@ def deepspeed_config(arg: str | None) -> dict | str | None:
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
 
+def mem_trace_callback(path: str, model, base):
+    """A callback that sends the memory watch's events to a file, as oomguard's own callback would to its events."""
+    import json
+
+    from oomguard.child import simulate
+    from oomguard.child.memwatch import MemWatch
+
+    if not isinstance(model, str):
+        simulate.device().adopt(model.parameters())
+    watch = MemWatch(check_every=1)
+
+    class Trace(base):
+        def on_step_begin(self, args, state, control, **kw):
+            watch.step_begin()
+
+        def on_step_end(self, args, state, control, **kw):
+            with open(path, "a", encoding="utf-8") as f:
+                for ev in watch.step_end(state.global_step, kw.get("trainer") or TRAINER[0]):
+                    f.write(json.dumps(ev.to_json()) + "\n")
+
+    return Trace()
+
+
+TRAINER: list = [None]  # the trainer, for the trace's lengths (callbacks are not handed the trainer)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -56,6 +87,8 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=8)
     p.add_argument("--long-prompts", type=int, default=0, help="this many extra prompts 8x longer")
     p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--long-at-step", type=int, default=None,
+                   help="one prompt 8x longer, met at this step (the dataset in order: one prompt per step)")
     p.add_argument("--trl-precision", action="store_true",
                    help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
@@ -73,6 +106,10 @@ def main() -> None:
     p.add_argument("--oom-kill-counter", default=None,
                    help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
                         "kernel's OOM killer does")
+    p.add_argument("--leak-mib", type=float, default=0.0)
+    p.add_argument("--host-leak-mib", type=float, default=0.0)
+    p.add_argument("--mem-trace", default=None)
+    p.add_argument("--simulate-mib", type=int, default=512)
     p.add_argument("--dataloader-num-workers", type=int, default=0)
     p.add_argument("--deepspeed", default=None, metavar="STAGE|stageN|PATH",
                    help="a ZeRO stage (a DeepSpeed config with 'auto' batch and buffer sizes), stageN (the stage "
@@ -87,6 +124,10 @@ def main() -> None:
         print("failing on purpose", file=sys.stderr)
         sys.exit(a.fail_with)
 
+    if a.leak_mib:
+        os.environ["LEAK_MIB"] = str(a.leak_mib)
+    if a.host_leak_mib:
+        os.environ["HOST_LEAK_MIB"] = str(a.host_leak_mib)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -96,7 +137,7 @@ def main() -> None:
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     rows = []
     for i in range(a.rows + a.long_prompts):
-        n = a.prompt_words * (8 if i >= a.rows else 1)
+        n = a.prompt_words * (8 if i >= a.rows or (a.long_at_step and i == a.long_at_step - 1) else 1)
         text = " ".join(words[(i + j) % len(words)] for j in range(n))
         rows.append({"prompt": [{"role": "user", "content": f"{i}: {text}"}], "answer": str(i % 7)})
     dataset = Dataset.from_list(rows)
@@ -129,10 +170,15 @@ def main() -> None:
         **({} if a.num_generations_eval is None else {"num_generations_eval": a.num_generations_eval}),
         generation_kwargs={"min_new_tokens": a.max_completion_length},
         dataloader_num_workers=a.dataloader_num_workers,
+        **({"shuffle_dataset": False} if a.long_at_step else {}),
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
         deepspeed=deepspeed_config(a.deepspeed),
         **({"ds3_gather_for_generation": False} if a.no_ds3_gather else {}),
     )
+    if a.mem_trace:
+        from oomguard.child import simulate
+
+        simulate.start(a.simulate_mib << 20)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     model = a.model if a.model_as_string else AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype))
     peft_config = None
@@ -173,12 +219,21 @@ def main() -> None:
                     "unallocated.")
 
     rewards = [reward_len, reward_answer]
+    callbacks = [Behaviour()]
+    if a.leak_mib or a.host_leak_mib:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import leaky_rewards
+
+        rewards.append(leaky_rewards.leaky_reward if a.leak_mib else leaky_rewards.host_leaky_reward)
+    if a.mem_trace:
+        callbacks.append(mem_trace_callback(a.mem_trace, model, TrainerCallback))
     if os.environ.get("OOMGUARD_TEST_ENDING"):  # an ending a launch-form test asks of every form alike
         from endings import reward
 
         rewards.append(reward)
     trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Behaviour()])
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+    TRAINER[0] = trainer
     trainer.train()
     print(f"trained {trainer.state.global_step} steps", flush=True)
 
