@@ -446,18 +446,9 @@ def knobs_command(as_json: bool) -> None:
 
         click.echo(json.dumps(data, indent=2))
         return
-    from rich.markup import escape
+    from .display.listings import print_knobs
 
-    from .display.render import console
-
-    out = console()
-    out.print(f"[bold]{'knob':<28} {'type':<27} {'TRL default':<18} reaches[/]", soft_wrap=True)
-    for r in data:
-        d = r["default"]
-        default = "unset" if d is None else ",".join(map(str, d)) if isinstance(d, list) else str(d)
-        out.print(f"[cyan]{r['name']:<28}[/] {escape(r['type']):<27} {escape(default):<18} {', '.join(r['reaches'])}",
-                  soft_wrap=True)
-        out.print(f"    [dim]{escape(r['meaning'])}[/]", soft_wrap=True)
+    print_knobs(data)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -473,20 +464,9 @@ def ladders(as_json: bool) -> None:
 
         click.echo(json.dumps(data, indent=2))
         return
-    from .display.render import console
+    from .display.listings import print_ladders
 
-    out = console()
-    for lad in data:
-        chooses = ("the cheapest config for the experiment, the order breaking ties" if lad["choose_by"] == "cost"
-                   else "the first config in this order, keeping only what is needed")
-        out.print(f"[bold]{lad['name']}[/]  {lad['description']}  [dim](chooses {chooses})[/]", soft_wrap=True)
-        for i, r in enumerate(lad["rungs"], 1):
-            graded = " (graded)" if r["graded"] else ""
-            out.print(f"  {i:>2}. [cyan]{r['remedy']}[/]{graded}  costs {r['cost']}, "
-                      f"checkpoint: {r['resume']}  [dim]{r['summary']}[/]", soft_wrap=True)
-        if lad["host_rungs"]:
-            out.print(f"      host RAM: {', '.join(lad['host_rungs'])}")
-        out.print()
+    print_ladders(data)
 
 
 def _usage(message: str) -> Any:
