@@ -43,9 +43,10 @@ def instrument_phases(trainer: Any, switch: Callable[[str], None], step_end: Cal
 
 def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, rows: int,
                   model_init_kwargs: dict[str, Any], trainer_kwargs: dict[str, Any] | None = None,
-                  model: Any = None, **config: Any) -> Any:
+                  model: Any = None, target_modules: Any = "all-linear", **config: Any) -> Any:
     """The calibration run: ``rows`` random prompts of exactly ``cfg.P`` words, completions forced to ``cfg.C`` tokens,
-    a random reward, two steps, LoRA on all linear layers when ``cfg.lora_r``. ``config`` adds GRPOConfig fields.
+    a random reward, two steps, LoRA on ``target_modules`` (all linear layers) when ``cfg.lora_r``. ``config`` adds
+    GRPOConfig fields.
     ``model``: a model instance built by the caller (a stack's loader, already adapted), instead of ``model_dir``."""
     import random
 
@@ -71,7 +72,7 @@ def build_trainer(cfg: Any, model_dir: str, vocab_size: int, out_dir: str, *, ro
     if cfg.lora_r and model is None:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear",
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules=target_modules,
                                  lora_dropout=0.0, task_type="CAUSAL_LM")
 
     def reward(completions: list[str], **kw: Any) -> list[float]:

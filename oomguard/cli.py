@@ -283,10 +283,17 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--prompt-tokens", type=click.IntRange(1), default=None, metavar="N",
               help="Padded prompt length (default 256).")
 @click.option("--world-size", type=click.IntRange(1), default=1, show_default=True, help="Number of ranks.")
+@click.option("--images-per-prompt", type=click.IntRange(0), default=None, metavar="N",
+              help="A vision-language model's images in each prompt (default 1; 0: text only). Their tokens are "
+                   "added to --prompt-tokens, which counts the text only.")
+@click.option("--image-size", default=None, metavar="HxW",
+              help="The largest image's size in pixels, e.g. 1080x1920 (default: as large as the processor's pixel "
+                   "budget, max_pixels=N, or the model directory's preprocessor_config.json, allows).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | None, prompt_tokens: int | None,
-         world_size: int, as_json: bool, knobs: tuple[str, ...]) -> None:
+         world_size: int, images_per_prompt: int | None, image_size: str | None, as_json: bool,
+         knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
@@ -294,6 +301,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
       oomguard plan --model config.json --gpu 24GiB lora_r=32 load_in_4bit=true --json
       oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
       oomguard plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu 16GiB,24GiB,80GiB --fit max_completion_length
+      oomguard plan --model ./Qwen2.5-VL-3B-Instruct --gpu 24GiB --images-per-prompt 2 --image-size 1080x1920
 
     KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
     unset knobs take.
@@ -305,7 +313,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     """
     from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
-    from .decide.plan import make_plan
+    from .decide.plan import make_plan, plan_images
     from .memory.estimate import EstimateError, load_model_spec
     from .memory.hubconfig import HubConfigError, config_path
     from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
@@ -330,6 +338,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
         if problems:
             raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
         spec = load_model_spec(config_path(model_path))
+        image_facts, k = plan_images(spec, k, config_path(model_path), images_per_prompt, image_size)
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
@@ -343,7 +352,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     from .vocab.trlrange import head_of
 
     trl = trl_support([sys.executable]).version
-    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl))
+    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl), **image_facts)
     if len(capacities) > 1 or fit_knob is not None:
         _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
                     as_json)
@@ -364,7 +373,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     if as_json:
         import json
 
-        click.echo(json.dumps({**p.to_dict(), "calibration": calibration, "device": device, "alternatives": alts,
+        click.echo(json.dumps({**p.to_dict(), "images": image_facts or None, "calibration": calibration, "device": device, "alternatives": alts,
                                "warnings": [warning] if warning else []}, indent=2))
     else:
         from .display.render import console, plan_table
@@ -437,18 +446,9 @@ def knobs_command(as_json: bool) -> None:
 
         click.echo(json.dumps(data, indent=2))
         return
-    from rich.markup import escape
+    from .display.listings import print_knobs
 
-    from .display.render import console
-
-    out = console()
-    out.print(f"[bold]{'knob':<28} {'type':<27} {'TRL default':<18} reaches[/]", soft_wrap=True)
-    for r in data:
-        d = r["default"]
-        default = "unset" if d is None else ",".join(map(str, d)) if isinstance(d, list) else str(d)
-        out.print(f"[cyan]{r['name']:<28}[/] {escape(r['type']):<27} {escape(default):<18} {', '.join(r['reaches'])}",
-                  soft_wrap=True)
-        out.print(f"    [dim]{escape(r['meaning'])}[/]", soft_wrap=True)
+    print_knobs(data)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,20 +464,9 @@ def ladders(as_json: bool) -> None:
 
         click.echo(json.dumps(data, indent=2))
         return
-    from .display.render import console
+    from .display.listings import print_ladders
 
-    out = console()
-    for lad in data:
-        chooses = ("the cheapest config for the experiment, the order breaking ties" if lad["choose_by"] == "cost"
-                   else "the first config in this order, keeping only what is needed")
-        out.print(f"[bold]{lad['name']}[/]  {lad['description']}  [dim](chooses {chooses})[/]", soft_wrap=True)
-        for i, r in enumerate(lad["rungs"], 1):
-            graded = " (graded)" if r["graded"] else ""
-            out.print(f"  {i:>2}. [cyan]{r['remedy']}[/]{graded}  costs {r['cost']}, "
-                      f"checkpoint: {r['resume']}  [dim]{r['summary']}[/]", soft_wrap=True)
-        if lad["host_rungs"]:
-            out.print(f"      host RAM: {', '.join(lad['host_rungs'])}")
-        out.print()
+    print_ladders(data)
 
 
 def _usage(message: str) -> Any:

@@ -17,6 +17,8 @@ def _prompt_texts(rows: list[Any], tokenizer: Any) -> list[str]:
     texts = []
     for p in rows:
         if isinstance(p, list) and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            if is_processor(tokenizer):  # content as blocks, as GRPOTrainer gives a VLM's processor (no image here:
+                p = [_blocks(m) for m in p]  # the memory model adds each image's tokens, memory.estimate.fed)
             texts.append(tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True))
         elif isinstance(p, list):
             texts.append(" ".join(str(m.get("content", "")) for m in p if isinstance(m, dict)))
@@ -28,8 +30,27 @@ def prompt_lengths(rows: list[Any], tokenizer: Any) -> list[int]:
     texts = _prompt_texts(rows, tokenizer)
     if tokenizer is None:
         return [len(t.split()) for t in texts]
+    if is_processor(tokenizer):  # a processor's first argument is its images: count with its tokenizer
+        tokenizer = tokenizer.tokenizer
     enc = tokenizer(texts, add_special_tokens=False)
     return [len(ids) for ids in enc["input_ids"]]
+
+def is_processor(tokenizer: Any) -> bool:
+    """A multimodal processor (a tokenizer and an image processor), not a tokenizer."""
+    return hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer")
+
+
+def _blocks(message: Any) -> Any:
+    """A chat message whose text content is a list of content blocks (``trl.data_utils.prepare_multimodal_messages``
+    without images: what a VLM's chat template expects).
+
+    >>> _blocks({"role": "user", "content": "hi"})
+    {'role': 'user', 'content': [{'type': 'text', 'text': 'hi'}]}
+    """
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return {**message, "content": [{"type": "text", "text": message["content"]}]}
+    return message
+
 
 def tokenizer_for(tokenizer: Any, model: Any) -> Any:
     if tokenizer is not None and hasattr(tokenizer, "apply_chat_template"):

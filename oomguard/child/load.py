@@ -27,12 +27,43 @@ def half_dtype(torch: Any, rt: Runtime) -> Any:
 _MODEL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
                "max_position_embeddings", "attention_bias", "mlp_bias", "torch_dtype", "dtype",
-               "quantization_config")  # a checkpoint quantised already: the pre-flight does not judge its load
+               "quantization_config",  # a checkpoint quantised already: the pre-flight does not judge its load
+               # what the memory model reads beyond a dense decoder (memory/estimate/readconfig.py): biases, experts
+               # and the layers that carry them, latent attention, sliding windows, a vision tower
+               "qkv_bias", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+               "experts_per_token", "top_k", "moe_intermediate_size", "first_k_dense_replace", "decoder_sparse_step",
+               "mlp_only_layers", "n_shared_experts", "shared_expert_intermediate_size", "output_router_logits",
+               "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window",
+               "layer_types", "use_sliding_window", "max_window_layers", "sliding_window_pattern",
+               "mm_tokens_per_image", "text_config", "vision_config",
+               "depth", "num_heads", "patch_size", "spatial_merge_size", "temporal_patch_size", "window_size",
+               "fullatt_block_indexes", "out_hidden_size", "in_channels", "in_chans", "num_channels", "image_size",
+               "vision_use_head")
+_NESTED = ("text_config", "vision_config")
+
 
 def model_config_dict(cfg: Any) -> dict[str, Any]:
-    """The fields of a transformers config that the memory model reads."""
+    """The fields of a transformers config that the memory model reads (a multimodal model's ``text_config`` and
+    ``vision_config`` as nested dicts of the same fields; ``quantization_config`` as its ``quant_method``).
+
+    >>> model_config_dict({"model_type": "gemma3", "rope_theta": 1e6, "vision_config": {"patch_size": 14, "x": 1},
+    ...                    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}})
+    {'model_type': 'gemma3', 'quantization_config': {'quant_method': 'mxfp4'}, 'vision_config': {'patch_size': 14}}
+    """
     d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg) if isinstance(cfg, dict) else {}
-    return {k: plain(d[k]) for k in _MODEL_KEYS if k in d}
+    out: dict[str, Any] = {}
+    for k in _MODEL_KEYS:
+        if k not in d:
+            continue
+        v = d[k]
+        if k in _NESTED and v is not None:
+            out[k] = model_config_dict(v)
+        elif k == "quantization_config" and isinstance(v, dict):
+            out[k] = {"quant_method": plain(v.get("quant_method"))}
+        else:
+            out[k] = plain(v)
+    return out
+
 
 def checkpoint_config(name: Any, init_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """A checkpoint's config (local, or already in the hub cache), read without loading a weight; None when it cannot

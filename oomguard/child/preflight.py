@@ -36,11 +36,14 @@ from ..memory.estimate import (
     Coefficients,
     ModelSpec,
     estimate,
+    fed,
     load_bytes,
+    load_fed,
     sure_limit,
     sure_to_fit,
 )
 from ..vocab.events import PreflightStop
+from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs
 from ..vocab.protocol import END_PREDICTED, EXIT_PREDICTED, PreflightPlan, SurePlan
 from ..vocab.sizes import format_size
@@ -104,12 +107,12 @@ def predict_estimate(rt: Runtime, preflight: PreflightPlan | SurePlan, config: d
         return None
     try:
         spec = ModelSpec.from_config(config)
-        facts = rt.facts()
-        est = estimate(spec, rt.knobs(), world_size=int(facts.get("world_size") or 1),
-                       prompt_tokens=facts.get("prompt_tokens_max"), coefficients=_coefficients(preflight),
-                       simulated=preflight.simulated, capacity=preflight.capacity,
-                       context=preflight.context, head=facts.get("trl_head"),
-                       keeps_dtype_4bit=bool(facts.get("load_takes_4bit")))
+        facts = RunFacts.from_dict(rt.facts())
+        knobs = rt.knobs()
+        est = estimate(spec, knobs, world_size=int(facts.world_size or 1), prompt_tokens=facts.prompt_tokens_max,
+                       coefficients=_coefficients(preflight), simulated=preflight.simulated,
+                       capacity=preflight.capacity, context=preflight.context, head=facts.trl_head,
+                       **fed(spec, facts, knobs))
     except (ValueError, KeyError, TypeError):
         return None
     return est
@@ -184,7 +187,7 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
     try:
         spec = ModelSpec.from_config(config)
         need = load_bytes(spec, knobs, coefficients=_coefficients(pf), simulated=pf.simulated, context=pf.context,
-                          keeps_dtype_4bit=bool(rt.facts().get("load_takes_4bit")))
+                          **load_fed(RunFacts.from_dict(rt.facts())))
     except (ValueError, KeyError, TypeError):
         return
     margin = SIMULATED_LOAD_MARGIN if pf.simulated else LOAD_MARGIN

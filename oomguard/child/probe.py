@@ -13,6 +13,7 @@ from typing import Any
 from ..vocab.events import ProbeDataset
 from ..vocab.protocol import ProbePlan
 from .datasets import prompt_lengths, tokenizer_for
+from .images import largest_image_row, with_images_of
 from .load import checkpoint_config, model_config_dict, placed_elsewhere
 from .patching import evaluates, saves, world
 from .runtime import Runtime
@@ -92,10 +93,13 @@ def probe_eval_dataset(dataset: Any, tokenizer: Any, model: Any, args: Any) -> A
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
     rows = int(getattr(args, "per_device_eval_batch_size", 8) or 8) * world()
     per_prompt = int(getattr(args, "num_generations_eval", None) or getattr(args, "num_generations", 8) or 8)
-    return dataset.select([longest] * max(1, rows // max(1, per_prompt)))
+    picked = [longest] * max(1, rows // max(1, per_prompt))
+    donor = largest_image_row(dataset)
+    return dataset.select(picked) if donor is None else with_images_of(dataset, picked, donor)
 
 def longest_prompt_only(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -> Any:
-    """The probe trains only on the longest prompt, repeated, so every micro-batch of every step is the worst case.
+    """The probe trains only on the longest prompt, repeated, so every micro-batch of every step is the worst case;
+    with a vision-language model's images, each row carries the largest image (the images of its row).
 
     The worst case is a step after the first (the optimizer state exists from the first optimizer step on) whose
     micro-batch is padded to the longest prompt. The probe's first step has no optimizer state yet, so its later steps
@@ -107,8 +111,13 @@ def longest_prompt_only(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -
         return dataset
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
     rows = max(1, _probe_prompts(rt, args))
-    rt.emit(ProbeDataset(rows=rows, prompt_tokens=lengths[longest]))
-    return dataset.select([longest] * rows)
+    # a vision-language model's worst case is the longest prompt with the largest image (the memory model's too):
+    # every probe row holds the longest prompt and the images of the row with the largest one
+    donor = largest_image_row(dataset)
+    rt.emit(ProbeDataset(rows=rows, prompt_tokens=lengths[longest], image_row=donor))
+    if donor is None:
+        return dataset.select([longest] * rows)
+    return with_images_of(dataset, [longest] * rows, donor)
 
 def settle_probe(rt: Runtime, a: dict[str, Any], model: Any, args: Any, mik: dict[str, Any]) -> None:
     """Probe or run, for an attempt launched as a probe unless the memory model is sure of its config

@@ -13,6 +13,14 @@ from typing import Any
 from ..vocab.events import CodeSeen, ModelSeen, PatchFailed, Resumed, Saving
 from ..vocab.protocol import ProbePlan
 from .datasets import prepare_dataset
+from .images import (
+    image_facts,
+    keeps_mxfp4,
+    pixel_budget,
+    set_pixel_budget,
+    target_parameters,
+    vision_frozen,
+)
 from .load import (
     bnb_config,
     checkpoint_config,
@@ -187,6 +195,9 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         a["peft_config"] = _lora_config(rt)
     dataset = a.get("train_dataset")
     tokenizer = a.get("processing_class")
+    facts = {**image_facts(dataset), **budget_facts(rt, tokenizer, model)}
+    if lora is not None and (tp := target_parameters(lora)):
+        facts["lora_target_parameters"] = tp
     if dataset is not None:
         a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
     if rt.probing():  # a probe from the start (one launched unless the model is sure is settled below)
@@ -200,7 +211,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     callbacks.append(make_callback(rt))
     a["callbacks"] = callbacks
     rt.emit(CodeSeen(point="trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": world(),
-                              "missing_packages": missing_packages()},
+                              "missing_packages": missing_packages(), **facts},
             observed=dict(rt.observed), resolved=dict(rt.resolved)))
     mik = dict(args.model_init_kwargs or {})
     if rt.probe_undecided():
@@ -216,6 +227,36 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
             from . import preflight
 
             preflight.check(rt, before="loads")
+
+def budget_facts(rt: Runtime, processor: Any, model: Any = None) -> dict[str, Any]:
+    """A vision-language model's pixel budget: the processor's own observed as the script's ``max_pixels`` (a model
+    directory's ``preprocessor_config.json`` where TRL will load the processor itself), oomguard's set on it, and
+    its floor and class as facts."""
+    read = pixel_budget(processor)
+    if not read and isinstance(model, str) and processor is None:  # TRL loads the processor inside GRPOTrainer
+        from ..memory.estimate import load_pixel_budget
+
+        try:
+            high = load_pixel_budget(model)[1]
+        except ValueError:
+            high = None
+        read = {"max_pixels": high} if high else {}
+    if read.get("max_pixels"):
+        rt.observe({"max_pixels": read["max_pixels"]})
+    if rt.overrides.max_pixels and processor is not None:
+        set_pixel_budget(processor, rt.overrides.max_pixels)
+    return {k: v for k, v in read.items() if k != "max_pixels"}
+
+
+def model_facts(model: Any) -> dict[str, Any]:
+    """What the loaded model says beyond the knobs: a frozen vision tower, gpt-oss's experts kept in MXFP4."""
+    out: dict[str, Any] = {}
+    if vision_frozen(model):
+        out["freeze_vision"] = True
+    if keeps_mxfp4(model):
+        out["keep_mxfp4"] = True
+    return out
+
 
 def observed_lora(cfg: Any) -> dict[str, Any]:
     """A LoRA config's knobs (a ``peft_config`` argument, or the config of a model PEFT already wraps); no config:
@@ -267,13 +308,15 @@ def after_init(rt: Runtime, trainer: Any) -> None:
         from . import precision
 
         facts = precision.facts(model, getattr(trainer, "args", None))
+        facts.update(model_facts(model))
+        facts.update(budget_facts(rt, getattr(trainer, "processing_class", None)))
         for stack_facts in rt.stack_facts:  # what a stack around TRL changes (child/stacks/)
             facts.update(stack_facts(trainer))
         resolved_precision(rt, getattr(trainer, "args", None))
         targs = getattr(trainer, "args", None)
         if targs is not None and rt.knobs().evaluates() and not evaluates(targs):
             rt.resolve({"eval_strategy": "no"})  # a stack's trainer turned evaluation off after the config said it
-        rt.emit(CodeSeen(point="facts", facts=facts, resolved=dict(rt.resolved)))
+        rt.emit(CodeSeen(point="facts", facts=facts, resolved=dict(rt.resolved), observed=dict(rt.observed)))
     if rt.overrides.torch_empty_cache_steps == 1 and hasattr(trainer, "_generate_and_score_completions"):
         inner = trainer._generate_and_score_completions
 

@@ -102,7 +102,7 @@ def alternatives(user: Knobs, chosen: Knobs, chosen_rungs: Sequence[Rung], facts
                                predicted_bytes=peak(k) if peak is not None else None,
                                overrides={r.knob: r.after for r in user.diff(k)}, avoids=list(avoid),
                                versus_choice=slowdown(chosen, k) if slowdown is not None else None, experiment=exp)
-        keys[k] = CostPreference.of(list(choice.rungs), [r.name for r in pool.rungs], user, world).key(
+        keys[k] = CostPreference.of(list(choice.rungs), [r.name for r in pool.rungs], user, world, facts).key(
             [r.name for r in choice.rungs], k)
     return sorted(found.values(), key=lambda a: keys[a.knobs])[:limit]
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..strategies import COST_CLASSES, Context, cost_rank
+from ..strategies.images import pixel_cut
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts
 from .choose import Choice, Rung, relax_rungs, replay
 from .ladder import Ladder
@@ -54,9 +55,11 @@ SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero
               "buffers": 0.01}
 
 
-def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, float]:
+def class_distance(user: Knobs, k: Knobs, world_size: int = 1, image_pixels: int | None = None) -> dict[str, float]:
     """How far ``k`` moved from ``user`` within each cost class that has graded values (0 for the others): for
-    ``signal`` the relative cuts of completion length, generations and prompts per step, summed; for ``speed`` the
+    ``signal`` the relative cuts of completion length, generations and prompts per step, summed, with half the cut of
+    a vision-language model's pixel budget (``strategies.images.pixel_cut``: of the pixels the largest image,
+    ``image_pixels``, got); for ``speed`` the
     share of a step's time its changes add, roughly (:data:`SPEED_COST`; a smaller vLLM reservation by its cut).
 
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
@@ -91,7 +94,8 @@ def class_distance(user: Knobs, k: Knobs, world_size: int = 1) -> dict[str, floa
     out = dict.fromkeys(COST_CLASSES, 0.0)
     out["signal"] = round(cut(user.max_completion_length, k.max_completion_length)
                           + cut(user.num_generations or 8, k.num_generations or 8)
-                          + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size)), 9)
+                          + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size))
+                          + pixel_cut(user.max_pixels, k.max_pixels, image_pixels), 9)
     out["speed"] = round(speed, 9)
     return out
 
@@ -115,18 +119,21 @@ class CostPreference:
     position: dict[str, int]
     user: Knobs
     world_size: int = 1
+    image_pixels: int | None = None  # a vision-language model's largest image (RunFacts), for the pixel cut
 
     @classmethod
-    def of(cls, rungs: Sequence[Rung], order: Sequence[str], user: Knobs, world_size: int = 1) -> CostPreference:
+    def of(cls, rungs: Sequence[Rung], order: Sequence[str], user: Knobs, world_size: int = 1,
+           facts: RunFacts | None = None) -> CostPreference:
         names = list(dict.fromkeys(r.name for r in rungs))
         costs = {r.name: r.remedy.cost for r in rungs}
         position = {n: (order.index(n) if n in order else len(order) + i) for i, n in enumerate(names)}
-        return cls(costs, position, user, world_size)
+        pixels = facts.image_height * facts.image_width if facts and facts.image_height and facts.image_width else None
+        return cls(costs, position, user, world_size, pixels)
 
     def class_key(self, cost: str, names: Collection[str], knobs: Knobs) -> tuple[Any, ...]:
         """One class's part of the key: how many rungs of it, how far its values moved, where they are listed."""
         mine = sorted((self.position[n] for n in dict.fromkeys(names) if self.costs.get(n) == cost), reverse=True)
-        return (len(mine), class_distance(self.user, knobs, self.world_size)[cost], tuple(mine))
+        return (len(mine), class_distance(self.user, knobs, self.world_size, self.image_pixels)[cost], tuple(mine))
 
     def key(self, names: Collection[str], knobs: Knobs) -> tuple[Any, ...]:
         return tuple(self.class_key(c, names, knobs) for c in reversed(COST_CLASSES))
@@ -146,7 +153,7 @@ def cheapest(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool
     user = user or start
     avoid_list = list(avoid)
     names = list(dict.fromkeys(r.name for r in climbed))
-    pref = CostPreference.of(climbed, order, user, facts.world_size)
+    pref = CostPreference.of(climbed, order, user, facts.world_size, facts)
 
     def ok(k: Knobs) -> bool:
         return k not in avoid_list and fits(k)

@@ -325,7 +325,7 @@ class Climb:
         """How the user ranks configs below the ceiling: by what they cost the experiment (the ladder's ``choose_by
         = "cost"``) or by the ladder's order."""
         if self.ladder.choose_by == "cost":
-            return CostPreference.of(self.climbed, self._order(), self.original(), self.facts.world_size)
+            return CostPreference.of(self.climbed, self._order(), self.original(), self.facts.world_size, self.facts)
         return Preference.of(self.climbed, self._order(), self.original())
 
     def _climb(self, ctx: Context, fits: Callable[[Knobs], bool],

@@ -16,7 +16,9 @@ from ..memory.estimate import (
     Estimate,
     ModelSpec,
     estimate,
+    fed,
     load_bytes,
+    load_fed,
     measured_error,
     sure_limit,
     sure_to_fit,
@@ -30,16 +32,19 @@ from .alternatives import Alternative, alternatives
 from .climb import Climb
 
 
-def predictor(spec: ModelSpec, capacity: int, *, world_size: int = 1, prompt_tokens: int | None = None,
+def predictor(spec: ModelSpec, capacity: int, *, facts: RunFacts | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None,
-              head: str | None = None, keeps_dtype_4bit: bool = False) -> Any:
-    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``; whether the
-    run's own loader keeps the dtype under a 4-bit load, ``keeps_dtype_4bit``)."""
+              head: str | None = None) -> Any:
+    """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``), with what
+    the run feeds the model beyond the knobs read from ``facts`` (its world size, prompt length, images, a loader that
+    keeps the dtype under 4-bit: ``memory.estimate.fed``)."""
+    facts = facts or RunFacts()
+
     def predict(k: Knobs) -> Estimate:
         # None lets estimate() pick the coefficients for the device (the simulated device has its own fit)
-        return estimate(spec, k, world_size=world_size, prompt_tokens=prompt_tokens, coefficients=coefficients,
-                        simulated=simulated, capacity=capacity, context=context, head=head,
-                        keeps_dtype_4bit=keeps_dtype_4bit)
+        return estimate(spec, k, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
+                        coefficients=coefficients, simulated=simulated, capacity=capacity, context=context, head=head,
+                        **fed(spec, facts, k))
 
     return predict
 
@@ -201,10 +206,8 @@ class Judge:
         if spec is None:
             return
         try:
-            est = estimate(spec, knobs, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                           coefficients=self.base, simulated=self.simulated, capacity=self.capacity,
-                           context=self.context, head=self.head_for(facts),
-                           keeps_dtype_4bit=facts.load_takes_4bit)
+            est = predictor(spec, self.capacity, facts=facts, coefficients=self.base, simulated=self.simulated,
+                            context=self.context, head=self.head_for(facts))(knobs)
         except ValueError:
             return
         kw = {"warn": self.warn} if self.warn else {}
@@ -228,9 +231,8 @@ class Judge:
         if spec is None:
             return None
         try:
-            return predictor(spec, self.capacity, world_size=facts.world_size, prompt_tokens=facts.prompt_tokens_max,
-                             coefficients=self.coefficients, simulated=self.simulated, context=self.context,
-                             head=self.head_for(facts), keeps_dtype_4bit=facts.load_takes_4bit)(knobs)
+            return predictor(spec, self.capacity, facts=facts, coefficients=self.coefficients,
+                             simulated=self.simulated, context=self.context, head=self.head_for(facts))(knobs)
         except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
             return None
 
@@ -272,7 +274,7 @@ class Judge:
             def load_fits(k: Knobs) -> bool:
                 try:
                     need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
-                                      context=self.context, keeps_dtype_4bit=facts.load_takes_4bit)
+                                      context=self.context, **load_fed(facts))
                 except ValueError:
                     return False
                 return need * (1 + (self.margin if margin is None else margin)) <= self.capacity

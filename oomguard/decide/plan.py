@@ -19,12 +19,14 @@ to skip rungs predicted not to be enough.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ..memory.estimate import (
     Coefficients,
     Estimate,
     ModelSpec,
+    load_pixel_budget,
 )
 from ..vocab.knobs import Knobs, RunFacts
 from .alternatives import Alternative
@@ -111,6 +113,41 @@ class Prediction:
         }
 
 
+
+
+def plan_images(spec: ModelSpec, knobs: Knobs, model_path: str | Path, per_prompt: int | None,
+                size: str | None) -> tuple[dict[str, Any], Knobs]:
+    """`oomguard plan`'s images for a vision-language model: RunFacts fields (images per prompt, default 1; the
+    largest image's ``HxW``; the processor's least budget) and the knobs with its pixel budget (``max_pixels``: the
+    one given, else the model directory's ``preprocessor_config.json``'s); nothing for a text model. A size that is
+    not ``HxW`` raises ValueError.
+
+    >>> from oomguard.memory.estimate import VisionSpec
+    >>> from oomguard.vocab.knobs import TRL_DEFAULTS
+    >>> vl = replace(ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True), vision=VisionSpec("merger", 2, 64, 128, 4, 14, 256))
+    >>> plan_images(vl, TRL_DEFAULTS, "/nonexistent", None, "1080x1920")[0]
+    {'images_per_prompt': 1, 'image_height': 1080, 'image_width': 1920}
+    """
+    if spec.vision is None:
+        if per_prompt or size:
+            raise ValueError(f"{model_path} is not a vision-language model (no vision_config): --images-per-prompt "
+                             "and --image-size apply only to one")
+        return {}, knobs
+    facts: dict[str, Any] = {"images_per_prompt": 1 if per_prompt is None else per_prompt}
+    if size:
+        h, sep, w = size.lower().partition("x")
+        if not (sep and h.strip().isdigit() and w.strip().isdigit() and int(h) > 0 and int(w) > 0):
+            raise ValueError(f"--image-size takes HEIGHTxWIDTH in pixels, e.g. 1080x1920, not {size!r}")
+        facts.update(image_height=int(h), image_width=int(w))
+    where = Path(model_path)
+    low, high = load_pixel_budget(where if where.is_dir() else where.parent)
+    if spec.vision.kind == "siglip":
+        facts["pixel_budget_floor"] = spec.vision.image_size ** 2
+    elif low:
+        facts["pixel_budget_floor"] = low
+    if knobs.max_pixels is None and high:
+        knobs = knobs.replace(max_pixels=high)
+    return facts, knobs
 
 
 def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,

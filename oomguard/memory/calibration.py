@@ -108,9 +108,19 @@ def model_key(spec: Any) -> str:
     >>> from oomguard.memory.estimate import ModelSpec
     >>> model_key(ModelSpec(128256, 2048, 16, 32, 8, 64, 8192, True))
     'L16 h2048 i8192 a32/8x64 v128256 tied'
+
+    Experts and a vision tower are part of the shape (a dense model's key is as before):
+    ``... moe128x8i768/48`` (experts, per token, their width, MoE layers), ``... vision1280x32``.
     """
-    return (f"L{spec.num_layers} h{spec.hidden_size} i{spec.intermediate_size} a{spec.num_heads}/{spec.num_kv_heads}"
-            f"x{spec.head_dim} v{spec.vocab_size}{' tied' if spec.tie_word_embeddings else ''}")
+    key = (f"L{spec.num_layers} h{spec.hidden_size} i{spec.intermediate_size} a{spec.num_heads}/{spec.num_kv_heads}"
+           f"x{spec.head_dim} v{spec.vocab_size}{' tied' if spec.tie_word_embeddings else ''}")
+    moe = getattr(spec, "moe", None)
+    if moe is not None:
+        key += f" moe{moe.num_experts}x{moe.top_k}i{moe.expert_intermediate}/{moe.moe_layers}"
+    vision = getattr(spec, "vision", None)
+    if vision is not None:
+        key += f" vision{vision.hidden}x{vision.depth}"
+    return key
 
 
 def machine_key(device_name: str | None, *, simulated: bool) -> str:

@@ -61,8 +61,8 @@ def step_seconds(spec: ModelSpec, knobs: Knobs, *, prompt_tokens: int | None = N
     dtype = str(k.dtype or "float32")
     if dtype not in _BYTES:
         return None
-    n = spec.params
-    weight_bytes = n * (0.55 if k.load_in_4bit else _BYTES[dtype])
+    n = spec.active_params  # what a token's matmuls read (a MoE's routed experts only); the weights are all read
+    weight_bytes = spec.params * (0.55 if k.load_in_4bit else _BYTES[dtype])
     autocast = bool(k.bf16 is not False or k.fp16)
     flops = FLOPS if autocast or dtype != "float32" else FLOPS_FP32
     bs, ga, spg = k.geometry(world_size)
@@ -86,7 +86,7 @@ def step_seconds(spec: ModelSpec, knobs: Knobs, *, prompt_tokens: int | None = N
     ckpt = bool(k.gradient_checkpointing)
     train_flops = (4 if lora else 6) * n + (2 * n if ckpt else 0)
     training = micro_steps * pass_time(bs, tokens, train_flops, 4 if ckpt else 3, 3 + (1 if ckpt else 0))
-    trainable = lora_trainable_params(spec, int(k.lora_r or 0)) if lora else n
+    trainable = lora_trainable_params(spec, int(k.lora_r or 0)) if lora else spec.params
     optimizer = trainable * 4 * 4 * 2 / BANDWIDTH  # fp32 weight, gradient and two moments, read and written
     return generation + scoring + training + optimizer
 

@@ -22,6 +22,7 @@ from . import (  # noqa: F401
     distributed,
     evaluation,
     host,
+    images,
     kernels,
     precision,
     sequences,

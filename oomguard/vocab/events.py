@@ -112,11 +112,13 @@ class DatasetSeen(Event):
 
 @dataclass(frozen=True)
 class ProbeDataset(Event):
-    """``probe_dataset``: the probe trains on its longest prompt (``prompt_tokens``), repeated ``rows`` times."""
+    """``probe_dataset``: the probe trains on its longest prompt (``prompt_tokens``), repeated ``rows`` times, each
+    with the images of row ``image_row`` (a vision-language model's largest image; None: no images)."""
 
     name: ClassVar[str] = "probe_dataset"
     rows: int | None = None
     prompt_tokens: int | None = None
+    image_row: int | None = None
 
 
 @dataclass(frozen=True)

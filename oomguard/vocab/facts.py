@@ -56,8 +56,28 @@ class RunFacts:
     # (None: not known; False on the CPU and on the simulated device)
     gpu_kernels: bool | None = None
 
+    # a vision-language model's images, read from the training dataset's ``image``/``images`` column as GRPOTrainer
+    # reads it: the most images in one prompt (0: none), the largest image's size in pixels before the processor
+    # resizes it (None: not known), and whether ``prompt_tokens_max`` counts the image tokens already (measured on the
+    # processor's output, so the memory model must not add them again)
+    images_per_prompt: int | None = None
+    image_height: int | None = None
+    image_width: int | None = None
+    prompt_tokens_images: bool = False
+    # the least ``max_pixels`` the run's image processor takes (Qwen2-VL/2.5-VL: its min_pixels; Gemma 3: one
+    # 896x896 image, no pan-and-scan crop); None: its processor has no pixel budget oomguard knows how to set
+    pixel_budget_floor: int | None = None
+    image_processor: str | None = None  # its class, for messages
+    # what the user's own config says beyond the knobs, passed to the memory model: a full fine-tune whose vision
+    # tower is frozen (its parameters' requires_grad off, or a PEFT target list that leaves it out), PEFT's
+    # ``target_parameters`` (experts adapted as parameters), gpt-oss's experts kept in MXFP4 (loaded without
+    # dequantising)
+    freeze_vision: bool = False
+    lora_target_parameters: tuple[str, ...] = ()
+    keep_mxfp4: bool = False
+
     def __post_init__(self) -> None:
-        for name in ("missing_packages", "trl_lacks"):
+        for name in ("missing_packages", "trl_lacks", "lora_target_parameters"):
             if not isinstance(getattr(self, name), tuple):  # JSON gives a list
                 object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 

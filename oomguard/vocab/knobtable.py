@@ -247,6 +247,11 @@ class KnobFields:
         takes='a list of module names or "all-linear"')
     load_in_4bit: bool | None = knob("load the base model in NF4 4-bit (QLoRA); needs LoRA", trl=False,
                                      reaches=("trainer", "model"))
+    max_pixels: int | None = knob(
+        "a vision-language model's pixel budget per image: the image processor resizes each image to at most this "
+        "many pixels, and fewer pixels are fewer image tokens (Qwen2-VL/2.5-VL's max_pixels, the image processor's "
+        "size longest_edge; Gemma 3's 896x896 image times 1 + its pan-and-scan crops); unset: the processor's own",
+        reaches="trainer", minimum=1)
     beta: float | None = _grpo("KL coefficient; above 0 a reference model is kept in memory", trl=0.0, minimum=0)
     use_vllm: bool | None = _grpo("generate with vLLM", trl=False)
     vllm_mode: str | None = _grpo("vLLM in the training process (colocate) or a separate server", trl="colocate",

@@ -85,14 +85,28 @@ from .coefficients import (
     sure_limit,
     sure_to_fit,
 )
-from .model import EstimateError, ModelSpec, load_model_spec, lora_trainable_params
+from .fed import fed, images_of, load_fed
+from .model import (
+    MXFP4_BYTES_PER_PARAM,
+    EstimateError,
+    LoraTarget,
+    MlaSpec,
+    ModelSpec,
+    MoeSpec,
+    VisionSpec,
+    load_model_spec,
+    lora_targets,
+    lora_trainable_params,
+)
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
 from .phases import PHASES
 from .terms import NF4_BYTES_PER_PARAM
+from .vision import Images, image_tokens, load_pixel_budget, vision_patches
 
 __all__ = [
     "BREAKDOWN_KEYS",
     "DEVICE_OVERPREDICTION",
+    "MXFP4_BYTES_PER_PARAM",
     "NF4_BYTES_PER_PARAM",
     "PHASES",
     "SIMULATED_HEAD_ERROR",
@@ -104,14 +118,26 @@ __all__ = [
     "Coefficients",
     "Estimate",
     "EstimateError",
+    "Images",
+    "LoraTarget",
+    "MlaSpec",
     "ModelError",
     "ModelSpec",
+    "MoeSpec",
+    "VisionSpec",
     "describe",
     "estimate",
+    "fed",
+    "image_tokens",
+    "images_of",
     "load_bytes",
+    "load_fed",
     "load_model_spec",
+    "load_pixel_budget",
+    "lora_targets",
     "lora_trainable_params",
     "measured_error",
     "sure_limit",
     "sure_to_fit",
+    "vision_patches",
 ]

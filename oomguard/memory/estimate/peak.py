@@ -11,11 +11,13 @@ from typing import Any
 from ...vocab.knobs import Knobs
 from ...vocab.sizes import MiB, format_size
 from ...vocab.trlrange import HEADS
+from .arch import _DTYPE_BYTES, EstimateError
 from .coefficients import Coefficients
-from .model import _DTYPE_BYTES, EstimateError, ModelSpec
+from .model import ModelSpec
 from .phases import _PHASE_TERMS, EVAL_PHASE, PHASES, _evaluation
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
+from .vision import Images, prompt_image_tokens
 from .vllm import VllmMemory, vllm_memory
 
 BREAKDOWN_KEYS = ("weights", "reference", "gradients", "optimizer", "activations", "logits", "kv_cache", "vllm",
@@ -137,7 +139,9 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
              coefficients: Coefficients | None = None, simulated: bool = False,
              capacity: int | None = None, context: int | None = None, head: str | None = None,
-             keeps_dtype_4bit: bool = False) -> Estimate:
+             keeps_dtype_4bit: bool = False, images: Images | None = None,
+             lora_target_parameters: tuple[str, ...] | None = None, freeze_vision: bool = False,
+             keep_mxfp4: bool = False) -> Estimate:
     """Predict the peak memory of one steady-state TRL GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
@@ -152,6 +156,14 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     ``keeps_dtype_4bit``: the run's own loader takes ``load_in_4bit`` and keeps the dtype asked for the modules it
     does not quantise (Unsloth's, ``RunFacts.load_takes_4bit``); oomguard's 4-bit load makes them 16-bit.
 
+    What the run feeds a model beyond the knobs: ``images`` (a vision-language model's images per prompt, the largest
+    image's size and the processor's pixel budget, :class:`.vision.Images`): their tokens are added to the prompt
+    (unless ``Images.in_prompt_tokens``), the vision tower's activations to every forward and their pixel values to
+    the buffered batch; None or a text model: none. ``lora_target_parameters``: PEFT's ``target_parameters`` (experts
+    named by the user, e.g. ``("mlp.experts.gate_up_proj", "mlp.experts.down_proj")``). ``freeze_vision``: a full
+    fine-tune whose script froze the vision tower. ``keep_mxfp4``: gpt-oss's experts kept in MXFP4 (the inference load
+    with the kernels; training recipes dequantise, the default).
+
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
 
@@ -163,14 +175,17 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
     k = _filled(knobs)
-    g = _regime(spec, k, simulated, keeps_dtype_4bit)
-    geo = _geometry(k, world_size, prompt_tokens)
+    g = _regime(spec, k, simulated, keeps_dtype_4bit, lora_target_parameters)
+    if keep_mxfp4 and not g.lora:
+        raise EstimateError("keep_mxfp4: MXFP4 experts cannot train; a full fine-tune dequantises them (LoRA only)")
+    geo = _geometry(k, world_size, prompt_tokens, prompt_image_tokens(spec, images))
     gc = bool(k.gradient_checkpointing)
-    p = _sharded(_persistent(spec, k, g), spec, k, g, world_size)
+    p = _sharded(_persistent(spec, k, g, freeze_vision, keep_mxfp4), spec, k, g, world_size)
     if head not in (None, *HEADS):
         raise EstimateError(f"head must be one of {', '.join(HEADS)}, not {head!r}")
     s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
-              acts=_activations(spec, g, geo, co, gc), context=context, lm_head=head or "fused")
+              acts=_activations(spec, g, geo, co, gc, images, freeze_vision), context=context,
+              lm_head=head or "fused", images=images, freeze_vision=freeze_vision)
     parts = {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}
     if k.evaluates():
         parts[EVAL_PHASE] = _evaluation(s)
@@ -178,7 +193,8 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
 
 
 def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,
-               simulated: bool = False, context: int | None = None, keeps_dtype_4bit: bool = False) -> int:
+               simulated: bool = False, context: int | None = None, keeps_dtype_4bit: bool = False,
+               keep_mxfp4: bool = False) -> int:
     """Device bytes once ``from_pretrained`` has placed the weights: the context outside the allocator plus the
     stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists.
 
@@ -195,7 +211,7 @@ def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | No
     k = _filled(knobs)
     b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
     ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
-    return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit))
+    return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit), keep_mxfp4=keep_mxfp4)
 
 
 def describe(e: Estimate) -> str:

@@ -26,14 +26,41 @@ def _generation(s: _Step) -> dict[str, int]:
         kv_cache = _kv_cache_bytes(spec, B_gen, geo.T, b_k, b_v)
         kv_prefill = _kv_cache_bytes(spec, B_gen, P, b_k, b_v)
         prefill = (B_gen * P * _nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
-                   + B_gen * V * (g.b_c + 8))
+                   + B_gen * V * (g.b_c + 8) + _vision_nograd(s, B_gen))
         decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
         gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
     # ZeRO-3 on several ranks: what generate gathers replaces the one gathered layer of the training forward
     gathered = c.transient_w - s.p.gather + s.p.gen_gather if s.p.gen_gather else c.transient_w
-    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + gathered,
+    return {"weights": (c.all + c.head if c.cached else max(c.head, c.one)) + gathered + c.experts,
             "gradients": s.grads_at_gen, "kv_cache": kv_cache + max(0, gen_transient),
-            "activations": geo.B_gen * geo.T * 16}
+            "activations": geo.B_gen * geo.T * 16 + _pixels(s)}
+
+
+def _vision_nograd(s: _Step, rows: int) -> int:
+    """The vision tower run without grad over ``rows`` prompts' images (generate's prefill, scoring): the pixel
+    values cast to the weights' dtype, the residual stream and one block's transient (its q, k, v in fp32 for the
+    rotary embedding, or its MLP), and the merged image features handed to the decoder."""
+    v, images = s.spec.vision, s.images
+    if v is None or images is None or images.per_prompt <= 0:
+        return 0
+    from .vision import image_tokens, vision_patches
+
+    n = rows * images.per_prompt * vision_patches(v, images)
+    b = s.g.b_c
+    block = max(3 * v.hidden * (b + 8), 3 * v.intermediate * b)
+    tokens = rows * images.per_prompt * image_tokens(v, images)
+    return n * (2 * v.hidden * s.g.b_res + 4 * v.hidden + block) + tokens * v.out_hidden * s.g.b_res
+
+
+def _pixels(s: _Step) -> int:
+    """The generation batch's pixel values as the processor returned them (``_tokenize_prompts``), alive through
+    generation and scoring beside the copy the buffered batch keeps."""
+    v, images = s.spec.vision, s.images
+    if v is None or images is None:
+        return 0
+    from .vision import pixel_bytes
+
+    return s.geo.B_gen * pixel_bytes(v, images)
 
 
 def _scoring(s: _Step) -> dict[str, int]:
@@ -42,8 +69,10 @@ def _scoring(s: _Step) -> dict[str, int]:
     either, only the buffered batch."""
     geo = s.geo
     if not (float(s.k.beta or 0.0) > 0 or (geo.ga % geo.spg != 0) or bool(s.k.use_vllm)):
-        return {"gradients": s.grads_at_gen, "activations": s.acts.batch_buf}
-    return {**_nograd_forward(s), "gradients": s.grads_at_gen}
+        return {"gradients": s.grads_at_gen, "activations": s.acts.batch_buf + _pixels(s)}
+    out = {**_nograd_forward(s), "gradients": s.grads_at_gen}
+    out["activations"] += _pixels(s)
+    return out
 
 
 def _nograd_forward(s: _Step) -> dict[str, int]:
@@ -51,8 +80,8 @@ def _nograd_forward(s: _Step) -> dict[str, int]:
     activations, the mask, two residual copies and the head's forward."""
     geo, a = s.geo, s.acts
     score_act = (int(geo.tokens * _nograd_bytes_per_token(s.spec, s.g)) + a.mask
-                 + geo.tokens * s.spec.hidden_size * s.g.b_res * 2)
-    return {"weights": s.casts.nograd + s.casts.transient_w, "activations": a.batch_buf + score_act,
+                 + geo.tokens * s.spec.hidden_size * s.g.b_res * 2 + _vision_nograd(s, geo.B))
+    return {"weights": s.casts.nograd + s.casts.transient_w + s.casts.experts, "activations": a.batch_buf + score_act,
             "logits": s.head()["forward"]}
 
 
@@ -86,14 +115,17 @@ def _forward_backward(s: _Step) -> dict[str, int]:
                             "weights": c.layer if gc else c.all}),
         # backward of the first layer and the embedding: every gradient exists. With checkpointing the layer's
         # 16-bit input (B·T·h·2, under 1% here) also lives; it is left out so that checkpointing stays monotone.
-        "backward_end": ({"activations": own_acts + a.grad_tr + a.mask, "gradients": grads_new * grads,
-                          "weights": c.layer}),
+        "backward_end": ({"activations": own_acts + a.grad_tr + a.mask + a.vision_stored,
+                          "gradients": grads_new * grads, "weights": c.layer}),
         # the embedding's backward, after the first layer's has freed its activations: a tied embedding's dense
         # gradient [V, h] is a temporary that AccumulateGrad adds into the lm_head's in place
         "embedding_backward": ({"activations": 0,
                                 "gradients": grads_new * grads + (V * h * g.b_w if not g.lora
                                                                   and spec.tie_word_embeddings else 0)}),
     }
+    if a.vision_stored:  # the vision tower's backward, last: its blocks' activations (one recomputed), all gradients
+        cands["vision_backward"] = {"activations": a.vision_stored + a.vision_layer * (2 if gc else 1),
+                                    "gradients": grads_new * grads}
     for moment in ("layer_backward", "backward_end", "embedding_backward"):  # after the first gradient is ready
         cands[moment]["gradients"] = cands[moment].get("gradients", 0) + s.p.ds_bucket
     # ZeRO-3: before the layers' backward the flat gradient partition already exists (the later moments count it as
@@ -122,7 +154,8 @@ def _evaluation(s: _Step) -> dict[str, int]:
     the gradients, with the optimizer state in place: the larger of its generation and its no-grad forward."""
     B_e = s.k.eval_geometry()[0]
     geo = replace(s.geo, B=B_e, ga=1, spg=1)
-    e = replace(s, geo=geo, acts=_activations(s.spec, s.g, geo, s.co, bool(s.k.gradient_checkpointing)))
+    e = replace(s, geo=geo, acts=_activations(s.spec, s.g, geo, s.co, bool(s.k.gradient_checkpointing),
+                                             s.images, s.freeze_vision))
     gen, fwd = _generation(e), _nograd_forward(e)
     # The layers' transients are gone by the time the head runs over the last hidden states: the pass holds the
     # larger of the two, not both (measured on the simulated device: the sum over-predicted a 16-row pass by 10%)

@@ -14,17 +14,21 @@ from dataclasses import dataclass, replace
 
 from ...vocab.distributed import buffer_elements
 from ...vocab.knobs import TRL_DEFAULTS, Knobs
+from .arch import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, _numel
 from .coefficients import Coefficients
-from .model import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, ModelSpec, _targets, lora_trainable_params
+from .model import ModelSpec, lora_targets
 from .terms import (
     _activation_bytes_per_token,
     _head_bytes,
     _logits_bytes,
+    _moe_bytes_per_token,
     _optimizer_bytes,
     _Regime,
     _rowchunk_bytes,
     _weight_bytes,
+    optimizer_order,
 )
+from .vision import Images, merger_bytes_per_patch, pixel_bytes, vision_bytes_per_patch, vision_patches
 from .zero3 import prefetched_live
 
 DEFAULT_PROMPT_TOKENS = 256
@@ -50,8 +54,10 @@ def _dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) -
     return d
 
 
-def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False) -> _Regime:
-    """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error."""
+def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False,
+            target_parameters: tuple[str, ...] | None = None) -> _Regime:
+    """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error.
+    ``target_parameters``: PEFT's ``target_parameters`` (expert parameters named by the user)."""
     b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
     quant4 = bool(k.load_in_4bit)
     r = int(k.lora_r or 0)
@@ -63,10 +69,12 @@ def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool =
     # weights' dtype. PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under
     # 4-bit (grpo_trainer.py:532-541).
     autocast = bool(k.bf16 or k.fp16)
+    rows = tuple(lora_targets(spec, r, k.lora_target_modules, target_parameters)) if lora else ()
+    names = {t.name for t in rows if t.where in ("attention", "mlp", "moe") and t.kind == "linear"}
+    names |= {"experts" for t in rows if t.where == "experts"} | {"vision" for t in rows if t.where == "vision"}
     return _Regime(b_w=b_w, b_res=b_w, b_c=2 if autocast else b_w, autocast=autocast,
                    autocast_cast=autocast and b_w == 4, simulated=simulated, quant4=quant4, lora=lora, r=r,
-                   targets=frozenset(_targets(k.lora_target_modules)) if lora else frozenset(),
-                   b_a=2 if quant4 else 4)
+                   targets=frozenset(names), b_a=2 if quant4 else 4, lora_targets=rows)
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,9 @@ class _Geometry:
         return self.B * self.T
 
 
-def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None) -> _Geometry:
-    """The batch geometry as TRL resolves it; P defaults to ``max_prompt_tokens`` or 256 and never exceeds it."""
+def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None, image_tokens: int = 0) -> _Geometry:
+    """The batch geometry as TRL resolves it; P defaults to ``max_prompt_tokens`` or 256 and never exceeds it, then
+    the images' tokens are added (``image_tokens`` per prompt)."""
     B, ga, spg = k.geometry(world_size)
     P = prompt_tokens if prompt_tokens is not None else (k.max_prompt_tokens or DEFAULT_PROMPT_TOKENS)
     if k.max_prompt_tokens:
@@ -101,7 +110,7 @@ def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None) -> _Geometry
     C = int(k.max_completion_length or 512)
     if B <= 0 or P <= 0 or C <= 0:
         raise EstimateError(f"batch, prompt and completion sizes must be positive (B={B}, P={P}, C={C})")
-    return _Geometry(B=B, ga=ga, spg=spg, P=P, C=C)
+    return _Geometry(B=B, ga=ga, spg=spg, P=P + image_tokens, C=C)
 
 
 @dataclass(frozen=True)
@@ -127,42 +136,31 @@ class _Persistent:
     notes: tuple[str, ...]
 
 
-def _trainable(spec: ModelSpec, g: _Regime) -> tuple[int, list[int], int]:
-    """T3: (trainable parameters, element counts of the trainable tensors, their bytes per element)."""
+def _trainable(spec: ModelSpec, g: _Regime, freeze_vision: bool = False) -> tuple[int, list[int], int]:
+    """T3: (trainable parameters, element counts of the trainable tensors, their bytes per element). A full
+    fine-tune trains every parameter, the vision tower's too unless the script froze it (``freeze_vision``)."""
     if not g.lora:
-        return spec.params, spec.param_tensors(), g.b_w
-    shapes = spec.projections()
-    tensors = [t for m in sorted(g.targets) for t in (g.r * shapes[m][0], g.r * shapes[m][1])] * spec.num_layers
-    return lora_trainable_params(spec, g.r, tuple(g.targets)), tensors, g.b_a
+        tensors = spec.param_tensors()
+        if freeze_vision and spec.vision is not None:
+            tensors = tensors[:len(tensors) - len(spec.vision.tensors())]
+            return spec.params - spec.vision_params, tensors, g.b_w
+        return spec.params, tensors, g.b_w
+    tensors = [n for t in g.lora_targets for n in t.tensors for _ in range(t.count)]
+    return sum(t.params for t in g.lora_targets), tensors, g.b_a
 
 
-def _optimizer_order(spec: ModelSpec) -> list[int]:
-    """A full fine-tune's tensors (element counts) in the order the Trainer's optimizer steps through them: its
-    weight-decay group first (the embedding, an untied head and every projection, layer by layer), then the norms
-    and biases (transformers' ``get_decay_parameter_names``).
-
-    >>> spec = ModelSpec(100, 8, 2, 2, 2, 4, 16, True)
-    >>> _optimizer_order(spec)[:8]
-    [800, 64, 64, 64, 64, 128, 128, 128]
-    """
-    decay = [spec.vocab_size * spec.hidden_size] * (1 if spec.tie_word_embeddings else 2)
-    decay += [a * b for a, b in spec.projections().values()] * spec.num_layers
-    rest = list(spec.param_tensors())
-    for t in decay:  # what param_tensors() lists besides them: norms and biases
-        rest.remove(t)
-    return decay + rest
-
-
-def _persistent(spec: ModelSpec, k: Knobs, g: _Regime) -> _Persistent:
+def _persistent(spec: ModelSpec, k: Knobs, g: _Regime, freeze_vision: bool = False,
+                keep_mxfp4: bool = False) -> _Persistent:
     """T1 weights, T2 reference, T4 gradients and T5 optimizer on one device, before any sharding."""
-    trainable, train_tensors, b_t = _trainable(spec, g)
+    trainable, train_tensors, b_t = _trainable(spec, g, freeze_vision)
     n_lora = trainable if g.lora else 0
     n_emb = 0 if g.lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
     opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
                                                       g.simulated, embeddings=n_emb,
-                                                      order=None if g.lora else _optimizer_order(spec))
+                                                      order=None if g.lora else optimizer_order(spec, freeze_vision))
     return _Persistent(
-        weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a),
+        weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a,
+                              keep_mxfp4=keep_mxfp4),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
         grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, gen_gather=0, buckets=0,
         ds_bucket=0,
@@ -228,8 +226,7 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
         notes.append("offload is modelled roughly")
     elif zs and not g.simulated:
         notes.append("ZeRO's buffers are fitted on CPU ranks; NCCL's buffers on a GPU are not counted")
-    gather = (2 * g.b_w * (spec.linear_params_per_layer() + spec.small_params_per_layer())
-              if zs >= 3 or offload_params else 0)
+    gather = 2 * g.b_w * spec.largest_layer_params() if zs >= 3 or offload_params else 0
     gen_gather = 0
     # one rank gathers nothing, unless its parameters wait on the CPU (DeepSpeed moves them to the device whole)
     if zs >= 3 and (n_dev > 1 or offload_params) and not k.use_vllm:
@@ -281,6 +278,7 @@ class _Casts:
     nograd: int  # at the end of a generation or scoring forward
     fwd: int  # at the end of the training forward
     transient_w: int  # dequantised weight + gathered layer
+    experts: int = 0  # one MoE layer's adapted experts, materialised by PEFT while the layer runs (no-grad passes)
 
 
 def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
@@ -298,44 +296,115 @@ def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
     q3b-fp32-lora32 (GC) peaks at 13.87 GiB; counting the full 5.2 GiB of copies had predicted 18.5 GiB.
     """
     L = spec.num_layers
-    biggest = max(a * b for a, b in spec.projections().values())
+    linears = [a * b for a, b in spec.projections().values()] + [a * b for a, b in spec.moe_linears().values()]
+    biggest = max(linears)
     cached = g.autocast_cast and not g.lora
-    cast_all = 2 * L * spec.linear_params_per_layer() if g.autocast_cast else 0
+    # the experts' grouped matmul is not cast by autocast (it runs in the weights' dtype): only Linear weights are
+    cast_all = 2 * spec.linear_params() if g.autocast_cast else 0
     cast_one = 2 * biggest if g.autocast_cast else 0
     # 4-bit: bitsandbytes dequantises one weight at a time (forward and the input-gradient backward)
-    dequant = 2 * biggest if g.quant4 else 0
+    dequant = 2 * max(linears) if g.quant4 else 0
     return _Casts(cached=cached, all=cast_all, layer=cast_all // max(1, L), one=cast_one,
                   head=2 * spec.vocab_size * spec.hidden_size if g.autocast_cast else 0,  # generate's lm_head
                   nograd=cast_all if cached else cast_one, fwd=cast_all if (cached or not gc) else cast_one,
-                  transient_w=dequant + gather)
+                  transient_w=dequant + gather, experts=_expert_copy(spec, g))
+
+
+def _expert_copy(spec: ModelSpec, g: _Regime) -> int:
+    """LoRA on experts (PEFT's ``ParamWrapper``): while a MoE block runs, PEFT registers a parametrization that
+    returns ``W + scale·B·A`` (``torch.baddbmm``, ``_LoraFactorsProxy``, in the weight's dtype) for each adapted
+    3-D parameter, a full-size copy of that layer's adapted experts, which the grouped matmul keeps for backward."""
+    if spec.moe is None:
+        return 0
+    shapes = dict(spec.moe.expert_tensors(spec.hidden_size))
+    return sum(_numel(shapes[t.name]) * g.b_w for t in g.lora_targets if t.where == "experts")
 
 
 @dataclass(frozen=True)
 class _Activations:
     """T7 and the batch buffers: the activation terms the training phases share."""
 
-    A: int  # one layer's saved activations
-    stored: int  # every layer's (or, checkpointed, every layer input)
-    mask: int  # bool SDPA mask with padding (shared by the layers)
+    A: int  # one layer's saved activations (the largest layer's)
+    stored: int  # every layer's (or, checkpointed, every layer input), the vision tower's included
+    mask: int  # bool SDPA mask with padding (shared by the layers; one per attention type)
     final_norm: int  # the final norm's saved fp32 input and normalised copy (when it trains)
     final_out: int  # its output, until the head has copied the rows it scores
-    batch_buf: int  # the buffered generation batch
+    batch_buf: int  # the buffered generation batch (with its images' pixel values)
     grad_tr: int  # one layer's backward gradient buffers
+    vision_layer: int = 0  # one vision block's saved activations (recomputed in backward under checkpointing)
+    vision_stored: int = 0  # the vision tower's part of ``stored`` (alive until the backward reaches the tower)
 
 
-def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, gc: bool) -> _Activations:
-    """T7 for one micro-batch, with checkpointing keeping only the layer inputs ``L·B·T·h·b_res``."""
+def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, gc: bool,
+                 images: Images | None = None, freeze_vision: bool = False) -> _Activations:
+    """T7 for one micro-batch, with checkpointing keeping only the layer inputs ``L·B·T·h·b_res``.
+
+    A model with MoE layers stores each kind's own (:func:`terms._moe_bytes_per_token`); eager attention (gpt-oss)
+    adds each layer's ``[B, heads, T, T+1]`` probabilities (softmax saves them); LoRA on experts adds each MoE layer's
+    materialised expert weights (:func:`_expert_copy`); a vision tower its blocks' activations for the micro-batch's
+    images (:func:`.vision.vision_bytes_per_patch`)."""
     h, L, tokens = spec.hidden_size, spec.num_layers, geo.tokens
-    a_tok = co.c_act * _activation_bytes_per_token(spec, g)
-    A = int(tokens * a_tok)
+    per_layer = _attention_matrix(spec, g, geo)
+    A_dense = int(tokens * (co.c_act * _activation_bytes_per_token(spec, g))) + per_layer if spec.dense_layers else 0
+    A_moe = 0
+    if spec.moe is not None:
+        whole = _activation_bytes_per_token(spec, g, moe=True)
+        block = _moe_bytes_per_token(spec, g, _no_consumers)  # itemised exactly (measured): not scaled by c_act
+        A_moe = int(tokens * (co.c_act * (whole - block) + block)) + per_layer
+        A_moe += _expert_copy(spec, g)
+    A = max(A_dense, A_moe)
     ckpt = tokens * h * g.b_res  # one checkpointed layer input
+    stored = L * ckpt if gc else spec.dense_layers * A_dense + spec.moe_layers * A_moe
+    if spec.moe is not None and spec.moe.router_logits:  # the auxiliary loss: each MoE layer's logits and softmax
+        stored += spec.moe_layers * tokens * spec.moe.num_experts * 2 * g.b_c
+    v_layer = v_stored = 0
+    v = spec.vision
+    if v is not None and images is not None and images.per_prompt > 0:
+        patches = geo.B * images.per_prompt * vision_patches(v, images)
+        trains = not g.lora and not freeze_vision
+        per = vision_bytes_per_patch(v, b_c=g.b_c, b_res=g.b_res, trains=trains, adapted="vision" in g.targets)
+        v_layer = patches * per  # itemised and measured for the tower itself: not scaled by c_act
+        if per:
+            merger = patches * merger_bytes_per_patch(v, b_c=g.b_c, b_res=g.b_res, trains=trains)
+            v_stored = v.depth * (patches * v.hidden * g.b_res if gc else v_layer) + merger
+            stored += v_stored
+    masks = 2 if spec.sliding_layers and spec.sliding_layers < L else 1
     return _Activations(
-        A=A, stored=L * ckpt if gc else L * A, mask=geo.B * geo.T * geo.T,
+        A=A, stored=stored, mask=masks * geo.B * geo.T * geo.T,
         final_norm=tokens * h * (4 + (g.b_res if not g.lora else 0)), final_out=tokens * h * g.b_res,
-        # prompt/completion ids and masks (int64), old/ref log-probs and advantages
-        batch_buf=geo.B_gen * (32 * geo.T + 8 * geo.C),
-        # the gradient buffers of the MLP backward (grad of the product, silu and up) and of the residual stream
-        grad_tr=int(co.c_act * tokens * (3 * spec.intermediate_size * g.b_c + 2 * h * 4)))
+        # prompt/completion ids and masks (int64), old/ref log-probs and advantages, the images' pixel values
+        batch_buf=geo.B_gen * (32 * geo.T + 8 * geo.C) + (
+            geo.B_gen * pixel_bytes(v, images) if v is not None and images is not None else 0),
+        # the gradient buffers of the MLP backward (grad of the product, silu and up) and of the residual stream, or
+        # of an attention that keeps its probabilities: their gradient and the scores' (softmax's backward)
+        grad_tr=max(int(co.c_act * tokens * (3 * _mlp_width(spec) * g.b_c + 2 * h * 4)), 2 * per_layer),
+        vision_layer=v_layer,
+        vision_stored=v_stored)
+
+
+def _no_consumers(width: int, modules: tuple[str, ...], b_x: int) -> int:
+    return 0
+
+
+def _attention_matrix(spec: ModelSpec, g: _Regime, geo: _Geometry) -> int:
+    """The attention probabilities one layer keeps for backward, ``[B, heads, T, T]``, where attention materialises
+    them: eager attention (gpt-oss has no SDPA path; its sink logit makes ``T + 1`` columns), or SDPA's math kernel,
+    which torch picks on the CPU when the keys' head size differs from the values' (DeepSeek's latent attention:
+    ``qk_nope + qk_rope`` against ``v_head_dim``; measured on the simulated device). 0 where SDPA's fused kernels run
+    (on a GPU the memory-efficient kernel takes differing head sizes)."""
+    if spec.eager_attention:
+        return geo.B * spec.num_heads * geo.T * (geo.T + 1) * g.b_c
+    if spec.mla is not None and spec.mla.qk_head_dim != spec.mla.v_head_dim and g.simulated:
+        return geo.B * spec.num_heads * geo.T * geo.T * g.b_c
+    return 0
+
+
+def _mlp_width(spec: ModelSpec) -> int:
+    """The widest MLP activation per token: the dense MLP's, or a MoE block's ``top_k`` experts and shared experts."""
+    dense = spec.intermediate_size if spec.dense_layers else 0
+    if spec.moe is None:
+        return dense
+    return max(dense, spec.moe.top_k * spec.moe.expert_intermediate + spec.moe.shared_intermediate)
 
 
 @dataclass(frozen=True)
@@ -352,6 +421,8 @@ class _Step:
     acts: _Activations
     context: int | None = None  # the device's memory outside the allocator, when known (see estimate())
     lm_head: str = "fused"  # the LM head the run has (RunFacts.trl_head, vocab/trlrange.py HEADS)
+    images: Images | None = None  # the images of each prompt (a vision-language model)
+    freeze_vision: bool = False  # the script froze the vision tower (a full fine-tune trains it otherwise)
 
     def head(self) -> dict[str, int]:
         """T8 over the training micro-batch. TRL 1.15 on: the fused, chunked head (Triton on CUDA scores only the

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from .model import ModelSpec
+from .arch import _numel
+from .model import MXFP4_BYTES_PER_PARAM, ModelSpec
 
 # bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 weights + an fp32 absmax per 256 absmax
 # blocks (QLoRA, arXiv:2305.14314 §3; research §3 T1).
@@ -38,21 +40,27 @@ class _Regime:
     quant4: bool
     lora: bool
     r: int
-    targets: frozenset[str]
+    targets: frozenset[str]  # the decoder layers' adapted Linears by name ("experts": adapted expert parameters)
     b_a: int  # LoRA adapter dtype
+    lora_targets: tuple[Any, ...] = ()  # model.LoraTarget rows: what PEFT adapts, where, at which rank
 
 
-def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
-    """Bytes autograd keeps per token for one decoder layer (T7), itemised from what each op saves.
+def _activation_bytes_per_token(spec: ModelSpec, g: _Regime, moe: bool = False) -> int:
+    """Bytes autograd keeps per token for one decoder layer (T7), itemised from what each op saves; ``moe``: a layer
+    with the mixture-of-experts block in place of the dense MLP.
 
-    - RMSNorm (×2, ``LlamaRMSNorm.forward``): ``pow`` saves its fp32 input (4h: the residual itself when it is fp32,
-      a copy otherwise); ``weight * x.to(dtype)`` saves the normalised x (``b_res·h``) only when the weight trains.
+    - RMSNorm (``norms_per_layer`` of them, ``LlamaRMSNorm.forward``): ``pow`` saves its fp32 input (4h: the residual
+      itself when it is fp32, a copy otherwise); ``weight * x.to(dtype)`` saves the normalised x (``b_res·h``) only
+      when the weight trains.
     - The normed output y feeds q/k/v (and gate/up). A trainable Linear saves its input: y once when no cast happens,
       one bf16 cast per consumer under autocast from fp32. A frozen base Linear saves nothing about its input; a LoRA
       ``lora_A`` saves it (a copy per module when PEFT's ``_cast_input_dtype`` or autocast must cast it).
+    - Per-head q/k RMSNorm (Qwen3, Gemma 3): their fp32 input and, when they train, the normalised copy.
     - SDPA saves q, the repeated k and v (``repeat_kv``, padded mask), its output and the logsumexp; ``o_proj`` saves
-      the transposed output copy when it trains or is adapted.
+      the transposed output copy when it trains or is adapted. DeepSeek's latent attention: also the latent's norm
+      and ``kv_b_proj``'s input.
     - SwiGLU MLP: gate, silu(gate), up, and their product (saved by ``down_proj`` when it trains or is adapted).
+      A MoE block instead: see :func:`_moe_bytes_per_token`.
     - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module.
 
     bf16 full fine-tune with ``heads·head_dim = h``: ``16h + 4h + 10h + 8i = 26h + 8i`` (research §3 T7).
@@ -62,7 +70,7 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
     b_res, b_c = g.b_res, g.b_c
     # norms
     norm = 4 * h + (b_res * h if full else 0)
-    total = 2 * norm
+    total = spec.norms_per_layer * norm
 
     autocast = g.autocast
 
@@ -79,46 +87,96 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
             return adapted * 2 * width if (b_x == 4 or g.b_a == 4) else 2 * width
         return b_x * width if g.b_a == b_x else adapted * g.b_a * width
 
-    total += consumers_of(h, ("q_proj", "k_proj", "v_proj"), b_res)
-    total += consumers_of(h, ("gate_proj", "up_proj"), b_res)
+    attn = tuple(spec.attention_linears())
+    readers = tuple(n for n in attn if n not in ("o_proj", "q_b_proj", "kv_b_proj"))
+    total += consumers_of(h, readers, b_res)
+    if moe:
+        total += _moe_bytes_per_token(spec, g, consumers_of)
+    else:
+        mlp = tuple(spec.mlp_linears())
+        total += consumers_of(h, mlp[:-1], b_res)
     # attention: q, repeated k and v, output, logsumexp (fp32 per head)
     k_saved = q if spec.num_kv_heads < spec.num_heads else kv
-    total += b_c * (q + 2 * k_saved + q) + 4 * spec.num_heads
-    total += consumers_of(q, ("o_proj",), b_c)
-    # MLP
-    total += 3 * i * b_c + consumers_of(i, ("down_proj",), b_c)
-    if g.lora:
-        total += len(g.targets) * g.r * (2 if autocast else g.b_a)
+    v_saved = spec.attn_out_dim if spec.mla is not None else k_saved
+    total += b_c * (q + k_saved + v_saved + spec.attn_out_dim) + 4 * spec.num_heads
+    total += consumers_of(spec.attn_out_dim, ("o_proj",), b_c)
+    if spec.qk_norm:  # fp32 input of each per-head norm (a copy, or the projection's own output), normalised copy
+        total += (4 + (b_c if full else 0)) * (q + spec.num_kv_heads * spec.head_dim)
+    if spec.mla is not None:  # the latents: their norms' fp32 inputs, normalised copies, the b-projections' inputs
+        m = spec.mla
+        for width, reader in ((m.kv_lora_rank, "kv_b_proj"), (m.q_lora_rank or 0, "q_b_proj")):
+            if width:
+                total += (4 + (b_c if full else 0)) * width + consumers_of(width, (reader,), b_c)
+    if not moe:  # MLP
+        total += 3 * i * b_c + consumers_of(i, (tuple(spec.mlp_linears())[-1],), b_c)
+    if g.lora:  # lora_B's input: r per adapted Linear of this layer
+        here = set(attn) | set(spec.moe_linears() if moe else spec.mlp_linears())
+        total += len(g.targets & here) * g.r * (2 if autocast else g.b_a)
+    return total
+
+
+def _moe_bytes_per_token(spec: ModelSpec, g: _Regime, consumers_of: Any) -> int:
+    """Bytes a MoE block saves per token in training (transformers 5.24's ``grouped_mm_experts_forward``, the default
+    experts implementation on CPU and GPU alike): the router's logits and fp32 probabilities; each token goes to
+    ``top_k`` experts, so ``top_k`` rows of the sorted input (saved by the grouped matmul when the experts train), the
+    ``gate_up`` output (``2·i_e``, kept by the activation), the activation's output, their product (saved when the
+    experts train or are adapted) and the down projection's output (saved for the routing weights' gradient); gpt-oss's
+    clamped GLU keeps three more ``i_e``-wide tensors. Shared experts: a dense MLP of their width, over every token."""
+    m = spec.moe
+    assert m is not None
+    h, E, k, i_e, b_c = spec.hidden_size, m.num_experts, m.top_k, m.expert_intermediate, g.b_c
+    b_e = g.b_w  # the experts compute in their weights' dtype: autocast does not cast the grouped matmul (measured on
+    # CPU: fp32 experts under bf16 autocast made no bf16 copies), and _grouped_mm casts its input to the weights'
+    experts_train = not g.lora or "experts" in g.targets
+    total = E * (b_c + 4) + k * 8 * 3  # logits, fp32 softmax, sorted ids / permutation / weights
+    gate = 2 * i_e + i_e + (3 * i_e if m.expert_bias else 0)  # gate_up output, activation (gpt-oss: clamp, GLU)
+    total += k * b_e * (gate + h + (h + i_e if experts_train else 0))
+    if m.shared_intermediate:
+        mlp = tuple(spec.mlp_linears(m.shared_intermediate))
+        total += consumers_of(h, mlp[:-1], g.b_res) + 3 * m.shared_intermediate * b_c
+        total += consumers_of(m.shared_intermediate, (mlp[-1],), b_c)
     return total
 
 
 def _nograd_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
     """Live bytes per token inside one decoder layer run without grad (prefill, scoring): the residual and its
     successor, the fp32 norm temporary, then the larger of attention (q, k, v, repeated k/v, output) and the MLP
-    (silu(gate), up, product)."""
+    (silu(gate), up, product; a MoE block's ``top_k`` rows of input, gate_up output and product)."""
     h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_dim
     attn = (3 * q + 2 * spec.kv_dim + q) * g.b_c
-    mlp = 3 * i * g.b_c
+    mlp = 3 * i * g.b_c if spec.dense_layers else 0
+    if spec.moe is not None:
+        m = spec.moe
+        mlp = max(mlp, m.top_k * (2 * h + 4 * m.expert_intermediate) * g.b_w + 3 * m.shared_intermediate * g.b_c)
     return 2 * g.b_res * h + 4 * h + max(attn, mlp)
 
 
 def _weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora_params: int = 0,
-                  b_adapter: int = 4) -> int:
-    """T1: the stored weights. Under 4-bit NF4 with double quantisation each projection weight costs
-    ``NF4_BYTES_PER_PARAM`` and the embeddings, an untied ``lm_head``, norms and biases stay at ``b_w`` (16-bit);
-    LoRA adapters are added at ``b_adapter`` bytes."""
+                  b_adapter: int = 4, keep_mxfp4: bool = False) -> int:
+    """T1: the stored weights. Under 4-bit NF4 with double quantisation each Linear weight but the LM head's costs
+    ``NF4_BYTES_PER_PARAM`` and the embeddings, an untied ``lm_head``, norms, biases and the experts' 3-D parameters
+    (not Linear layers: bitsandbytes leaves them) stay at ``b_w`` (16-bit); LoRA adapters are added at ``b_adapter``
+    bytes. ``keep_mxfp4``: a gpt-oss checkpoint's experts kept in MXFP4 (``MXFP4_BYTES_PER_PARAM``; the
+    inference load with transformers' MXFP4 kernels), not dequantised to ``b_w`` (``Mxfp4Config(dequantize=True)``,
+    what training recipes do, and what a load without the kernels does anyway)."""
     if load_in_4bit:
-        lin = spec.num_layers * spec.linear_params_per_layer()
+        lin = spec.linear_params()
         base = math.ceil(lin * NF4_BYTES_PER_PARAM) + (spec.params - lin) * b_w
     else:
         base = spec.params * b_w
+    if keep_mxfp4 and spec.moe is not None and spec.moe.mxfp4:
+        m = spec.moe
+        weights = spec.moe_layers * m.num_experts * 3 * m.expert_intermediate * spec.hidden_size
+        base -= weights * b_w - math.ceil(weights * MXFP4_BYTES_PER_PARAM)
     return base + lora_params * b_adapter
 
 
 def _kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: int = 2) -> int:
     """T9: HF ``generate``'s DynamicCache after ``tokens`` positions: ``L·n_kv·d·tokens·rows·(b_k + b_v)``
-    (``2·L·n_kv·d·(P+C)·B_gen·b_kv`` of research §3 when ``b_k = b_v``)."""
-    return spec.num_layers * spec.kv_dim * tokens * rows * (b_k + b_v)
+    (``2·L·n_kv·d·(P+C)·B_gen·b_kv`` of research §3 when ``b_k = b_v``); sliding-window layers keep at most the window,
+    DeepSeek's latent attention the compressed latent (:meth:`ModelSpec.kv_elements`)."""
+    k, v = spec.kv_elements(tokens)
+    return rows * (k * b_k + v * b_v)
 
 
 def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head_trains: bool,
@@ -219,6 +277,38 @@ def _logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_t
     backward = max(int(k_full * E * b_sm / 4), out + grad_hidden + grad_weight)
     return {"forward": out + scaled + row, "saved": scaled, "backward": backward, "mm_buf": 0,
             "grad_weight": grad_weight}
+
+
+def optimizer_order(spec: ModelSpec, freeze_vision: bool = False) -> list[int]:
+    """A full fine-tune's tensors (element counts) in the order the Trainer's optimizer steps through them: its
+    weight-decay group first (the embedding, an untied head, every projection and expert weight layer by layer, the
+    router, then the vision tower's weights unless frozen), then the norms and biases (transformers'
+    ``get_decay_parameter_names``).
+
+    >>> spec = ModelSpec(100, 8, 2, 2, 2, 4, 16, True)
+    >>> optimizer_order(spec)[:8]
+    [800, 64, 64, 64, 64, 128, 128, 128]
+    """
+    def lin(d: dict[str, tuple[int, int]]) -> list[int]:
+        return [a * b for a, b in d.values()]
+
+    decay = [spec.vocab_size * spec.hidden_size] * (1 if spec.tie_word_embeddings else 2)
+    attn = lin(spec.attention_linears())
+    decay += (attn + lin(spec.mlp_linears())) * spec.dense_layers
+    m = spec.moe
+    if m is not None:
+        experts = [_numel(s) for n, s in m.expert_tensors(spec.hidden_size) if "bias" not in n]
+        decay += (attn + experts + [m.num_experts * spec.hidden_size] + lin(spec.moe_linears())) * spec.moe_layers
+    rest = list(spec.param_tensors())
+    vision = spec.vision.tensors() if spec.vision is not None else []
+    del rest[len(rest) - len(vision):]
+    for t in decay:  # what param_tensors() lists besides them: norms and biases
+        rest.remove(t)
+    if not freeze_vision:
+        small = [n for n, _s, _l in vision if "bias" in n or "norm" in n or n == "ln_q"]
+        decay += [_numel(s) for n, s, _l in vision if n not in small]
+        rest += [_numel(s) for n, s, _l in vision if n in small]
+    return decay + rest
 
 
 def single_tensor_transient(order: list[int]) -> int:

@@ -52,7 +52,7 @@ class VllmMemory:
     reservation: int  # vllm_gpu_memory_utilization × the device
     engine: int  # its 16-bit weights and buffers
     activations: int  # the profile run's activation peak, freed after profiling, taken again while generating
-    kv_per_token: int  # K and V of every layer, 16-bit
+    kv_per_token: int  # K and V of every layer, 16-bit (DeepSeek: the compressed latent)
     max_model_len: int  # the longest sequence it must hold (vllm_max_model_length, else the model's)
     prefill_tokens: int = BATCHED_TOKENS  # the tokens of the run's largest prefill (its rows × their prompts)
 
@@ -111,7 +111,7 @@ def vllm_memory(spec: ModelSpec, k: Knobs, capacity: int | None, prefill_tokens:
     length = k.vllm_max_model_length or spec.max_positions or 2048
     return VllmMemory(reservation=math.ceil(util * capacity), engine=2 * params + ENGINE_SLACK,
                       activations=int(ACTIVATION_FACTOR * BATCHED_TOKENS * per_token),
-                      kv_per_token=2 * spec.num_layers * spec.kv_dim * 2, max_model_len=int(length),
+                      kv_per_token=2 * sum(spec.kv_elements(1)), max_model_len=int(length),
                       prefill_tokens=int(prefill_tokens))
 
 

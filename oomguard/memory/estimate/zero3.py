@@ -30,22 +30,33 @@ from .model import ModelSpec
 MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _trace(spec: ModelSpec, lora: tuple[str, ...], r: int, b_w: int, b_a: int) -> list[list[tuple[str, int, int]]]:
-    """One decode forward's submodule calls in order (HF Llama/Qwen2/Mistral/Qwen3 under DeepSpeed's hooks), each
+    """One decode forward's submodule calls in order (HF Llama/Qwen2/Mistral/Qwen3 under DeepSpeed's hooks; the
+    experts of a MoE layer as one call, its shared experts as an MLP), each
     with its own parameters ``(name, elements, bytes per element)``; under PEFT each targeted projection is a LoRA
     layer that calls its base layer, its dropout, ``lora_A`` and ``lora_B``."""
     h, V = spec.hidden_size, spec.vocab_size
     embed = ("embed_tokens", V * h, b_w)
     calls: list[list[tuple[str, int, int]]] = ([[]] * (2 if lora else 0)  # PeftModel, LoraModel
                                                + [[], [], [embed], []])  # ForCausalLM, Model, embed_tokens, rotary
-    shapes = spec.projections()
-    attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    attn = spec.attention_linears()
+    qkv = ("q_proj", "k_proj", "v_proj", "qkv_proj")
     for layer in range(spec.num_layers):
+        moe = spec.moe is not None and layer >= spec.dense_layers  # the MoE layers, after any dense ones
+        shapes = {**attn, **(spec.moe_linears() if moe else spec.mlp_linears())}
 
-        def proj(name: str, layer: int = layer) -> list[list[tuple[str, int, int]]]:
+        def proj(name: str, layer: int = layer, shapes: dict[str, tuple[int, int]] = shapes
+                 ) -> list[list[tuple[str, int, int]]]:
             i, o = shapes[name]
-            bias = ((name in ("q_proj", "k_proj", "v_proj") and spec.qkv_bias) or (name == "o_proj" and spec.o_bias)
-                    or (name in ("gate_proj", "up_proj", "down_proj") and spec.mlp_bias))
+            bias = ((name in qkv and spec.qkv_bias) or (name == "o_proj" and spec.o_bias)
+                    or (name in spec.mlp_linears() and spec.mlp_bias))
             base = [(f"{layer}.{name}", i * o, b_w)] + ([(f"{layer}.{name}.bias", o, b_w)] if bias else [])
             if name not in lora:
                 return [base]
@@ -53,13 +64,24 @@ def _trace(spec: ModelSpec, lora: tuple[str, ...], r: int, b_w: int, b_a: int) -
 
         norm = [(f"{layer}.input_layernorm", h, b_w)]
         calls += [[], norm, []]  # the layer, input_layernorm, self_attn
-        for name in attn[:3]:
+        for name in list(attn)[:-1]:
             calls += proj(name)
         if spec.qk_norm:
             calls += [[(f"{layer}.q_norm", spec.head_dim, b_w)], [(f"{layer}.k_norm", spec.head_dim, b_w)]]
         calls += proj("o_proj")
         calls += [[(f"{layer}.post_attention_layernorm", h, b_w)], []]  # the norm, mlp
-        calls += [*proj("gate_proj"), [], *proj("up_proj"), *proj("down_proj")]  # act_fn between gate and up
+        if moe:
+            assert spec.moe is not None
+            m = spec.moe
+            calls += [[(f"{layer}.router", m.num_experts * h, b_w)]]
+            calls += [[(f"{layer}.experts.{n}", _numel(shape), b_w) for n, shape in m.expert_tensors(h)]]
+            mlp = list(spec.moe_linears())
+        else:
+            mlp = list(spec.mlp_linears())
+        if mlp:
+            calls += [*proj(mlp[0]), []]  # act_fn after the first (gate) projection
+            for name in mlp[1:]:
+                calls += proj(name)
     lm_head = embed if spec.tie_word_embeddings else ("lm_head", V * h, b_w)
     return [*calls, [("norm", h, b_w)], [lm_head]]
 

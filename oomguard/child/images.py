@@ -1,0 +1,233 @@
+"""A vision-language model's images, in the training process: what the dataset's images are (as GRPOTrainer reads
+them: an ``image`` column of one image per prompt, or ``images`` of a list), the processor's pixel budget read and
+set (the ``max_pixels`` knob), and what the user's model and PEFT config say beyond the knobs (a frozen vision tower,
+PEFT's ``target_parameters``, gpt-oss's experts kept in MXFP4).
+
+How each processor spells the budget (transformers 5.x):
+
+- Qwen2-VL / Qwen2.5-VL (``Qwen2VLImageProcessor``): ``size["longest_edge"]`` in pixels (``max_pixels`` before
+  transformers 5), and ``size["shortest_edge"]`` the least (``min_pixels``);
+- Gemma 3 (``Gemma3ImageProcessor``): every image resized to ``size`` (896 x 896), and with ``do_pan_and_scan`` up to
+  ``pan_and_scan_max_num_crops`` crops more of it: its budget is that many whole images' pixels, its floor one image.
+
+Any other image processor: no budget oomguard can set (``pixel_budget_floor`` None; the ``smaller_images`` rung says
+so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+IMAGE_COLUMNS = ("images", "image")  # what GRPOTrainer reads, in its order (grpo_trainer.py: "images" first)
+IMAGE_STATS_ROWS = 2000  # rows whose images are measured (evenly spaced over a larger dataset)
+VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.")
+GEMMA3_DEFAULT_CROPS = 4  # Gemma3Processor.images_kwargs' pan_and_scan_max_num_crops
+
+
+def image_column(dataset: Any) -> str | None:
+    """The column GRPOTrainer takes images from, or None."""
+    cols = list(getattr(dataset, "column_names", None) or [])
+    return next((c for c in IMAGE_COLUMNS if c in cols), None)
+
+
+def image_size(img: Any) -> tuple[int, int] | None:
+    """``(height, width)`` of one image as a dataset holds it: a PIL image, ``datasets``' undecoded ``{"bytes",
+    "path"}``, a path, or an array (``H x W x C`` or ``C x H x W``); only the header of an encoded image is read.
+
+    >>> image_size({"bytes": None, "path": None}) is None
+    True
+    >>> import numpy as np
+    >>> image_size(np.zeros((3, 20, 30))), image_size(np.zeros((20, 30, 3)))
+    ((20, 30), (20, 30))
+    """
+    if img is None:
+        return None
+    size = getattr(img, "size", None)
+    if isinstance(size, tuple) and len(size) == 2:  # PIL: (width, height)
+        return int(size[1]), int(size[0])
+    if isinstance(img, (dict, str, bytes)):
+        src = (img.get("bytes") or img.get("path")) if isinstance(img, dict) else img
+        if not src:
+            return None
+        try:
+            from PIL import Image
+
+            with Image.open(io.BytesIO(src) if isinstance(src, bytes) else src) as im:
+                return int(im.size[1]), int(im.size[0])
+        except (OSError, ValueError, ImportError):
+            return None
+    shape = tuple(getattr(img, "shape", ()) or ())
+    if len(shape) == 3:
+        return (int(shape[1]), int(shape[2])) if shape[0] in (1, 3, 4) else (int(shape[0]), int(shape[1]))
+    if len(shape) == 2:
+        return int(shape[0]), int(shape[1])
+    return None
+
+
+def _undecoded(dataset: Any, column: str) -> Any:
+    """The dataset with ``column``'s images left encoded (``datasets``' Image feature without decoding), so that only
+    their headers are read; the dataset itself where that cannot be done."""
+    try:
+        from datasets import Image
+
+        feature = dataset.features[column]
+        if isinstance(feature, Image):
+            return dataset.cast_column(column, Image(decode=False))
+        inner = getattr(feature, "feature", None)
+        if isinstance(inner, Image):
+            return dataset.cast_column(column, type(feature)(Image(decode=False)))
+    except Exception:  # any datasets release: measuring decoded images is slower, never wrong
+        pass
+    return dataset
+
+
+def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None]:
+    """(the most images in one prompt, the largest image's ``(height, width)``, its row) over the dataset's rows, or
+    ``IMAGE_STATS_ROWS`` of them evenly spaced; ``(0, None, None)`` without an image column."""
+    column = image_column(dataset)
+    if column is None or not hasattr(dataset, "__len__") or not len(dataset):
+        return 0, None, None
+    n = len(dataset)
+    step = max(1, -(-n // IMAGE_STATS_ROWS))
+    view = _undecoded(dataset, column)
+    per_prompt, largest, row = 0, None, None
+    for i in range(0, n, step):
+        value = view[i][column]
+        imgs = list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
+        per_prompt = max(per_prompt, len(imgs))
+        sizes = [hw for hw in map(image_size, imgs) if hw is not None]
+        big = max(sizes, key=lambda hw: hw[0] * hw[1], default=None)
+        if big is not None and (largest is None or big[0] * big[1] > largest[0] * largest[1]):
+            largest, row = big, i
+    return per_prompt, largest, row
+
+
+def image_facts(dataset: Any) -> dict[str, Any]:
+    """RunFacts of the dataset's images: the most images in one prompt, and the largest image's size (by pixels);
+    nothing for a dataset without an image column."""
+    if image_column(dataset) is None:
+        return {}
+    per_prompt, largest, _row = _scan(dataset)
+    out: dict[str, Any] = {"images_per_prompt": per_prompt}
+    if largest is not None:
+        out.update(image_height=largest[0], image_width=largest[1])
+    return out
+
+
+def largest_image_row(dataset: Any) -> int | None:
+    """The row with the largest image (of those :func:`image_facts` measures), which the probe pairs with the longest
+    prompt; None without images."""
+    return _scan(dataset)[2]
+
+
+def with_images_of(dataset: Any, rows: list[int], donor: int) -> Any:
+    """``dataset.select(rows)`` with every row's images replaced by row ``donor``'s (the probe's longest prompt with the
+    largest image)."""
+    column = image_column(dataset)
+    picked = dataset.select(rows)
+    if column is None or donor in rows:
+        return picked
+    images = dataset[donor][column]
+    return picked.map(lambda _row: {column: images})
+
+
+# -- the processor's pixel budget --------------------------------------------------------------------------------
+def _image_processor(processor: Any) -> Any:
+    return getattr(processor, "image_processor", None)
+
+
+def _size(ip: Any) -> dict[str, Any]:
+    size = getattr(ip, "size", None)
+    if size is None:
+        return {}
+    if dataclasses.is_dataclass(size) and not isinstance(size, type):
+        return {f.name: getattr(size, f.name) for f in dataclasses.fields(size)}
+    return dict(size) if isinstance(size, dict) else {}
+
+
+def _gemma_tile(ip: Any) -> int | None:
+    """Gemma 3's fixed image size in pixels (896 x 896), or None for another processor."""
+    if not hasattr(ip, "do_pan_and_scan"):
+        return None
+    s = _size(ip)
+    h, w = s.get("height"), s.get("width")
+    return int(h) * int(w) if h and w else None
+
+
+def pixel_budget(processor: Any) -> dict[str, Any]:
+    """What the processor says of its pixel budget: ``max_pixels`` (the budget in force), ``pixel_budget_floor`` (the
+    least it takes) and ``image_processor`` (its class); only ``image_processor`` for a processor without a budget
+    oomguard knows, nothing without an image processor.
+
+    >>> from types import SimpleNamespace
+    >>> pixel_budget(SimpleNamespace(image_processor=SimpleNamespace(size={"shortest_edge": 3136,
+    ...                                                                    "longest_edge": 1003520}, merge_size=2)))
+    {'image_processor': 'SimpleNamespace', 'max_pixels': 1003520, 'pixel_budget_floor': 3136}
+    """
+    ip = _image_processor(processor)
+    if ip is None:
+        return {}
+    out: dict[str, Any] = {"image_processor": type(ip).__name__}
+    tile = _gemma_tile(ip)
+    if tile is not None:
+        crops = getattr(ip, "pan_and_scan_max_num_crops", None) or GEMMA3_DEFAULT_CROPS
+        return {**out, "max_pixels": tile * (1 + (int(crops) if getattr(ip, "do_pan_and_scan", None) else 0)),
+                "pixel_budget_floor": tile}
+    s = _size(ip)
+    if s.get("longest_edge") and hasattr(ip, "merge_size"):
+        return {**out, "max_pixels": int(s["longest_edge"]), "pixel_budget_floor": int(s.get("shortest_edge") or 1)}
+    return out
+
+
+def set_pixel_budget(processor: Any, pixels: int) -> bool:
+    """Set the processor's budget to ``pixels`` (as :func:`pixel_budget` reads it); False where it has none.
+
+    >>> from types import SimpleNamespace
+    >>> ip = SimpleNamespace(size={"shortest_edge": 3136, "longest_edge": 1003520}, merge_size=2)
+    >>> set_pixel_budget(SimpleNamespace(image_processor=ip), 401408), ip.size["longest_edge"]
+    (True, 401408)
+    """
+    ip = _image_processor(processor)
+    if ip is None:
+        return False
+    tile = _gemma_tile(ip)
+    if tile is not None:
+        crops = int(pixels) // tile - 1
+        if crops <= 0:
+            ip.do_pan_and_scan = False
+        else:
+            ip.pan_and_scan_max_num_crops = crops
+        return True
+    s = _size(ip)
+    if not (s.get("longest_edge") and hasattr(ip, "merge_size")):
+        return False
+    new = {**s, "longest_edge": int(pixels), "shortest_edge": min(int(s.get("shortest_edge") or 1), int(pixels))}
+    size = ip.size
+    ip.size = dataclasses.replace(size, **{k: new[k] for k in ("longest_edge", "shortest_edge")}) \
+        if dataclasses.is_dataclass(size) else new
+    return True
+
+
+# -- what the user's model and PEFT config say --------------------------------------------------------------------
+def vision_frozen(model: Any) -> bool:
+    """A full fine-tune whose script froze the vision tower: every parameter of the tower and its projector has
+    ``requires_grad`` off (a PEFT model is not a full fine-tune: its adapters follow its target modules)."""
+    if model is None or hasattr(model, "peft_config"):
+        return False
+    vision = [p for n, p in model.named_parameters() if any(n.startswith(x) or f".{x}" in n for x in VISION_PREFIXES)]
+    return bool(vision) and not any(p.requires_grad for p in vision)
+
+
+def keeps_mxfp4(model: Any) -> bool:
+    """gpt-oss loaded without dequantising: its experts are transformers' MXFP4 modules."""
+    return model is not None and any(type(m).__name__.startswith("Mxfp4") for m in model.modules())
+
+
+def target_parameters(peft_config: Any) -> tuple[str, ...]:
+    """PEFT's ``target_parameters`` (experts adapted as parameters), or nothing."""
+    tp = getattr(peft_config, "target_parameters", None)
+    if isinstance(tp, str):
+        return (tp,)
+    return tuple(str(t) for t in tp) if isinstance(tp, (list, tuple, set, frozenset)) else ()
