@@ -186,7 +186,7 @@ def test_real_grpo_with_a_leaky_reward_function(tiny_model: str, tmp_path) -> No
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     samples = [MemSample.from_event(e) for e in events if e["event"] == "mem"]
     assert all(s is not None and s.prompt_tokens and s.completion_tokens == 32 for s in samples)
-    (leak,) = next(e for e in events if e["event"] == "mem_trend")["verdicts"]
+    (leak,) = next(e for e in events if e["event"] == "mem_trend")["trend"]["verdicts"]
     assert leak["kind"] == "leak" and abs(leak["rate"] - 6 * MiB) <= 0.2 * 6 * MiB
     names = [h["name"] for h in next(e for e in events if e["event"] == "mem_holders")["holders"]]
     assert "list `CACHE` of module `leaky_rewards`" in names
