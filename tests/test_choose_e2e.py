@@ -60,7 +60,8 @@ def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_neede
     rungs; the choice keeps three and says why the others go. Once its probe fits, the model is unsure whether one
     kept change is needed (expandable segments: without them it predicts a few percent over the device), but it costs
     nothing, so it is not worth a launch to undo (--minimize would). Under TRL 0.29-1.14 (materialised logits,
-    less memory on the CPU) LoRA alone is chosen with room to spare (tests/compat.sh runs it there: `core`). Slow: the default run's test above takes the
+    less memory on the CPU) LoRA alone is chosen, after a probe of the 8-bit optimizer, within the model's wider doubt
+    there, runs out (tests/compat.sh runs it there: `core`). Slow: the default run's test above takes the
     default ladder through the same stop and choice, and test_run_e2e.py's rung tests climb the fastest ladder's
     rungs."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64", extra=("--ladder", "fastest"))
@@ -68,15 +69,20 @@ def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_neede
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
     assert attempts[0]["outcome"] == "predicted" and attempts[0]["kind"] == "probe"
     assert "pre-flight" in out.stderr and "stopped by the pre-flight check" in out.stderr
-    assert not any(a["outcome"] == "oom" for a in attempts)  # zero real OOMs: the model was sure
-    assert [(a["kind"], a["outcome"]) for a in attempts[1:]] == [("probe", "ok"), ("run", "ok")]
+    # no real OOM but a cheaper trial's: under TRL 0.29-1.14 the model's doubt (its logits head's error, about 40%)
+    # puts the 8-bit optimizer within reach, and a capacity change is never taken on a guess (issue 39)
+    ooms = [a for a in attempts if a["outcome"] == "oom"]
+    assert not ooms or (len(ooms) == 1 and ooms[0]["remedies"] == ["optimizer_8bit"]
+                        and "the cheaper config tried first did not fit" in out.stderr)
+    assert [(a["kind"], a["outcome"]) for a in attempts[1 + len(ooms):]] == [("probe", "ok"), ("run", "ok")]
     assert "pre-flight stop" in rep["message"]
     choice = attempts[0]["choice"]
-    assert choice["dropped"] and all(d["predicted_bytes_without"] <= 48 * 2**20 for d in choice["dropped"])
-    assert "not needed:" in out.stderr
+    assert choice["dropped"] and "not needed:" in out.stderr
     final = attempts[-1]
-    assert set(final["remedies"]) == set(choice["rungs"])
     assert "lora" in final["remedies"]
+    if not ooms:  # the choice itself is what ran, and what it dropped fits without it
+        assert all(d["predicted_bytes_without"] <= 48 * 2**20 for d in choice["dropped"])
+        assert set(final["remedies"]) == set(choice["rungs"])
 
 
 @pytest.mark.slow

@@ -16,6 +16,11 @@ for its weights, the activations of its profile run and its KV cache, beside the
   the engine itself took (weights, buffers) and the activation peak of one profile run. So
   ``vllm_gpu_memory_utilization``, ``vllm_max_model_length`` and the batch change the simulated footprint as they
   would on a card, and vLLM's own failures (no room for one sequence, the start-up check) appear as on a card.
+- **Under the simulated device, vLLM keeps its linear layers' weights as a GPU does** (:func:`keep_weights_like_a_gpu`):
+  on a CPU whose oneDNN builds its matmul (AVX-512 Xeons), vLLM's CPU build packs each weight into oneDNN's own
+  buffer and replaces the layer's parameter with an empty one, which the simulated device cannot count and TRL's
+  weight sync cannot load into (``'Parameter' object has no attribute 'weight_loader'``). Under the simulated device
+  the layers use torch's linear on their own weights, vLLM's own fallback where oneDNN cannot build.
 - **Under the simulated device, vLLM runs eager**, said in one line: inductor's compiled kernels allocate below the
   Python dispatcher, where the simulated device cannot count them, and on two CPU cores the compile costs 25-40 s per
   launch. A run on a GPU keeps vLLM's compilation.
@@ -34,7 +39,8 @@ from ..runtime import Runtime, rank
 # the modules whose import loads this adapter's patches (the bootstrap reads these tables), and those under the
 # simulated device only
 TRIGGERS = {"trl.generation.vllm_generation": "patch_trl"}
-SIMULATED_TRIGGERS = {"vllm.v1.worker.cpu_worker": "size_like_a_gpu"}
+SIMULATED_TRIGGERS = {"vllm.v1.worker.cpu_worker": "size_like_a_gpu",
+                      "vllm.model_executor.layers.utils": "keep_weights_like_a_gpu"}
 SIMULATED_ENVIRONMENT: dict[str, str] = {}
 
 EAGER_LINE = ("oomguard: vLLM runs eager under the simulated device: its compiled kernels allocate below what the "
@@ -140,6 +146,28 @@ def size_like_a_gpu(rt: Runtime, module: Any) -> None:
 
     set_attr(worker, "__init__", __init__)
     set_attr(worker, "determine_available_memory", determine_available_memory)
+
+
+def keep_weights_like_a_gpu(rt: Runtime, module: Any) -> None:
+    """Under the simulated device: vLLM's CPU GEMM dispatch (``vllm.model_executor.layers.utils``) leaves a linear
+    layer's 2-D weight where it is, with torch's linear, as vLLM does where oneDNN cannot build its matmul (see the
+    module's docstring); other weights (MoE experts, convolutions) go through vLLM's own dispatch."""
+    from .. import simulate
+
+    if simulate.device() is None or not hasattr(module, "dispatch_cpu_unquantized_gemm"):
+        return
+    import torch
+
+    from ..patching import set_attr
+
+    orig = module.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return orig(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    set_attr(module, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
 
 
 def in_use(dev: Any) -> int:
