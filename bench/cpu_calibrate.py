@@ -219,6 +219,25 @@ class PhaseTracker:
         self.records.append({})
 
 
+def train_measured(trainer: Any, dev: Any) -> tuple[dict[str, int], list[dict[str, int]], int, float]:
+    """Train on the simulated device ``dev`` with the trainer's weights adopted: the peak per phase over the steps,
+    each step's, the resident bytes before training, and the training's seconds."""
+    dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
+    resident = dev.model.allocated
+    dev.reset_peak()
+    tracker = PhaseTracker(lambda: dev.peak, dev.reset_peak)
+    instrument_phases(trainer, tracker.switch, tracker.next_step)
+    t0 = time.time()
+    trainer.train()
+    tracker.switch("end")
+    steps = [r for r in tracker.records if r]
+    phases: dict[str, int] = {}
+    for rec in steps:
+        for k, v in rec.items():
+            phases[k] = max(phases.get(k, 0), v)
+    return phases, steps, resident, round(time.time() - t0, 1)
+
+
 def unsloth_model(cfg: Config, model_dir: str) -> Any:
     """The model as an Unsloth notebook builds it: ``FastLanguageModel.from_pretrained``, then ``get_peft_model``
     on the seven projections with Unsloth's checkpointing (a full fine-tune: ``full_finetuning=True``)."""
@@ -243,20 +262,7 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     model = unsloth_model(cfg, model_dir) if cfg.stack == "unsloth" else None
     trainer = build_trainer(cfg, model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir, rows=64,
                             model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True, model=model)
-    dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
-    resident = dev.model.allocated
-    dev.reset_peak()
-
-    tracker = PhaseTracker(lambda: dev.peak, dev.reset_peak)
-    instrument_phases(trainer, tracker.switch, tracker.next_step)
-    t0 = time.time()
-    trainer.train()
-    tracker.switch("end")
-    steps = [r for r in tracker.records if r]
-    phases: dict[str, int] = {}
-    for rec in steps:
-        for k, v in rec.items():
-            phases[k] = max(phases.get(k, 0), v)
+    phases, steps, resident, seconds = train_measured(trainer, dev)
     import transformers
 
     from oomguard.child import trlcompat
@@ -268,8 +274,8 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
 
         head = importlib.import_module(f"oomguard.child.stacks.{cfg.stack}").facts().get("trl_head", head)
     return {"peak": max(phases.values()), "phases": phases, "steps": steps, "resident": resident,
-            "train_seconds": round(time.time() - t0, 1), "trainable": sum(p.numel() for p in trainer.model.parameters()
-                                                                           if p.requires_grad),
+            "train_seconds": seconds, "trainable": sum(p.numel() for p in trainer.model.parameters()
+                                                       if p.requires_grad),
             "trl": trl.version, "trl_head": head, "transformers": transformers.__version__,
             "bf16": bool(trainer.args.bf16), "optim": str(trainer.args.optim)}
 

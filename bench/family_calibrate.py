@@ -34,8 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _phases import build_trainer, instrument_phases, select_grid
-from cpu_calibrate import Config, PhaseTracker, make_tokenizer
+from _phases import build_trainer, select_grid
+from cpu_calibrate import Config, make_tokenizer, train_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -256,26 +256,14 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
             return out
 
         trainer._tokenize_prompts = measured
-    dev.adopt(list(trainer.model.parameters()) + list(trainer.model.buffers()))
-    resident = dev.model.allocated
-    dev.reset_peak()
-    tracker = PhaseTracker(lambda: dev.peak, dev.reset_peak)
-    instrument_phases(trainer, tracker.switch, tracker.next_step)
-    t0 = time.time()
-    trainer.train()
-    tracker.switch("end")
-    steps = [r for r in tracker.records if r]
-    phases: dict[str, int] = {}
-    for rec in steps:
-        for k, v in rec.items():
-            phases[k] = max(phases.get(k, 0), v)
+    phases, steps, resident, seconds = train_measured(trainer, dev)
     import transformers
 
     from oomguard.child import trlcompat
 
     trl = trlcompat.read()
     return {"peak": max(phases.values()), "phases": phases, "steps": steps, "resident": resident,
-            "train_seconds": round(time.time() - t0, 1),
+            "train_seconds": seconds,
             "params": sum(p.numel() for p in trainer.model.parameters()),
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "trl": trl.version, "trl_head": trl.head, "transformers": transformers.__version__,

@@ -15,7 +15,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from ..vocab.events import (
     ConfigGenerated,
     EventTail,
     MemHolders,
-    MemSampled,
     MemTrend,
     OverrideFailed,
     PatchFailed,
@@ -44,7 +42,7 @@ from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, Preflig
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
-from .classify import classify
+from .classify import classify, main_trace
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
@@ -61,14 +59,11 @@ TRACE_POINTS = 256  # a report keeps at most this many samples of an attempt's m
 def trace_of(events: list[ChildEvent]) -> list[dict[str, Any]]:
     """The memory trace of an attempt's main process (the one with the most samples), thinned for the report.
 
+    >>> from oomguard.vocab.events import MemSampled
     >>> trace_of([MemSampled(step=s, kept=10, peak=20, pid=1) for s in range(1, 4)])[-1]
     {'step': 3, 'kept': 10, 'peak': 20}
     """
-    samples = [e for e in events if isinstance(e, MemSampled) and e.step is not None]
-    if not samples:
-        return []
-    pid = Counter(e.pid for e in samples).most_common(1)[0][0]
-    mine = [e for e in samples if e.pid == pid]
+    mine = main_trace(events)
     if len(mine) > TRACE_POINTS:
         stride = len(mine) / TRACE_POINTS
         mine = [mine[int(i * stride)] for i in range(TRACE_POINTS - 1)] + [mine[-1]]

@@ -49,7 +49,6 @@ from ..vocab.oomreport import OOMReport
 from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
 from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
-from ..vocab.trace import MemSample
 from .proc import ProcessResult
 
 
@@ -285,6 +284,18 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     return attempt, None
 
 
+def main_trace(events: Sequence[ChildEvent], pid: int | None = None) -> list[MemSampled]:
+    """The ``mem`` events of process ``pid`` (None: the process with the most samples, an attempt's main one).
+
+    >>> [e.step for e in main_trace([MemSampled(step=1, pid=7), MemSampled(step=1, pid=8), MemSampled(step=2, pid=8)])]
+    [1, 2]
+    """
+    samples = [e for e in events if isinstance(e, MemSampled) and e.step is not None]
+    if pid is None and samples:
+        pid = Counter(e.pid for e in samples).most_common(1)[0][0]
+    return [e for e in samples if e.pid == pid]
+
+
 def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | None, step: int | None,
                prompt_tokens: int | None = None, completion_tokens: int | None = None) -> Any:
     """What the memory trace of process ``pid`` (None: the process with the most samples) says of its OOM at the
@@ -293,12 +304,7 @@ def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | 
     >>> late_trend([], None, None, 3) is None
     True
     """
-    samples = [e for e in events if isinstance(e, MemSampled) and e.step is not None]
-    if pid is None and samples:
-        pid = Counter(e.pid for e in samples).most_common(1)[0][0]
-    mine = [MemSample(step=int(e.step or 0), kept=e.kept, peak=e.peak, reserved=e.reserved, host_rss=e.host_rss,
-                      prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens, capacity=e.capacity)
-            for e in samples if e.pid == pid]
+    mine = [e.sample() for e in main_trace(events, pid)]
     if not mine:
         return None
     from ..oom.trend import at_oom
@@ -309,7 +315,7 @@ def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | 
                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, dataset_prompt_max=dataset)
 
 
-__all__ = ["Ranks", "classify", "crash_record", "late_trend"]
+__all__ = ["Ranks", "classify", "crash_record", "late_trend", "main_trace"]
 
 
 def saving(events: Iterable[ChildEvent]) -> bool:

@@ -346,6 +346,12 @@ class MemSampled(Event):
     pid: int | None = None
     rank: int | None = None
 
+    def sample(self) -> Any:
+        """The :class:`~oomguard.vocab.trace.MemSample` it carries (None without a step)."""
+        from .trace import MemSample
+
+        return MemSample.from_event({f.name: getattr(self, f.name) for f in fields(self)})
+
 
 @dataclass(frozen=True)
 class MemTrend(Event):
