@@ -67,6 +67,20 @@ def run_oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None, timeo
     return out, data
 
 
+def story(report: dict | None) -> str:
+    """Each attempt of a report in one line (outcome, kind, OOM kind, note, override error): an assertion's message,
+    so a failure on CI says why an attempt ended as it did."""
+    if report is None:
+        return "no report"
+    lines = []
+    for a in report.get("attempts", []):
+        oom = a.get("oom") or {}
+        lines.append(f"#{a.get('index')} {a.get('outcome')} ({a.get('kind')}) oom={oom.get('kind')} "
+                     f"note={a.get('note')!r} override_error={a.get('override_error')!r} "
+                     f"remedies={a.get('remedies')} climbed={a.get('climbed')!r}")
+    return "\n".join(lines)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -37,6 +37,8 @@ def test_a_zero_run_trains_on_every_rank(tmp_path, tiny_model, stage):
     assert rep["original"]["zero_stage"] == int(stage)
     ended = [e["rank"] for e in events(tmp_path, 1) if e["event"] == "train_end"]
     assert sorted(ended) == [0, 1]
+    # as on a GPU, DeepSpeed's CPU shared-memory all-reduce is neither built nor loaded (child/stacks/deepspeed.py)
+    assert "shm_comm" not in out.stdout + out.stderr
 
 
 def test_the_zero3_rung_generated_from_the_users_config_keeps_their_settings(tmp_path, wide_model):

@@ -257,3 +257,26 @@ def test_torchruns_rendezvous_is_read_from_its_arguments():
     assert rendezvous(["torchrun", "--rdzv-endpoint", "10.0.0.1", "t.py"]) == ("10.0.0.1", 29400)
     assert rendezvous(["torchrun", "--master_addr", "n0", "--master_port", "6000", "t.py"]) == ("n0", 6000)
     assert rendezvous(["accelerate", "launch", "t.py"]) is None
+
+
+def test_under_the_simulated_device_deepspeed_starts_without_building_its_cpu_shared_memory_all_reduce(monkeypatch):
+    """DeepSpeed's torch backend compiles its CPU shared-memory all-reduce when communication starts (40 s to minutes
+    the first time on a machine), which a GPU run never builds: under the simulated device ``build_shm_op`` answers
+    None, and torch's all-reduce serves; without the simulated device nothing is patched."""
+    from oomguard.child import patching, simulate
+    from oomguard.child.stacks.deepspeed import comm_like_a_gpu
+
+    def build() -> str:
+        return "compiled"
+
+    backend = SimpleNamespace(build_shm_op=build)
+    rt = Runtime(Plan(simulate_gpu=1 << 30))
+    comm_like_a_gpu(rt, backend)
+    assert backend.build_shm_op() == "compiled"  # a real device: DeepSpeed as it is
+    monkeypatch.setattr(simulate, "device", lambda: object())
+    try:
+        comm_like_a_gpu(rt, backend)
+        assert backend.build_shm_op() is None
+    finally:
+        patching.remove()
+    assert backend.build_shm_op() == "compiled"

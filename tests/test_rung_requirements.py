@@ -76,3 +76,33 @@ def test_a_rung_whose_overrides_break_the_launch_is_taken_back(tmp_path, tiny_mo
     assert {r["remedy"] for r in rep["diff"]} == {"load_4bit"}
     lock = json.loads((tmp_path / "lock.json").read_text())
     assert lock["overrides"].get("lora_target_modules") != ["no_such_module"]
+
+
+@pytest.mark.parametrize("error, reported", [
+    (ValueError("target modules ['no_such_module'] not found in the base model"), True),
+    (OSError(98, "Address already in use"), False),
+    (ConnectionRefusedError(111, "Connection refused"), False),
+])
+def test_an_error_no_knob_can_cause_is_not_blamed_on_the_overrides(tmp_path, error, reported):
+    """A rendezvous port taken by another job (two runs that start vLLM or torch.distributed at once) is the machine's:
+    the failure passes through as the script's, and no rung is taken back for it (on CI two vLLM tests met on
+    TRL's port 29500, and the rung that had just been climbed was taken back)."""
+    from oomguard.child.patching import overrides_reported
+    from oomguard.child.runtime import Runtime
+    from oomguard.vocab.protocol import Plan
+
+    events = tmp_path / "events.jsonl"
+    rt = Runtime(Plan(overrides={"vllm_gpu_memory_utilization": 0.3}, crash_dir=str(tmp_path), events=str(events)))
+    with pytest.raises(type(error)), overrides_reported(rt, "GRPOTrainer"):
+        raise error
+    said = [json.loads(line)["event"] for line in events.read_text().splitlines()] if events.exists() else []
+    assert ("override_error" in said) == reported, said
+
+
+def test_torch_s_rendezvous_error_is_a_network_error():
+    torch_distributed = pytest.importorskip("torch.distributed")
+    from oomguard.child.patching import network_error
+
+    err = torch_distributed.DistNetworkError("The server socket has failed to listen on any local network address. "
+                                             "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE")
+    assert network_error(err)

@@ -14,16 +14,21 @@ import os
 
 import pytest
 
-from helpers import PYTHON, SCRIPTS, run_oomguard
+from helpers import PYTHON, SCRIPTS, free_port, run_oomguard, story
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                  reason="vLLM is not installed here (tests/vllm.sh builds its environment)")]
 
 SCRIPT = str(SCRIPTS / "grpo_vllm.py")
-# The two cores are shared by vLLM, the trainer and the test workers: one thread each keeps them from fighting
-# (a test harness setting; nothing vLLM needs).
-ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def env() -> dict[str, str]:
+    """The test harness's settings, nothing vLLM needs: one thread each (the two cores are shared by vLLM, the
+    trainer and the test workers), and a port of this test's own for vLLM's rendezvous (TRL takes 29500 when it
+    looks free, and two tests starting vLLM at once both see it free: EADDRINUSE)."""
+    return {"OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+
 KEPT = ["4 generations per prompt", "32-token completions", "1 prompt per step", "a full fine-tune"]
 
 
@@ -36,10 +41,10 @@ def test_the_documented_script_at_0_9_gets_a_smaller_reservation_and_keeps_the_e
     smaller reservation but not with 0.9, oomguard stops it before it starts vLLM, gives vLLM less and trains:
     no real OOM, three launches, the experiment kept, the vLLM knobs in the diff."""
     out, report = run_oomguard(tmp_path, "--simulate-gpu", "150MiB", "--", PYTHON, SCRIPT, "--model", tiny_model,
-                               "--util", "0.9", env=ENV)
+                               "--util", "0.9", env=env())
     assert out.returncode == 0, out.stderr[-4000:]
     assert report["status"] == "stable"
-    assert outcomes(report).count("oom") <= 1 and len(report["attempts"]) <= 3, outcomes(report)
+    assert outcomes(report).count("oom") <= 1 and len(report["attempts"]) <= 3, story(report)
     assert outcomes(report)[0] == "predicted"  # the pre-flight saw the reservation and training together
     diff = {r["knob"]: r for r in report["diff"]}
     assert diff["vllm_gpu_memory_utilization"]["from"] == 0.9 and diff["vllm_gpu_memory_utilization"]["to"] < 0.9
@@ -55,7 +60,7 @@ def test_a_kv_cache_that_cannot_hold_one_sequence_of_the_model_s_window_changes_
     vLLM's length (the run's longest prompt plus its completions), not the training batch."""
     model = build_model("long")
     out, report = run_oomguard(tmp_path, "--simulate-gpu", "300MiB", "--", PYTHON, SCRIPT, "--model", model,
-                               "--util", "0.3", "--max-model-length", "0", env=ENV)
+                               "--util", "0.3", "--max-model-length", "0", env=env())
     assert out.returncode == 0, out.stderr[-4000:]
     assert report["status"] == "stable"
     first = report["attempts"][0]
@@ -73,7 +78,7 @@ def test_without_the_pre_flight_vllm_s_own_start_up_oom_is_vllm_s(tmp_path, tiny
     """--no-preflight: vLLM starts at 0.9 beside the trainer and runs out starting up. The OOM is diagnosed as
     vLLM's reservation and answered by vLLM's knobs: one real OOM, then it trains."""
     out, report = run_oomguard(tmp_path, "--simulate-gpu", "150MiB", "--no-preflight", "--", PYTHON, SCRIPT,
-                               "--model", tiny_model, "--util", "0.9", env=ENV)
+                               "--model", tiny_model, "--util", "0.9", env=env())
     assert out.returncode == 0, out.stderr[-4000:]
     assert report["status"] == "stable" and outcomes(report)[0] == "oom" and outcomes(report).count("oom") == 1
     oom = report["attempts"][0]["oom"]

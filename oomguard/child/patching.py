@@ -7,6 +7,7 @@ error in oomguard's own overrides is reported. Everything a construction point's
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -66,14 +67,35 @@ def missing_packages() -> list[str]:
             out.append(name)
     return out
 
+# Errors no knob can cause: a rendezvous's port taken by another job (torch.distributed's DistNetworkError, or the
+# socket's own error), a peer that cannot be reached. They pass through as the script's failure, never "taken back".
+_NETWORK_ERRORS = frozenset({"DistNetworkError", "DistStoreError", "ConnectionError", "TimeoutError", "gaierror"})
+_NETWORK_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ECONNREFUSED, errno.ECONNRESET,
+                             errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def network_error(e: BaseException) -> bool:
+    """Whether ``e`` is the network's, not the config's (a port in use, a peer unreachable).
+
+    >>> network_error(OSError(errno.EADDRINUSE, "Address already in use"))
+    True
+    >>> network_error(ValueError("num_generations must divide the batch"))
+    False
+    """
+    if any(c.__name__ in _NETWORK_ERRORS for c in type(e).__mro__):
+        return True
+    return isinstance(e, OSError) and e.errno in _NETWORK_ERRNOS
+
+
 @contextlib.contextmanager
 def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
     """An error raised while oomguard's overrides are applied is reported (event ``override_error``) before it
-    propagates: the supervisor then takes back the rung that set them instead of passing the failure through."""
+    propagates: the supervisor then takes back the rung that set them instead of passing the failure through. An
+    OOM is the climb's, and a network error (:func:`network_error`) is the machine's: neither is reported."""
     try:
         yield
     except Exception as e:
-        if rt.overrides.to_dict(only_set=True) and not rt.crashed:
+        if rt.overrides.to_dict(only_set=True) and not rt.crashed and not network_error(e):
             from ..oom.parse import is_oom
 
             if not is_oom(e):

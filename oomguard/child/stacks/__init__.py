@@ -9,7 +9,8 @@ is its table in ``vocab/stacks/`` (the supervisor prints the diff and the lock f
 through it).
 
 ``vllm``: vLLM beside the trainer (TRL's colocate mode). ``swift``: ms-swift's ``swift rlhf``. ``unsloth``: an
-Unsloth notebook's loader and LoRA.
+Unsloth notebook's loader and LoRA. ``deepspeed``: DeepSpeed's communication under the simulated device (its config is
+``child/dsconfig.py``'s).
 """
 
-ADAPTERS = ("vllm", "swift", "unsloth")
+ADAPTERS = ("vllm", "swift", "unsloth", "deepspeed")
