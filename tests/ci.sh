@@ -32,7 +32,16 @@ setsid bash -c '
   done
 ' builder "${STACKS[@]}" &
 builder=$!
-trap 'kill -- -"$builder" 2>/dev/null || true' EXIT
+# Stop it whole at the end: its process group, or, where setsid has not yet made the group (a suite that failed at
+# once), the process itself; then once more, in case the group was made in between.
+stop_builder() {
+  local _
+  for _ in 1 2 3; do
+    kill -- -"$builder" 2>/dev/null || kill "$builder" 2>/dev/null || return 0
+    sleep 0.2
+  done
+}
+trap stop_builder EXIT
 
 python -m pytest -q -m "slow or not slow"
 stamp "the main suite passed"

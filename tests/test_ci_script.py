@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +86,23 @@ def test_a_failed_main_suite_fails_ci_and_stops_the_background_build(tmp_path):
     left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True).stdout.split()
     mine = [p for p in left if str(tmp) in Path(f"/proc/{p}/cwd").resolve().as_posix()] if left else []
     assert not mine
+
+
+def test_a_main_suite_that_fails_before_the_build_has_its_own_session_still_stops_it(tmp_path):
+    """The race CI met under load: the suite failed at once, before ``setsid`` had made the build's process group,
+    so stopping the group found nothing and the build ran on (here setsid starts 0.5 s late, every time)."""
+    tmp = sandbox(tmp_path, fail_suite=True, slow_setup=30)
+    late = tmp / "bin" / "setsid"
+    late.write_text(f"#!{sys.executable}\nimport os, sys, time\ntime.sleep(0.5)\n"
+                    f"os.execv({shutil.which('setsid')!r}, ['setsid', *sys.argv[1:]])\n")
+    late.chmod(0o755)
+    t = time.monotonic()
+    out, calls = run_ci(tmp)
+    assert out.returncode == 1 and "python -m pytest -q -m slow or not slow CI=1" in calls
+    assert time.monotonic() - t < 20  # the 30 s build was stopped, not waited for
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True).stdout.split()
+    assert not [p for p in left if str(tmp) in Path(f"/proc/{p}/cwd").resolve().as_posix()]
 
 
 @pytest.mark.parametrize("script", ["ci", "compat", "vllm", "swift", "unsloth"])
