@@ -10,6 +10,7 @@ import contextlib
 import errno
 import importlib.util
 import os
+import socket
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
@@ -69,22 +70,28 @@ def missing_packages() -> list[str]:
 
 # Errors no knob can cause: a rendezvous's port taken by another job (torch.distributed's DistNetworkError, or the
 # socket's own error), a peer that cannot be reached. They pass through as the script's failure, never "taken back".
-_NETWORK_ERRORS = frozenset({"DistNetworkError", "DistStoreError", "ConnectionError", "TimeoutError", "gaierror"})
-_NETWORK_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ECONNREFUSED, errno.ECONNRESET,
-                             errno.EHOSTUNREACH, errno.ENETUNREACH})
+_DIST_NETWORK_ERRORS = frozenset({"DistNetworkError", "DistStoreError"})  # torch's, matched by name
+_NETWORK_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EHOSTUNREACH, errno.ENETUNREACH})
+
+
+def _is_network(e: BaseException) -> bool:
+    return (isinstance(e, (ConnectionError, TimeoutError, socket.gaierror))
+            or (isinstance(e, OSError) and e.errno in _NETWORK_ERRNOS)
+            or any(c.__name__ in _DIST_NETWORK_ERRORS for c in type(e).__mro__))
 
 
 def network_error(e: BaseException) -> bool:
-    """Whether ``e`` is the network's, not the config's (a port in use, a peer unreachable).
+    """Whether ``e``, or an error in its chain, is the network's, not the config's (a port in use, a peer
+    unreachable).
 
     >>> network_error(OSError(errno.EADDRINUSE, "Address already in use"))
     True
     >>> network_error(ValueError("num_generations must divide the batch"))
     False
     """
-    if any(c.__name__ in _NETWORK_ERRORS for c in type(e).__mro__):
-        return True
-    return isinstance(e, OSError) and e.errno in _NETWORK_ERRNOS
+    from ..oom.parse import first_in_chain
+
+    return first_in_chain(e, _is_network) is not None
 
 
 @contextlib.contextmanager

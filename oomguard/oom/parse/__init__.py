@@ -33,13 +33,14 @@ reads exceptions. PyTorch memory snapshots are read by :mod:`oomguard.oom.snapsh
 from __future__ import annotations
 
 from .lines import rank_of, strip_prefix
-from .live import is_oom, oom_in_chain, report_from_exception
+from .live import first_in_chain, is_oom, oom_in_chain, report_from_exception
 from .patterns import SIZE
 from .scan import Hit, parse_oom, scan_lines, scan_stream, scan_text
 
 __all__ = [
     "SIZE",
     "Hit",
+    "first_in_chain",
     "is_oom",
     "oom_in_chain",
     "parse_oom",

@@ -4,6 +4,8 @@ matched by name and messages by the same catalogue as logs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...vocab.oomreport import OOMReport
 from .heads import _VETO, _might_be_oom
 from .scan import parse_oom
@@ -35,10 +37,21 @@ def is_oom(exc: BaseException | None) -> bool:
 
 
 def oom_in_chain(exc: BaseException | None) -> BaseException | None:
-    """The first exception in the chain that is an OOM (``exc`` itself first), or ``None``.
+    """The first exception in the chain that is an OOM (``exc`` itself first), or ``None`` (:func:`first_in_chain`)."""
+    return first_in_chain(exc, _exception_is_oom)
+
+
+def first_in_chain(exc: BaseException | None, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception in ``exc``'s chain for which ``test`` holds (``exc`` itself first), or ``None``.
 
     Both links are followed (``__cause__`` before ``__context__``: ``raise X from Y`` inside an ``except`` block
     leaves the original error only in the context), as are the members of an ``ExceptionGroup``. Cycles end the walk.
+
+    >>> try:
+    ...     raise RuntimeError("engine start-up failed") from KeyError("x")
+    ... except RuntimeError as e:
+    ...     first_in_chain(e, lambda x: isinstance(x, KeyError))
+    KeyError('x')
     """
     seen: set[int] = set()
     stack = [exc] if exc is not None else []
@@ -47,7 +60,7 @@ def oom_in_chain(exc: BaseException | None) -> BaseException | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if _exception_is_oom(e):
+        if test(e):
             return e
         linked = [x for x in (e.__cause__, e.__context__) if x is not None]
         members = getattr(e, "exceptions", None)
