@@ -348,6 +348,15 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
     src.close()
 
 
+class StartError(Exception):
+    """The command could not be started: Popen's own error (``error``: FileNotFoundError, PermissionError, another
+    OSError such as ENOEXEC), the user's to fix, unlike any error raised once the attempt runs."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 TICK = 0.2  # seconds between looks at an attempt while it runs (signals, the supervisor's watch, host memory)
 
 
@@ -356,7 +365,9 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
                 on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
                 on_tick: Callable[[], int | None] | None = None,
                 named: Callable[[], Iterable[int]] | None = None, aside: Aside | None = None) -> ProcessResult:
-    """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does.
+    """Run ``argv`` in a new process group and wait for it. A command that cannot start raises :class:`StartError`
+    (Popen's own error); any other error while the attempt runs (an ``on_tick`` that fails: a bug of oomguard's)
+    ends every process the attempt started before it propagates, as the attempt's normal end does.
 
     ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
     the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang), and to the
@@ -368,8 +379,12 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     start = time.monotonic()
     watch = HostOOMWatch()
     watch.start()
-    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, cwd=cwd)
+    try:
+        proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, cwd=cwd)
+    except OSError as e:
+        watch.close(read=False)
+        raise StartError(e) from e
     tracker = Tracker(proc.pid)
     interrupts.pgid, interrupts.tracker = proc.pid, tracker
     out_tail, err_tail = Tail(), Tail()
@@ -389,30 +404,36 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     # up to 50 ms, a delay every attempt would pay.
     ended = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
-    while not ended.wait(TICK):
-        tracker.look()
-        for pid in named() if named is not None else ():
-            tracker.add(pid)
-        if interrupts.signum is not None:
-            killed_at = killed_at or time.monotonic()
-            if time.monotonic() - killed_at > grace:
-                _killpg(proc.pid, signal.SIGKILL)
-                tracker.signal(signal.SIGKILL)
+    try:
+        while not ended.wait(TICK):
+            tracker.look()
+            for pid in named() if named is not None else ():
+                tracker.add(pid)
+            if interrupts.signum is not None:
+                killed_at = killed_at or time.monotonic()
+                if time.monotonic() - killed_at > grace:
+                    _killpg(proc.pid, signal.SIGKILL)
+                    tracker.signal(signal.SIGKILL)
+            if on_tick is not None:
+                sig = on_tick()
+                if sig is not None:
+                    _killpg(proc.pid, sig)
+                    tracker.signal(sig)
+            watch.sample({proc.pid, *tracker.pids()})
+        rc = proc.returncode
         if on_tick is not None:
-            sig = on_tick()
-            if sig is not None:
-                _killpg(proc.pid, sig)
-                tracker.signal(sig)
-        watch.sample({proc.pid, *tracker.pids()})
-    rc = proc.returncode
-    if on_tick is not None:
-        on_tick()  # the last events
-    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank, ranks a dead
-    # launcher left in sessions of their own): kill them and wait until they are gone, since a killed process still
-    # holds its memory until it has finished dying.
-    _killpg(proc.pid, signal.SIGKILL)
-    survivors = sorted(set(tracker.sweep()) | set(wait_group_gone(proc.pid)))
-    interrupts.pgid, interrupts.tracker = None, None
+            on_tick()  # the last events
+    except BaseException:
+        watch.close(read=False)
+        raise
+    finally:
+        # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank, ranks a dead
+        # launcher left in sessions of their own), however the attempt ends, the supervisor's own error included:
+        # kill them and wait until they are gone, since a killed process still holds its memory until it has
+        # finished dying.
+        _killpg(proc.pid, signal.SIGKILL)
+        survivors = sorted(set(tracker.sweep()) | set(wait_group_gone(proc.pid)))
+        interrupts.pgid, interrupts.tracker = None, None
     for t in threads:
         t.join(timeout=5)
     if aside is not None:
