@@ -42,13 +42,14 @@ from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, Preflig
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
+from .aside import Aside
 from .classify import classify, main_trace
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
 from .learning import take_events
 from .options import BOOT_DIR, Reporter, RunOptions
-from .proc import Aside, Interrupts, ProcessResult, StartError, process_alive, run_attempt
+from .proc import Interrupts, ProcessResult, StartError, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
@@ -152,8 +153,7 @@ class Launcher:
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
         res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
         if aside.lines:
-            self.ui.message(f"  what the launcher printed after the stop ({aside.lines} lines) is in "
-                            f"{aside.path}")
+            self.ui.message(f"  what the launcher printed after {aside.why} ({aside.lines} lines) is in {aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
         self.poll(watch, live=False)  # the last lines the process wrote

@@ -24,6 +24,7 @@ from typing import IO, Any
 import psutil
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from .aside import Aside
 from .hostmem import HostOOMWatch
 
 TAIL_BYTES = 256 * 1024
@@ -274,51 +275,6 @@ class Tracker:
             return []
 
 
-class Aside:
-    """Where the output of an attempt goes once the training process has stopped itself on purpose (a pre-flight
-    stop): what a launcher then prints (torch elastic's ``ChildFailedError`` traceback, accelerate's
-    ``CalledProcessError``) would read as a crash, so it goes to a file of the attempt instead of the terminal. Lines
-    of oomguard's own (``oomguard...``) still reach the terminal. ``stopped()`` says whether the stop happened (the
-    training process marks it before it exits, so anything a launcher prints about it comes after)."""
-
-    def __init__(self, stopped: Callable[[], bool], path: Any) -> None:
-        self.stopped = stopped
-        self.path = path
-        self.lines = 0
-        self._carry: dict[int, bytes] = {}
-        self._lock = threading.Lock()
-
-    def split(self, stream: int, b: bytes) -> bytes:
-        """The part of ``b`` still for the terminal (whole lines of oomguard's own); the rest is written aside."""
-        if not self.stopped():
-            return b
-        data = self._carry.pop(stream, b"") + b
-        *lines, rest = data.split(b"\n")
-        if rest:
-            self._carry[stream] = rest
-        show = [ln + b"\n" for ln in lines if ln.lstrip().startswith(b"oomguard")]
-        hide = [ln + b"\n" for ln in lines if not ln.lstrip().startswith(b"oomguard")]
-        if hide:
-            self._write(b"".join(hide), len(hide))
-        return b"".join(show)
-
-    def flush(self) -> None:
-        """At the end: a last line without its newline goes aside too."""
-        rest = b"".join(self._carry.values())
-        self._carry.clear()
-        if rest:
-            self._write(rest, 1)
-
-    def _write(self, data: bytes, lines: int) -> None:
-        with self._lock:
-            self.lines += lines
-            try:
-                with open(self.path, "ab") as f:
-                    f.write(data)
-            except OSError:
-                pass
-
-
 def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None,
           aside: Aside | None = None) -> None:
     fd = src.fileno()
@@ -372,8 +328,8 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
     the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang), and to the
     attempt's processes in sessions of their own. ``named``: the PIDs of training processes the attempt's events
-    name on this machine, tracked with the rest (``Tracker.add``). ``aside``: where the output goes once the training
-    process stopped itself on purpose (:class:`Aside`). When it ends, every process the attempt started is killed and
+    name on this machine, tracked with the rest (``Tracker.add``). ``aside``: where the output goes once a training
+    process ended the attempt on purpose or by an OOM (:class:`~oomguard.run.aside.Aside`). When it ends, every process the attempt started is killed and
     waited for (``Tracker.sweep``).
     """
     start = time.monotonic()

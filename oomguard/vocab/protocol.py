@@ -31,6 +31,11 @@ EXIT_PREDICTED = 87
 # purpose (a pre-flight stop, a TRL oomguard refuses): what a launcher prints after that reads as a crash, so the
 # supervisor keeps it out of the terminal (``run.proc.Aside``).
 STOPPED_MARK = "stopped-on-purpose"
+# How the line a training process prints as it dies of an uncaught OOM begins, after the traceback and naming its
+# CrashRecord: what a launcher prints after that line (a ``ChildFailedError`` traceback, the other ranks' errors) is
+# kept out of the terminal as after a stop (``run.proc.Aside``). In the output itself, so it is read in order with
+# the traceback before it, which a file written alongside could not promise.
+OOM_LINE = "oomguard: out of memory"
 # How a process's `end` event says it ended (see Runtime.end).
 END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
 
