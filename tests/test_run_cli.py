@@ -117,6 +117,20 @@ def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_reco
     assert len(record["frames"]) >= 41
 
 
+def test_an_oom_the_scripts_own_traceback_handler_printed_still_names_its_crash_record(tmp_path):
+    """A handler of the script's own (rich's, in effect) replaced oomguard's excepthook: it prints the OOM its way, and
+    the line naming the crash record still follows it (written as the interpreter shuts down)."""
+    script = tmp_path / "own.py"
+    script.write_text("import sys\nsys.excepthook = lambda t, v, tb: print('my handler:', v, file=sys.stderr)\n"
+                      "raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                      "of 8.00 GiB of which 1.00 GiB is free.')\n")
+    out, rep = run_oomguard(tmp_path, "--max-attempts", "1", "--no-probe", str(script))
+    assert rep["attempts"][0]["outcome"] == "oom", out.stderr[-2000:]
+    crash = next((tmp_path / "wd").rglob("crash-*.json"))
+    said = out.stderr.split("my handler: CUDA out of memory", 1)[1].splitlines()[1]
+    assert said == f"oomguard: out of memory; {crash} keeps the full traceback"
+
+
 @pytest.mark.parametrize("script, code, reason", [
     ("", 2, "it failed before it built a GRPOConfig (its own output above says why)"),  # no such file
     ("import transformers\nraise ValueError('my own bug')\n", 1, "raised ValueError: my own bug"),

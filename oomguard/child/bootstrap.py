@@ -15,7 +15,7 @@ from typing import Any
 
 from ..vocab.events import PatchFailed, ProcessStarted
 from ..vocab.launchers import by_module, by_script
-from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, OOM_LINE, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
+from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, oom_line, whereabouts
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
 
@@ -237,7 +237,7 @@ KEEP_FRAMES = 6  # frames of an OOM's traceback shown on the terminal; the Crash
 
 def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -> str:
     """The traceback of an OOM as the terminal shows it: the last ``keep`` frames of each exception in the chain and
-    the messages, then oomguard's line (``OOM_LINE``) saying how many frames were hidden and which crash record keeps
+    the messages, then oomguard's line (``oom_line``) saying how many frames were hidden and which crash record keeps
     them all. The line comes last: behind a launcher, what is printed after it is the launcher's (``run.proc.Aside``).
 
     A TRL OOM is about 40 frames deep and every attempt prints one, so the full form would bury the run's output.
@@ -266,17 +266,7 @@ def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -
         if len(t.stack) > keep:
             t.stack = traceback.StackSummary.from_list(list(t.stack)[-keep:])
         todo += [x for x in (t.__cause__, t.__context__) if x is not None]
-    return "".join(te.format(chain=True)) + oom_said(record, f"the last {min(keep, total)} of {total} frames are above")
-
-
-def oom_said(record: Any, shown: str = "") -> str:
-    """oomguard's line after the traceback of an uncaught OOM (``OOM_LINE``): it names the crash record.
-
-    >>> oom_said("crash-rank1.json"), oom_said(None)
-    ('oomguard: out of memory; crash-rank1.json keeps the full traceback\\n', 'oomguard: out of memory; no crash record could be written\\n')
-    """
-    kept = f"{record} keeps the full traceback" if record is not None else "no crash record could be written"
-    return f"{OOM_LINE}; {shown + '; ' if shown else ''}{kept}\n"
+    return "".join(te.format(chain=True)) + oom_line(record, f"the last {min(keep, total)} of {total} frames are above")
 
 
 def _console() -> Any:
@@ -318,7 +308,7 @@ def install_excepthooks(rt: Runtime) -> None:
                 sys.stderr.write(format_trimmed(value, path))
             else:
                 prev(tp, value, tb)
-                sys.stderr.write(oom_said(path))
+                sys.stderr.write(oom_line(path))
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
