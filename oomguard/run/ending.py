@@ -74,7 +74,7 @@ class Writer:
         lock_path = self._write_outputs(report, status)
         if self.group is not None:
             lock = (self.lock(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
-                              report.diff).to_dict() if lock_path is not None else None)
+                              report.diff, report.attempts[-1].files()).to_dict() if lock_path is not None else None)
             self.group.finish({"status": status, "exit_code": code, "report": report.to_dict(), "lock": lock})
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
@@ -111,11 +111,12 @@ class Writer:
         return self.lock(knobs, original.to_dict(), knobs.to_dict(), diff)
 
     def lock(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
-             diff: list[dict[str, Any]]) -> Lock:
-        """The lock that replays ``knobs``: what oomguard changed on top of the script's own values."""
+             diff: list[dict[str, Any]], files: dict[str, str] | None = None) -> Lock:
+        """The lock that replays ``knobs``: what oomguard changed on top of the script's own values (``files``: the
+        configs the attempt that ran them generated, named in the stack's flags)."""
         c = self.conductor.climb
         overrides = c.overrides(knobs)
-        said = flags(c.facts.stack, overrides)
+        said = flags(c.facts.stack, overrides, files=files)
         return Lock(overrides=overrides, command=list(self.argv), ladder=self.o.ladder.name, original=original,
                     stable=stable, world_size=c.facts.world_size or 1, diff=diff,
                     stack=c.facts.stack if said else None, flags=said)
@@ -130,7 +131,8 @@ class Writer:
         if status == "stable":
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
-            lock_aside = publish(self.lock(final, report.original, report.stable, report.diff).to_dict(),
+            lock_aside = publish(self.lock(final, report.original, report.stable, report.diff,
+                                           report.attempts[-1].files()).to_dict(),
                                  self.run_dir / "lock.json", lock_path, kept)
             aside = aside or lock_aside
         if aside is not None:
