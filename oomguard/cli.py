@@ -25,7 +25,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
     ("126", "the command is not executable"),
     ("127", "the command is not found"),
-    ("70", "an internal error (a rung produced knobs GRPO rejects): please report it"),
+    ("70", "an internal error of oomguard (a bug: its traceback is kept in the run's directory, the report and a "
+           "stable attempt's lock are still written): please report it"),
 )
 
 
@@ -187,7 +188,16 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
-    from .run.command import EXIT_BUG, UsageError, load_lock, output_file, resolve_command, trl_support, work_dir
+    from .run.command import (
+        EXIT_BUG,
+        InternalError,
+        UsageError,
+        load_lock,
+        output_file,
+        resolve_command,
+        trl_support,
+        work_dir,
+    )
     from .run.group import GroupError, membership_of
     from .run.options import rank_grace
     from .run.supervisor import RunOptions, Supervisor
@@ -258,7 +268,7 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                                                                   options=device_options)
     try:
         code = Supervisor(argv, options, reporter).run()
-    except UsageError as e:
+    except (UsageError, InternalError) as e:
         _exit(str(e), e.code)
     except LadderBug as e:
         _exit(f"internal error, please report it: {e}", EXIT_BUG)

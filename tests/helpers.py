@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,26 @@ def run_oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None, timeo
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=full_env, timeout=timeout, **kw)
     data = json.loads(report.read_text()) if report.exists() else None
     return out, data
+
+
+def reads_as_under_python(stderr: str, workdir: Path, launcher: str | None, attempt: int = 1) -> None:
+    """A real OOM reads the same whatever launched it: the training process's trimmed traceback and oomguard's line
+    naming its crash record on the terminal, and what a launcher printed after it (``launcher``: its error's name, a
+    ChildFailedError or CalledProcessError traceback, with torchrun's error summary and the other ranks' errors at
+    the collective) in a file of the attempt, named on the terminal, never on it."""
+    adir = f"runs/*/attempt-{attempt}"
+    records = {str(p) for p in workdir.glob(f"{adir}/crash-*.json")}
+    said = re.findall(r"^oomguard: out of memory; the last \d+ of \d+ frames are above; (\S+) keeps the full "
+                      r"traceback$", stderr, re.M)
+    assert said and set(said) <= records, stderr[-3000:]
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr[-3000:]  # the training process's, trimmed
+    assert "ChildFailedError" not in stderr and "CalledProcessError" not in stderr and "[rank0]" not in stderr
+    aside = list(workdir.glob(f"{adir}/after-stop.log"))
+    if launcher:
+        assert aside and launcher in aside[0].read_text(), stderr[-3000:]
+        assert "what the launcher printed after the out-of-memory error" in stderr and str(aside[0]) in stderr
+    else:
+        assert not aside
 
 
 def story(report: dict | None) -> str:

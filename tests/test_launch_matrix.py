@@ -30,7 +30,16 @@ import pytest
 
 from oomguard.vocab.sizes import parse_size
 
-from helpers import ACCELERATE_LAUNCH, PYTHON, SCRIPTS, TINY, env_without_launchers, free_port, torchrun
+from helpers import (
+    ACCELERATE_LAUNCH,
+    PYTHON,
+    SCRIPTS,
+    TINY,
+    env_without_launchers,
+    free_port,
+    reads_as_under_python,
+    torchrun,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +95,7 @@ class Form:
     name: str
     argv: Callable[[Path, str], list[str]]  # (tmp, model) -> the command after `oomguard run --`
     ranks: int = 1
+    launcher: str | None = None  # the error a launcher between prints when its training process fails
 
 
 def _python_m(tmp: Path, model: str) -> list[str]:
@@ -99,17 +109,19 @@ def _python_m(tmp: Path, model: str) -> list[str]:
 FORMS = {f.name: f for f in [
     Form("python", lambda tmp, m: [PYTHON, TINY, *tiny_args(m, tmp / "out")]),
     Form("python-m", _python_m),
-    Form("trl-grpo", lambda tmp, m: [TRL_SCRIPT, *trl_args(m, tmp / "out", gsm_like_data(tmp))]),
+    Form("trl-grpo", lambda tmp, m: [TRL_SCRIPT, *trl_args(m, tmp / "out", gsm_like_data(tmp))],
+         launcher="CalledProcessError"),
     Form("accelerate-1", lambda tmp, m: [*ACCELERATE_LAUNCH, "--num_processes", "1", TINY,
-                                         *tiny_args(m, tmp / "out")]),
+                                         *tiny_args(m, tmp / "out")], launcher="CalledProcessError"),
     Form("accelerate-1-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 1), TINY,
-                                                *tiny_args(m, tmp / "out")]),
+                                                *tiny_args(m, tmp / "out")], launcher="CalledProcessError"),
     Form("accelerate-2", lambda tmp, m: [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2",
                                          "--main_process_port", str(free_port()), TINY, *tiny_args(m, tmp / "out")],
-         ranks=2),
+         ranks=2, launcher="ChildFailedError"),
     Form("accelerate-2-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 2), TINY,
-                                                *tiny_args(m, tmp / "out")], ranks=2),
-    Form("torchrun-2", lambda tmp, m: torchrun(2, TINY, *tiny_args(m, tmp / "out")), ranks=2),
+                                                *tiny_args(m, tmp / "out")], ranks=2, launcher="ChildFailedError"),
+    Form("torchrun-2", lambda tmp, m: torchrun(2, TINY, *tiny_args(m, tmp / "out")), ranks=2,
+         launcher="ChildFailedError"),
     # a shell script that calls one of these (and stays their parent), and one that exits 1 whatever its child did
     Form("shell", lambda tmp, m: [shell_script(tmp, "train.sh", f'set -e\necho "training"\n{PYTHON} {TINY} "$@"\n'
                                                'echo "done"'), *tiny_args(m, tmp / "out")]),
@@ -185,11 +197,18 @@ def _stable_after_predicted(c: Cell) -> None:
 def _oom_at_load(c: Cell) -> None:
     assert c.first["outcome"] == "oom" and c.first["oom"]["phase"] == "load", c.why()
     assert c.rep["status"] == "exhausted"
+    _reads_as_under_python(c)
+
+
+def _reads_as_under_python(c: Cell) -> None:
+    assert c.first["exit_code"] == 86, c.why()  # the training process's own code, not a launcher's 1
+    reads_as_under_python(c.out.stderr, c.tmp / "wd", c.form.launcher)
 
 
 def _oom_scoring(c: Cell) -> None:
     assert c.first["outcome"] == "oom" and c.first["oom"]["is_oom"], c.why()
     assert c.first["climbed"] and c.first["oom"]["kind"] != "host-ram"
+    _reads_as_under_python(c)
 
 
 def _host_ram(c: Cell) -> None:
@@ -208,6 +227,7 @@ def _one_rank_oom(c: Cell) -> None:
     """Rank 1 runs out of memory; rank 0 would wait for it at the next collective. The job ends once, as an OOM."""
     assert c.first["outcome"] == "oom" and c.first["oom"]["rank"] == 1, c.why()
     assert c.first["seconds"] < 90 and c.first["climbed"]
+    _reads_as_under_python(c)
 
 
 def _one_rank_killed(c: Cell) -> None:

@@ -112,7 +112,7 @@ def test_a_stacks_flags_are_read_before_oomguard_sets_its_own():
 
     args = SimpleNamespace(tuner_type="full", lora_rank=8, lora_alpha=32, quant_method=None, quant_bits=None,
                            torch_dtype=None, target_modules=["all-linear"], deepspeed=None)
-    rt = Runtime(Plan(overrides={"lora_r": 16, "zero_stage": 3, "offload_optimizer": True}))
+    rt = Runtime(Plan(overrides={"lora_r": 16, "zero_stage": 3, "offload_optimizer": True, "offload_params": True}))
     user = observed_model_args(args)
     apply_model_args(rt, args)
     assert user["lora_r"] == 0 and (args.tuner_type, args.lora_rank, args.deepspeed) == ("lora", 16, "zero3_offload")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..vocab.events import Adapted, CodeSeen, DatasetSeen, Event, ModelSeen, OOMRaised, ProbeDecided, ProcessEnded
 from ..vocab.knobs import TRL_DEFAULTS, Knobs
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan, oom_line
 from ..vocab.sizes import format_size
 
 
@@ -171,6 +171,8 @@ class Runtime:
                 if is_oom(exc):
                     path = self.record_crash(exc)
                     self.end(END_OOM, path=str(path) if path else None)
+                    sys.stderr.write(oom_line(path))  # after the traceback the script's own handler printed
+                    sys.stderr.flush()
                     return
             except Exception:  # never fail the user's interpreter shutdown
                 pass

@@ -385,8 +385,9 @@ class Climb:
         rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
         changes = {r["knob"]: r["to"] for r in rows}
         # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one; a spelling of
-        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force
-        said = said_by_knob(self.facts.stack, changes, among=final)
+        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force; a config the
+        # last attempt generated where the front-end has no word (``--deepspeed PATH``) by its path
+        said = said_by_knob(self.facts.stack, changes, among=final, files=last.files() if last is not None else None)
         for r in rows:
             if r["knob"] in said:
                 r["flag"] = said[r["knob"]]

@@ -42,13 +42,14 @@ from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, Preflig
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
+from .aside import Aside
 from .classify import classify, main_trace
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
 from .learning import take_events
 from .options import BOOT_DIR, Reporter, RunOptions
-from .proc import Aside, Interrupts, ProcessResult, process_alive, run_attempt
+from .proc import Interrupts, ProcessResult, StartError, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
@@ -152,8 +153,7 @@ class Launcher:
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
         res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
         if aside.lines:
-            self.ui.message(f"  what the launcher printed after the stop ({aside.lines} lines) is in "
-                            f"{aside.path}")
+            self.ui.message(f"  what the launcher printed after {aside.why} ({aside.lines} lines) is in {aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
         self.poll(watch, live=False)  # the last lines the process wrote
@@ -197,18 +197,21 @@ class Launcher:
     def start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
                aside: Aside | None = None) -> ProcessResult:
         """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
-        126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
-        writes a whole copy of it there."""
+        126); an error once it runs is oomguard's own (``run_attempt`` has ended the attempt's processes), raised on.
+        A probe's scratch output directory goes whatever the ending: a script that saves its model at the end writes
+        a whole copy of it there."""
         try:
             with self.ui.live():
                 return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
                                    on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch),
                                    aside=aside)
-        except FileNotFoundError:
-            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
-        except PermissionError:
-            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
-        except OSError as e:  # ENOEXEC: a script without a #! line, a binary for another machine
+        except StartError as start:
+            e = start.error
+            if isinstance(e, FileNotFoundError):
+                raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
+            if isinstance(e, PermissionError):
+                raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+            # ENOEXEC: a script without a #! line, a binary for another machine
             why = ("the kernel cannot run it (no #! line naming an interpreter, or a binary for another machine); "
                    f"add a #! line, or run it through its interpreter (`oomguard run -- bash {self.argv[0]}`)"
                    if e.errno == errno.ENOEXEC else e.strerror or str(e))

@@ -7,12 +7,14 @@ writes an ``end`` event when it ends (``exit`` with its code, ``error``, ``oom``
 or writes none when a signal kills it. :class:`Ranks` gathers those records; :func:`classify` decides, in order:
 
 1. an interrupt (a signal to oomguard);
-2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly;
+2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly or of
+   another error; recorded with the training process's own exit code (EXIT_OOM), whatever a launcher exited with;
 3. a pre-flight stop (a ``predicted`` event);
 4. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
    killer (``hostmem``); a SIGKILL without such evidence (``kill -9``, a preemption) is never retried as an OOM;
-5. an OOM seen only in the output (a process that died before it could write a record), when the job did not end
-   cleanly;
+5. an OOM seen only in the output, when the job did not end cleanly and no training process recorded how it ended
+   (processes the bootstrap did not reach, or killed before they could write a record): where one did, its record
+   decides, and an OOM a script caught and printed earlier cannot turn another failure into an OOM;
 6. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
    code a launcher returned;
 7. else a failure, passed through with the command's own exit code and the first training process's reason.
@@ -46,7 +48,7 @@ from ..vocab.events import (
 )
 from ..vocab.knobs import Knobs
 from ..vocab.oomreport import OOMReport
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_OOM, EXIT_PREDICTED
 from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
 from .proc import ProcessResult
@@ -66,7 +68,9 @@ class Ranks:
 
     training: dict[int, int | None] = field(default_factory=dict)  # pid -> rank, in the order first seen
     ended: dict[int, ProcessEnded] = field(default_factory=dict)  # pid -> its own record of its end
-    recovered: set[str] = field(default_factory=set)  # crash records of OOMs their process caught and outlived
+    # crash records of OOMs their process caught and outlived: it ended cleanly, or of another error (uncaught, not
+    # an OOM), which is then what ended it
+    recovered: set[str] = field(default_factory=set)
     stop: PreflightStop | None = None
     finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
     where: dict[int, str] = field(default_factory=dict)  # pid -> host and PID namespace it ran in
@@ -95,7 +99,7 @@ class Ranks:
             self.ended.setdefault(ev.pid, ev)
             if ev.reached and ev.pid not in self.helpers:
                 self.training.setdefault(ev.pid, ev.rank)
-            if ev.how == END_EXIT and ev.code == 0:
+            if (ev.how == END_EXIT and ev.code == 0) or ev.how == END_ERROR:
                 self.recovered.update(self._ooms.get(ev.pid, []))
         elif isinstance(ev, OOMRaised) and ev.pid is not None and ev.path:
             self._ooms.setdefault(ev.pid, []).append(ev.path)
@@ -127,6 +131,11 @@ class Ranks:
                 return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
         lost = [pid for pid in self.silent() if gone(pid)]
         return f"{self.who(lost[0])} is gone without a word" if lost else None
+
+    def spoke(self) -> bool:
+        """Whether any training process recorded how it ended (an ``end`` event): then the job's ending rests on those
+        records, never on text in the output, where an OOM a script caught and printed long before may still be."""
+        return any(pid in self.ended for pid in self.training)
 
     def silent(self) -> list[int]:
         """Training processes that wrote no end and had not finished training: killed by a signal, or still running.
@@ -214,6 +223,7 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         d = diagnose(crash.report, crash.frames, phase=crash.phase,
                      buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend)
         attempt.outcome = Outcome.OOM
+        attempt.exit_code = EXIT_OOM  # the training process's own code, whatever a launcher made of it
         attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
         attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
@@ -254,7 +264,8 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d
     clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
-    if not clean and (silent or said is None):  # a process that died before it could say why: read its output
+    if not clean and not ranks.spoke():  # no training process could say how it ended (not reached, or killed): read
+        # the output
         from ..oom.parse import scan_text
 
         hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)

@@ -177,6 +177,10 @@ class Attempt:
     def to_dict(self) -> dict[str, Any]:
         return to_fields(self)
 
+    def files(self) -> dict[str, str]:
+        """Where the configs oomguard generated for this attempt were written, by kind (``{"deepspeed": PATH}``)."""
+        return {kind: g["path"] for kind, g in (self.generated or {}).items() if isinstance(g, dict) and g.get("path")}
+
 
 @dataclass
 class RunReport:
