@@ -1,0 +1,344 @@
+"""`oomguard plan` against what real GPUs did: the public GRPO reports of tests/fixtures/reports/corpus.json replayed.
+
+    python bench/reports.py                 # the table and its summary (offline, a few seconds)
+    python bench/reports.py --json rows.json
+    python bench/reports.py --only trl-3456
+
+Each report is replayed as a user would replay it with `oomguard plan`: the model's config.json (the report's
+``model_fixture`` under tests/fixtures/models/), the card's ``total_capacity_gib``, the report's ranks, its config as
+stated and its assumptions, and ``--trl-version`` the report's TRL release, whose defaults fill what neither states.
+Nothing is tuned per report: the translation from a report to plan's inputs is the same rules for every report
+(:func:`replay`). The verdict is the one `oomguard run` would act on (:func:`verdict_of`); it agrees with the report
+when it says the config fits and the run worked, or says it does not fit and the run ran out of memory (or vLLM could
+not start). A report whose outcome the model cannot judge (no model config, no card size, the OOM on a vLLM server's
+own GPU, the host's memory, memory creeping up over hundreds of steps) is listed with why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from oomguard.decide.plan import Prediction, make_plan  # noqa: E402
+from oomguard.memory.estimate import EstimateError, load_model_spec  # noqa: E402
+from oomguard.vocab.facts import RunFacts  # noqa: E402
+from oomguard.vocab.knobs import TRL_DEFAULTS, check_values  # noqa: E402
+from oomguard.vocab.knobtable import TABLE  # noqa: E402
+from oomguard.vocab.sizes import format_size  # noqa: E402
+from oomguard.vocab.trlrange import head_of  # noqa: E402
+
+CORPUS = ROOT / "tests" / "fixtures" / "reports" / "corpus.json"
+MODELS = ROOT / "tests" / "fixtures" / "models"
+GiB = 2**30
+
+# The verdicts, as `oomguard run` acts on them
+SURE, PROBE, STOP = "sure fits", "probe first", "predicted not to fit"
+# How a verdict stands to a report's outcome
+AGREE, OPTIMISTIC, PESSIMISTIC, REFUSED, FAILED, NOT_JUDGED = (
+    "agree", "optimistic", "pessimistic", "refused", "failed", "not judged")
+
+# The report's config keys that are knobs under another name
+RENAMED = {"torch_dtype": "dtype", "vllm_max_model_len": "vllm_max_model_length"}
+KNOBS = set(TRL_DEFAULTS.to_dict())
+
+
+@dataclass
+class Replay:
+    """What `oomguard plan` is given for one report."""
+
+    model: Path
+    capacity: int
+    world_size: int
+    values: dict[str, Any]
+    prompt_tokens: int | None
+    trl_version: str | None
+    images_per_prompt: int | None = None
+    image_size: str | None = None
+    prompt_tokens_images: bool = False
+    freeze_vision: bool = False
+    stack: str | None = None
+    unmodelled: tuple[str, ...] = ()
+
+
+@dataclass
+class Row:
+    id: str
+    model: str
+    card: str
+    outcome: str
+    verdict: str = ""
+    peak: int | None = None
+    capacity: int | None = None
+    phase: str = ""
+    agreement: str = NOT_JUDGED
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+# -- reading a report's values -----------------------------------------------------------------------------------
+def value_text(text: Any) -> Any:
+    """An assumption's value: the text before its first ``;`` (the rest says why)."""
+    return text.split(";", 1)[0].strip() if isinstance(text, str) else text
+
+
+def number(text: Any) -> float | None:
+    """The first number in a value (``~300``, ``0.50``, ``2 (TRL 0.14)``), or None (``unknown``, ``unset``)."""
+    if isinstance(text, bool):
+        return None
+    if isinstance(text, (int, float)):
+        return text
+    m = re.match(r"\s*~?\s*(\d+(?:\.\d+)?(?:e-?\d+)?)", str(text))
+    return float(m.group(1)) if m else None
+
+
+def boolean(text: Any) -> bool | None:
+    if isinstance(text, bool):
+        return text
+    t = str(text).strip().lower()
+    return True if t.startswith("true") else False if t.startswith("false") else None
+
+
+DTYPE_WORDS = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "float32": "float32", "fp32": "float32", "fp8": "fp8"}
+
+
+def dtype(text: Any) -> str | None:
+    m = re.search(r"\b(bfloat16|bf16|float16|fp16|float32|fp32|fp8)\b", str(text))
+    return DTYPE_WORDS[m.group(1)] if m else None
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def target_modules(text: Any) -> Any:
+    """LoRA's targets as a report writes them: a list, ``all-linear``, ``q,k,v,o,gate,up,down`` or ``attention +
+    MLP`` (the seven projections), or ``(q_proj, v_proj)``; None where the text names none (PEFT's default)."""
+    if isinstance(text, list):
+        return tuple(text)
+    t = str(text)
+    if "all-linear" in t:
+        return "all-linear"
+    named = re.findall(r"\b([a-z_]+_proj)\b", t)
+    if named:
+        return tuple(named)
+    if re.search(r"\bq,\s*k,\s*v,\s*o,\s*gate,\s*up,\s*down\b", t) or "attention + MLP" in t:
+        return PROJECTIONS
+    return None
+
+
+def knob_value(name: str, raw: Any) -> Any:
+    """A report's value for knob ``name`` in the knob's type (the knob table's), or None where the report leaves it
+    unknown."""
+    v = value_text(raw)
+    if isinstance(v, str) and v.lower().startswith(("unknown", "unset", "n/a", "not ")):
+        return None
+    if name == "dtype":
+        return dtype(v)
+    if name == "lora_target_modules":
+        return target_modules(v)
+    if name == "zero_stage" and str(v).lower().startswith("none"):
+        return 0
+    if name == "gradient_checkpointing" and str(v).lower().startswith("unsloth"):
+        return True  # Unsloth's offloaded checkpointing: checkpointed, its inputs on the host (not modelled)
+    kind = TABLE[name].kind
+    if kind is bool:
+        return boolean(v)
+    if kind is int:
+        n = number(v)
+        return int(n) if n is not None else None
+    if kind is float:
+        return number(v)
+    return str(v).split()[0] if v else None
+
+
+def trl_release(report: dict[str, Any]) -> str | None:
+    """The report's TRL release: the first version its ``trl_version`` names (``0.17-0.18`` is 0.17)."""
+    m = re.search(r"\b(\d+\.\d+)(\.\d+)?", str(report.get("trl_version") or ""))
+    if not m:
+        return None
+    return m.group(1) + (m.group(2) or ".0")
+
+
+# -- a report as plan's inputs ------------------------------------------------------------------------------------
+def not_judged(report: dict[str, Any]) -> str | None:
+    """Why the memory model cannot judge this report's outcome, or None."""
+    if not report.get("model_fixture"):
+        return "no model config: the report's model has no config.json in tests/fixtures/models"
+    if not (report.get("gpu") or {}).get("total_capacity_gib"):
+        return "the card's memory is not stated"
+    if report["outcome"] == "oom-host":
+        return "the host's memory ran out, not the GPU's"
+    phase = str(report.get("phase") or "")
+    if report.get("vllm_server_gpus") and ("vLLM GPU" in phase or "server" in phase):
+        return "the OOM was on the vLLM server's own GPU, which plan does not model"
+    if re.search(r"\blate\b|grow", phase):
+        return "memory crept up over many steps: a leak or a rare long sample, not one step's peak"
+    return None
+
+
+def replay(report: dict[str, Any]) -> Replay:
+    """plan's inputs for ``report``: its config as stated, its assumptions for what it does not state (an
+    ``X_effective`` assumption, what the run's own log showed, over X), the TRL release it implies."""
+    config, assumed = report["config"], report["assumptions"]
+    values: dict[str, Any] = {}
+    for source in (assumed, config):  # the config's own values win
+        for key, raw in source.items():
+            name = RENAMED.get(key, key)
+            if name in KNOBS:
+                v = knob_value(name, raw)
+                if v is not None:
+                    values[name] = v
+    for key, raw in assumed.items():
+        if key.endswith("_effective") and key[:-len("_effective")] in KNOBS:
+            v = knob_value(key[:-len("_effective")], raw)
+            if v is not None:
+                values[key[:-len("_effective")]] = v
+    if "effective_completions_per_device" in assumed:
+        values["per_device_train_batch_size"] = int(number(value_text(assumed["effective_completions_per_device"])))
+    if config.get("train_type") == "full":
+        values["lora_r"] = 0
+    elif config.get("train_type") == "lora" and "lora_r" not in values:
+        values["lora_r"] = 8  # ms-swift's default rank
+    if report.get("vllm_server_gpus") and values.get("use_vllm"):
+        values["vllm_mode"] = "server"
+    if values.get("dtype") == "fp8":
+        values.pop("dtype")
+    if values.get("lora_r") and values.get("lora_alpha") is None:
+        values["lora_alpha"] = None
+    if values.get("load_in_4bit") and not values.get("lora_r"):
+        values["load_in_4bit"] = False
+    stack = report.get("stack")
+    if stack == "unsloth" and config.get("max_seq_length") and values.get("use_vllm"):
+        values.setdefault("vllm_max_model_length", int(config["max_seq_length"]))
+    images = config.get("images") or {}
+    n_images = images.get("per_prompt") if isinstance(images, dict) else None
+    if n_images is None and "images" in assumed:
+        n = number(value_text(assumed["images"]))
+        n_images = int(n) if n is not None else None
+    size = None
+    if isinstance(images, dict) and images.get("size"):
+        m = re.match(r"(\d+)x(\d+)", images["size"])
+        size = f"{m.group(1)}x{m.group(2)}" if m else None
+    pt = number(value_text(assumed.get("prompt_tokens", config.get("prompt_tokens"))))
+    prompt_tokens = int(pt) if pt is not None else None
+    mpl = number(config.get("max_prompt_length"))
+    if prompt_tokens is not None and mpl:  # TRL before 0.28 truncates prompts to max_prompt_length
+        prompt_tokens = min(prompt_tokens, int(mpl))
+    unmodelled = []
+    if config.get("gradient_checkpointing") == "unsloth":
+        unmodelled.append("Unsloth's offloaded gradient checkpointing")
+    if config.get("unsloth_vllm_standby"):
+        unmodelled.append("Unsloth's vLLM standby mode")
+    values = {k: v for k, v in values.items() if v is not None}
+    return Replay(model=MODELS / report["model_fixture"], capacity=int(report["gpu"]["total_capacity_gib"] * GiB),
+                  world_size=int(report.get("world_size") or 1), values=values, prompt_tokens=prompt_tokens,
+                  trl_version=trl_release(report), images_per_prompt=n_images, image_size=size,
+                  prompt_tokens_images=bool(n_images), freeze_vision=config.get("freeze_vit", True) is not False
+                  and config.get("train_type") == "full", stack=stack, unmodelled=tuple(unmodelled))
+
+
+# -- the verdict, as `oomguard run` would act on it ---------------------------------------------------------------
+def verdict_of(p: Prediction) -> str:
+    """The verdict `oomguard run` acts on for plan's prediction: the one place this bench asks it."""
+    return {"run": SURE, "probe": PROBE, "stopped": STOP}[p.launches()["first"]]
+
+
+def fits(p: Prediction) -> bool:
+    return p.fits
+
+
+def predict(r: Replay) -> Prediction:
+    from oomguard.decide.plan import plan_images
+
+    spec = load_model_spec(r.model)
+    k = TRL_DEFAULTS.merged(r.values)
+    problems = check_values(r.values, r.world_size)
+    if problems:
+        raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
+    image_facts, k = plan_images(spec, k, r.model, r.images_per_prompt, r.image_size)
+    if image_facts:
+        image_facts["prompt_tokens_images"] = r.prompt_tokens_images
+    facts = RunFacts(world_size=r.world_size, trl_version="1.16.0", trl_head=head_of("1.16.0"),
+                     freeze_vision=r.freeze_vision, **image_facts)
+    from oomguard.decide.ladder import load_ladder
+
+    lad = load_ladder("multi-gpu" if r.world_size > 1 or k.zero_stage else "default")
+    return make_plan(spec, k, r.capacity, ladder=lad, facts=facts, prompt_tokens=r.prompt_tokens,
+                     device_name="unknown GPU")
+
+
+def judge(report: dict[str, Any]) -> Row:
+    gpu = report.get("gpu") or {}
+    row = Row(id=report["id"], model=str(report.get("model_fixture") or report.get("model")),
+              card=f"{gpu.get('total_capacity_gib') or '?'} GiB x{report.get('world_size') or '?'}",
+              outcome=report["outcome"])
+    why = not_judged(report)
+    if why:
+        row.reason = why
+        return row
+    try:
+        r = replay(report)
+        p = predict(r)
+    except (ValueError, EstimateError, KeyError) as e:
+        row.agreement, row.reason = REFUSED, str(e).splitlines()[0]
+        return row
+    except Exception as e:  # a bench reports a crash as a row
+        row.agreement, row.reason = FAILED, f"{type(e).__name__}: {e}".splitlines()[0]
+        return row
+    row.verdict, row.peak, row.capacity = verdict_of(p), p.estimate.peak_bytes, r.capacity
+    row.phase = p.estimate.dominant_phase
+    row.notes = list(p.estimate.notes)
+    ok = report["outcome"] == "ok"
+    said_fits = fits(p)
+    row.agreement = AGREE if said_fits == ok else OPTIMISTIC if said_fits else PESSIMISTIC
+    if row.agreement != AGREE:
+        row.reason = miss_reason(report, p)
+    return row
+
+
+def miss_reason(report: dict[str, Any], p: Prediction) -> str:
+    e = p.estimate
+    big = sorted(((v, k) for k, v in e.breakdown.items() if v), reverse=True)[:3]
+    return ", ".join(f"{k} {format_size(v)}" for v, k in big)
+
+
+def rows(corpus: Path = CORPUS, only: str | None = None) -> list[Row]:
+    data = json.loads(corpus.read_text())
+    return [judge(r) for r in data["reports"] if not only or only in r["id"]]
+
+
+def summary(rs: list[Row]) -> dict[str, int]:
+    c = Counter(r.agreement for r in rs)
+    out = {k: c.get(k, 0) for k in (AGREE, OPTIMISTIC, PESSIMISTIC, REFUSED, FAILED, NOT_JUDGED)}
+    out["optimistic sure on OOM reports"] = sum(1 for r in rs if r.agreement == OPTIMISTIC and r.verdict == SURE
+                                                 and r.outcome != "ok")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    rs = rows(only=a.only)
+    for r in rs:
+        peak = format_size(r.peak) if r.peak is not None else "-"
+        print(f"{r.id:<38} {r.model:<28} {r.card:<15} {r.verdict:<21} {peak:>11} {r.phase:<17} {r.outcome:<8} "
+              f"{r.agreement:<11} {r.reason}")
+    print(summary(rs))
+    if a.json:
+        a.json.write_text(json.dumps([asdict(r) for r in rs], indent=1))
+
+
+if __name__ == "__main__":
+    main()
