@@ -240,6 +240,9 @@ def replay(report: dict[str, Any]) -> Replay:
     if mpl:  # TRL before 0.28 truncates prompts to max_prompt_length: the padded prompt is never longer
         values["max_prompt_tokens"] = int(mpl)
     values = {k: v for k, v in values.items() if v is not None}
+    if stack == "swift" and "max_prompt_tokens" not in values:
+        # ms-swift encodes prompts with its own template (bounded by max_length), not TRL's max_prompt_length
+        values["max_prompt_tokens"] = None
     return Replay(model=MODELS / report["model_fixture"], capacity=int(report["gpu"]["total_capacity_gib"] * GiB),
                   world_size=int(report.get("world_size") or 1), values=values, prompt_tokens=prompt_tokens,
                   trl_version=trl_release(report), images_per_prompt=n_images, image_size=size,
@@ -290,7 +293,7 @@ def judge(report: dict[str, Any], installed: bool = False) -> Row:
         r = replay(report)
         p = predict(r, installed)
     except (ValueError, EstimateError, KeyError) as e:
-        row.agreement, row.reason = REFUSED, str(e).splitlines()[0]
+        row.agreement, row.reason = REFUSED, str(e).splitlines()[0].replace(f"{ROOT}/", "")
         return row
     except Exception as e:  # a bench reports a crash as a row
         row.agreement, row.reason = FAILED, f"{type(e).__name__}: {e}".splitlines()[0]
@@ -320,8 +323,9 @@ WHY_MISSED = {
                                          "where (a probe first)",
     "swift-3359-qwen2.5-7b-lora": "its prompts' length is not stated (HTML pages; plan's 256 assumed), and vLLM ran "
                                   "on a GPU of its own (a probe first)",
-    "trl-3456-qwen3-1.7b": "2048 prompt tokens is max_prompt_length, an upper bound (a batch pads to its own longest "
-                           "prompt) and nvidia-smi shows what the run had reached so far",
+    "trl-3456-qwen3-1.7b": "TRL 0.17's defaults (no mixed precision, a reference model) are the date's guess: with "
+                           "0.19's (bf16, no reference) plan predicts 80.0 GiB, and its 0.6B twin 47.9 GiB against "
+                           "48.1 measured",
     "open-r1-59-zero3-offload": "4096-token completions without checkpointing, predicted over the card; the run "
                                 "worked at 25 minutes a step: its completions rarely reached 4096 tokens, or it "
                                 "checkpointed (not stated)",
@@ -358,21 +362,36 @@ def summary(rs: list[Row]) -> dict[str, int]:
     return out
 
 
+def table(rs: list[Row]) -> list[str]:
+    """The table's lines: one per report, then the summary."""
+    head = (f"{'report':<37} {'model':<24} {'card':<14} {'verdict':<20} {'peak':>10} {'phase':<16} {'outcome':<8} "
+            f"{'agrees':<11} reason")
+    lines = [head, "-" * len(head)]
+    for r in rs:
+        peak = format_size(r.peak) if r.peak is not None else "-"
+        lines.append(f"{r.id:<37} {r.model[:24]:<24} {r.card:<14} {r.verdict or '-':<20} {peak:>10} "
+                     f"{r.phase.replace('forward_backward', 'forward/backward') or '-':<16} {r.outcome:<8} "
+                     f"{r.agreement:<11} {r.reason}")
+    s = summary(rs)
+    lines += ["", f"{len(rs)} reports: " + ", ".join(f"{s[k]} {k}" for k in (AGREE, OPTIMISTIC, PESSIMISTIC, REFUSED,
+                                                                               FAILED, NOT_JUDGED)),
+              f"optimistic \"{SURE}\" on reports that ran out of memory: {s['optimistic sure on OOM reports']} "
+              "(target 0)",
+              f"\"{STOP}\" on reports that ran: {s['stopped on reports that ran']}"]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", default=None, metavar="ID", help="the reports whose id contains ID")
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
     ap.add_argument("--installed", action="store_true",
                     help="replay as plan did before --trl-version: the installed TRL's defaults and LM head")
     a = ap.parse_args()
     rs = rows(only=a.only, installed=a.installed)
-    for r in rs:
-        peak = format_size(r.peak) if r.peak is not None else "-"
-        print(f"{r.id:<38} {r.model:<28} {r.card:<15} {r.verdict:<21} {peak:>11} {r.phase:<17} {r.outcome:<8} "
-              f"{r.agreement:<11} {r.reason}")
-    print(summary(rs))
+    print("\n".join(table(rs)))
     if a.json:
-        a.json.write_text(json.dumps([asdict(r) for r in rs], indent=1))
+        a.json.write_text(json.dumps({"rows": [asdict(r) for r in rs], "summary": summary(rs)}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ def planned(values: Mapping[str, Any], *, trl_version: str | None, given: bool =
         where = "--trl-version" if given else "installed"
         lines.insert(0, f"TRL {trl_version} ({where}): the defaults of {r.version} ({r.date}) fill what the config "
                         f"leaves out; its LM head {'is fused' if head == 'fused' else 'materialises the logits'}")
+        if "max_prompt_tokens" not in values and merged.get("max_prompt_tokens"):
+            lines.append(f"TRL {r.version} truncates prompts to max_prompt_length, {merged['max_prompt_tokens']} by "
+                         "default: give your config's as max_prompt_tokens=N")
         if support(trl_version).refused:
             lines.append(f"TRL {trl_version} is below {FLOOR}: `oomguard run` refuses it, so this is a prediction "
                          "only")
