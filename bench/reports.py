@@ -213,13 +213,9 @@ def replay(report: dict[str, Any]) -> Replay:
         values["lora_r"] = 8  # ms-swift's default rank
     if report.get("vllm_server_gpus") and values.get("use_vllm"):
         values["vllm_mode"] = "server"
-    if values.get("dtype") == "fp8":
-        values.pop("dtype")
-    if values.get("lora_r") and values.get("lora_alpha") is None:
-        values["lora_alpha"] = None
-    if values.get("load_in_4bit") and not values.get("lora_r"):
-        values["load_in_4bit"] = False
     stack = report.get("stack")
+    if stack == "unsloth" and values.get("load_in_4bit") and "lora_r" not in values:
+        values["lora_r"] = 16  # Unsloth's 4-bit load is for LoRA: get_peft_model's default rank
     # TRL 0.14 counts the batch in prompts: the release's reading (planconfig) must come to the report's own figure
     n = number(value_text(assumed.get("effective_completions_per_device")))
     completions = int(n) if n is not None else None
