@@ -249,12 +249,15 @@ def replay(report: dict[str, Any]) -> Replay:
 
 # -- the verdict, as `oomguard run` would act on it ---------------------------------------------------------------
 def verdict_of(p: Prediction) -> str:
-    """The verdict `oomguard run` acts on for plan's prediction: the one place this bench asks it."""
-    return {"run": SURE, "probe": PROBE, "stopped": STOP}[p.launches()["first"]]
+    """The verdict `oomguard run` acts on for plan's prediction (how its first launch starts): the one place this
+    bench asks it."""
+    return {"run": SURE, "probe": PROBE, "stopped": STOP, "stop": STOP}[p.launches()["first"]]
 
 
 def fits(p: Prediction) -> bool:
-    return p.fits
+    """Whether plan's figure says the config fits: the predicted peak within the card and a colocated vLLM able to
+    start (what a report's outcome is compared with; the verdict says how sure plan is of it)."""
+    return p.estimate.fits(p.capacity)
 
 
 def predict(r: Replay, installed: bool = False) -> Prediction:
