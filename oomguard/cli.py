@@ -299,11 +299,19 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--image-size", default=None, metavar="HxW",
               help="The largest image's size in pixels, e.g. 1080x1920 (default: as large as the processor's pixel "
                    "budget, max_pixels=N, or the model directory's preprocessor_config.json, allows).")
+@click.option("--trl-version", default=None, metavar="X.Y[.Z]",
+              help="The TRL release whose defaults fill the knobs left out and whose LM head is modelled, 0.14 on "
+                   "[default: the installed TRL].")
+@click.option("--stack", type=click.Choice(["trl", "unsloth"]), default="trl", show_default=True,
+              help="The trainer around TRL: unsloth is judged as `oomguard run` judges Unsloth's generated trainer "
+                   "(a probe first), and what it does that the model does not count is said.")
+@click.option("--padding-free", is_flag=True,
+              help="The batches are packed or padding-free (ms-swift's --padding_free): not modelled, so a probe first.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | None, prompt_tokens: int | None,
-         world_size: int, images_per_prompt: int | None, image_size: str | None, as_json: bool,
-         knobs: tuple[str, ...]) -> None:
+         world_size: int, images_per_prompt: int | None, image_size: str | None, trl_version: str | None,
+         stack: str, padding_free: bool, as_json: bool, knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
@@ -312,9 +320,10 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
       oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
       oomguard plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu 16GiB,24GiB,80GiB --fit max_completion_length
       oomguard plan --model ./Qwen2.5-VL-3B-Instruct --gpu 24GiB --images-per-prompt 2 --image-size 1080x1920
+      oomguard plan --model ./Qwen3-1.7B --gpu 80GiB --trl-version 0.17 per_device_train_batch_size=4
 
-    KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
-    unset knobs take.
+    KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults. Unset knobs
+    take the defaults of the installed TRL, or of --trl-version's release.
 
     \b
     Exit codes: 0 when the configuration is predicted to fit (every card given; with --fit, some value fits every
@@ -324,10 +333,13 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
     from .decide.plan import make_plan, plan_images
+    from .decide.planconfig import planned
     from .memory.estimate import EstimateError, load_model_spec
     from .memory.hubconfig import HubConfigError, config_path
-    from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
+    from .run.command import trl_support
+    from .vocab.knobs import parse_knob
     from .vocab.sizes import SizeError, parse_size_arg
+    from .vocab.trlreleases import OLDEST, release
 
     try:
         sizes = [t.strip() for t in gpu_size.split(",") if t.strip()]
@@ -343,26 +355,25 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
             if not sep:
                 raise ValueError(f"expected KNOB=VALUE, not {item!r}")
             values[name.strip()] = parse_knob(name.strip(), text)
-        k = TRL_DEFAULTS.merged(values)
-        problems = check_values(values) or k.validate(world_size)
-        if problems:
-            raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
+        if trl_version is not None and release(trl_version) is None:
+            raise ValueError(f"--trl-version takes a TRL release from {OLDEST} on (e.g. 0.17.0), not {trl_version!r}")
+        # the knobs a config leaves out are the defaults of the TRL that runs it: --trl-version's, else the installed
+        trl = trl_version or trl_support([sys.executable]).version
+        asked = planned(values, trl_version=trl, given=trl_version is not None, world_size=world_size, stack=stack,
+                        padding_free=padding_free)
         spec = load_model_spec(config_path(model_path))
-        image_facts, k = plan_images(spec, k, config_path(model_path), images_per_prompt, image_size)
+        image_facts, k = plan_images(spec, asked.knobs, config_path(model_path), images_per_prompt, image_size)
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError, HubConfigError, FitError) as e:
         _usage(str(e))
     from .memory.device import gpu_name
-    from .memory.estimate import Coefficients
+    from .memory.estimate import Coefficients, not_modelled
 
-    # the LM head of the TRL installed here (0.29-1.14 materialise the logits, 1.15 on fuse the head)
-    from .run.command import trl_support
-    from .vocab.trlrange import head_of
-
-    trl = trl_support([sys.executable]).version
-    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl), **image_facts)
+    # the LM head of that TRL (0.14-1.14 materialise the logits, 1.15 on fuse the head), what the run does that the
+    # model does not count, and the images
+    facts = asked.facts.replace(**image_facts)
     if len(capacities) > 1 or fit_knob is not None:
         _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
                     as_json)
@@ -384,13 +395,19 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
         import json
 
         click.echo(json.dumps({**p.to_dict(), "images": image_facts or None, "calibration": calibration, "device": device, "alternatives": alts,
+                               "trl": {"version": facts.trl_version, "head": facts.trl_head, "lines": list(asked.lines)},
+                               "not_modelled": not_modelled(p.estimate.unmodelled),
                                "warnings": [warning] if warning else []}, indent=2))
     else:
         from .display.render import console, plan_table
         from .display.ui import alternatives_lines
         from .vocab.sizes import format_size
 
+        for line in asked.lines:
+            click.echo(line)
         plan_table(console(), p, model_path)
+        for line in not_modelled(p.estimate.unmodelled):
+            click.echo(f"not modelled: {line}")
         click.echo(f"calibration: {calibration['description']}")
         click.echo(f"context: {format_size(context)} outside the allocator, counted in the peak: {device['context']}")
         for line in alternatives_lines(alts):

@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -21,6 +22,19 @@ TINY = str(SCRIPTS / "grpo_tiny.py")
 PYTHON = sys.executable
 TORCHRUN = (PYTHON, "-m", "torch.distributed.run")
 ACCELERATE_LAUNCH = (PYTHON, "-m", "accelerate.commands.launch")
+
+
+def load_bench(name: str) -> Any:
+    """``bench/NAME.py`` as a module (bench scripts are not a package), registered as ``bench_NAME`` so that its
+    dataclasses and doctests resolve."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

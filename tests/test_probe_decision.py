@@ -74,6 +74,10 @@ def test_a_config_near_the_edge_is_probed(tmp_path):
     ("newer than the tested releases", lambda rt: rt.emit(CodeSeen(point="config", facts={"trl_version": "1.99.0"}))),
     ("no measurement covers", lambda rt: rt.emit(CodeSeen(point="facts", facts={"stack_untested": "a trainer no measurement covers"}))),
     ("cannot judge", lambda rt: None),
+    # what the model does not count (memory/estimate/unmodelled.py): ms-swift's padding-free batches, a vLLM server
+    ("not modelled: packed or padding-free batches",
+     lambda rt: rt.emit(CodeSeen(point="trainer", facts={"unmodelled": ["padding_free"]}))),
+    ("not modelled: a vLLM server's own GPU", lambda rt: rt.observe({"use_vllm": True, "vllm_mode": "server"})),
 ])
 def test_what_the_model_cannot_be_sure_of_is_probed(tmp_path, why, setup):
     rt = runtime(tmp_path, 1024 * MIB)

@@ -39,6 +39,7 @@ from ..memory.estimate import (
     fed,
     load_bytes,
     load_fed,
+    not_modelled,
     sure_limit,
     sure_to_fit,
 )
@@ -168,7 +169,10 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
     limit = sure_limit(cap, float(under))
     share = f"{format_size(est.peak_bytes)}, {100 * est.peak_bytes / cap:.0f}% of the {format_size(cap)} device"
     numbers = {"predicted_bytes": est.peak_bytes, "capacity": cap, "limit": limit}
-    if est.vllm_lacks or not sure_to_fit(est.peak_bytes, cap, float(under)):
+    if est.unmodelled:  # the run does what the model does not count (memory/estimate/unmodelled.py)
+        rt.decide_probe("probe", f"predicted {share}, but not modelled: {'; '.join(not_modelled(est.unmodelled))}",
+                        **numbers)
+    elif est.vllm_lacks or not sure_to_fit(est.peak_bytes, cap, float(under)):
         rt.decide_probe("probe", f"predicted {share}: within the memory model's error of the edge (it is sure up to "
                                  f"{format_size(limit)})", **numbers)
     else:

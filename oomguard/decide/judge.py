@@ -166,9 +166,10 @@ class Judge:
     def sure(self, est: Estimate, head: str | None = None) -> bool:
         """Whether the model is sure ``est`` fits the device (``memory.estimate.sure_to_fit``): far enough under it
         that a probe could only confirm it. Never for a TRL newer than the tested releases, nor where a colocated
-        vLLM's reservation cannot hold what vLLM needs."""
-        return not self.untested and not est.vllm_lacks and sure_to_fit(est.peak_bytes, self.capacity,
-                                                                          self.under(head))
+        vLLM's reservation cannot hold what vLLM needs, nor where the run does what the model does not count
+        (``Estimate.unmodelled``)."""
+        return not self.untested and not est.vllm_lacks and not est.unmodelled and sure_to_fit(
+            est.peak_bytes, self.capacity, self.under(head))
 
     def sure_plan(self) -> SurePlan:
         """What the training process needs to decide whether an attempt launched as a probe is the real run

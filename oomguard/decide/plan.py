@@ -29,6 +29,7 @@ from ..memory.estimate import (
     load_pixel_budget,
 )
 from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.trlrange import support
 from .alternatives import Alternative
 from .choose import Rung
 from .climb import Climb
@@ -157,12 +158,14 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the config ``oomguard run`` would
     choose: the same ``Conductor.choose`` judged by the same ``Judge`` (the model's error kept free as headroom where
     a config has it), so plan never recommends a config run would not pick. The LM head is ``facts.trl_head`` (the
-    installed TRL's, where the caller knows it), else the newest TRL's; ``device_name`` (NVML's) loads what earlier
+    installed TRL's or ``--trl-version``'s, where the caller knows it), else the newest TRL's; ``device_name`` (NVML's) loads what earlier
     probes of this model on this machine taught, unless ``coefficients`` are given."""
     facts = (facts or RunFacts()).replace(model_source=(facts.model_source if facts else None) or "string",
                                           prompt_tokens_max=prompt_tokens)
     judge = Judge(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
-    judge.set_trl(facts.trl_head)
+    # judged as `oomguard run` judges this TRL: a release newer than the tested ones, or a stack whose memory no
+    # measurement covers, is verified by a probe (Conductor.take_trl)
+    judge.set_trl(facts.trl_head, support(facts.trl_version).untested or bool(facts.stack_untested))
     facts = facts.replace(vllm_min_utilization=judge.vllm_floor(facts, knobs))
     est = judge.predict(facts, knobs)
     assert est is not None  # the spec is fixed: only knobs the model cannot judge fail, and those raise

@@ -51,6 +51,17 @@ TAKES = tuple(sorted(STACK_ONLY))
 OFFLOAD = ("offload_during_generation",)
 
 
+def unmodelled(args: Any) -> list[str]:
+    """What swift's arguments do that the memory model does not count (``RunFacts.unmodelled``): packed or
+    padding-free batches (``--padding_free``, ``--packing``), whose rows are not padded to the longest.
+
+    >>> from types import SimpleNamespace
+    >>> unmodelled(SimpleNamespace(padding_free=True, packing=False)), unmodelled(object())
+    (['padding_free'], [])
+    """
+    return ["padding_free"] if getattr(args, "padding_free", False) or getattr(args, "packing", False) else []
+
+
 def observed_offload(args: Any) -> dict[str, Any]:
     """``--offload_model`` and ``--offload_optimizer`` as the knob ``offload_during_generation`` (both, or not).
 
@@ -168,7 +179,8 @@ def patch_arguments(rt: Runtime, module: Any) -> None:
         rt.observe(user)
         rt.emit(CodeSeen(point="trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
                                                  "stack": STACK, "trl_lacks": lacks(()),
-                                                 "missing_packages": missing_packages()}))
+                                                 "missing_packages": missing_packages(),
+                                                 "unmodelled": unmodelled(self)}))
 
     set_attr(cls, "__post_init__", __post_init__)
 

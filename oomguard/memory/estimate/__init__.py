@@ -101,6 +101,7 @@ from .model import (
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
 from .phases import PHASES
 from .terms import NF4_BYTES_PER_PARAM
+from .unmodelled import NOT_MODELLED, not_modelled
 from .vision import Images, image_tokens, load_pixel_budget, vision_patches
 
 __all__ = [
@@ -108,6 +109,7 @@ __all__ = [
     "DEVICE_OVERPREDICTION",
     "MXFP4_BYTES_PER_PARAM",
     "NF4_BYTES_PER_PARAM",
+    "NOT_MODELLED",
     "PHASES",
     "SIMULATED_HEAD_ERROR",
     "SIMULATED_OVERPREDICTION",
@@ -137,6 +139,7 @@ __all__ = [
     "lora_targets",
     "lora_trainable_params",
     "measured_error",
+    "not_modelled",
     "sure_limit",
     "sure_to_fit",
     "vision_patches",
