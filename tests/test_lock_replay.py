@@ -83,6 +83,8 @@ def test_the_training_process_reports_the_scripts_values_under_a_locks_overrides
     user = TRL_DEFAULTS.merged(SCRIPT).replace(dtype="float32", lora_r=0, load_in_4bit=False)
     for knob in overrides:
         assert rt.observed.get(knob, getattr(TRL_DEFAULTS, knob)) == getattr(user, knob), knob  # the script's own
+    ran = [e for e in ran_events(tmp_path) if e.event_name() == "ran"][-1]  # what it runs is what it says
+    assert {k: ran.knobs[k] for k in overrides} == overrides and not ran.later
     model = built.model
     if name == "batch":
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
