@@ -22,7 +22,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("76", "the run leaks memory and stopped at the leak (--no-leak-restart, or a leak too fast for a restart to get "
            "past its checkpoint); a leaking run that finished every step through restarts exits 0, status leaked"),
     ("130/143", "interrupted (SIGINT/SIGTERM)"),
-    ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
+    ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used; a replayed lock whose "
+          "value the training process does not run, stopped before it trains)"),
     ("126", "the command is not executable"),
     ("127", "the command is not found"),
     ("70", "an internal error of oomguard (a bug: its traceback is kept in the run's directory, the report and a "

@@ -102,6 +102,12 @@ def reads_as_under_python(stderr: str, workdir: Path, launcher: str | None, atte
         assert not aside
 
 
+def events_of(tmp: Path, attempt: int) -> list[dict]:
+    """The events attempt ``attempt`` of a run whose workdir is ``tmp / "wd"`` (``run_oomguard``'s) wrote."""
+    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def story(report: dict | None) -> str:
     """Each attempt of a report in one line (outcome, kind, OOM kind, note, override error): an assertion's message,
     so a failure on CI says why an attempt ended as it did."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..vocab.events import CodeSeen
 from ..vocab.knobtable import CONFIG_KNOBS  # GRPOConfig fields that are knobs of the same name
+from . import ran
 from .patching import missing_packages, overrides_reported, plain, set_attr, world
 from .probe import apply_probe
 from .runtime import Runtime
@@ -82,6 +83,9 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "GRPOConfig"):
             apply_config(rt, self)
+            applied = ran.values(self)
             orig(self)
+        ran.config_built(rt, self, applied)
+        ran.report(rt)  # a replayed lock's value GRPOConfig changed stops here, before anything loads
 
     set_attr(cls, "__post_init__", __post_init__)

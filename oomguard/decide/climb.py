@@ -123,9 +123,31 @@ class Climb:
         return knobs, {**who, **changed}
 
     def overrides(self, knobs: Knobs | None = None) -> dict[str, Any]:
-        """What oomguard changes relative to the original: the values a plan carries to the training code."""
+        """What oomguard changes relative to the original: the values a plan carries to the training code, and the
+        lock writes. Every value oomguard sets whatever the user's is (``fixed``) is among them, also where it equals
+        what the climb takes for the user's value.
+
+        >>> from oomguard.decide.ladder import load_ladder
+        >>> replay = Climb(load_ladder("default"), pinned=Knobs(per_device_train_batch_size=8,
+        ...                                                     gradient_accumulation_steps=8))
+        >>> replay.overrides()  # before the command reported its own values: 8 is TRL's default, and is sent
+        {'gradient_accumulation_steps': 8, 'per_device_train_batch_size': 8}
+        """
         knobs = knobs if knobs is not None else self.effective()[0]
-        return {r.knob: r.after for r in self.original().diff(knobs)}
+        out = {r.knob: r.after for r in self.original().diff(knobs)}
+        for k in self.fixed():
+            if getattr(knobs, k) is not None:
+                out.setdefault(k, getattr(knobs, k))
+        return out
+
+    def fixed(self) -> list[str]:
+        """The knobs oomguard sets whatever the user's value is: every knob a replayed lock pins, and each value a
+        chosen rung fixed (``Rung.values``) for a knob the command has not reported yet. A diff against the user's
+        config would leave out such a value where it equals what the climb takes for the user's (TRL's default,
+        before the command reported its own), and the command's own value would run instead."""
+        known = set(self.observed) | set(self.base.to_dict(only_set=True))
+        chosen = [k for r in self.applied for k, _v in r.values or () if k not in known]
+        return list(dict.fromkeys([*self.pinned.to_dict(only_set=True), *chosen]))
 
     def experiment(self, final: Knobs | None = None,
                    slowdown: Callable[[Knobs, Knobs], float | None] | None = None) -> Experiment:

@@ -38,6 +38,7 @@ from ..vocab.events import (
 )
 from ..vocab.files import write_json_atomic
 from ..vocab.knobs import Knobs
+from ..vocab.lock import shown
 from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, PreflightPlan, ProbePlan, whereabouts
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
@@ -47,7 +48,7 @@ from .classify import classify, main_trace
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
-from .learning import take_events
+from .learning import knobs_ran, ran_report, take_events
 from .options import BOOT_DIR, Reporter, RunOptions
 from .proc import Interrupts, ProcessResult, StartError, process_alive, run_attempt
 from .resume import resume_plan
@@ -134,7 +135,8 @@ class Launcher:
                  if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
-        plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
+        plan = Plan(attempt=index, overrides=c.overrides(knobs), pinned=c.pinned.to_dict(only_set=True),
+                    simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
                     events=str(events_path), remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
                     checkpoint_every=self._saves(nxt) if kind == AttemptKind.RUN or deferred else None,
@@ -186,13 +188,26 @@ class Launcher:
         elif attempt.outcome == Outcome.FAILED and not configured and not attempt.note:
             # what a training process said of its failure stays the reason
             attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
-        # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
-        attempt.knobs = c.effective(without)[0].to_dict()
+        # The knobs as the child really ran them: the first attempt learns the user's config while it runs, and the
+        # training process says what it runs (a value of oomguard's the script set again later, say)
+        attempt.knobs = knobs_ran(c.effective(without)[0], events).to_dict()
+        self._said_later(events, plan.overrides)
         broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
         if attempt.outcome == Outcome.FAILED and broke is not None:
             attempt.override_error = {"where": broke.where, "error": broke.error}
         self.conductor.record(attempt, diag)
         return attempt, diag
+
+    def _said_later(self, events: list[ChildEvent], overrides: dict[str, Any]) -> None:
+        """A value oomguard set that the training process runs otherwise (the script sets it again later, a stack
+        changes it): said once, since no rung can change it that way. (A replayed lock stops there instead:
+        ``child/ran.py``.)"""
+        ran = ran_report(events)
+        if ran is None or ran.unmet:  # a replay that stopped for it said so itself
+            return
+        for knob, where in ran.later.items():
+            self.warn(f"oomguard set {knob}={shown(overrides.get(knob))}, but the training process runs "
+                      f"{shown(ran.knobs.get(knob))} ({where}): a rung that changes it cannot help this command")
 
     def start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
                aside: Aside | None = None) -> ProcessResult:

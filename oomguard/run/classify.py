@@ -9,15 +9,17 @@ or writes none when a signal kills it. :class:`Ranks` gathers those records; :fu
 1. an interrupt (a signal to oomguard);
 2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly or of
    another error; recorded with the training process's own exit code (EXIT_OOM), whatever a launcher exited with;
-3. a pre-flight stop (a ``predicted`` event);
-4. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
+3. a replayed lock's value a training process does not run (a ``ran`` event with ``unmet``): it stopped before
+   training, a failure with its own line and the usage code, never retried;
+4. a pre-flight stop (a ``predicted`` event);
+5. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
    killer (``hostmem``); a SIGKILL without such evidence (``kill -9``, a preemption) is never retried as an OOM;
-5. an OOM seen only in the output, when the job did not end cleanly and no training process recorded how it ended
+6. an OOM seen only in the output, when the job did not end cleanly and no training process recorded how it ended
    (processes the bootstrap did not reach, or killed before they could write a record): where one did, its record
    decides, and an OOM a script caught and printed earlier cannot turn another failure into an OOM;
-6. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
+7. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
    code a launcher returned;
-7. else a failure, passed through with the command's own exit code and the first training process's reason.
+8. else a failure, passed through with the command's own exit code and the first training process's reason.
 
 Where ranks record different endings (one OOM while the others wait, one stopped by the pre-flight), this order makes
 the decision once, for the whole job.
@@ -43,12 +45,23 @@ from ..vocab.events import (
     PreflightStop,
     ProcessEnded,
     ProcessStarted,
+    Ran,
     Saving,
     StepDone,
 )
 from ..vocab.knobs import Knobs
+from ..vocab.lock import Unmet
 from ..vocab.oomreport import OOMReport
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_OOM, EXIT_PREDICTED
+from ..vocab.protocol import (
+    END_ERROR,
+    END_EXIT,
+    END_OOM,
+    END_PREDICTED,
+    END_UNMET,
+    EXIT_LOCK_UNMET,
+    EXIT_OOM,
+    EXIT_PREDICTED,
+)
 from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
 from .proc import ProcessResult
@@ -72,6 +85,7 @@ class Ranks:
     # an OOM), which is then what ended it
     recovered: set[str] = field(default_factory=set)
     stop: PreflightStop | None = None
+    unmet: Ran | None = None  # a replayed lock's value a training process does not run: it stopped before training
     finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
     where: dict[int, str] = field(default_factory=dict)  # pid -> host and PID namespace it ran in
     helpers: set[int] = field(default_factory=set)  # processes multiprocessing started to serve another
@@ -105,6 +119,8 @@ class Ranks:
             self._ooms.setdefault(ev.pid, []).append(ev.path)
         elif isinstance(ev, PreflightStop) and self.stop is None:
             self.stop = ev
+        elif isinstance(ev, Ran) and ev.unmet and self.unmet is None:
+            self.unmet = ev
         elif isinstance(ev, StepDone) and ev.final and ev.pid is not None:
             self.finished.add(ev.pid)
 
@@ -126,7 +142,7 @@ class Ranks:
             return local and not alive(pid)
 
         for pid, e in self.ended.items():
-            decisive = e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
+            decisive = e.how in (END_OOM, END_PREDICTED, END_UNMET) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
             if decisive and (gone(pid) or (here is not None and self.where.get(pid) not in (None, here))):
                 return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
         lost = [pid for pid in self.silent() if gone(pid)]
@@ -230,6 +246,11 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         if crash.step is not None:
             attempt.step = crash.step
         return attempt, d
+    if ranks.unmet is not None:
+        unmet = Unmet.from_dict(ranks.unmet.unmet)
+        attempt.outcome, attempt.exit_code = Outcome.FAILED, EXIT_LOCK_UNMET  # whatever a launcher made of it
+        attempt.unmet, attempt.note = unmet.to_dict(), unmet.line()
+        return attempt, None
     if ranks.stop is not None:
         stop = ranks.stop
         attempt.outcome = Outcome.PREDICTED

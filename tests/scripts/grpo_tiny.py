@@ -235,7 +235,11 @@ def main() -> None:
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     TRAINER[0] = trainer
     trainer.train()
-    print(f"trained {trainer.state.global_step} steps", flush=True)
+    # what it trained with, as the trainer read it (a lock's replay is checked against this line)
+    t = trainer.args
+    print(f"trained {trainer.state.global_step} steps with per_device_train_batch_size={t.per_device_train_batch_size} "
+          f"gradient_accumulation_steps={t.gradient_accumulation_steps} max_completion_length={t.max_completion_length}",
+          flush=True)
 
 
 if __name__ == "__main__":
