@@ -172,6 +172,44 @@ def test_census_sites_from_cuda_snapshots_are_read_without_torch() -> None:
 
 
 
+class FakeHistory:
+    """torch as the census uses it on CUDA: the memory-history switch (``_record_memory_history``, with the settings
+    it was last given), whether it is on (``torch._C._cuda_isHistoryEnabled``), and snapshots."""
+
+    def __init__(self, user: dict | None) -> None:
+        self.settings = user  # None: not recording
+        self.calls: list[dict] = []
+        self.cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                          memory=types.SimpleNamespace(_record_memory_history=self.record,
+                                                                       _snapshot=lambda: {"segments": []}))
+        self._C = types.SimpleNamespace(_cuda_isHistoryEnabled=lambda: self.settings is not None)
+        self.Tensor = type("Tensor", (), {})
+
+    def record(self, enabled: str | None = "all", **kw: object) -> None:
+        self.calls.append({"enabled": enabled, **kw})
+        self.settings = None if enabled is None else {"enabled": enabled, **kw}
+
+
+@pytest.mark.parametrize("user", [{"enabled": "all", "max_entries": 100000}, None])
+def test_the_census_leaves_a_memory_history_recording_the_user_started_as_it_was(monkeypatch, user) -> None:
+    """PyTorch's advice for OOMs is to record memory history and dump a snapshot when one comes: a census (after any
+    leak verdict) keeps that recording on, with the user's settings; one it started itself it stops again."""
+    from oomguard.child.census import Census
+
+    fake = FakeHistory(user)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    census = Census()
+    census.start()
+    census.take(3)
+    census.take(5)
+    census.stop()
+    assert fake.settings == user
+    if user is not None:
+        assert fake.calls == []  # the user's recording, never touched
+    else:
+        assert [c["enabled"] for c in fake.calls] == ["state", None]
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_real_grpo_with_a_leaky_reward_function(tiny_model: str, tmp_path) -> None:
