@@ -16,6 +16,7 @@ from typing import Any
 from ..vocab.events import PatchFailed, ProcessStarted
 from ..vocab.launchers import by_module, by_script
 from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
+from . import peaks
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
 
@@ -130,6 +131,8 @@ def install_hooks(rt: Runtime) -> None:
         return reported(rt, name, patch)
 
     when_imported("torch", reported(rt, "on_torch", lambda m: on_torch(rt, m)))
+    if rt.plan.trace:  # the per-step peak's marks leave the peak counters the user reads whole (child/peaks.py)
+        when_imported("torch.cuda.memory", reported(rt, "peaks", peaks.install))
     when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))

@@ -22,9 +22,9 @@ def make_callback(rt: Runtime) -> Any:
             if rt.plan.trace and rt.memwatch is None:
                 from .memwatch import MemWatch
 
-                # transformers' own memory metrics read the process's peak at the end: leave the counters alone
-                rt.memwatch = MemWatch(rt, host_limit=rt.plan.host_limit, census_after=rt.plan.census_after,
-                                       reset_peak=bool(getattr(args, "skip_memory_metrics", True)))
+                # each step's peak is oomguard's own (child/peaks.py): transformers' memory metrics and the user's
+                # own reads of the peak counters see what they would without oomguard
+                rt.memwatch = MemWatch(rt, host_limit=rt.plan.host_limit, census_after=rt.plan.census_after)
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if rt.memwatch is not None:
