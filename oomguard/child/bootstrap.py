@@ -16,7 +16,6 @@ from typing import Any
 from ..vocab.events import PatchFailed, ProcessStarted
 from ..vocab.launchers import by_module, by_script
 from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
-from . import peaks
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
 
@@ -132,6 +131,8 @@ def install_hooks(rt: Runtime) -> None:
 
     when_imported("torch", reported(rt, "on_torch", lambda m: on_torch(rt, m)))
     if rt.plan.trace:  # the per-step peak's marks leave the peak counters the user reads whole (child/peaks.py)
+        from . import peaks
+
         when_imported("torch.cuda.memory", reported(rt, "peaks", peaks.install))
     when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
