@@ -96,7 +96,10 @@ def install(memory: Any) -> None:
     the peaks oomguard's marks reset, as if they had not been; once per process."""
     if _REAL:
         return
-    stats, reset = memory.memory_stats_as_nested_dict, memory.reset_peak_memory_stats
+    # torch's own functions, also where an earlier install (the guard's, in a process that imported oomguard anew)
+    # left its wrappers
+    stats = _real(memory.memory_stats_as_nested_dict)
+    reset = _real(memory.reset_peak_memory_stats)
     _REAL.update(stats=stats, reset=reset)
 
     @functools.wraps(stats)
@@ -110,13 +113,20 @@ def install(memory: Any) -> None:
         _KEPT.pop(_index(memory, device), None)
         return reset(device)
 
+    memory_stats_as_nested_dict._oomguard_real = stats  # type: ignore[attr-defined]
+    reset_peak_memory_stats._oomguard_real = reset  # type: ignore[attr-defined]
     memory.memory_stats_as_nested_dict = memory_stats_as_nested_dict
     memory.reset_peak_memory_stats = reset_peak_memory_stats
     cuda = sys.modules.get("torch.cuda")
     for name, fn in (("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
                      ("reset_peak_memory_stats", reset_peak_memory_stats)):
-        if cuda is not None and getattr(cuda, name, None) in (stats, reset):
+        if cuda is not None and _real(getattr(cuda, name, None)) in (stats, reset):
             setattr(cuda, name, fn)
+
+
+def _real(fn: Any) -> Any:
+    """torch's own function behind an oomguard wrapper (or ``fn`` itself)."""
+    return getattr(fn, "_oomguard_real", fn)
 
 
 def _index(memory: Any, device: Any) -> int:
