@@ -102,10 +102,23 @@ def added_checkpoints(rt: Any, cfg: Any) -> AddedCheckpoints | None:
     """The cadence of this attempt (the plan's, else a replayed lock's ``checkpoint_every``) on a GRPOConfig, reported
     as an adaptation (the diff, the lock); None without one."""
     every = rt.plan.checkpoint_every or rt.overrides.checkpoint_every
-    if not every:
+    if not every or saves_as_often(cfg, int(every)):
         return None
     rt.adapt("checkpoint_every", int(every), WHY.format(every=int(every)))
     return AddedCheckpoints(int(every), getattr(cfg, "save_total_limit", None))
 
 
-__all__ = ["MARK", "WHY", "AddedCheckpoints", "added_checkpoints"]
+def saves_as_often(cfg: Any, every: int) -> bool:
+    """Whether the script's own config already saves at least every ``every`` steps (then nothing is added).
+
+    >>> from types import SimpleNamespace
+    >>> saves_as_often(SimpleNamespace(save_strategy="steps", save_steps=5), 6), saves_as_often(
+    ...     SimpleNamespace(save_strategy="steps", save_steps=500), 6)
+    (True, False)
+    """
+    steps = getattr(cfg, "save_steps", None)
+    strategy = str(getattr(getattr(cfg, "save_strategy", None), "value", getattr(cfg, "save_strategy", ""))).lower()
+    return strategy == "steps" and isinstance(steps, (int, float)) and 1 <= steps <= every
+
+
+__all__ = ["MARK", "WHY", "AddedCheckpoints", "added_checkpoints", "saves_as_often"]
