@@ -225,7 +225,8 @@ REPORT_KEYS = {
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
             "`fewer_prompts_per_step`); when the run did not become stable, what was tried. `remedy` is a rung's name, "
             "`lock` for a replayed lock's override, or `adaptation` for a change made so that the command runs where "
-            "it is launched, not for memory (`use_cpu=True` on a machine without a GPU)",
+            "it is launched or can resume, not for memory (`use_cpu=True` on a machine without a GPU; "
+            "`checkpoint_every`, the checkpoints a leak's restarts or `--checkpoint-every` add)",
     "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages, "
              "where its DeepSpeed config comes from (`deepspeed`: `GRPOConfig` or `accelerate`), the installed TRL "
              "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take)",

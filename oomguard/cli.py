@@ -19,8 +19,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("N", "the command's own code when it succeeds, or when it fails for a reason other than an OOM (passed "
           "through at once, no retry)"),
     ("75", "the ladder or the budget (--max-attempts, --max-time) is used up"),
-    ("76", "the run leaks memory and stopped at the leak (--no-leak-restart, or a leak too fast for a restart to get "
-           "past its checkpoint); a leaking run that finished every step through restarts exits 0, status leaked"),
+    ("76", "the run leaks memory and stopped at it (--no-leak-restart, too fast to get past a checkpoint, or the "
+           "budget spent on restarts); a leaking run that finished every step through restarts exits 0, status leaked"),
     ("130/143", "interrupted (SIGINT/SIGTERM)"),
     ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used; a replayed lock whose "
           "value the training process does not run, stopped before it trains)"),
@@ -152,11 +152,11 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
                    "probe measured, nor probe the changes the memory model is unsure of (fewer launches; the "
                    "config may keep a change memory did not demand).")
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
-              help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
-                   "steps (oomguard continues from the newest checkpoint).")
+              help="Add a checkpoint every N steps beside the script's own, so an OOM late in training loses at most "
+                   "N steps (oomguard continues from the newest; it deletes those it added, all but the newest).")
 @click.option("--no-leak-restart", is_flag=True,
               help="Stop at the first OOM the memory trace shows is a leak (memory kept step after step), instead "
-                   "of resuming from the last checkpoint with the same config (exit code 76).")
+                   "of resuming from the last checkpoint with the same config (exit 76; restarts count as attempts).")
 @click.option("--no-trace", is_flag=True,
               help="Do not sample memory at each training step (no leak, long-sample or fragmentation diagnosis).")
 @click.option("--html", "html_path", default=None, metavar="PATH",

@@ -130,6 +130,10 @@ def install_hooks(rt: Runtime) -> None:
         return reported(rt, name, patch)
 
     when_imported("torch", reported(rt, "on_torch", lambda m: on_torch(rt, m)))
+    if rt.plan.trace:  # the per-step peak's marks leave the peak counters the user reads whole (child/peaks.py)
+        from . import peaks
+
+        when_imported("torch.cuda.memory", reported(rt, "peaks", peaks.install))
     when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))

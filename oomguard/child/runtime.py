@@ -35,6 +35,7 @@ class Runtime:
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
         self.memwatch: Any = None  # the per-step memory trace (child/memwatch.py), from the first train_begin
+        self.added: Any = None  # the checkpoints oomguard's saving adds to the user's (child/saves.py), or None
         self.crashed = False
         self.crash_path: Path | None = None  # the CrashRecord this process wrote (once)
         self.started = time.time()

@@ -67,7 +67,8 @@ class Climb:
     pinned: Knobs = field(default_factory=Knobs)  # a lock file's overrides, replayed: oomguard's, not the user's
     pinned_by: dict[str, str] = field(default_factory=dict)  # the remedy the lock names for each pinned knob
     # what oomguard changed so that the command runs where it is launched, not for memory (``use_cpu`` for DeepSpeed's
-    # CPU ranks): knob -> (value, why); in the diff and the lock like any change, so that a replay runs the same
+    # CPU ranks; a checkpoint cadence a leak's restarts need): knob -> (value, why); in the diff and the lock like any
+    # change, so that a replay runs the same
     adapted: dict[str, tuple[Any, str]] = field(default_factory=dict)
     env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
     facts: RunFacts = field(default_factory=RunFacts)
@@ -122,6 +123,11 @@ class Climb:
         knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
         return knobs, {**who, **changed}
 
+    def start(self) -> Knobs:
+        """Where every choice starts: the user's config, a replayed lock's values and oomguard's adaptations (so that a
+        config chosen is compared with those that ran, which carried the adaptations, as they ran)."""
+        return self.original().merged(self.pinned).merged({k: v for k, (v, _why) in self.adapted.items()})
+
     def overrides(self, knobs: Knobs | None = None) -> dict[str, Any]:
         """What oomguard changes relative to the original: the values a plan carries to the training code, and the
         lock writes. Every value oomguard sets whatever the user's is (``fixed``) is among them, also where it equals
@@ -169,10 +175,11 @@ class Climb:
         return exp
 
     def adapt(self, knob: str, value: Any, why: str) -> None:
-        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched (the training process
-        said so, and why): the first word stays."""
-        if knob in TRL_DEFAULTS.to_dict():
-            self.adapted.setdefault(knob, (value, why))
+        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched, or can resume (the
+        training process said so, and why): the latest value stays (a leak's restarts save more and more often), with
+        the first word for it."""
+        if knob in TRL_DEFAULTS.to_dict() and self.adapted.get(knob, (None,))[0] != value:
+            self.adapted[knob] = (value, why)
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
@@ -250,7 +257,7 @@ class Climb:
         fit, ``settle_rechoice`` puts the choice back, to be probed in turn.
         """
         before = self.effective()[0]
-        start = self.original().merged(self.pinned)
+        start = self.start()
         pruned = self.applied != self.climbed  # the config in force is a choice below the ceiling
         steps: list[Step] = []
         skipped: dict[str, str] = {}
@@ -316,7 +323,7 @@ class Climb:
         if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]
-        choice = self._choose(self.original().merged(self.pinned), fits, peak, relax_fits, headroom_only=True)
+        choice = self._choose(self.start(), fits, peak, relax_fits, headroom_only=True)
         if choice is None or choice.knobs == current:
             return None
         pref = self.preference()

@@ -339,7 +339,8 @@ class Launcher:
 
     def _saves(self, nxt: Next) -> int | None:
         """The checkpoint cadence of a real run: a leak's restarts need one (unless the script already saves as
-        often), else --checkpoint-every."""
+        often), else --checkpoint-every. The training process adds its checkpoints beside the script's own and
+        deletes them again, all but the newest (child/saves.py)."""
         every = nxt.checkpoint_every
         if every is not None and self.script_saves is not None and self.script_saves <= every:
             every = None
@@ -376,7 +377,8 @@ class Launcher:
                 if w.saves_set is None:  # the script's own cadence (oomguard set none): a leak's restarts keep it
                     steps = "steps" in ev.save_strategy.lower().split(".")[-1:]
                     self.script_saves = ev.save_steps if steps and ev.save_steps else None
-                if "no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints:
+                if ("no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints
+                        and w.saves_set is None):  # oomguard's own cadence saves beside it
                     self.warned_no_checkpoints = True
                     self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
                                     "step 0; add --checkpoint-every N to lose at most N steps")

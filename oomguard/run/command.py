@@ -24,7 +24,7 @@ from ..vocab.schema import RecordError
 from ..vocab.trlrange import Support, support
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
-EXIT_LEAKED = 76  # the run leaks memory and stopped at it (--no-leak-restart, or too fast to get past a checkpoint)
+EXIT_LEAKED = 76  # the run leaks memory and stopped at it (--no-leak-restart, too fast, or the budget spent)
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126

@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--trl-precision", action="store_true",
                    help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (eval_strategy='steps')")
     p.add_argument("--per-device-eval-batch-size", type=int, default=None)
     p.add_argument("--num-generations-eval", type=int, default=None)
@@ -165,6 +166,7 @@ def main() -> None:
         **({} if a.trl_precision else {"bf16": False}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
+        save_total_limit=a.save_total_limit,
         **({"eval_strategy": "steps", "eval_steps": a.eval_steps} if a.eval_steps else {}),
         **({} if a.per_device_eval_batch_size is None else {"per_device_eval_batch_size": a.per_device_eval_batch_size}),
         **({} if a.num_generations_eval is None else {"num_generations_eval": a.num_generations_eval}),
