@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,18 @@ def file_store(d: Path):
     return dist.FileStore(str(d / "store"), -1)
 
 
+def stores(count: int = 2) -> list:
+    """Each node's own handle on one TCPStore: its waits end to the millisecond where a FileStore's end on whole
+    seconds, so the tests of waits that run out use it (the end-to-end tests meet through both)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    return [dist.TCPStore("127.0.0.1", port, is_master=n == 0, wait_for_workers=False, timeout=timedelta(seconds=10))
+            for n in range(count)]
+
+
 def group(tmp: Path, node: int, nodes: int = 2, timeout: float = 30) -> Group:
     return Group(Membership(node=node, nodes=nodes, root=str(tmp), job="j"), timeout=timeout, beat=False)
 
@@ -105,29 +118,31 @@ def test_the_leader_decides_and_the_follower_adopts_its_end(tmp_path):
 def test_a_follower_never_joins_a_finished_or_dead_session(tmp_path):
     """Sessions are a counter in the directory's store: a new job's leader opens the next one at once (no name to the
     second to wait for), and a follower joins only a session whose leader beats and has not ended."""
+    store = stores(1)[0]
     old = group(tmp_path, 0)
-    old.open(file_store(tmp_path))
+    old.open(store)
     old.finish({"status": "stable", "exit_code": 0, "report": {}})  # an earlier job in the same directory
     with pytest.raises(GroupError, match="no leader"):
-        group(tmp_path, 1).open(file_store(tmp_path), wait=0.6)
+        group(tmp_path, 1).open(store, wait=0.3)
     dead = group(tmp_path, 0)
-    dead.open(file_store(tmp_path))  # killed before it ended: its last beat a minute old
-    file_store(tmp_path).set(f"{dead.n}/beat/0", str(time.time() - 60))
+    dead.open(store)  # killed before it ended: its last beat a minute old
+    store.set(f"{dead.n}/beat/0", str(time.time() - 60))
     with pytest.raises(GroupError, match="no leader"):
-        group(tmp_path, 1).open(file_store(tmp_path), wait=0.6)
+        group(tmp_path, 1).open(store, wait=0.3)
     new = group(tmp_path, 0)
-    new.open(file_store(tmp_path))
+    new.open(store)
     follow = group(tmp_path, 1)
-    follow.open(file_store(tmp_path), wait=2)
+    follow.open(store, wait=2)
     assert follow.session == new.session and len({old.session, dead.session, new.session}) == 3
 
 
 def test_a_silent_node_ends_the_group_with_its_name(tmp_path):
     """Node 1 joins and then writes nothing more (it died with its node): once its heartbeat has not moved for the
     timeout, the leader's wait ends with its name; the failure reaches every node."""
-    lead, follow = group(tmp_path, 0, timeout=0.5), group(tmp_path, 1, timeout=0.5)
-    lead.open(file_store(tmp_path))
-    follow.open(file_store(tmp_path), wait=2)
+    lead, follow = group(tmp_path, 0, timeout=0.3), group(tmp_path, 1, timeout=0.3)
+    mine, theirs = stores()
+    lead.open(mine)
+    follow.open(theirs, wait=2)
     lead.assemble(wait=2)
     lead.publish(1, {"kind": "run", "plan": {}})
     with pytest.raises(GroupError, match=r"node 1 \(.+\) stopped answering.*not an OOM"):
@@ -135,16 +150,17 @@ def test_a_silent_node_ends_the_group_with_its_name(tmp_path):
     lead.fail("node 1 died")
     lead.fail("a later word")  # the first word stays
     with pytest.raises(GroupError, match="node 1 died"):
-        follow.next_step(2, wait=1)
+        follow.next_step(2, wait=0.5)
     assert json.loads((lead.session / "failed.json").read_text())["why"] == "node 1 died"
 
 
 def test_a_node_that_never_joins_is_named(tmp_path):
+    mine, theirs = stores()
     lead = group(tmp_path, 0, nodes=3)
-    lead.open(file_store(tmp_path))
-    group(tmp_path, 1, nodes=3).open(file_store(tmp_path), wait=1)
+    lead.open(mine)
+    group(tmp_path, 1, nodes=3).open(theirs, wait=1)
     with pytest.raises(GroupError, match=r"node\(s\) 2 did not join"):
-        lead.assemble(wait=0.6)
+        lead.assemble(wait=0.3)
 
 
 def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_path, monkeypatch):
@@ -154,13 +170,13 @@ def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_pa
     said: list[str] = []
     lead = group(tmp_path / "wd-0", 0)
     lead.notice = said.append
-    lead.open(file_store(tmp_path / "wd-0"))
+    lead.open(stores(1)[0])  # each node's own store: they never meet
     with pytest.raises(GroupError, match=r"node\(s\) 1 did not join.*--group DIR"):
-        lead.assemble(wait=1.0)
+        lead.assemble(wait=0.5)
     follow = group(tmp_path / "wd-1", 1)
     follow.notice = said.append
     with pytest.raises(GroupError, match="no leader"):
-        follow.open(file_store(tmp_path / "wd-1"), wait=1.0)
+        follow.open(stores(1)[0], wait=0.5)
     assert len(said) == 2
     assert said[0].startswith("node 0 has waited") and "for node(s) 1 in" in said[0] and "wd-0" in said[0]
     assert said[1].startswith("node 1 has waited") and "for node 0 (the leader) in" in said[1]
@@ -171,12 +187,13 @@ def test_a_wait_ends_when_its_key_comes_or_its_time_runs_out(tmp_path):
     """The waits are the store's own (``Store.wait``): each gives up at its time with its message, ``gather`` calls
     its tick between looks, and returns at the look that finds every node's end."""
     lead, follow = group(tmp_path, 0), group(tmp_path, 1)
-    lead.open(file_store(tmp_path))
+    mine, theirs = stores()
+    lead.open(mine)
     began = time.monotonic()
     with pytest.raises(GroupError, match=r"node\(s\) 1 did not join the group in .* within 1 s"):
-        lead.assemble(wait=1.2)
-    assert 1.2 <= time.monotonic() - began < 3.5
-    follow.open(file_store(tmp_path), wait=2)
+        lead.assemble(wait=0.6)
+    assert 0.6 <= time.monotonic() - began < 2
+    follow.open(theirs, wait=2)
     lead.assemble(wait=2)
     with pytest.raises(GroupError, match="the leader published no attempt 5 in time"):
         follow.next_step(5, wait=0.3)
@@ -193,15 +210,9 @@ def test_a_wait_ends_when_its_key_comes_or_its_time_runs_out(tmp_path):
 def test_nodes_on_their_own_disks_read_every_nodes_training_files_through_the_store(tmp_path):
     """Through a TCPStore (no shared directory), each node's events of an attempt (whole lines) and its ranks' crash
     records reach the other node's attempt directory: a follower's crash record before the leader reads its end."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    host, client = stores()
     lead, follow = group(tmp_path / "wd-0", 0), group(tmp_path / "wd-1", 1)
-    lead.via = follow.via = f"127.0.0.1:{port}"
+    lead.via = follow.via = f"127.0.0.1:{host.port}"
     lead.open(host)
     follow.open(client, wait=2)
     lead.assemble(wait=2)
@@ -229,14 +240,20 @@ def test_the_store_helper_says_its_role_or_why_it_cannot_hold_the_store(tmp_path
     and where none has it the node says so in one line."""
     from oomguard.run import rendezvous
 
-    helper = tmp_path / "helper.py"
+    helper, host = tmp_path / "helper.py", tmp_path / "host"
     monkeypatch.setattr(rendezvous, "HELPER", helper)
-    helper.write_text("import json, sys, time\ntime.sleep(0.6)\n"
+    os.mkfifo(host)  # the host answers once the node has said that it waits for it
+    helper.write_text(f"import json, sys\nopen({str(host)!r}).read()\n"
                       "print(json.dumps({'event': 'ready', 'role': 'client'}), flush=True)\n"
                       "for line in sys.stdin: print(json.dumps({'ok': json.loads(line)['args'][1] + 1}), flush=True)\n")
     waited: list[int] = []
-    store = rendezvous.HelperStore.start(["/nonexistent/python", PYTHON], {"host": "node0", "port": 29401},
-                                         lambda: waited.append(1), after=0.2)
+
+    def waiting() -> None:
+        waited.append(1)
+        host.write_text("up")
+
+    store = rendezvous.HelperStore.start(["/nonexistent/python", PYTHON], {"host": "node0", "port": 29401}, waiting,
+                                         after=0.2)
     assert (store.role, store.endpoint, store.add("session", 1), waited) == ("client", "node0:29401", 2, [1])
     store.close(wait=5)
     helper.write_text("import json\nprint(json.dumps({'event': 'error', 'torch': False, 'why': 'no torch'}))\n")
@@ -370,10 +387,18 @@ def test_nodes_that_cannot_meet_say_so_within_30_seconds(tmp_path, tiny_model):
     """Two nodes with node-local working directories and no rendezvous endpoint to meet through: each says, within
     30 s of waiting, where it waits, who is missing and the way out (then the test stops them)."""
     procs = start_nodes(tmp_path, tiny_model, {}, "--simulate-gpu", "1GiB", "--no-probe", shared=False, rdzv=False)
-    time.sleep(40)
+    errs = ["", ""]
+    for n, p in enumerate(procs):  # each node's output, up to its notice (a node that never says it is stopped)
+        late = threading.Timer(120, os.killpg, (os.getpgid(p.pid), signal.SIGTERM))
+        late.start()
+        for line in p.stderr:
+            errs[n] += line
+            if "has waited" in line:
+                break
+        late.cancel()
     for p in procs:
         os.killpg(os.getpgid(p.pid), signal.SIGTERM)
-    errs = [p.communicate(timeout=60)[1] for p in procs]
+    errs = [errs[n] + p.communicate(timeout=60)[1] for n, p in enumerate(procs)]
     for node, missing in ((0, "node(s) 1"), (1, "node 0 (the leader)")):
         where = tmp_path / f"wd-{node}" / "group" / "job"
         assert f"node {node} has waited 30 s for {missing} in {where}" in errs[node], errs[node][-2000:]

@@ -47,7 +47,7 @@ DEFAULT_TIMEOUT = 120.0
 JOIN_TIMEOUT = 900.0  # how long the nodes wait for each other at the start (torchrun's own rendezvous waits 900 s)
 NOTICE_AFTER = 30.0  # a node still waiting for the others after this says so, once, with the way out
 SLICE = 0.9  # the longest single Store.wait (a FileStore's waits end on whole seconds: 0.9 s is one)
-LOOK_EVERY = 1.0  # how often a node whose command runs looks at the group (its ticks come five a second)
+LOOK_EVERY = 0.8  # how often a node whose command runs looks at the group (its ticks come five a second)
 BEAT_EVERY = 5.0  # at most: a quarter of the timeout where that is shorter
 STORE_GONE = (GroupError, RuntimeError)  # the helper's store, or torch's own, stopped answering
 
