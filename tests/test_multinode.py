@@ -235,9 +235,9 @@ def test_nodes_on_their_own_disks_read_every_nodes_training_files_through_the_st
 
 
 def test_the_store_helper_says_its_role_or_why_it_cannot_hold_the_store(tmp_path, monkeypatch):
-    """HelperStore.start: a helper that says ``ready`` answers the Store's calls, and one that keeps the node waiting
-    for the host is said once (after 30 s, here 0.2); a Python without torch.distributed is passed over for the next,
-    and where none has it the node says so in one line."""
+    """HelperStore.start: a helper that says ``ready`` answers the Store's calls (each answer to its own call), and one
+    that keeps the node waiting for the host is said once (after 30 s, here 0.2); a Python without torch.distributed is
+    passed over for the next, and where none has it the node says so in one line."""
     from oomguard.run import rendezvous
 
     helper, host = tmp_path / "helper.py", tmp_path / "host"
@@ -245,7 +245,8 @@ def test_the_store_helper_says_its_role_or_why_it_cannot_hold_the_store(tmp_path
     os.mkfifo(host)  # the host answers once the node has said that it waits for it
     helper.write_text(f"import json, sys\nopen({str(host)!r}).read()\n"
                       "print(json.dumps({'event': 'ready', 'role': 'client'}), flush=True)\n"
-                      "for line in sys.stdin: print(json.dumps({'ok': json.loads(line)['args'][1] + 1}), flush=True)\n")
+                      "for line in sys.stdin:\n    r = json.loads(line)\n"
+                      "    print(json.dumps({'id': r['id'], 'ok': r['args'][1] + 1}), flush=True)\n")
     waited: list[int] = []
 
     def waiting() -> None:
@@ -255,6 +256,8 @@ def test_the_store_helper_says_its_role_or_why_it_cannot_hold_the_store(tmp_path
     store = rendezvous.HelperStore.start(["/nonexistent/python", PYTHON], {"host": "node0", "port": 29401}, waiting,
                                          after=0.2)
     assert (store.role, store.endpoint, store.add("session", 1), waited) == ("client", "node0:29401", 2, [1])
+    store.proc.stdin.write('{"id": 0, "op": "add", "args": ["session", 41]}\n')  # a call Ctrl-C cut short
+    assert store.add("session", 1) == 2  # its answer is not taken for the next call's
     store.close(wait=5)
     helper.write_text("import json\nprint(json.dumps({'event': 'error', 'torch': False, 'why': 'no torch'}))\n")
     with pytest.raises(GroupError, match=r"no Python here can import \(tried /nonexistent/python \(No such file.*\), "

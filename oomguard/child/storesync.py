@@ -1,8 +1,8 @@
 """The group's store, held for a supervisor that never imports torch: a ``torch.distributed`` Store behind a pipe.
 
 oomguard/run/rendezvous.py starts this helper with the training environment's Python (standard library and torch only)
-and calls the Store's methods through its standard streams, one JSON line each way: ``{"op": "add", "args":
-["session", 1]}`` is answered ``{"ok": 1}``, ``{"timeout": true}`` when a ``wait`` runs out, else ``{"error": WHY}``.
+and calls the Store's methods through its standard streams, one JSON line each way: ``{"id": 7, "op": "add", "args":
+["session", 1]}`` is answered ``{"id": 7, "ok": 1}`` (``"timeout": true`` when a ``wait`` runs out, else ``"error"``).
 Its first line is ``{"event": "ready", "role": R}``: ``file`` (a FileStore), ``host`` (it hosts the TCPStore: the
 rendezvous host is this machine and the port was free, torchrun's own rule) or ``client`` (once the host answers:
 torch's client keeps trying until the join timeout); else ``{"event": "error", "why": ...}``. When the supervisor
@@ -76,9 +76,9 @@ def main(spec: dict[str, Any]) -> int:
         try:
             out = getattr(store, op)(*args[:-1], timedelta(seconds=args[-1])) if op == "wait" else \
                 getattr(store, op)(*args)
-            say(ok=out.decode("utf-8", "replace") if isinstance(out, bytes) else out)
+            say(id=req["id"], ok=out.decode("utf-8", "replace") if isinstance(out, bytes) else out)
         except Exception as e:
-            say(**{"timeout": True} if op == "wait" and "timeout" in str(e).lower() else
+            say(id=req["id"], **{"timeout": True} if op == "wait" and "timeout" in str(e).lower() else
                 {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"})
     try:
         if role != "file":

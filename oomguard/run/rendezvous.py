@@ -55,7 +55,7 @@ class HelperStore:
 
     def __init__(self, proc: subprocess.Popen[str], role: str, endpoint: str | None) -> None:
         self.proc, self.role, self.endpoint = proc, role, endpoint
-        self.lock = threading.Lock()  # one call at a time: the heartbeat's thread shares the pipe
+        self.lock, self.calls = threading.Lock(), 0  # one call at a time: the heartbeat's thread shares the pipe
 
     @classmethod
     def start(cls, pythons: Sequence[str], spec: dict[str, Any], waiting: Callable[[], None] = lambda: None,
@@ -91,11 +91,14 @@ class HelperStore:
     def _call(self, op: str, *args: Any) -> Any:
         args = tuple(a.total_seconds() if isinstance(a, timedelta) else a for a in args)
         with self.lock:
+            self.calls += 1
             try:
                 assert self.proc.stdin is not None and self.proc.stdout is not None
-                self.proc.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
+                self.proc.stdin.write(json.dumps({"id": self.calls, "op": op, "args": args}) + "\n")
                 self.proc.stdin.flush()
-                said = json.loads(self.proc.stdout.readline() or '{"error": "the helper exited"}')
+                said: dict[str, Any] = {"id": None}
+                while said.get("id", self.calls) != self.calls:  # the answer to a call an interrupt cut short
+                    said = json.loads(self.proc.stdout.readline() or '{"error": "the helper exited"}')
             except (OSError, ValueError) as e:
                 said = {"error": f"the helper's pipe broke ({e})"}
         if said.get("timeout"):
