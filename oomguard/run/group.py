@@ -179,9 +179,9 @@ class Group:
         self.store.set(self._k("step", index), json.dumps(step))
 
     def trouble(self) -> str | None:
-        """Why this node must stop what it runs now (looked at every 0.8 s): the group failed or a node fell silent (then
-        ``failure`` says why; the leader watches every node, a follower the leader), or the leader ended the job.
-        Where the nodes do not share the directory, it relays the attempt's files first."""
+        """Why this node must stop what it runs now (it looks every 0.8 s): the group failed or a node fell silent
+        (then ``failure`` says why; the leader watches every node, a follower the leader), or the leader ended the
+        job. Where the nodes do not share the directory, it relays the attempt's files first."""
         if time.monotonic() - self._looked < LOOK_EVERY:
             return None
         self._looked = time.monotonic()
