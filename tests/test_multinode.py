@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -76,14 +76,34 @@ def test_the_cli_turns_a_membership_error_into_one_line(tmp_path):
 
 
 # -- the protocol ----------------------------------------------------------------------------------------------------
+def file_store(d: Path):
+    """A node's own handle on the group's FileStore in ``d`` (each node opens its own, as on separate machines)."""
+    import torch.distributed as dist
+
+    d.mkdir(parents=True, exist_ok=True)
+    return dist.FileStore(str(d / "store"), -1)
+
+
+def stores(count: int = 2) -> list:
+    """Each node's own handle on one TCPStore: its waits end to the millisecond where a FileStore's end on whole
+    seconds, so the tests of waits that run out use it (the end-to-end tests meet through both)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    return [dist.TCPStore("127.0.0.1", port, is_master=n == 0, wait_for_workers=False, timeout=timedelta(seconds=10))
+            for n in range(count)]
+
+
 def group(tmp: Path, node: int, nodes: int = 2, timeout: float = 30) -> Group:
     return Group(Membership(node=node, nodes=nodes, root=str(tmp), job="j"), timeout=timeout, beat=False)
 
 
 def test_the_leader_decides_and_the_follower_adopts_its_end(tmp_path):
     lead, follow = group(tmp_path, 0), group(tmp_path, 1)
-    lead.open()
-    follow.open(wait=2)
+    lead.open(file_store(tmp_path))
+    follow.open(file_store(tmp_path), wait=2)
     lead.assemble(wait=2)
     assert follow.session == lead.session
     lead.publish(1, {"kind": "probe", "plan": {"overrides": {"num_generations": 2}}})
@@ -96,39 +116,51 @@ def test_the_leader_decides_and_the_follower_adopts_its_end(tmp_path):
 
 
 def test_a_follower_never_joins_a_finished_or_dead_session(tmp_path):
+    """Sessions are a counter in the directory's store: a new job's leader opens the next one at once (no name to the
+    second to wait for), and a follower joins only a session whose leader beats and has not ended."""
+    store = stores(1)[0]
     old = group(tmp_path, 0)
-    old.open()
+    old.open(store)
     old.finish({"status": "stable", "exit_code": 0, "report": {}})  # an earlier job in the same directory
     with pytest.raises(GroupError, match="no leader"):
-        group(tmp_path, 1).open(wait=0.6)
+        group(tmp_path, 1).open(store, wait=0.3)
+    dead = group(tmp_path, 0)
+    dead.open(store)  # killed before it ended: its last beat a minute old
+    store.set(f"{dead.n}/beat/0", str(time.time() - 60))
+    with pytest.raises(GroupError, match="no leader"):
+        group(tmp_path, 1).open(store, wait=0.3)
     new = group(tmp_path, 0)
-    time.sleep(1.1)  # a new session name
-    new.open()
+    new.open(store)
     follow = group(tmp_path, 1)
-    follow.open(wait=2)
-    assert follow.session == new.session != old.session
+    follow.open(store, wait=2)
+    assert follow.session == new.session and len({old.session, dead.session, new.session}) == 3
 
 
 def test_a_silent_node_ends_the_group_with_its_name(tmp_path):
-    lead, follow = group(tmp_path, 0, timeout=0.5), group(tmp_path, 1, timeout=0.5)
-    lead.open()
-    follow.open(wait=2)
+    """Node 1 joins and then writes nothing more (it died with its node): once its heartbeat has not moved for the
+    timeout, the leader's wait ends with its name; the failure reaches every node."""
+    lead, follow = group(tmp_path, 0, timeout=0.3), group(tmp_path, 1, timeout=0.3)
+    mine, theirs = stores()
+    lead.open(mine)
+    follow.open(theirs, wait=2)
     lead.assemble(wait=2)
     lead.publish(1, {"kind": "run", "plan": {}})
-    time.sleep(0.7)  # node 1 writes nothing more: it died with its node
-    with pytest.raises(GroupError, match=r"node 1 .*stopped answering.*not an OOM"):
+    with pytest.raises(GroupError, match=r"node 1 \(.+\) stopped answering.*not an OOM"):
         lead.gather(1)
     lead.fail("node 1 died")
+    lead.fail("a later word")  # the first word stays
     with pytest.raises(GroupError, match="node 1 died"):
-        follow.next_step(2, wait=1)
+        follow.next_step(2, wait=0.5)
+    assert json.loads((lead.session / "failed.json").read_text())["why"] == "node 1 died"
 
 
 def test_a_node_that_never_joins_is_named(tmp_path):
+    mine, theirs = stores()
     lead = group(tmp_path, 0, nodes=3)
-    lead.open()
-    group(tmp_path, 1, nodes=3).open(wait=1)
+    lead.open(mine)
+    group(tmp_path, 1, nodes=3).open(theirs, wait=1)
     with pytest.raises(GroupError, match=r"node\(s\) 2 did not join"):
-        lead.assemble(wait=0.6)
+        lead.assemble(wait=0.3)
 
 
 def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_path, monkeypatch):
@@ -138,96 +170,114 @@ def test_a_node_that_waits_says_once_where_who_is_missing_and_the_way_out(tmp_pa
     said: list[str] = []
     lead = group(tmp_path / "wd-0", 0)
     lead.notice = said.append
-    lead.open()
+    lead.open(stores(1)[0])  # each node's own store: they never meet
     with pytest.raises(GroupError, match=r"node\(s\) 1 did not join.*--group DIR"):
-        lead.assemble(wait=1.0)
+        lead.assemble(wait=0.5)
     follow = group(tmp_path / "wd-1", 1)
     follow.notice = said.append
     with pytest.raises(GroupError, match="no leader"):
-        follow.open(wait=1.0)
+        follow.open(stores(1)[0], wait=0.5)
     assert len(said) == 2
     assert said[0].startswith("node 0 has waited") and "for node(s) 1 in" in said[0] and "wd-0" in said[0]
     assert said[1].startswith("node 1 has waited") and "for node 0 (the leader) in" in said[1]
     assert all("pass --group DIR on a directory every node sees" in s for s in said)
 
 
-def test_a_wait_ticks_at_every_look_and_gives_up_at_its_time(tmp_path):
-    """The waits poll as before (0.5 s at the start, 0.2 s during the job), call the group's tick between looks (the
-    store's helper speaks), and end with the same messages when their time runs out."""
+def test_a_wait_ends_when_its_key_comes_or_its_time_runs_out(tmp_path):
+    """The waits are the store's own (``Store.wait``): each gives up at its time with its message, ``gather`` calls
+    its tick between looks, and returns at the look that finds every node's end."""
     lead, follow = group(tmp_path, 0), group(tmp_path, 1)
-    ticks: list[float] = []
-    lead.tick = lambda: ticks.append(time.monotonic())
-    lead.open()
+    mine, theirs = stores()
+    lead.open(mine)
     began = time.monotonic()
     with pytest.raises(GroupError, match=r"node\(s\) 1 did not join the group in .* within 1 s"):
-        lead.assemble(wait=1.2)
-    assert 1.2 <= time.monotonic() - began < 2.5 and len(ticks) in (2, 3)  # looks at 0, 0.5, 1.0 (and 1.5)
-    follow.open(wait=2)
+        lead.assemble(wait=0.6)
+    assert 0.6 <= time.monotonic() - began < 2
+    follow.open(theirs, wait=2)
     lead.assemble(wait=2)
     with pytest.raises(GroupError, match="the leader published no attempt 5 in time"):
         follow.next_step(5, wait=0.3)
-    gathered: list[int] = []
+    ticks: list[int] = []
 
     def tick() -> None:  # node 1 ends its part while the leader waits
-        gathered.append(1)
-        if len(gathered) == 3:
+        ticks.append(1)
+        if len(ticks) == 2:
             follow.ended(1, {"returncode": 0})
 
-    assert lead.gather(1, tick=tick) == {1: {"returncode": 0}} and len(gathered) == 3
+    assert lead.gather(1, tick=tick) == {1: {"returncode": 0}} and len(ticks) == 2
 
 
-def test_the_store_helper_is_waited_for_its_first_word_then_gone_on_without(tmp_path, monkeypatch):
-    """StoreSync.start waits up to ``wait`` seconds for the helper's role; a helper that says nothing is gone on
-    without (its own wait says so later), one that exits says why."""
+def test_nodes_on_their_own_disks_read_every_nodes_training_files_through_the_store(tmp_path):
+    """Through a TCPStore (no shared directory), each node's events of an attempt (whole lines) and its ranks' crash
+    records reach the other node's attempt directory: a follower's crash record before the leader reads its end."""
+    host, client = stores()
+    lead, follow = group(tmp_path / "wd-0", 0), group(tmp_path / "wd-1", 1)
+    lead.via = follow.via = f"127.0.0.1:{host.port}"
+    lead.open(host)
+    follow.open(client, wait=2)
+    lead.assemble(wait=2)
+    assert lead.session.relative_to(tmp_path / "wd-0") == follow.session.relative_to(tmp_path / "wd-1")
+    lead.publish(1, {"kind": "run", "plan": {}})
+    mine, theirs = lead.attempt_dir(1), follow.attempt_dir(1)
+    (mine / "events-node0.jsonl").write_text('{"event": "train_begin", "rank": 0}\n')
+    (theirs / "events-node1.jsonl").write_text('{"event": "train_begin", "rank": 1}\n{"event": "st')  # half a line
+    assert lead.trouble() is None and follow.trouble() is None
+    assert (theirs / "events-node0.jsonl").read_text() == '{"event": "train_begin", "rank": 0}\n'
+    (theirs / "crash-rank1.json").write_text('{"rank": 1}')
+    with open(theirs / "events-node1.jsonl", "a") as f:
+        f.write('ep_done"}\n')
+    follow.ended(1, {"returncode": 86})
+    assert lead.gather(1) == {1: {"returncode": 86}}
+    assert (mine / "events-node1.jsonl").read_text().splitlines() == ['{"event": "train_begin", "rank": 1}',
+                                                                      '{"event": "step_done"}']
+    assert (mine / "crash-rank1.json").read_text() == '{"rank": 1}'
+    assert sorted(p.name for p in mine.iterdir()) == ["crash-rank1.json", "events-node0.jsonl", "events-node1.jsonl"]
+
+
+def test_the_store_helper_says_its_role_or_why_it_cannot_hold_the_store(tmp_path, monkeypatch):
+    """HelperStore.start: a helper that says ``ready`` answers the Store's calls (each answer to its own call), and one
+    that keeps the node waiting for the host is said once (after 30 s, here 0.2); a Python without torch.distributed is
+    passed over for the next, and where none has it the node says so in one line."""
     from oomguard.run import rendezvous
 
-    m = Membership(node=1, nodes=2, root=str(tmp_path), job="j", store=("localhost", 1))
-    for body, wait, role, error in (
-            ("print('{\"event\": \"ready\", \"role\": \"client\"}', flush=True); sys.stdin.read()", 30, "client",
-             None),
-            ("sys.stdin.read()", 0.6, None, None),
-            ("sys.exit(3)", 30, None, "the group's store helper exited (3)")):
-        helper = tmp_path / "helper.py"
-        helper.write_text(f"import sys\n{body}\n")
-        monkeypatch.setattr(rendezvous, "HELPER", helper)
-        sync = rendezvous.StoreSync(m, PYTHON)
-        began = time.monotonic()
-        if error:
-            with pytest.raises(GroupError, match=re.escape(error)):
-                sync.start(wait=wait)
-        else:
-            sync.start(wait=wait)
-            sync.close(wait=5)
-        took = time.monotonic() - began
-        assert sync.role == role and (took < 20 if wait > 1 else 0.6 <= took < 5), took
+    helper, host = tmp_path / "helper.py", tmp_path / "host"
+    monkeypatch.setattr(rendezvous, "HELPER", helper)
+    os.mkfifo(host)  # the host answers once the node has said that it waits for it
+    helper.write_text(f"import json, sys\nopen({str(host)!r}).read()\n"
+                      "print(json.dumps({'event': 'ready', 'role': 'client'}), flush=True)\n"
+                      "for line in sys.stdin:\n    r = json.loads(line)\n"
+                      "    print(json.dumps({'id': r['id'], 'ok': r['args'][1] + 1}), flush=True)\n")
+    waited: list[int] = []
+
+    def waiting() -> None:
+        waited.append(1)
+        host.write_text("up")
+
+    store = rendezvous.HelperStore.start(["/nonexistent/python", PYTHON], {"host": "node0", "port": 29401}, waiting,
+                                         after=0.2)
+    assert (store.role, store.endpoint, store.add("session", 1), waited) == ("client", "node0:29401", 2, [1])
+    store.proc.stdin.write('{"id": 0, "op": "add", "args": ["session", 41]}\n')  # a call Ctrl-C cut short
+    assert store.add("session", 1) == 2  # its answer is not taken for the next call's
+    store.close(wait=5)
+    helper.write_text("import json\nprint(json.dumps({'event': 'error', 'torch': False, 'why': 'no torch'}))\n")
+    with pytest.raises(GroupError, match=r"no Python here can import \(tried /nonexistent/python \(No such file.*\), "
+                                         r".*python.* \(no torch.distributed\)\): run oomguard from the training"):
+        rendezvous.HelperStore.start(["/nonexistent/python", PYTHON], {"file": str(tmp_path / "store")})
+    helper.write_text("import json\nprint(json.dumps({'event': 'error', 'why': 'the client socket has timed out'}))\n")
+    with pytest.raises(GroupError, match="the group's store cannot start: the client socket has timed out"):
+        rendezvous.HelperStore.start([PYTHON], {"host": "node0", "port": 29401})
 
 
-def test_the_store_client_tries_again_every_second_and_says_so_every_30_seconds(monkeypatch, capsys):
-    """oomguard/child/storesync.py's connect: a client that finds no store tries again (here every 0.05 s), says
-    ``waiting`` every SAY_EVERY seconds (here 0.2), and gives up at its time or when the supervisor closes."""
-    import threading
-
-    import torch.distributed as dist
-
+def test_the_node_on_the_rendezvous_host_hosts_the_store_and_the_others_reach_it(tmp_path):
+    """oomguard/child/storesync.py's connect: torchrun's rule (the rendezvous host's machine hosts; where several
+    nodes share it, the first to bind), a client of the same store, or a FileStore in the directory."""
     from oomguard.child import storesync
 
-    def unreachable(*args, **kwargs):
-        raise RuntimeError("connection refused")
-
-    monkeypatch.setattr(dist, "TCPStore", unreachable)
-    monkeypatch.setattr(storesync, "RECONNECT_EVERY", 0.05)
-    monkeypatch.setattr(storesync, "SAY_EVERY", 0.2)
-    with pytest.raises(TimeoutError, match=r"no store at node0:29401 after \d+ s \(connection refused\)"):
-        storesync.connect("node0", 29401, 0.7, threading.Event())
-    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert {s["event"] for s in said} == {"waiting"} and 2 <= len(said) <= 3  # at 0.2, 0.4 (and 0.6) s
-    assert said[0]["endpoint"] == "node0:29401" and said[0]["why"] == "connection refused"
-    closed = threading.Event()
-    closed.set()
-    began = time.monotonic()
-    with pytest.raises(TimeoutError, match="after 0 s"):
-        storesync.connect("node0", 29401, 60, closed)
-    assert time.monotonic() - began < 1
+    spec = {"host": "localhost", "port": free_port(), "join_timeout": 10}
+    (host, first), (client, second) = storesync.connect(spec), storesync.connect(spec)
+    client.set("k", "v")
+    assert (first, second, host.get("k")) == ("host", "client", b"v")
+    assert storesync.connect({"file": str(tmp_path / "store")})[1] == "file"
 
 
 def test_a_torchrun_job_on_several_nodes_meets_through_its_rendezvous_host_unless_a_directory_is_named():
@@ -240,63 +290,22 @@ def test_a_torchrun_job_on_several_nodes_meets_through_its_rendezvous_host_unles
     assert membership_of(["torchrun", "--nnodes", "2", "--node_rank", "0", "t.py"], {}).store is None
 
 
-def test_the_store_mirrors_each_nodes_new_files_and_never_an_older_jobs(tmp_path):
-    """oomguard/child/storesync.py's mirror over a real TCPStore: a file written on one node appears on the other,
-    rewritten when it changes (so a heartbeat's age is its last word's), and a file that was on a node-local disk
-    before (an earlier job's) is never published."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from oomguard.child.storesync import Mirror
-
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    a, b = tmp_path / "wd-0" / "job", tmp_path / "wd-1" / "job"
-    (b / "old-session").mkdir(parents=True)
-    (b / "old-session" / "final.json").write_text("{}")
-    a.mkdir(parents=True)
-    ma, mb = Mirror(host, a, 0, 2, "job"), Mirror(client, b, 1, 2, "job")
-    (a / "leader.json").write_text('{"session": "s1"}')
-    (a / "s1" / "attempt-1").mkdir(parents=True)
-    (a / "s1" / "attempt-1" / "plan.json").write_text('{"kind": "run"}')
-    (b / "s1").mkdir()
-    (b / "s1" / "node-1.json").write_text('{"beat": 1}')
-    for _ in range(2):
-        ma.step()
-        mb.step()
-    assert (b / "leader.json").read_text() == '{"session": "s1"}'
-    assert (b / "s1" / "attempt-1" / "plan.json").read_text() == '{"kind": "run"}'
-    assert (a / "s1" / "node-1.json").read_text() == '{"beat": 1}'
-    assert not (a / "old-session").exists()
-    before = (a / "s1" / "node-1.json").stat().st_mtime_ns
-    time.sleep(0.02)
-    (b / "s1" / "node-1.json").write_text('{"beat": 2}')
-    mb.step()
-    ma.step()
-    assert (a / "s1" / "node-1.json").read_text() == '{"beat": 2}'
-    assert (a / "s1" / "node-1.json").stat().st_mtime_ns > before
-
-
-def test_without_torch_for_the_store_the_nodes_meet_in_the_directory_and_say_so(tmp_path):
+def test_without_torch_for_the_store_the_node_says_so_in_one_line(tmp_path, monkeypatch):
     from oomguard.decide.ladder import load_ladder
     from oomguard.display.ui import ConsoleReporter
-    from oomguard.run.supervisor import RunOptions, Supervisor
+    from oomguard.run import rendezvous
+    from oomguard.run.supervisor import RunOptions, Supervisor, UsageError
 
+    helper = tmp_path / "helper.py"
+    helper.write_text("import json\nprint(json.dumps({'event': 'error', 'torch': False, 'why': 'no torch'}))\n")
+    monkeypatch.setattr(rendezvous, "HELPER", helper)
     m = Membership(node=0, nodes=2, root=str(tmp_path / "group"), job="j", source="torchrun",
                    store=("localhost", free_port()))
     sup = Supervisor(["/nonexistent/python", "-m", "torch.distributed.run"],
                      RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", membership=m),
                      ConsoleReporter(quiet=True, live=False))
-    said: list[str] = []
-    sup.ui.message = said.append  # type: ignore[method-assign]
-    sup.group.assemble = lambda wait=None: None  # type: ignore[method-assign]  (no other node in this test)
-    sup.open_group()
-    assert sup.store_sync is None and sup.group.via is None
-    assert "cannot meet through torchrun's rendezvous host" in said[0] and "--group DIR" in said[0]
-    assert said[1].endswith(f"the group meets in {sup.group.base}")
-    sup.group.done()
+    with pytest.raises(UsageError, match=r"torch\.distributed's store, which no Python here can import"):
+        sup.open_group()
 
 
 # -- two nodes on this machine ----------------------------------------------------------------------------------------
@@ -381,10 +390,18 @@ def test_nodes_that_cannot_meet_say_so_within_30_seconds(tmp_path, tiny_model):
     """Two nodes with node-local working directories and no rendezvous endpoint to meet through: each says, within
     30 s of waiting, where it waits, who is missing and the way out (then the test stops them)."""
     procs = start_nodes(tmp_path, tiny_model, {}, "--simulate-gpu", "1GiB", "--no-probe", shared=False, rdzv=False)
-    time.sleep(40)
+    errs = ["", ""]
+    for n, p in enumerate(procs):  # each node's output, up to its notice (a node that never says it is stopped)
+        late = threading.Timer(120, os.killpg, (os.getpgid(p.pid), signal.SIGTERM))
+        late.start()
+        for line in p.stderr:
+            errs[n] += line
+            if "has waited" in line:
+                break
+        late.cancel()
     for p in procs:
         os.killpg(os.getpgid(p.pid), signal.SIGTERM)
-    errs = [p.communicate(timeout=60)[1] for p in procs]
+    errs = [errs[n] + p.communicate(timeout=60)[1] for n, p in enumerate(procs)]
     for node, missing in ((0, "node(s) 1"), (1, "node 0 (the leader)")):
         where = tmp_path / f"wd-{node}" / "group" / "job"
         assert f"node {node} has waited 30 s for {missing} in {where}" in errs[node], errs[node][-2000:]

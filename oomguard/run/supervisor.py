@@ -40,7 +40,7 @@ from .command import (
 )
 from .ending import Writer
 from .follower import follow
-from .group import Group, GroupError
+from .group import NOTICE_AFTER, Group, GroupError
 from .options import BOOT_DIR, Reporter, RunOptions
 from .proc import Interrupts, become_subreaper
 
@@ -77,44 +77,37 @@ class Supervisor:
         for line in self.conductor.take_trl(options.trl.version if options.trl else None, None):
             reporter.message(line)
         self.group = Group(options.membership) if options.membership else None
-        self.store_sync: Any = None  # the helper that mirrors the group's directory (oomguard.rendezvous)
+        self.store: Any = None  # the group's store, held by a helper process (oomguard.rendezvous)
         sized_by_nvml = not (options.capacity or options.simulate_gpu or options.gpu_memory)
         self.launcher = Launcher(argv, options, reporter, self.conductor, self.run_dir, self.group, self.interrupts,
                                  sim_context=sim_context, sized_by_nvml=sized_by_nvml)
         self.writer = Writer(argv, options, reporter, self.conductor, self.launcher, self.run_dir, self.group)
 
     def open_group(self) -> None:
-        """Form the group of a job's nodes before the first launch (oomguard.group): through torchrun's rendezvous
-        host where the command has one and no directory was named (oomguard.rendezvous), else in the directory."""
-        assert self.group is not None
-        m = self.group.m
-        self.group.notice = self.ui.message
-        role = "leads: it decides every attempt" if m.leader else "follows node 0, which decides every attempt"
-        where = f"in {self.group.base}"
-        if m.store is not None:
-            from .rendezvous import StoreSync, training_python
+        """Form the group of a job's nodes before the first launch (oomguard.group), through torch's Store held by a
+        helper (oomguard.rendezvous): at torchrun's rendezvous host where the command has one and no directory was
+        named, else in the directory."""
+        from .rendezvous import open_store
 
-            sync = StoreSync(m, training_python(self.argv))
-            try:
-                sync.start()
-            except GroupError as e:
-                self.ui.message(f"cannot meet through torchrun's rendezvous host ({e}): the group meets in "
-                                f"{self.group.base} instead, which every node must see (--group DIR)")
-            else:
-                self.store_sync = sync
-                self.group.via = sync.endpoint
-                self.group.tick = sync.poll
-                where = (f"through a store at {sync.endpoint}, torchrun's rendezvous host (this node "
-                         f"{'hosts it' if sync.role == 'host' else 'reaches it' if sync.role else 'waits for it'}), "
-                         f"mirroring {self.group.base}")
+        assert self.group is not None
+        g, m = self.group, self.group.m
+        g.notice = self.ui.message
+        role = "leads: it decides every attempt" if m.leader else "follows node 0, which decides every attempt"
+        g.via = f"{m.store[0]}:{m.store[1]}" if m.store else None  # named while a client waits for the host
+        try:
+            self.store = open_store(m, self.argv, lambda: g.waiting([0] if m.node else list(range(1, m.nodes))),
+                                    NOTICE_AFTER)
+        except GroupError as e:
+            raise UsageError(str(e), 1) from None
+        where = (f"through a store at {g.via}, torchrun's rendezvous host (this node "
+                 f"{'hosts it' if self.store.role == 'host' else 'reaches it'})" if g.via else f"in {g.base}")
         self.ui.message(f"node {m.node} of {m.nodes} ({m.source}); this node {role}; the group meets {where}")
         try:
-            self.group.open()
+            g.open(self.store)
             if m.leader:
-                self.group.assemble()
+                g.assemble()
         except GroupError as e:
-            if self.store_sync is not None:
-                self.store_sync.close(wait=5)
+            self.store.close(wait=5)
             raise UsageError(str(e), 1) from None
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -146,8 +139,7 @@ class Supervisor:
             raise
         finally:
             self.group.done()
-            if self.store_sync is not None:  # its last files reach the other nodes before this one leaves
-                self.store_sync.close()
+            self.store.close()  # a host stays until every node has read the end
 
     def _lead(self) -> int:
         nxt, last, when = self.conductor.first(), None, ""
