@@ -416,8 +416,7 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
     if fit:
         code = 0 if all(r["fit_value"] is not None for r in rows) else EXIT_DOES_NOT_FIT
     else:
-        code = max(PLAN_EXIT[r["verdict"]] for r in rows)  # 0 < 3 (stop) < 4 (probe): stop outranks probe
-        code = EXIT_DOES_NOT_FIT if any(r["verdict"] == "stop" for r in rows) else code
+        code = PLAN_EXIT[min((r["verdict"] for r in rows), key=("stop", "probe", "run").index)]  # the worst card's
     if as_json:
         import json
 

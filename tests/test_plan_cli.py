@@ -189,3 +189,16 @@ def test_a_peak_that_fits_beside_a_vllm_share_too_small_never_reads_short():
     # and 512-token completions) and the least share that holds its 5.77 GiB of weights with them
     assert d["suggest"] == {"vllm_gpu_memory_utilization": 0.14, "vllm_max_model_length": 768}
     assert d["verdict_after"]["decision"] == "run"
+
+
+def test_plan_help_and_the_how_to_give_every_exit_code_of_the_verdict():
+    """`oomguard plan --help` prints PLAN_EXIT_CODES, and the plan how-to's table gives each code with its verdict."""
+    from oomguard.cli import PLAN_EXIT, PLAN_EXIT_CODES
+
+    codes = {code for code, _ in PLAN_EXIT_CODES}
+    assert codes == {str(c) for c in PLAN_EXIT.values()} | {"2"} == {"0", "2", "3", "4"}
+    helptext = " ".join(plan("--help").stdout.split())
+    assert all(" ".join(text.split()) in helptext for _, text in PLAN_EXIT_CODES)
+    howto = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "plan.md").read_text(encoding="utf-8")
+    for code, verdict in (("0", "sure to fit"), ("4", "probe first"), ("3", "predicted not to fit"), ("2", "")):
+        assert re.search(rf"\| \*\*{code}\*\* \| {verdict}", howto), code

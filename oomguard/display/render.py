@@ -219,6 +219,7 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     out.print(t)
     out.print(f"trainable parameters {e.trainable_params:,} of {e.total_params:,}")
     out.print(f"{_VERDICT[p.verdict.decision]} in {size(p.capacity)}: {escape(p.verdict.line())}", soft_wrap=True)
+    out.print(f"  margins: {escape(p.verdict.margins())}", soft_wrap=True)
     launches = p.launches()
     first = f"oomguard run: {_FIRST[launches['first']]}"
     if p.climb is None:

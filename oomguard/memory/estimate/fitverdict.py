@@ -188,38 +188,45 @@ class FitVerdict:
     vllm_note: str = ""
 
     def share(self) -> str:
-        """The predicted peak as a share of the device, and what it leaves free."""
+        """The predicted peak as a share of the device."""
         if self.capacity <= 0:
             return format_size(self.predicted)
-        spare = self.capacity - self.predicted
-        left = f"{format_size(spare)} to spare" if spare >= 0 else f"{format_size(-spare)} over it"
         return (f"{format_size(self.predicted)}, {100 * self.predicted / self.capacity:.0f}% of the "
-                f"{format_size(self.capacity)} device ({left})")
+                f"{format_size(self.capacity)} device")
 
     def line(self) -> str:
-        """One sentence with the numbers that decide it (what `plan` prints, what the training process says)."""
-        stop = f"{100 * self.stop_margin:.1f}%, {self.stop_source}"
+        """One sentence with the bound that decides it (what the training process says, what `plan` prints)."""
         if self.short is not None and self.short[0] == "vllm":
             fits = (f"; training's peak, {format_size(self.predicted)}, fits the {format_size(self.capacity)} device"
                     if self.predicted <= self.capacity else "")
             return f"vLLM's share is {format_size(self.short[1])} short: {self.vllm_note}{fits}"
         if self.decision == STOP:
             return (f"predicted {format_size(self.predicted)}, {100 * (self.predicted / self.capacity - 1):.0f}% over "
-                    f"the {format_size(self.capacity)} device: beyond the pre-flight's stop margin ({stop})")
+                    f"the {format_size(self.capacity)} device: beyond the pre-flight's stop margin "
+                    f"({100 * self.stop_margin:.1f}%, {self.stop_source})")
         if self.capacity <= 0:
             return "the device's size is not known"
         if self.reasons:
             return f"predicted {self.share()}, but {'; '.join(self.reasons)}: the memory model cannot be sure of it"
-        sure = (f"up to {format_size(self.sure_limit or 0)}: {100 * self.headroom:.0f}% of the device kept free beyond "
-                f"its measured under-prediction of {100 * self.under:.1f}%")
         if self.decision == RUN:
-            return f"predicted {self.share()}: the memory model is sure it fits ({sure})"
-        return (f"predicted {self.share()}: within the memory model's error of the edge (it is sure {sure}; the "
-                f"pre-flight stops beyond {format_size(self.stop_limit)}: {stop})")
+            return f"predicted {self.share()}: the memory model is sure it fits (up to {format_size(self.sure_limit)})"
+        return (f"predicted {self.share()}: within the memory model's error of the edge (it is sure up to "
+                f"{format_size(self.sure_limit)})")
+
+    def margins(self) -> str:
+        """The margins that decide it, spelled out (`oomguard plan`'s second line)."""
+        spare = self.capacity - self.predicted
+        left = f"{format_size(spare)} to spare" if spare >= 0 else f"{format_size(-spare)} over the device"
+        sure = ("never sure of this config" if self.sure_limit is None else
+                f"sure up to {format_size(self.sure_limit)} ({100 * self.headroom:.0f}% of the device kept free beyond "
+                f"the model's measured under-prediction, {100 * self.under:.1f}%)")
+        return (f"{left}; {sure}; stopped beyond {format_size(self.stop_limit)} ({100 * self.stop_margin:.1f}% over: "
+                f"{self.stop_source})")
 
     def to_dict(self) -> dict[str, Any]:
         """`oomguard plan --json`'s ``verdict``."""
-        return {"decision": self.decision, "line": self.line(), "predicted_bytes": self.predicted,
+        return {"decision": self.decision, "line": self.line(), "margins": self.margins(),
+                "predicted_bytes": self.predicted,
                 "capacity_bytes": self.capacity, "sure_limit_bytes": self.sure_limit,
                 "stop_limit_bytes": self.stop_limit, "stop_margin": round(self.stop_margin, 4),
                 "stop_margin_source": self.stop_source, "under": self.under, "headroom": self.headroom,
