@@ -111,7 +111,7 @@ def _help_text(text: str) -> str:
 
 def exit_codes(_: str | None = None) -> str:
     from oomguard.cli import EXIT_USAGE, PLAN_EXIT_CODES, RUN_EXIT_CODES
-    from oomguard.vocab.protocol import EXIT_OOM, EXIT_PREDICTED
+    from oomguard.vocab.protocol import EXIT_LOCK_UNMET, EXIT_OOM, EXIT_PREDICTED
 
     rows = [["run", code, text] for code, text in RUN_EXIT_CODES]
     rows += [["plan", code, text] for code, text in PLAN_EXIT_CODES]
@@ -121,7 +121,10 @@ def exit_codes(_: str | None = None) -> str:
              ["(training process)", str(EXIT_OOM), "a training process that ran out of memory, after writing its "
                                                   "CrashRecord: read by oomguard, never passed to you"],
              ["(training process)", str(EXIT_PREDICTED), "a training process stopped by the pre-flight check: read "
-                                                        "by oomguard, never passed to you"]]
+                                                        "by oomguard, never passed to you"],
+             ["(training process)", str(EXIT_LOCK_UNMET), "a training process of a replay that does not run a value "
+                                                         "the lock pins, stopped before it trained: `oomguard run` "
+                                                         "exits 2 too"]]
     return _table(["command", "code", "meaning"], [[f"`{c}`" if not c.startswith("(") else c, f"**{code}**", t]
                                                   for c, code, t in rows])
 
@@ -216,11 +219,13 @@ REPORT_KEYS = {
               "memory model was used)",
     "attempts": "one object per launch, in order (the table below)",
     "original": "TRL's defaults overlaid with what your script set (recorded when it built its `GRPOConfig`)",
-    "stable": "the knobs of the config that held, or null",
+    "stable": "the knobs of the config that held, as its training process reported it ran them (its own `ran` "
+              "events: your script's values, oomguard's overrides, and any change made after them), or null",
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
             "`fewer_prompts_per_step`); when the run did not become stable, what was tried. `remedy` is a rung's name, "
             "`lock` for a replayed lock's override, or `adaptation` for a change made so that the command runs where "
-            "it is launched, not for memory (`use_cpu=True` on a machine without a GPU)",
+            "it is launched or can resume, not for memory (`use_cpu=True` on a machine without a GPU; "
+            "`checkpoint_every`, the checkpoints a leak's restarts or `--checkpoint-every` add)",
     "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages, "
              "where its DeepSpeed config comes from (`deepspeed`: `GRPOConfig` or `accelerate`), the installed TRL "
              "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take)",
@@ -237,7 +242,8 @@ REPORT_KEYS = {
 ATTEMPT_KEYS = {
     "index": "1-based launch number",
     "kind": "`probe`, `run` or `minimize` (a probe without one change)",
-    "knobs": "the effective knobs of this launch",
+    "knobs": "the knobs of this launch as its training process reported it ran them (the climb's where it reported "
+             "none)",
     "remedies": "the rungs in force",
     "outcome": "`ok`, `oom`, `predicted` (a pre-flight stop), `failed` or `interrupted`",
     "exit_code": "the command's exit code",
@@ -256,6 +262,8 @@ ATTEMPT_KEYS = {
     "choice": "after this attempt, what the memory model chose: `rungs`, `dropped` (with "
               "`predicted_bytes_without`), `relaxed` (`knob`, `climbed`, `chosen`), `after: probe` when refining",
     "override_error": "applying oomguard's overrides failed: where, and the error",
+    "unmet": "only when a replay stopped before training: the lock's value its training process did not run, `{knob, "
+             "locked, ran, where}` ([replay a lock](../how-to/replay-a-lock.md#a-replay-runs-every-value-of-the-lock))",
     "probe_decision": "launched as a probe unless the memory model is sure of its config: what the training process "
                       "decided (`decided`: `run` or `probe`), `why`, the `predicted_bytes` and the `limit` it is sure "
                       "up to ([one launch when the model is sure](../concepts/preflight-and-probes.md))",
@@ -269,7 +277,8 @@ LOCK_KEYS = {
     "created": "when it was written",
     "command": "the command as launched",
     "ladder": "the ladder's name",
-    "overrides": "the knobs `--config` applies on top of your script's own values: the part that is replayed",
+    "overrides": "the knobs `--config` applies on top of your script's own values, each whatever TRL's default or "
+                 "your script's value is: the part that is replayed, and checked in the training process",
     "original": "your config (as in the report)",
     "stable": "the config that held",
     "world_size": "the ranks the config was checked for",

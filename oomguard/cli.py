@@ -12,10 +12,9 @@ from .vocab.knobtable import KNOB_MEANINGS as KNOB_TABLE_MEANINGS
 from .vocab.knobtable import describe as describe_knobs
 
 EXIT_USAGE = 2
-EXIT_DOES_NOT_FIT = 3  # `oomguard plan`: predicted not to fit (the verdict `oomguard run` acts on: ``stop``)
-EXIT_PROBE_FIRST = 4  # `oomguard plan`: it may fit, but only a probe can tell (verdict ``probe``)
-PLAN_EXIT = {"run": 0, "probe": EXIT_PROBE_FIRST, "stop": EXIT_DOES_NOT_FIT}
-# The exit codes of `oomguard plan`: one list for `plan --help`; docs/how-to/plan.md states the same (a test checks).
+# `oomguard plan`'s exit code follows the verdict `oomguard run` acts on; one list for `plan --help`, and the plan
+# how-to's table states the same (a test checks both)
+PLAN_EXIT = {"run": 0, "probe": 4, "stop": 3}
 PLAN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("0", "sure to fit: `oomguard run` starts the real run at once, no probe (with --fit: a value fits every card)"),
     ("4", "probe first: it may fit, but it is within the memory model's error of the edge, or the model cannot be "
@@ -31,13 +30,15 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
     ("N", "the command's own code when it succeeds, or when it fails for a reason other than an OOM (passed "
           "through at once, no retry)"),
     ("75", "the ladder or the budget (--max-attempts, --max-time) is used up"),
-    ("76", "the run leaks memory and stopped at the leak (--no-leak-restart, or a leak too fast for a restart to get "
-           "past its checkpoint); a leaking run that finished every step through restarts exits 0, status leaked"),
+    ("76", "the run leaks memory and stopped at it (--no-leak-restart, too fast to get past a checkpoint, or the "
+           "budget spent on restarts); a leaking run that finished every step through restarts exits 0, status leaked"),
     ("130/143", "interrupted (SIGINT/SIGTERM)"),
-    ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used)"),
+    ("2", "usage errors (an option, a size, a ladder or a lock file that cannot be used; a replayed lock whose "
+          "value the training process does not run, stopped before it trains)"),
     ("126", "the command is not executable"),
     ("127", "the command is not found"),
-    ("70", "an internal error (a rung produced knobs GRPO rejects): please report it"),
+    ("70", "an internal error of oomguard (a bug: its traceback is kept in the run's directory, the report and a "
+           "stable attempt's lock are still written): please report it"),
 )
 
 
@@ -162,11 +163,11 @@ def analyze(paths: tuple[str, ...], as_json: bool, max_bytes: str, html_path: st
                    "probe measured, nor probe the changes the memory model is unsure of (fewer launches; the "
                    "config may keep a change memory did not demand).")
 @click.option("--checkpoint-every", type=click.IntRange(1), default=None, metavar="N",
-              help="Make the script save a checkpoint every N steps, so an OOM late in training loses at most N "
-                   "steps (oomguard continues from the newest checkpoint).")
+              help="Add a checkpoint every N steps beside the script's own, so an OOM late in training loses at most "
+                   "N steps (oomguard continues from the newest; it deletes those it added, all but the newest).")
 @click.option("--no-leak-restart", is_flag=True,
               help="Stop at the first OOM the memory trace shows is a leak (memory kept step after step), instead "
-                   "of resuming from the last checkpoint with the same config (exit code 76).")
+                   "of resuming from the last checkpoint with the same config (exit 76; restarts count as attempts).")
 @click.option("--no-trace", is_flag=True,
               help="Do not sample memory at each training step (no leak, long-sample or fragmentation diagnosis).")
 @click.option("--html", "html_path", default=None, metavar="PATH",
@@ -199,7 +200,16 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
-    from .run.command import EXIT_BUG, UsageError, load_lock, output_file, resolve_command, trl_support, work_dir
+    from .run.command import (
+        EXIT_BUG,
+        InternalError,
+        UsageError,
+        load_lock,
+        output_file,
+        resolve_command,
+        trl_support,
+        work_dir,
+    )
     from .run.group import GroupError, membership_of
     from .run.options import rank_grace
     from .run.supervisor import RunOptions, Supervisor
@@ -270,7 +280,7 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
                                                                   options=device_options)
     try:
         code = Supervisor(argv, options, reporter).run()
-    except UsageError as e:
+    except (UsageError, InternalError) as e:
         _exit(str(e), e.code)
     except LadderBug as e:
         _exit(f"internal error, please report it: {e}", EXIT_BUG)
@@ -302,11 +312,19 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--image-size", default=None, metavar="HxW",
               help="The largest image's size in pixels, e.g. 1080x1920 (default: as large as the processor's pixel "
                    "budget, max_pixels=N, or the model directory's preprocessor_config.json, allows).")
+@click.option("--trl-version", default=None, metavar="X.Y[.Z]",
+              help="The TRL release whose defaults fill the knobs left out and whose LM head is modelled, 0.14 on "
+                   "[default: the installed TRL].")
+@click.option("--stack", type=click.Choice(["trl", "unsloth"]), default="trl", show_default=True,
+              help="The trainer around TRL: unsloth is judged as `oomguard run` judges Unsloth's generated trainer "
+                   "(a probe first), and what it does that the model does not count is said.")
+@click.option("--padding-free", is_flag=True,
+              help="The batches are packed or padding-free (ms-swift's --padding_free): not modelled, so a probe first.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.argument("knobs", nargs=-1, metavar="[KNOB=VALUE]...")
 def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | None, prompt_tokens: int | None,
-         world_size: int, images_per_prompt: int | None, image_size: str | None, as_json: bool,
-         knobs: tuple[str, ...]) -> None:
+         world_size: int, images_per_prompt: int | None, image_size: str | None, trl_version: str | None,
+         stack: str, padding_free: bool, as_json: bool, knobs: tuple[str, ...]) -> None:
     """Predict the peak memory of a GRPO configuration (the installed TRL's) and the cheapest rungs that make it fit.
 
     \b
@@ -315,18 +333,22 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
       oomguard plan --model ./model --gpu 24GiB num_generations=4 && python train.py
       oomguard plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu 16GiB,24GiB,80GiB --fit max_completion_length
       oomguard plan --model ./Qwen2.5-VL-3B-Instruct --gpu 24GiB --images-per-prompt 2 --image-size 1080x1920
+      oomguard plan --model ./Qwen3-1.7B --gpu 80GiB --trl-version 0.17 per_device_train_batch_size=4
 
-    KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults, which
-    unset knobs take. The verdict is the one `oomguard run` acts on (sure to fit, probe first, predicted not to fit),
+    KNOB=VALUE sets one knob (`oomguard knobs` lists them); unset knobs take the installed TRL's defaults, or
+    --trl-version's. The verdict is the one `oomguard run` acts on (sure to fit, probe first, predicted not to fit),
     with the margin that decides it; with several cards, the least favourable card's sets the exit code.
     """
     from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
     from .decide.plan import make_plan, plan_images
+    from .decide.planconfig import planned
     from .memory.estimate import EstimateError, load_model_spec
     from .memory.hubconfig import HubConfigError, config_path
-    from .vocab.knobs import TRL_DEFAULTS, RunFacts, check_values, parse_knob
+    from .run.command import trl_support
+    from .vocab.knobs import parse_knob
     from .vocab.sizes import SizeError, parse_size_arg
+    from .vocab.trlreleases import OLDEST, release
 
     try:
         sizes = [t.strip() for t in gpu_size.split(",") if t.strip()]
@@ -340,28 +362,27 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
             if not sep:
                 raise ValueError(f"expected KNOB=VALUE, not {item!r}")
             values[name.strip()] = parse_knob(name.strip(), text)
-        k = TRL_DEFAULTS.merged(values)
-        problems = check_values(values, world_size)  # TRL's batch rules across every rank
-        if problems:
-            raise ValueError(f"these knobs break GRPO's rules: {'; '.join(problems)}")
+        if trl_version is not None and release(trl_version) is None:
+            raise ValueError(f"--trl-version takes a TRL release from {OLDEST} on (e.g. 0.17.0), not {trl_version!r}")
+        # the knobs a config leaves out are the defaults of the TRL that runs it: --trl-version's, else the installed
+        trl = trl_version or trl_support([sys.executable]).version
+        asked = planned(values, trl_version=trl, given=trl_version is not None, world_size=world_size, stack=stack,
+                        padding_free=padding_free)
         if fit_knob is not None:
-            check_knob(fit_knob, k)
+            check_knob(fit_knob, asked.knobs)
         spec = load_model_spec(config_path(model_path))
-        image_facts, k = plan_images(spec, k, config_path(model_path), images_per_prompt, image_size)
+        image_facts, k = plan_images(spec, asked.knobs, config_path(model_path), images_per_prompt, image_size)
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
     except KeyError as e:
         _usage(str(e.args[0]))
     except (SizeError, ValueError, EstimateError, LadderError, HubConfigError, FitError) as e:
         _usage(str(e))
     from .memory.device import gpu_name
-    from .memory.estimate import Coefficients
+    from .memory.estimate import Coefficients, not_modelled
 
-    # the LM head of the TRL installed here (0.29-1.14 materialise the logits, 1.15 on fuse the head)
-    from .run.command import trl_support
-    from .vocab.trlrange import head_of
-
-    trl = trl_support([sys.executable]).version
-    facts = RunFacts(world_size=world_size, trl_version=trl, trl_head=head_of(trl), **image_facts)
+    # the LM head of that TRL (0.14-1.14 materialise the logits, 1.15 on fuse the head), what the run does that the
+    # model does not count, and the images
+    facts = asked.facts.replace(**image_facts)
     if len(capacities) > 1 or fit_knob is not None:
         _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
                     as_json)
@@ -383,13 +404,19 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
         import json
 
         click.echo(json.dumps({**p.to_dict(), "images": image_facts or None, "calibration": calibration, "device": device, "alternatives": alts,
+                               "trl": {"version": facts.trl_version, "head": facts.trl_head, "lines": list(asked.lines)},
+                               "not_modelled": not_modelled(p.estimate.unmodelled),
                                "warnings": [warning] if warning else []}, indent=2))
     else:
         from .display.render import console, plan_table
         from .display.ui import alternatives_lines
         from .vocab.sizes import format_size
 
+        for line in asked.lines:
+            click.echo(line)
         plan_table(console(), p, model_path)
+        for line in not_modelled(p.estimate.unmodelled):
+            click.echo(f"not modelled: {line}")
         click.echo(f"calibration: {calibration['description']}")
         click.echo(f"context: {format_size(context)} outside the allocator, counted in the peak: {device['context']}")
         for line in alternatives_lines(alts):
@@ -402,21 +429,11 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
 def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int], sizes: list[str], model: str, fit: str | None, lad: Any,
                 facts: Any, prompt_tokens: int | None, world_size: int, as_json: bool) -> None:
     """``oomguard plan`` with several cards or ``--fit``: one row per card, judged as ``run`` judges."""
-    from .decide.plan import card_row, make_plan
+    from .decide.plan import card_rows
     from .memory.device import gpu_name
 
-    upper = None
-    if fit == "max_completion_length" and spec.max_positions:  # the prompt and the completion share the context
-        upper = max(1, spec.max_positions - (prompt_tokens or 256))
-    elif fit == "vllm_max_model_length":
-        upper = spec.max_positions  # vLLM refuses a context longer than the model's
-    rows = [card_row(make_plan(spec, k, cap, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
-                               device_name=gpu_name() or "unknown GPU"), text, fit, world_size=world_size, upper=upper)
-            for text, cap in zip(sizes, capacities, strict=True)]
-    if fit:
-        code = 0 if all(r["fit_value"] is not None for r in rows) else EXIT_DOES_NOT_FIT
-    else:
-        code = PLAN_EXIT[min((r["verdict"] for r in rows), key=("stop", "probe", "run").index)]  # the worst card's
+    rows, worst = card_rows(spec, k, list(zip(sizes, capacities, strict=True)), fit, ladder=lad, facts=facts,
+                            prompt_tokens=prompt_tokens, world_size=world_size, device_name=gpu_name() or "unknown GPU")
     if as_json:
         import json
 
@@ -425,7 +442,7 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
         from .display.render import cards_table, console
 
         cards_table(console(), rows, model, fit)
-    sys.exit(code)
+    sys.exit(PLAN_EXIT[worst])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -20,6 +22,19 @@ TINY = str(SCRIPTS / "grpo_tiny.py")
 PYTHON = sys.executable
 TORCHRUN = (PYTHON, "-m", "torch.distributed.run")
 ACCELERATE_LAUNCH = (PYTHON, "-m", "accelerate.commands.launch")
+
+
+def load_bench(name: str) -> Any:
+    """``bench/NAME.py`` as a module (bench scripts are not a package), registered as ``bench_NAME`` so that its
+    dataclasses and doctests resolve."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:
@@ -65,6 +80,32 @@ def run_oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None, timeo
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=full_env, timeout=timeout, **kw)
     data = json.loads(report.read_text()) if report.exists() else None
     return out, data
+
+
+def reads_as_under_python(stderr: str, workdir: Path, launcher: str | None, attempt: int = 1) -> None:
+    """A real OOM reads the same whatever launched it: the training process's trimmed traceback and oomguard's line
+    naming its crash record on the terminal, and what a launcher printed after it (``launcher``: its error's name, a
+    ChildFailedError or CalledProcessError traceback, with torchrun's error summary and the other ranks' errors at
+    the collective) in a file of the attempt, named on the terminal, never on it."""
+    adir = f"runs/*/attempt-{attempt}"
+    records = {str(p) for p in workdir.glob(f"{adir}/crash-*.json")}
+    said = re.findall(r"^oomguard: out of memory; the last \d+ of \d+ frames are above; (\S+) keeps the full "
+                      r"traceback$", stderr, re.M)
+    assert said and set(said) <= records, stderr[-3000:]
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr[-3000:]  # the training process's, trimmed
+    assert "ChildFailedError" not in stderr and "CalledProcessError" not in stderr and "[rank0]" not in stderr
+    aside = list(workdir.glob(f"{adir}/after-stop.log"))
+    if launcher:
+        assert aside and launcher in aside[0].read_text(), stderr[-3000:]
+        assert "what the launcher printed after the out-of-memory error" in stderr and str(aside[0]) in stderr
+    else:
+        assert not aside
+
+
+def events_of(tmp: Path, attempt: int) -> list[dict]:
+    """The events attempt ``attempt`` of a run whose workdir is ``tmp / "wd"`` (``run_oomguard``'s) wrote."""
+    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def story(report: dict | None) -> str:

@@ -4,25 +4,15 @@ minimality and prints the table. No GRPO runs: the bench itself runs those."""
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_scenarios", ROOT / "bench" / "scenarios.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scenarios"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sc = _load()
+sc = load_bench("scenarios")
 
 # A stable lock as `oomguard run` writes it after the default ladder's prefix walk reached the 8-bit optimizer.
 DIFF = [

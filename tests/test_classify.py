@@ -99,6 +99,28 @@ def test_one_ranks_oom_decides_the_job_while_the_other_was_stopped_by_its_launch
     events = [*trained(11, 0), *trained(12, 1), oom, ended("oom", 12, 1, path=str(path))]  # rank 0: SIGTERM, silent
     attempt, diag, _ = decide(tmp_path, result(1), events)
     assert attempt.outcome == Outcome.OOM and attempt.oom["rank"] == 1 and diag is not None
+    assert attempt.exit_code == 86  # the rank's own code, not torchrun's 1: an OOM reads as under `python`
+
+
+def test_an_oom_a_rank_caught_before_it_failed_of_another_error_is_not_the_attempts_ending(tmp_path):
+    """A script's own retry caught an OOM of trainer.train() (oomguard wrote its CrashRecord on the way), then the
+    rank failed of a KeyError: the KeyError ended it, passed through, not climbed as an OOM."""
+    _, oom = crash(tmp_path, 11, rank=0)
+    events = [*trained(11, 0), *trained(12, 1), oom, ended("error", 11, 0, error="KeyError: 'answer'")]
+    attempt, diag, _ = decide(tmp_path, result(1), events)
+    assert attempt.outcome == Outcome.FAILED and diag is None and attempt.note == "rank 0 (pid 11) raised KeyError: 'answer'"
+
+
+def test_the_output_is_read_for_an_oom_only_where_no_training_process_recorded_its_end(tmp_path):
+    """Under torchrun the other ranks are stopped by a signal and write no end, so some rank is always silent after a
+    failure: an OOM a script caught and printed earlier, still in the output's tail, made rank 0's KeyError an OOM."""
+    tail = f"caught and retried with a smaller batch: torch.OutOfMemoryError: {CUDA_OOM}\n"
+    events = [*trained(11, 0), *trained(12, 1), ended("error", 11, 0, error="KeyError: 'answer'")]
+    attempt, _, _ = decide(tmp_path, result(1, stderr=tail), events)
+    assert attempt.outcome == Outcome.FAILED and "KeyError" in attempt.note
+    # no rank could say anything (killed hard, as an abort in CUDA's own threads does): the output is all there is
+    attempt, _, _ = decide(tmp_path, result(-signal.SIGABRT, stderr=tail), trained(11, 0) + trained(12, 1))
+    assert attempt.outcome == Outcome.OOM
 
 
 def test_an_oom_the_script_caught_and_outlived_is_not_the_attempts_ending(tmp_path):

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ACCELERATE_LAUNCH, TINY, env_without_launchers, free_port, run_oomguard, torchrun
+from helpers import (
+    ACCELERATE_LAUNCH,
+    TINY,
+    env_without_launchers,
+    free_port,
+    reads_as_under_python,
+    run_oomguard,
+    torchrun,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -251,3 +259,22 @@ def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model, s
     cfg = sized_by_the_buffer_rung(rep, stage)
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "none"  # the YAML's settings, kept
     both_ranks_trained(tmp_path, rep)
+
+
+def test_a_real_oom_under_accelerate_with_zero3_reads_as_under_python(tmp_path, tiny_model):
+    """The issue's run: a recipe's accelerate ZeRO-3 YAML on two ranks with --no-preflight, at 60% of its peak: both
+    ranks run out of memory as DeepSpeed sets up its default reduce bucket. The terminal shows a rank's trimmed
+    traceback and oomguard's line naming its crash record, then the diagnosis; accelerate's ChildFailedError (and
+    torch elastic's summary) go to the attempt's file; the attempt is an OOM with the training process's code, 86."""
+    yaml = tmp_path / "zero3.yaml"
+    yaml.write_text(ACCELERATE_YAML.format(stage=3, init="true"))
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1197MiB", "--no-preflight", "--max-attempts", "1", "--",
+                            *ACCELERATE_LAUNCH, "--config_file", str(yaml), "--main_process_port", str(free_port()),
+                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"), "--no-use-cpu",
+                            env=env_without_launchers())
+    assert rep is not None, out.stderr[-3000:]
+    first = rep["attempts"][0]
+    assert first["outcome"] == "oom" and first["exit_code"] == 86, out.stderr[-3000:]
+    assert "reduce bucket" in first["oom"]["evidence"][0] and first["climbed"] == "deepspeed_buffers"
+    reads_as_under_python(out.stderr, tmp_path / "wd", "ChildFailedError")
+    assert "out of memory at step 0 (1.86 GiB requested)" in out.stderr  # the diagnosis, as under `python`

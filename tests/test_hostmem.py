@@ -89,23 +89,47 @@ def test_kernel_line_for_one_of_the_attempts_processes(tmp_path):
     assert ev == ["the kernel log says: oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),task=python,pid=4242,uid=0"]
 
 
-def test_resident_memory_near_the_limit_is_evidence(tmp_path):
+def _process(proc: Path, pid: int, *, pss_gib: float | None, hwm_gib: float, anon_gib: float = 0.0) -> None:
+    (proc / str(pid) / "task" / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "task" / str(pid) / "children").write_text("")
+    (proc / str(pid) / "status").write_text(f"Name:\tpython\nVmHWM:\t{int(hwm_gib * 1024 * 1024)} kB\n"
+                                            f"RssAnon:\t{int(anon_gib * 1024 * 1024)} kB\n")
+    if pss_gib is not None:
+        (proc / str(pid) / "smaps_rollup").write_text(f"Rss:\t{int(hwm_gib * 1024 * 1024)} kB\n"
+                                                      f"Pss:\t{int(pss_gib * 1024 * 1024)} kB\n")
+
+
+def test_memory_held_together_near_the_limit_is_evidence(tmp_path):
     proc = _fake_proc(tmp_path / "proc", "0::/\n", "", meminfo_kb=64 * 1024 * 1024)
-    for pid, hwm_gib in ((100, 20), (101, 9.5)):
-        (proc / str(pid) / "task" / str(pid)).mkdir(parents=True)
-        (proc / str(pid) / "task" / str(pid) / "children").write_text("101 " if pid == 100 else "")
-        (proc / str(pid) / "status").write_text(f"Name:\tpython\nVmHWM:\t{int(hwm_gib * 1024 * 1024)} kB\n")
+    _process(proc, 100, pss_gib=20, hwm_gib=20)
+    _process(proc, 101, pss_gib=None, hwm_gib=9.5, anon_gib=9.5)  # no smaps_rollup: its anonymous memory
     cg = _cgroup_v2(tmp_path / "cg", kills=0, limit=str(32 * GiB))
     watch = HostOOMWatch(cgroup=cg, kmsg=None, proc=proc)
     watch.start()
     watch.sample({100, 101}, force=True)
     assert watch.pids == {100, 101}
     (ev,) = watch.evidence()
-    assert "29.50 GiB of resident memory, 92% of the cgroup's limit (32.00 GiB)" in ev
+    assert "held 29.50 GiB of memory together, 92% of the cgroup's limit (32.00 GiB)" in ev
     small = HostOOMWatch(cgroup=_cgroup_v2(tmp_path / "cg2", kills=0, limit=str(64 * GiB)), kmsg=None, proc=proc)
     small.start()
     small.sample({100, 101}, force=True)
-    assert small.evidence() == [] and "29.50 GiB of the cgroup's limit" in small.describe_absence()
+    assert small.evidence() == [] and "held at most 29.50 GiB of memory together" in small.describe_absence()
+
+
+def test_shared_pages_and_peaks_of_different_moments_are_not_added_up(tmp_path):
+    """Four processes sharing 8 GiB (a parent and forked workers): each one's high-water mark counts all of it, their
+    proportional shares a quarter each; and two moments' sums are never added."""
+    proc = _fake_proc(tmp_path / "proc", "0::/\n", "")
+    for pid in (100, 101, 102, 103):
+        _process(proc, pid, pss_gib=2.25, hwm_gib=8.5)
+    watch = HostOOMWatch(cgroup=_cgroup_v2(tmp_path / "cg", kills=0, limit=str(16 * GiB)), kmsg=None, proc=proc)
+    watch.start()
+    watch.sample({100, 101, 102, 103}, force=True)  # 9 GiB together, where the marks add up to 34 GiB
+    for pid in (100, 101):
+        (proc / str(pid) / "smaps_rollup").write_text("Pss:\t1048576 kB\n")
+    _process(proc, 104, pss_gib=5, hwm_gib=5)
+    watch.sample({100, 101, 102, 103, 104}, force=True)  # 11.5 GiB at a later moment
+    assert watch.used == int(11.5 * GiB) and watch.evidence() == []
 
 
 SELF_KILL = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
@@ -132,6 +156,41 @@ def test_a_sigkill_the_cgroup_counted_as_an_oom_kill_is_host_ram(tmp_path):
     assert first["oom"]["kind"] == "host-ram" and first["oom"]["backend"] == "host"
     assert any("OOM-kill counter rose from 5 to 6" in e for e in first["oom"]["evidence"])
     assert out.returncode == 75  # a command that builds no GRPOConfig: no host rung reaches it
+
+
+# A job of several processes, as a data loader's forked workers are: a parent with 128 MiB of its own memory and three
+# forked children that share it copy-on-write; the first child sends the parent SIGKILL from outside (a health
+# checker, `timeout -s KILL`, a user's kill -9) once the supervisor has sampled them a few times.
+FORKED_JOB = """
+import os, signal, time
+buffer = bytearray(128 << 20)
+for i in range(0, len(buffer), 4096):
+    buffer[i] = 1
+children = []
+for n in range(3):
+    pid = os.fork()
+    if pid == 0:
+        if n == 0:
+            time.sleep(3.5)
+            os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+        os._exit(0)
+    children.append(pid)
+time.sleep(60)
+"""
+
+
+def test_a_kill_from_outside_of_a_job_sharing_memory_is_no_host_oom(tmp_path):
+    """Each process's high-water mark counts the shared 128 MiB (4 x 138 MiB, over 90% of a 320 MiB limit): taken for
+    the host running out, the job was retried with host rungs. What the processes hold together (their proportional
+    shares, summed at one moment) is about 170 MiB: a kill, passed through."""
+    cg = _cgroup_v2(tmp_path / "cg", kills=5, limit=str(320 << 20))
+    out, rep = run_oomguard(tmp_path, "--", sys.executable, "-c", FORKED_JOB, env={hostmem.CGROUP_ENV: str(cg)})
+    assert out.returncode == 128 + signal.SIGKILL, out.stderr[-2000:]
+    assert rep["status"] == "failed" and len(rep["attempts"]) == 1
+    first = rep["attempts"][0]
+    assert first["outcome"] == "failed" and first["oom"] is None
+    assert "no sign of the kernel's OOM killer" in out.stderr and "of memory together" in out.stderr
 
 
 def test_the_real_cgroup_of_this_machine_is_found_or_absent_quietly():

@@ -222,6 +222,38 @@ def test_a_processors_prompts_are_counted_by_its_tokenizer_without_images():
     assert prompt_lengths([prompt], processor) == [8]
 
 
+def test_the_budget_oomguard_sets_holds_for_the_run_and_checkpoints_save_the_users_processor(tmp_path):
+    """Trainer saves processing_class with each checkpoint: the preprocessor_config.json it writes keeps the user's
+    budget, while the processor goes on with oomguard's (a Qwen2.5-VL processor, as the tiny VLM's; Gemma 3's)."""
+    from transformers import AutoImageProcessor, Gemma3ImageProcessorPil
+
+    sys.path.insert(0, str(BENCH))
+    from family_calibrate import vlm_processor
+
+    processor = vlm_processor(2048, max_pixels=448 * 448)
+    assert set_pixel_budget(processor, 224 * 224)
+    # what ProcessorMixin.save_pretrained writes beside the tokenizer when Trainer._save saves processing_class (this
+    # image-only processor has no video processor for save_pretrained to walk)
+    processor.to_json_file(tmp_path / "processor_config.json")
+    saved = json.loads((tmp_path / "processor_config.json").read_text())["image_processor"]
+    assert saved["size"]["longest_edge"] == 448 * 448 and "_oomguard_users" not in saved
+    assert pixel_budget(processor)["max_pixels"] == 224 * 224  # still oomguard's for the rest of the run
+    grid = processor.image_processor(images=[_image(448, 448)])["image_grid_thw"].tolist()
+    assert grid == [[1, 16, 16]]
+    processor.image_processor.save_pretrained(tmp_path / "ip")
+    reloaded = AutoImageProcessor.from_pretrained(tmp_path / "ip")
+    assert pixel_budget(SimpleNamespace(image_processor=reloaded))["max_pixels"] == 448 * 448
+
+    gemma = Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, do_pan_and_scan=True,
+                                    pan_and_scan_max_num_crops=4)
+    set_pixel_budget(SimpleNamespace(image_processor=gemma), 3 * 896 * 896)
+    set_pixel_budget(SimpleNamespace(image_processor=gemma), 896 * 896)  # a second rung: the user's stay the first
+    assert gemma.do_pan_and_scan is False and gemma.pan_and_scan_max_num_crops == 2
+    gemma.save_pretrained(tmp_path / "gemma")
+    saved = json.loads((tmp_path / "gemma" / "preprocessor_config.json").read_text())
+    assert (saved["do_pan_and_scan"], saved["pan_and_scan_max_num_crops"]) == (True, 4)
+
+
 def test_what_the_model_and_peft_config_say():
     class Param:
         def __init__(self, grad: bool) -> None:

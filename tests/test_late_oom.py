@@ -5,7 +5,10 @@ run ends with, and the guard's view of memory from call to call. The end-to-end 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from oomguard.decide.climb import Climb
 from oomguard.decide.conductor import Conductor, Policy, resumed_step
@@ -91,19 +94,23 @@ def test_fragmentation_that_grew_makes_a_shortfall_fragmentation():
 def conductor(**policy) -> Conductor:
     climb = Climb(load_ladder("default"))
     climb.learn(RunFacts(model_config=LLAMA, prompt_tokens_max=200))
-    return Conductor(climb, Judge(24 * 2**30), Policy(**policy), launched=True)
+    con = Conductor(climb, Judge(24 * 2**30), Policy(**policy), launched=True)
+    assert con.reached is not None
+    con.reached.update(("config", "trainer", "model"))  # a TRL script: every knob reaches it
+    return con
 
 
-def oom_at(con: Conductor, index: int, step: int, resumed_from: int | None = None) -> Attempt:
+def oom_at(con: Conductor, index: int, step: int, resumed_from: int | None = None, diagnosis=leak_diagnosis) -> Attempt:
+    """Attempt ``index`` ran out of memory at ``step`` (resumed from ``checkpoint-<resumed_from>``), diagnosed so."""
     a = Attempt(index=index, knobs=con.climb.effective()[0].to_dict(), remedies=[], outcome=Outcome.OOM, exit_code=86,
                 seconds=1.0, kind=AttemptKind.RUN, step=step, peak_bytes=20 * 2**30,
                 resume={"mode": "continue", "checkpoint": f"/out/checkpoint-{resumed_from}"} if resumed_from else None)
-    a.oom = {"evidence": list(leak_diagnosis().evidence)}
-    con.record(a, leak_diagnosis())
+    a.oom = {"evidence": list(diagnosis().evidence)}
+    con.record(a, diagnosis())
     return a
 
 
-def test_a_leak_resumes_with_the_same_config_and_checkpoints_often_enough():
+def test_a_leak_resumes_with_the_same_config_and_checkpoints_often_enough_within_max_attempts():
     con = conductor()
     before = con.judge.coefficients if con.judge else None
     knobs = con.climb.effective()[0]
@@ -112,10 +119,14 @@ def test_a_leak_resumes_with_the_same_config_and_checkpoints_often_enough():
     assert con.climb.effective()[0] == knobs and not con.climb.climbed  # nothing climbed
     assert con.judge is not None and con.judge.coefficients == before  # the code ran out, not the config
     assert "a leak, not a shortfall" in (nxt.said[0].line or "")
-    # each restart that gets further resumes again, and does not spend the budget
-    for i, (step, resumed) in enumerate([(21, 10), (31, 20), (41, 30), (51, 40), (61, 50), (71, 60), (81, 70)], 2):
+    # each restart that gets further resumes again, and counts: --max-attempts (8) bounds them, so a run never loops
+    for i, (step, resumed) in enumerate([(21, 10), (31, 20), (41, 30), (51, 40), (61, 50), (71, 60)], 2):
         assert con.after(oom_at(con, i, step=step, resumed_from=resumed), leak_diagnosis()).kind is AttemptKind.RUN
-    assert not con.spent()
+    last = oom_at(con, 8, step=81, resumed_from=70)
+    assert con.after(last, leak_diagnosis()).kind is None and con.spent()
+    status, code, message = conclude(last, con.climb, leaks=[a for a in con.climb.attempts if a.index in con.leaks])
+    assert (status, code) == ("leaked", EXIT_LEAKED)
+    assert "the budget (--max-attempts 8) is spent after 7 restart(s); raise it to restart again" in message
 
 
 def test_a_restart_that_gets_no_further_stops_and_so_does_no_leak_restart():
@@ -131,6 +142,81 @@ def test_a_restart_that_gets_no_further_stops_and_so_does_no_leak_restart():
 def test_the_step_a_run_resumed_from():
     assert resumed_step({"mode": "continue", "checkpoint": "/o/checkpoint-8"}) == 8
     assert resumed_step({"mode": "weights", "checkpoint": "/o/checkpoint-8"}) == 0  # a new run starts at step 0
+
+
+# -- a warm-up is not a leak; a young leak is confirmed by a restart ---------------------------------------------
+
+GiB = 1 << 30
+SHORT_24 = parse_oom("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 24.00 GiB of which "
+                     "200.00 MiB is free. Of the allocated memory 23.20 GiB is allocated by PyTorch, and 300.00 MiB is "
+                     "reserved by PyTorch but unallocated.")
+
+
+def warm_up(tau: float, peak_base: float) -> tuple[list[MemSample], int]:
+    """A config that is simply too tight on 24 GiB: kept memory rises by 3 GiB over a few steps (``3 GiB (1 -
+    exp(-step / tau))``: a cache sized by the largest batch so far, optimizer state made lazily), the peak with it,
+    and the step whose peak crosses the device runs out (the review's traces, 2026-11-29, section 3.1)."""
+    rise = [3 * GiB * (1 - math.exp(-s / tau)) for s in range(1, 40)]
+    trace = [MemSample(s, kept=round(10 * GiB + r), peak=round(peak_base * GiB + r), capacity=24 * GiB)
+             for s, r in enumerate(rise, 1)]
+    oom = next(t.step for t in trace if t.peak > 24 * GiB)  # type: ignore[operator]
+    return trace[:oom - 1], oom
+
+
+@pytest.mark.parametrize("tau,peak_base", [(2.5, 21.2), (3, 21.2), (3, 21.3), (3, 21.4)])
+def test_a_warm_up_that_settles_late_and_meets_the_device_is_the_shortfall_and_a_rung_is_climbed(tau, peak_base):
+    trace, step = warm_up(tau, peak_base)
+    assert step in (7, 9)  # it met the device while still settling
+    assert SHORT_24 is not None
+    d = diagnose(SHORT_24, trend=at_oom(trace, step=step, capacity=24 * GiB))
+    assert d.kind == d.facts.by_figures and d.kind not in ("leak", "host-leak"), d.evidence
+    con = conductor()
+    a = Attempt(index=1, knobs=con.climb.effective()[0].to_dict(), remedies=[], outcome=Outcome.OOM, exit_code=86,
+                seconds=1.0, kind=AttemptKind.RUN, step=step - 1, peak_bytes=24 * GiB)
+    con.record(a, d)
+    nxt = con.after(a, d)
+    assert nxt.kind is not None and con.climb.climbed and not con.leaks  # a rung climbed, no restart as it was
+
+
+YOUNG = [MemSample(s, kept=46 * MiB + 6 * MiB * s, peak=64 * MiB + 6 * MiB * s, capacity=112 * MiB) for s in range(1, 8)]
+
+
+def young_diagnosis():
+    """The issue-42 client's first OOM: 112 MiB, 6 MiB kept a step, out of memory at step 8 with five settled steps of
+    trace (too few for a verdict on the trace alone)."""
+    assert OOM is not None
+    d = diagnose(OOM, trend=at_oom(YOUNG, step=8))
+    assert d.kind == "leak" and d.facts.young_leak
+    return d
+
+
+def young_at(con: Conductor, index: int, step: int, resumed_from: int | None = None) -> Attempt:
+    return oom_at(con, index, step, resumed_from, diagnosis=young_diagnosis)
+
+
+def test_a_young_leak_is_confirmed_by_a_restart_that_gets_further_and_grows_again():
+    con = conductor()
+    first = con.after(young_at(con, 1, step=7), young_diagnosis())
+    assert first.kind is AttemptKind.RUN and "a leak, it seems (too few steps to be sure)" in (first.said[0].line or "")
+    assert "That rests on 5 step(s), too few to be sure" in young_diagnosis().evidence[0]
+    again = con.after(young_at(con, 2, step=13, resumed_from=6), young_diagnosis())
+    assert again.kind is AttemptKind.RUN and "a leak, not a shortfall" in (again.said[0].line or "")
+    assert con.leak_confirmed and con.leaks == [1, 2] and not con.climb.climbed
+
+
+def test_a_young_leak_whose_restart_gets_no_further_is_the_shortfall_and_a_rung_is_climbed():
+    con = conductor()
+    con.after(young_at(con, 1, step=7), young_diagnosis())
+    stuck = young_at(con, 2, step=6, resumed_from=6)  # ran out again before passing its checkpoint
+    nxt = con.after(stuck, young_diagnosis())
+    assert nxt.kind is not None and con.climb.climbed and con.climb.exhausted is None
+    assert not con.leaks and "not a leak after all" in (stuck.note or "")
+    done = Attempt(index=3, knobs={}, remedies=[], outcome=Outcome.OK, exit_code=0, seconds=1.0, kind=AttemptKind.RUN)
+    con.climb.record(done)
+    assert conclude(done, con.climb, leaks=[])[0] == "stable"
+    # without restarts (--no-leak-restart, the guard) a young leak is the shortfall at once
+    off = conductor(leak_restart=False)
+    assert off.after(young_at(off, 1, step=7), young_diagnosis()).kind is not None and off.climb.climbed
 
 
 # -- how the run ends --------------------------------------------------------------------------------------------

@@ -27,13 +27,21 @@ LEAKER = ("--leak-mib", "6", "--per-device-train-batch-size", "2", "--num-genera
 
 
 def test_a_leak_is_resumed_with_your_config_until_every_step_is_done_and_named_where_it_is_held(tmp_path, tiny_model):
-    """On 112 MiB it runs out at step 8, with four settled steps of trace: the OOM confirms the growth."""
+    """On 112 MiB it runs out at step 8, with five settled steps of trace: a young leak, which the first restart
+    confirms by getting further and growing again. The script saves every 5 steps and keeps 2: oomguard's cadence
+    (every 3 steps) saves beside it and deletes its own checkpoints again, and the script keeps exactly its own."""
     out, rep = run_oomguard(tmp_path, "--simulate-gpu", "112MiB", "--",
-                            *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "16", *LEAKER, "--save-steps", "2"))
+                            *grpo_tiny(tiny_model, tmp_path / "out", "--max-steps", "16", *LEAKER, "--save-steps", "5",
+                                       "--save-total-limit", "2"))
     assert out.returncode == 0 and rep is not None and rep["status"] == "leaked", out.stderr[-3000:]
     attempts = rep["attempts"]
     assert len(attempts) >= 3 and attempts[-1]["outcome"] == "ok" and attempts[-1]["step"] == 16
-    assert rep["diff"] == [] and len({str(sorted(a["knobs"].items())) for a in attempts}) == 1  # no knob changed
+    # no knob changed for the leak: only the checkpoint cadence, an adaptation in the diff and the lock
+    assert [(r["knob"], r["remedy"]) for r in rep["diff"]] == [("checkpoint_every", "adaptation")], rep["diff"]
+    assert len({str(sorted((k, v) for k, v in a["knobs"].items() if k != "checkpoint_every"))
+                for a in attempts}) == 1
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-15", "checkpoint-16"]
+    assert not list((tmp_path / "out").glob("*/oomguard-added.json"))
     leaks = [a for a in attempts if a["outcome"] == "oom"]
     assert leaks and all(a["oom"]["kind"] == "leak" for a in leaks)
     rate = float(re.search(r"grew by ([\d.]+) MiB per step", leaks[0]["oom"]["evidence"][0]).group(1))

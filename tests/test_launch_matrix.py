@@ -30,7 +30,16 @@ import pytest
 
 from oomguard.vocab.sizes import parse_size
 
-from helpers import ACCELERATE_LAUNCH, PYTHON, SCRIPTS, TINY, env_without_launchers, free_port, torchrun
+from helpers import (
+    ACCELERATE_LAUNCH,
+    PYTHON,
+    SCRIPTS,
+    TINY,
+    env_without_launchers,
+    free_port,
+    reads_as_under_python,
+    torchrun,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +95,7 @@ class Form:
     name: str
     argv: Callable[[Path, str], list[str]]  # (tmp, model) -> the command after `oomguard run --`
     ranks: int = 1
+    launcher: str | None = None  # the error a launcher between prints when its training process fails
 
 
 def _python_m(tmp: Path, model: str) -> list[str]:
@@ -99,17 +109,19 @@ def _python_m(tmp: Path, model: str) -> list[str]:
 FORMS = {f.name: f for f in [
     Form("python", lambda tmp, m: [PYTHON, TINY, *tiny_args(m, tmp / "out")]),
     Form("python-m", _python_m),
-    Form("trl-grpo", lambda tmp, m: [TRL_SCRIPT, *trl_args(m, tmp / "out", gsm_like_data(tmp))]),
+    Form("trl-grpo", lambda tmp, m: [TRL_SCRIPT, *trl_args(m, tmp / "out", gsm_like_data(tmp))],
+         launcher="CalledProcessError"),
     Form("accelerate-1", lambda tmp, m: [*ACCELERATE_LAUNCH, "--num_processes", "1", TINY,
-                                         *tiny_args(m, tmp / "out")]),
+                                         *tiny_args(m, tmp / "out")], launcher="CalledProcessError"),
     Form("accelerate-1-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 1), TINY,
-                                                *tiny_args(m, tmp / "out")]),
+                                                *tiny_args(m, tmp / "out")], launcher="CalledProcessError"),
     Form("accelerate-2", lambda tmp, m: [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2",
                                          "--main_process_port", str(free_port()), TINY, *tiny_args(m, tmp / "out")],
-         ranks=2),
+         ranks=2, launcher="ChildFailedError"),
     Form("accelerate-2-config", lambda tmp, m: [*ACCELERATE_LAUNCH, "--config_file", accelerate_config(tmp, 2), TINY,
-                                                *tiny_args(m, tmp / "out")], ranks=2),
-    Form("torchrun-2", lambda tmp, m: torchrun(2, TINY, *tiny_args(m, tmp / "out")), ranks=2),
+                                                *tiny_args(m, tmp / "out")], ranks=2, launcher="ChildFailedError"),
+    Form("torchrun-2", lambda tmp, m: torchrun(2, TINY, *tiny_args(m, tmp / "out")), ranks=2,
+         launcher="ChildFailedError"),
     # a shell script that calls one of these (and stays their parent), and one that exits 1 whatever its child did
     Form("shell", lambda tmp, m: [shell_script(tmp, "train.sh", f'set -e\necho "training"\n{PYTHON} {TINY} "$@"\n'
                                                'echo "done"'), *tiny_args(m, tmp / "out")]),
@@ -185,11 +197,18 @@ def _stable_after_predicted(c: Cell) -> None:
 def _oom_at_load(c: Cell) -> None:
     assert c.first["outcome"] == "oom" and c.first["oom"]["phase"] == "load", c.why()
     assert c.rep["status"] == "exhausted"
+    _reads_as_under_python(c)
+
+
+def _reads_as_under_python(c: Cell) -> None:
+    assert c.first["exit_code"] == 86, c.why()  # the training process's own code, not a launcher's 1
+    reads_as_under_python(c.out.stderr, c.tmp / "wd", c.form.launcher)
 
 
 def _oom_scoring(c: Cell) -> None:
     assert c.first["outcome"] == "oom" and c.first["oom"]["is_oom"], c.why()
     assert c.first["climbed"] and c.first["oom"]["kind"] != "host-ram"
+    _reads_as_under_python(c)
 
 
 def _host_ram(c: Cell) -> None:
@@ -208,6 +227,7 @@ def _one_rank_oom(c: Cell) -> None:
     """Rank 1 runs out of memory; rank 0 would wait for it at the next collective. The job ends once, as an OOM."""
     assert c.first["outcome"] == "oom" and c.first["oom"]["rank"] == 1, c.why()
     assert c.first["seconds"] < 90 and c.first["climbed"]
+    _reads_as_under_python(c)
 
 
 def _one_rank_killed(c: Cell) -> None:
@@ -266,6 +286,12 @@ RELAYS = {
 }
 
 
+# Cells whose launch another test makes, with more assertions: that test's run is the cell's (the cell is kept, and
+# its own parametrised run left out). trl-grpo-fits: `trl grpo` reaching and reporting its training processes, which
+# the replay of a recipe on two ranks under `trl grpo` shows (and every rank trains).
+FOLDED = {("trl-grpo", "fits"): "test_a_recipe_replayed_under_trl_grpo_on_two_ranks_trains_every_locked_value"}
+
+
 def _valid() -> list[tuple[str, str]]:
     """Every (form, ending) that means something: a two-rank ending under two ranks, the climb under STABLE_FORMS."""
     return [(form.name, ending) for form in FORMS.values() for ending in (MULTI if form.ranks > 1 else SINGLE)
@@ -287,7 +313,7 @@ def covered_by(form: str, ending: str) -> tuple[str, str]:
 def _cells() -> list:
     out = []
     for form, ending in _valid():
-        if not kept(form, ending):
+        if not kept(form, ending) or (form, ending) in FOLDED:
             continue
         marks = [] if (form, ending) in DEFAULT else [pytest.mark.slow]
         if (form, ending) in CORE:
@@ -307,6 +333,7 @@ def test_every_cell_left_out_is_covered_by_its_form_and_its_ending():
         assert same.endswith(f"-{ending}") and any(f"{f}-{e}" == same for f, e in ran), (form, ending)
     assert ran >= CORE | DEFAULT
     assert len(ran) < len(_valid()) * 0.6  # pairwise: it grows with forms plus endings, not their product
+    assert all(callable(globals().get(test)) for test in FOLDED.values()) and not set(FOLDED) & (CORE | DEFAULT)
 
 
 def run_cell(tmp: Path, model: str, form: Form, ending: Ending, extra: tuple[str, ...] = (),
@@ -389,3 +416,33 @@ def test_trl_grpo_stops_before_generating_and_its_probe_leaves_nothing_in_the_te
     assert "Model saved to " + begin["output_dir"] in cell.out.stdout  # TRL's script saved a whole model there
     assert not list(scratch.glob("oomguard-*"))
     assert not (tmp_path / "out").exists()  # the user's output_dir: a probe never writes there
+
+
+@pytest.mark.slow
+def test_a_recipe_replayed_under_trl_grpo_on_two_ranks_trains_every_locked_value(tmp_path, tiny_model):
+    """Issue 45's forms in one launch: `trl grpo --config recipe.yaml` with a flag of its own, on two ranks (the recipe
+    names its accelerate config, as multi-GPU recipes do), replaying a lock whose values are TRL's defaults where the
+    recipe and the flag set others: gradient_accumulation_steps 1 (the recipe's 2), per_device_train_batch_size 8 (the
+    flag's 4). Both ranks train with the lock's values, and the report's stable config is what they said they ran.
+    It is also the matrix's trl-grpo-fits cell (``FOLDED``): `trl grpo`'s training processes reached and reporting.
+    Slow: the default run's test_lock_file_replays_without_climbing replays a script's own value the same way, and
+    tests/test_lock_replay.py holds the override computation and the training process's half in seconds."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"dtype: float32\nreward_funcs:\n- endings.reward\nmax_steps: {STEPS}\nmax_completion_length: "
+                      f"{COMPLETION}\nnum_generations: 4\ngradient_accumulation_steps: 2\nuse_cpu: true\nreport_to: "
+                      "none\nsave_strategy: 'no'\nlogging_steps: 1\n"
+                      f"accelerate_config: {accelerate_config(tmp_path, 2)}\n")
+    locked = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
+    lock = tmp_path / "in.lock.json"
+    lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": locked}))
+    form = Form("trl-grpo-recipe-2", lambda tmp, m: [TRL_SCRIPT, "grpo", "--config", str(recipe), "--model_name_or_path",
+                                                     m, "--dataset_name", str(gsm_like_data(tmp)), "--output_dir",
+                                                     str(tmp / "out"), "--per_device_train_batch_size", "4"], ranks=2)
+    cell = run_cell(tmp_path, tiny_model, form, Ending("replay", _fits, options=("--config", str(lock))))
+    _fits(cell)  # both ranks trained
+    ran = {e["rank"]: e["knobs"] for e in cell.events(1) if e["event"] == "ran"}  # each rank's last word
+    assert sorted(ran) == [0, 1] and all({k: r[k] for k in locked} == locked for r in ran.values()), ran
+    assert {k: cell.rep["stable"][k] for k in locked} == locked
+    assert {k: cell.rep["original"][k] for k in locked} == {"per_device_train_batch_size": 4,
+                                                            "gradient_accumulation_steps": 2}
+    assert json.loads((tmp_path / "lock.json").read_text())["overrides"] == locked  # and its lock replays the same

@@ -3,20 +3,14 @@ together and are relaunched with the next rung on every rank; a SIGKILL takes th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY, accelerate_launch, env_without_launchers, grpo_tiny, run_oomguard, torchrun
+from helpers import TINY, accelerate_launch, env_without_launchers, events_of, grpo_tiny, run_oomguard, torchrun
 
 pytestmark = pytest.mark.e2e
 PLAIN = ("--no-probe", "--no-predict")
-
-
-def events_of(tmp: Path, attempt: int) -> list[dict]:
-    path = next((tmp / "wd").glob(f"runs/*/attempt-{attempt}/events.jsonl"))
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_late_oom_resumes_from_the_newest_checkpoint(tmp_path, tiny_model):

@@ -37,9 +37,11 @@ CLASSES = {
 }
 
 
-def run_script(tmp, model_dir, overrides, *, trainer=True):
+def run_script(tmp, model_dir, overrides, *, trainer=True, script=None, pinned=None, after_config=None):
     """The GRPO script a user writes (its own from_pretrained, GRPOConfig, GRPOTrainer), run under oomguard's patches
-    with ``overrides`` in the plan; returns the training process's runtime and what it built."""
+    with ``overrides`` in the plan (and a replayed lock's ``pinned`` values); ``script``: its own GRPOConfig values
+    (default SCRIPT), ``after_config(args)``: what it does to its config once built. Returns the training process's
+    runtime and what it built."""
     import transformers.modeling_utils
     import trl.trainer.grpo_config as config_module
     import trl.trainer.grpo_trainer as trainer_module
@@ -50,15 +52,20 @@ def run_script(tmp, model_dir, overrides, *, trainer=True):
     from oomguard.child.runtime import Runtime
     from oomguard.vocab.protocol import Plan
 
-    rt = Runtime(Plan(overrides=overrides, crash_dir=str(tmp), events=str(tmp / "events.jsonl")))
+    rt = Runtime(Plan(overrides=overrides, pinned=pinned or {}, crash_dir=str(tmp), events=str(tmp / "events.jsonl")))
     patches.patch_grpo_config(rt, config_module)
     patches.patch_grpo_trainer(rt, trainer_module)
     patches.patch_from_pretrained(rt, transformers.modeling_utils)
     try:
         args = trl.GRPOConfig(output_dir=str(tmp / "out"), use_cpu=True, bf16=False, report_to=[], max_steps=1,
-                              **SCRIPT)
+                              **(SCRIPT if script is None else script))
+        if after_config is not None:
+            after_config(args)
         if not trainer:
             return rt, args, None
+        if trainer == "by name":  # GRPOTrainer loads it (the script gives its path)
+            return rt, args, trl.GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0],
+                                             args=args)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         rows = [{"prompt": [{"role": "user", "content": f"{i}: alpha beta"}]} for i in range(16)]
         built = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -76,6 +83,8 @@ def test_the_training_process_reports_the_scripts_values_under_a_locks_overrides
     user = TRL_DEFAULTS.merged(SCRIPT).replace(dtype="float32", lora_r=0, load_in_4bit=False)
     for knob in overrides:
         assert rt.observed.get(knob, getattr(TRL_DEFAULTS, knob)) == getattr(user, knob), knob  # the script's own
+    ran = [e for e in ran_events(tmp_path) if e.event_name() == "ran"][-1]  # what it runs is what it says
+    assert {k: ran.knobs[k] for k in overrides} == overrides and not ran.later
     model = built.model
     if name == "batch":
         assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
@@ -112,7 +121,7 @@ def test_a_stacks_flags_are_read_before_oomguard_sets_its_own():
 
     args = SimpleNamespace(tuner_type="full", lora_rank=8, lora_alpha=32, quant_method=None, quant_bits=None,
                            torch_dtype=None, target_modules=["all-linear"], deepspeed=None)
-    rt = Runtime(Plan(overrides={"lora_r": 16, "zero_stage": 3, "offload_optimizer": True}))
+    rt = Runtime(Plan(overrides={"lora_r": 16, "zero_stage": 3, "offload_optimizer": True, "offload_params": True}))
     user = observed_model_args(args)
     apply_model_args(rt, args)
     assert user["lora_r"] == 0 and (args.tuner_type, args.lora_rank, args.deepspeed) == ("lora", 16, "zero3_offload")
@@ -174,3 +183,164 @@ def test_an_adaptation_is_a_change_in_the_diff_and_the_lock_and_a_replay_keeps_i
     assert [c.what for c in first.experiment().changed] == ["use_cpu=True (DeepSpeed runs on the CPU here)"]
     again = lock_of(replay(lock, script))
     assert again["overrides"] == {"use_cpu": True} and again["diff"][0]["remedy"] == "adaptation"
+
+
+# -- a lock is exact (issue 45, point 1) --------------------------------------------------------------------------------
+# The GSM8K demo of the issue: its GRPOConfig sets 16 x 4; oomguard chose 8 x 8 and held; the lock holds both. 8 is
+# TRL's default per_device_train_batch_size, which a plan computed against TRL's defaults dropped (the script's 16 ran).
+DEMO = {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4, "num_generations": 4,
+        "max_completion_length": 32}
+DEMO_LOCK = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8}
+
+
+def replayed(lock_overrides: dict) -> Climb:
+    """A replay as run/supervisor.py builds it, before its command reported anything."""
+    return Climb(load_ladder("default"), pinned=Knobs.from_dict(lock_overrides))
+
+
+def test_a_replay_sends_every_locked_value_whatever_trls_default_is():
+    climb = replayed(DEMO_LOCK)
+    assert climb.overrides() == DEMO_LOCK  # the first launch: nothing of the script's known yet
+    climb.observe(DEMO)  # once the script's 16 x 4 is known, the lock's 8 x 8 still goes, and the lock keeps both
+    assert climb.overrides() == DEMO_LOCK and lock_of(climb)["overrides"] == DEMO_LOCK
+    # a locked value equal to the script's own is still the lock's: a replay of its lock pins it too
+    same = replayed({"num_generations": 4})
+    same.observe(DEMO)
+    assert same.overrides() == {"num_generations": 4}
+
+
+def test_a_value_a_rung_fixed_before_the_command_reported_its_own_is_sent_too():
+    """A config chosen before the command reported its values (its first attempt stopped before GRPOConfig, at a
+    load) fixes graded values from TRL's defaults: one equal to TRL's default still goes, or the script's would run."""
+    from oomguard.decide.choose import Rung
+    from oomguard.strategies import make_remedy
+
+    climb = Climb(load_ladder("default"))
+    climb.applied = [Rung(make_remedy("micro_batch"), values=(("per_device_train_batch_size", 8),
+                                                              ("gradient_accumulation_steps", 1)))]
+    assert climb.overrides() == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
+    climb.observe(DEMO)  # reported: the diff against the script's own values carries them
+    assert climb.overrides()["per_device_train_batch_size"] == 8
+
+
+def ran_events(tmp) -> list:
+    from oomguard.vocab.events import read_events
+
+    return [e for e in read_events(tmp / "events.jsonl") if e.event_name() in ("ran", "end")]
+
+
+def test_the_training_process_runs_and_reports_every_locked_value(tmp_path):
+    """The demo's own GRPOConfig (16 x 4) under the plan a replay of its lock sends: TRL's real GRPOConfig runs the
+    lock's 8 x 8, the script's values are still what it reports as the user's, and what it runs is what it says."""
+    climb = replayed(DEMO_LOCK)
+    rt, args, _ = run_script(tmp_path, None, climb.overrides(), trainer=False, script=DEMO, pinned=DEMO_LOCK)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 8)
+    assert (rt.observed["per_device_train_batch_size"], rt.observed["gradient_accumulation_steps"]) == (16, 4)
+    ran = [e for e in ran_events(tmp_path) if e.event_name() == "ran"][-1]
+    assert {k: ran.knobs[k] for k in DEMO_LOCK} == DEMO_LOCK and not ran.unmet
+
+
+def test_a_script_that_sets_a_locked_knob_again_after_building_its_config_stops_before_training(tmp_path, capsys):
+    """The script sets per_device_train_batch_size on its config after building it (as some notebooks do): the
+    replay stops as GRPOTrainer is built, before anything is loaded (its model, here a path that does not exist, is
+    never read), in one line naming both values."""
+    import pytest
+
+    def again(args):
+        args.per_device_train_batch_size = 16
+
+    climb = replayed(DEMO_LOCK)
+    with pytest.raises(SystemExit) as stop:
+        run_script(tmp_path, "no-such-model", climb.overrides(), trainer="by name", script=DEMO, pinned=DEMO_LOCK,
+                   after_config=again)
+    assert stop.value.code == 2 and "Traceback" not in capsys.readouterr().err
+    ran, end = ran_events(tmp_path)[-2:]
+    assert ran.unmet == {"knob": "per_device_train_batch_size", "locked": 8, "ran": 16,
+                         "where": "the script sets it on its config after building it, before GRPOTrainer"}
+    assert end.how == "unmet" and end.error.startswith(
+        "the lock pins per_device_train_batch_size=8, but the training process runs 16 (the script sets it on its "
+        "config after building it, before GRPOTrainer); stopped before training")
+
+
+def test_a_recipes_accelerator_config_that_sets_the_accumulation_another_way_stops_the_replay(tmp_path, tiny_model):
+    """A recipe that gives its accumulation steps through ``accelerator_config`` (transformers then sets
+    ``gradient_accumulation_steps`` while the trainer is built): the locked 1 is not what runs, and the replay
+    stops before training, naming who changed it."""
+    import pytest
+
+    script = {**SCRIPT, "accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 4}}}
+    with pytest.raises(SystemExit):
+        run_script(tmp_path, tiny_model, {"gradient_accumulation_steps": 1}, script=script,
+                   pinned={"gradient_accumulation_steps": 1})
+    ran = [e for e in ran_events(tmp_path) if e.event_name() == "ran"][-1]
+    assert (ran.unmet["locked"], ran.unmet["ran"]) == (1, 4) and "while GRPOTrainer was built" in ran.unmet["where"]
+
+
+def test_a_value_of_oomguards_the_script_sets_again_is_what_the_report_says_ran(tmp_path, tiny_model):
+    """Not a replay: a rung's value the script sets again after building its config. The training process runs the
+    script's, reports it, and the supervisor records that (and says once that the rung cannot change it)."""
+    from oomguard.run.learning import knobs_ran
+    from oomguard.vocab.events import read_events
+
+    def again(args):
+        args.max_completion_length = 32
+
+    run_script(tmp_path, tiny_model, {"max_completion_length": 16}, after_config=again)
+    events = read_events(tmp_path / "events.jsonl")
+    ran = [e for e in events if e.event_name() == "ran"][-1]
+    assert ran.knobs["max_completion_length"] == 32 and "after building it" in ran.later["max_completion_length"]
+    climb = Climb(load_ladder("default"))
+    climb.observe(SCRIPT)
+    assert knobs_ran(climb.effective()[0].replace(max_completion_length=16), events).max_completion_length == 32
+
+
+# -- the supervisor's side of the stop --------------------------------------------------------------------------------
+def test_a_replay_stopped_for_a_locked_value_fails_with_its_line_and_the_usage_code_and_is_not_retried(tmp_path):
+    from oomguard.decide.conductor import Conductor, Policy
+    from oomguard.run.classify import classify
+    from oomguard.run.proc import ProcessResult
+    from oomguard.run.verdict import conclude
+    from oomguard.vocab.events import CodeSeen, ProcessEnded, Ran
+    from oomguard.vocab.lock import Unmet
+    from oomguard.vocab.records import Outcome
+
+    unmet = Unmet("per_device_train_batch_size", 8, 16, "the script sets it on its config after building it")
+    events = [CodeSeen("config", pid=11, rank=0), CodeSeen("config", pid=12, rank=1),
+              Ran(knobs={"per_device_train_batch_size": 16}, unmet=unmet.to_dict(), pid=11, rank=0),
+              ProcessEnded("unmet", pid=11, rank=0, error=unmet.line()),
+              ProcessEnded("unmet", pid=12, rank=1, error=unmet.line())]
+    for launcher_code in (1, 2):  # torchrun's own code, or the process's where nothing sits between
+        result = ProcessResult(launcher_code, "", "", None, 1.0)
+        attempt, diag = classify(1, result, tmp_path, events, TRL_DEFAULTS, [], warn=print)
+        assert (attempt.outcome, attempt.exit_code, diag) == (Outcome.FAILED, 2, None)
+        assert attempt.note == unmet.line() and attempt.unmet["knob"] == "per_device_train_batch_size"
+    lock = Lock(overrides=DEMO_LOCK)
+    climb = replayed(DEMO_LOCK)
+    conductor = Conductor(climb, None, Policy(replay=True, probe_steps=0), launched=True)
+    conductor.record(attempt, None)
+    assert conductor.after(attempt, None).kind is None  # not retried
+    assert conclude(attempt, climb, replay=lock) == ("failed", 2, unmet.line())
+
+
+def test_oomguard_run_ends_a_replay_whose_command_runs_another_value_in_one_line(tmp_path):
+    """The stop through `oomguard run`, in seconds: the command stands in for a training process whose script sets a
+    locked value again (it reports what it runs through oomguard's bootstrap, as one does, without TRL; the same
+    with TRL's GRPOConfig and GRPOTrainer is the test above). One line, the usage code, no lock, no traceback."""
+    import json
+    import sys
+
+    from helpers import run_oomguard
+
+    lock = tmp_path / "in.lock.json"
+    lock.write_text(json.dumps({"schema": "oomguard.lock/1", "overrides": DEMO_LOCK}))
+    stand_in = ("from oomguard.child.runtime import runtime\nfrom oomguard.child import ran\nrt = runtime()\n"
+                "rt.reached.add('config')\nrt.runs_instead({'per_device_train_batch_size': 16}, ran.BEFORE_TRAINER)\n"
+                "ran.report(rt)\nprint('trained')\n")
+    out, rep = run_oomguard(tmp_path, "--config", str(lock), "--", sys.executable, "-c", stand_in)
+    assert out.returncode == 2 and rep["status"] == "failed", out.stderr[-3000:]
+    assert rep["message"].startswith("the lock pins per_device_train_batch_size=8, but the training process runs 16 "
+                                     "(the script sets it on its config after building it, before GRPOTrainer)")
+    assert [(a["outcome"], a["exit_code"]) for a in rep["attempts"]] == [("failed", 2)]
+    assert rep["attempts"][0]["unmet"]["ran"] == 16 and rep["stable"] is None
+    assert out.stderr.count("the lock pins") == 1 and "Traceback" not in out.stderr and "trained" not in out.stdout
+    assert "stopped before training" in out.stderr and not (tmp_path / "lock.json").exists()

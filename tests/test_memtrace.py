@@ -70,6 +70,9 @@ class FakeCuda:
     def __init__(self) -> None:
         self.resets = 0
         self.stats_calls = 0
+        self.memory = types.SimpleNamespace(memory_stats_as_nested_dict=self.nested,
+                                            reset_peak_memory_stats=self.reset_peak_memory_stats,
+                                            _get_device_index=lambda d, optional=False: 0 if d is None else int(d))
 
     def is_available(self) -> bool:
         return True
@@ -77,12 +80,12 @@ class FakeCuda:
     def is_initialized(self) -> bool:
         return True
 
-    def memory_stats(self) -> dict[str, int]:
+    def nested(self, device: object = None) -> dict:
         self.stats_calls += 1
-        return {"allocated_bytes.all.current": 10 * MiB, "allocated_bytes.all.peak": 30 * MiB,
-                "reserved_bytes.all.current": 40 * MiB, "reserved_bytes.all.peak": 48 * MiB}
+        return {"allocated_bytes": {"all": {"current": 10 * MiB, "peak": 30 * MiB}},
+                "reserved_bytes": {"all": {"current": 40 * MiB, "peak": 48 * MiB}}}
 
-    def reset_peak_memory_stats(self) -> None:
+    def reset_peak_memory_stats(self, device: object = None) -> None:
         self.resets += 1
 
     def current_device(self) -> int:
@@ -98,7 +101,22 @@ class FakeCuda:
         raise AssertionError(f"the trace called torch.cuda.{name}")
 
 
-def test_on_cuda_one_counter_read_and_a_reset_no_synchronisation(monkeypatch) -> None:
+@pytest.fixture
+def fresh_peaks(monkeypatch):
+    """oomguard's wrap of torch.cuda.memory (child/peaks.py) made anew for one test, and taken away after it."""
+    import torch
+
+    from oomguard.child import peaks
+
+    monkeypatch.setattr(peaks, "_REAL", {})
+    monkeypatch.setattr(peaks, "_KEPT", {})
+    for module in (torch.cuda.memory, torch.cuda):
+        for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats"):
+            monkeypatch.setattr(module, name, getattr(module, name))
+    return peaks
+
+
+def test_on_cuda_one_counter_read_and_a_reset_no_synchronisation(monkeypatch, fresh_peaks) -> None:
     cuda = FakeCuda()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
     rt = Runtime(Plan())
@@ -108,6 +126,74 @@ def test_on_cuda_one_counter_read_and_a_reset_no_synchronisation(monkeypatch) ->
         "step": 7, "kept": 10 * MiB, "peak": 30 * MiB, "reserved": 40 * MiB, "capacity": 80 << 30}
     assert cuda.stats_calls == 1 and cuda.resets == 1
     assert (rt.peak_floor, rt.reserved_floor) == (30 * MiB, 48 * MiB)
+
+
+class FakeAllocator:
+    """CUDA's caching allocator as torch._C shows it to torch.cuda.memory: its counters, and a reset of their peaks."""
+
+    def __init__(self) -> None:
+        self.current = {"allocated_bytes": 0, "reserved_bytes": 0}
+        self.peak = dict(self.current)
+
+    def use(self, n: int) -> None:
+        for k in self.current:
+            self.current[k] += n
+            self.peak[k] = max(self.peak[k], self.current[k])
+
+    def stats(self, device: object = None) -> dict:
+        return {k: {"all": {"current": self.current[k], "peak": self.peak[k]}} for k in self.current}
+
+    def reset(self, device: object = None) -> None:
+        self.peak = dict(self.current)
+
+
+def test_the_peak_counters_the_user_reads_are_the_whole_run_s_with_the_trace_on(monkeypatch, fresh_peaks) -> None:
+    """A script that logs torch.cuda.max_memory_allocated() reads the run's peak, not the last step's, while the
+    trace measures each step's own; a reset of the user's own starts the user's peak again (torch.cuda.memory's
+    real functions over a faked allocator: this torch is a CPU build)."""
+    import torch
+
+    alloc = FakeAllocator()
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", alloc.stats, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", alloc.reset, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_get_device_index", lambda d, optional=False: 0 if d is None else int(d))
+    for name, value in (("is_available", lambda: True), ("is_initialized", lambda: True), ("current_device", lambda: 0),
+                        ("get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 << 30))):
+        monkeypatch.setattr(torch.cuda, name, value)
+    fresh_peaks.install(torch.cuda.memory)  # what the bootstrap does when torch.cuda.memory is imported
+    from torch.cuda import max_memory_allocated, reset_peak_memory_stats  # as a script imports them
+
+    tracer = StepTracer(Runtime(Plan()))
+    alloc.use(100 * MiB)  # the model
+    step_peaks = []
+    for transient in (50, 300, 20, 40):  # step 2 peaks highest
+        tracer.step_begin()
+        alloc.use(transient * MiB)
+        alloc.use(-transient * MiB)
+        step_peaks.append(tracer.sample(len(step_peaks) + 1)["peak"] // MiB)
+    assert step_peaks == [150, 400, 120, 140]  # the trace's own per-step peaks
+    assert max_memory_allocated() == torch.cuda.max_memory_allocated() == 400 * MiB  # the whole run's
+    assert torch.cuda.memory_stats()["reserved_bytes.all.peak"] == 400 * MiB
+    reset_peak_memory_stats()  # the user's own reset: the user's peak starts again, the trace goes on
+    tracer.step_begin()
+    alloc.use(60 * MiB)
+    alloc.use(-60 * MiB)
+    assert tracer.sample(5)["peak"] == 160 * MiB and max_memory_allocated() == 160 * MiB
+
+
+def test_the_simulated_device_s_own_peak_is_the_whole_run_s_with_the_trace_on(device) -> None:
+    import torch
+
+    tracer = StepTracer(Runtime(Plan()))
+    peaks = []
+    for mib in (8, 32, 4):
+        tracer.step_begin()
+        x = torch.zeros(mib * MiB // 4)
+        del x
+        peaks.append(tracer.sample(len(peaks) + 1)["peak"])
+    assert peaks[1] - peaks[2] == 28 * MiB  # each step's own
+    assert device.peak == max(peaks) and device.stats()["allocated_bytes.all.peak"] == max(peaks)
 
 
 def test_lengths_are_the_widths_of_the_batch_trl_trains_on() -> None:
@@ -170,6 +256,44 @@ def test_census_sites_from_cuda_snapshots_are_read_without_torch() -> None:
     (h,) = grown("site", site_totals(snap(1)), site_totals(snap(4)), least=MiB, since=9, until=12)
     assert (h.name, h.grown, h.count) == ("/home/me/rewards.py:12 in leaky_reward", 18 * MiB, 3)
 
+
+
+class FakeHistory:
+    """torch as the census uses it on CUDA: the memory-history switch (``_record_memory_history``, with the settings
+    it was last given), whether it is on (``torch._C._cuda_isHistoryEnabled``), and snapshots."""
+
+    def __init__(self, user: dict | None) -> None:
+        self.settings = user  # None: not recording
+        self.calls: list[dict] = []
+        self.cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                          memory=types.SimpleNamespace(_record_memory_history=self.record,
+                                                                       _snapshot=lambda: {"segments": []}))
+        self._C = types.SimpleNamespace(_cuda_isHistoryEnabled=lambda: self.settings is not None)
+        self.Tensor = type("Tensor", (), {})
+
+    def record(self, enabled: str | None = "all", **kw: object) -> None:
+        self.calls.append({"enabled": enabled, **kw})
+        self.settings = None if enabled is None else {"enabled": enabled, **kw}
+
+
+@pytest.mark.parametrize("user", [{"enabled": "all", "max_entries": 100000}, None])
+def test_the_census_leaves_a_memory_history_recording_the_user_started_as_it_was(monkeypatch, user) -> None:
+    """PyTorch's advice for OOMs is to record memory history and dump a snapshot when one comes: a census (after any
+    leak verdict) keeps that recording on, with the user's settings; one it started itself it stops again."""
+    from oomguard.child.census import Census
+
+    fake = FakeHistory(user)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    census = Census()
+    census.start()
+    census.take(3)
+    census.take(5)
+    census.stop()
+    assert fake.settings == user
+    if user is not None:
+        assert fake.calls == []  # the user's recording, never touched
+    else:
+        assert [c["enabled"] for c in fake.calls] == ["state", None]
 
 
 @pytest.mark.slow

@@ -328,9 +328,8 @@ def test_plan_answers_for_the_new_families(name):
     out = _plan("--model", str(MODELS / name), "--gpu", "80GiB", "dtype=bfloat16", "lora_r=16", "--json")
     d = json.loads(out.stdout)
     spec = load_model_spec(MODELS / name)
-    family = "a vision-language model" if spec.vision is not None else "a mixture-of-experts model"
     assert out.returncode == 4 and d["verdict"]["decision"] == "probe", out.stderr
-    assert d["verdict"]["reasons"] == [f"{family} is measured on the simulated device only, not on a GPU"]
+    assert d["verdict"]["reasons"] == [f"not modelled: {line}" for line in d["not_modelled"]] != []
     assert d["total_params"] - d["trainable_params"] == spec.params
     assert d["peak_bytes"] > 2 * spec.params and sum(d["breakdown"].values()) == d["peak_bytes"]
     fit = _plan("--model", str(MODELS / name), "--gpu", "80GiB,40GiB", "dtype=bfloat16", "lora_r=16",
@@ -340,9 +339,11 @@ def test_plan_answers_for_the_new_families(name):
     assert fit.returncode == (0 if all(c["fit_value"] is not None for c in cards) else 3), fit.stderr
     from importlib.metadata import version
 
+    from oomguard.decide.plan import plan_images
     from oomguard.vocab.trlrange import head_of
 
-    k, trl = TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=16), version("trl")  # plan judges for the installed TRL
-    alone = [make_plan(spec, k, size * 2**30, facts=RunFacts(trl_version=trl, trl_head=head_of(trl))).verdict.decision
-             for size in (80, 40)]
+    trl = version("trl")  # plan judges for the installed TRL, and a vision model with an image per prompt by default
+    images, k = plan_images(spec, TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=16), MODELS / name, None, None)
+    alone = [make_plan(spec, k, size * 2**30, facts=RunFacts(trl_version=trl, trl_head=head_of(trl), **images))
+             .verdict.decision for size in (80, 40)]
     assert [c["verdict"] for c in cards] == alone

@@ -92,6 +92,7 @@ def test_lora_count_of_qwen_3b_in_plan():
     (["--model", LLAMA, "--gpu", "24GiB", "num_generations=3"], "divisible by num_generations"),
     (["--model", LLAMA, "--gpu", "8"], "--gpu 8 means 8 bytes; did you mean 8GiB?"),
     (["--model", LLAMA, "--gpu", "24GiB", "optim=fastest"], "optim names no optimizer"),
+    (["--model", LLAMA, "--gpu", "24GiB", "--trl-version", "0.12"], "--trl-version takes a TRL release from 0.14.0"),
 ])
 def test_bad_inputs_get_one_line(args, problem):
     out = plan(*args)
@@ -202,3 +203,42 @@ def test_plan_help_and_the_how_to_give_every_exit_code_of_the_verdict():
     howto = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "plan.md").read_text(encoding="utf-8")
     for code, verdict in (("0", "sure to fit"), ("4", "probe first"), ("3", "predicted not to fit"), ("2", "")):
         assert re.search(rf"\| \*\*{code}\*\* \| {verdict}", howto), code
+
+
+def test_trl_version_fills_what_the_config_leaves_out_with_that_release_s_defaults():
+    """trl#3678's config: Qwen3-0.6B on a 20 GB card, the script's own max_completion_length=256, TRL's defaults for
+    the rest. Under the installed TRL (checkpointing, the fused LM head) it fits; under TRL 0.19, as the report ran it
+    (no checkpointing, the [B, C, V] logits materialised), it does not, as the report found."""
+    args = ("--model", str(MODELS / "qwen3-0.6b"), "--gpu", "20GiB", "--prompt-tokens", "168",
+            "max_completion_length=256", "--json")
+    now = json.loads(plan(*args).stdout)
+    out = plan(*args, "--trl-version", "0.19")
+    then = json.loads(out.stdout)
+    assert now["fits"] and now["trl"]["head"] == "fused"
+    # predicted 11% over the card, within the logits head's measured error on a GPU (37.9%): `oomguard run` would
+    # probe it first (exit 4), and the probe would run out of memory as the report's run did
+    assert out.returncode == 4 and then["verdict"]["decision"] == "probe" and then["trl"]["head"] == "logits"
+    assert then["peak_bytes"] > then["capacity_bytes"]
+    assert "the defaults of 0.19.0 (2025-06-20)" in then["trl"]["lines"][0]
+    assert then["breakdown"]["logits"] > 2**30 and then["run"]["first"] != "run"
+    text = plan(*args[:-1], "--trl-version", "0.14", "num_generations=4").stdout
+    assert "TRL 0.14.0 counts per_device_train_batch_size in prompts: 1 prompt(s) x num_generations 4 = 4" in text
+
+
+def test_what_plan_does_not_model_is_said_and_never_sure():
+    """A vLLM server's own GPU, padding-free batches, a vision tower on a GPU, Unsloth's trainer: one line each, and
+    `oomguard run` would probe first, however far under the card the prediction is."""
+    vl = str(MODELS / "qwen2.5-vl-3b-instruct")
+    out = plan("--model", vl, "--gpu", "80GiB", "--images-per-prompt", "1", "use_vllm=true", "vllm_mode=server",
+               "--padding-free")
+    assert out.returncode == 4, out.stderr  # probe first
+    lines = [line for line in out.stdout.splitlines() if line.startswith("not modelled: ")]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "a vLLM server's own GPU (vllm_mode=server)", "packed or padding-free batches (no padded rows)",
+        "a vision tower on a GPU"]
+    assert "oomguard run: a short worst-case probe first" in out.stdout
+    text = plan("--model", vl, "--gpu", "80GiB", "--images-per-prompt", "0").stdout  # text only: measured on a GPU
+    assert "not modelled" not in text and "one launch, the real run" in text
+    d = json.loads(plan("--model", LLAMA, "--gpu", "80GiB", "--stack", "unsloth", "use_vllm=true", "--json").stdout)
+    assert d["run"]["first"] == "probe" and len(d["not_modelled"]) == 3
+    assert d["not_modelled"][0].startswith("Unsloth's vLLM standby mode")

@@ -73,6 +73,10 @@ def test_a_config_near_the_edge_is_probed(tmp_path):
     ("newer than the tested releases", lambda rt: rt.emit(CodeSeen(point="config", facts={"trl_version": "1.99.0"}))),
     ("no measurement covers", lambda rt: rt.emit(CodeSeen(point="facts", facts={"stack_untested": "a trainer no measurement covers"}))),
     ("cannot judge", lambda rt: None),
+    # what the model does not count (memory/estimate/unmodelled.py): ms-swift's padding-free batches, a vLLM server
+    ("not modelled: packed or padding-free batches",
+     lambda rt: rt.emit(CodeSeen(point="trainer", facts={"unmodelled": ["padding_free"]}))),
+    ("not modelled: a vLLM server's own GPU", lambda rt: rt.observe({"use_vllm": True, "vllm_mode": "server"})),
 ])
 def test_what_the_model_cannot_be_sure_of_is_probed(tmp_path, why, setup):
     rt = runtime(tmp_path, 1024 * MIB)
@@ -142,7 +146,8 @@ def test_a_family_measured_on_cpu_only_is_never_sure_on_a_gpu():
     k = TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=16, max_completion_length=64)
     card = make_plan(moe, k, 1024 * 2**30)
     assert card.verdict.decision == "probe" and card.first == "probe"
-    assert "a mixture-of-experts model is measured on the simulated device only" in card.verdict.line()
+    assert "not modelled: experts (MoE) on a GPU: their memory is measured on the simulated device only" in \
+        card.verdict.line()
     assert make_plan(moe, k, 1024 * 2**30, simulated=True).first == RUN
     assert make_plan(load_model_spec(MODELS / "qwen2.5-7b-instruct"), k, 1024 * 2**30).first == RUN
 

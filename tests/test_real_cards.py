@@ -49,7 +49,7 @@ GiB = 2**30
 
 def peak(n: int) -> SimpleNamespace:
     """A prediction of ``n`` device bytes, as the one verdict reads one (a load's, or a step's without vLLM)."""
-    return SimpleNamespace(peak_bytes=n, vllm_lacks=0, notes=())
+    return SimpleNamespace(peak_bytes=n, vllm_lacks=0, notes=(), unmodelled=())
 
 
 # -- a model that does not load --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A lock replays as exactly what it recorded, end to end (issue 39's done-when): a cookbook-style client (a script
 that loads its own model, gives GRPOTrainer a LoRA config) whose lock changes the batch and the load's dtype replays
 from its lock, and from the lock that replay wrote, with the same config, the same peak and no OOM; each report's
-original is the script's (float32), and the diff and each lock carry the dtype. The per-knob-class halves are
-tests/test_lock_replay.py's."""
+original is the script's (float32), and the diff and each lock carry the dtype. The lock also holds a value equal to
+TRL's default where the script sets another (num_generations: the script 4, the lock 8, TRL's default): each replay
+trains with it (issue 45). The per-knob-class halves are tests/test_lock_replay.py's."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ pytestmark = pytest.mark.e2e
 
 CLIENT = str(SCRIPTS / "clients" / "cookbook.py")
 LOCK = {"schema": "oomguard.lock/1", "command": [], "ladder": "default", "world_size": 1,
-        "overrides": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "dtype": "bfloat16"},
-        "diff": [{"knob": "per_device_train_batch_size", "from": 8, "to": 4, "remedy": "micro_batch"},
+        "overrides": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "dtype": "bfloat16",
+                      "num_generations": 8},
+        "diff": [{"knob": "num_generations", "from": 4, "to": 8, "remedy": "lock"},
+                 {"knob": "per_device_train_batch_size", "from": 8, "to": 4, "remedy": "micro_batch"},
                  {"knob": "gradient_accumulation_steps", "from": 1, "to": 2, "remedy": "micro_batch"},
                  {"knob": "dtype", "from": "float32", "to": "bfloat16", "remedy": "bf16_load"}]}
 
@@ -27,6 +30,7 @@ def replay(tmp, lock_path, model):
     out, rep = run_oomguard(tmp, "--simulate-gpu", "1GiB", "--config", str(lock_path), "--",
                             PYTHON, CLIENT, model, str(tmp / "out"))
     assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
+    assert "steps with 4 x 2 rows and 8 generations" in out.stdout  # what the script's trainer trained with
     return rep, json.loads((tmp / "lock.json").read_text())
 
 
@@ -38,6 +42,7 @@ def test_a_replayed_lock_replays_again_as_the_same_config(tmp_path, tiny_model):
     for rep, lock in ((rep1, lock1), (rep2, lock2)):
         assert [a["outcome"] for a in rep["attempts"]] == ["ok"]
         assert rep["original"]["dtype"] == "float32" and rep["stable"]["dtype"] == "bfloat16"  # the script's own
+        assert (rep["original"]["num_generations"], rep["stable"]["num_generations"]) == (4, 8)
         assert lock["overrides"] == LOCK["overrides"]
         assert {r["knob"]: r["remedy"] for r in rep["diff"]} == {r["knob"]: r["remedy"] for r in LOCK["diff"]}
     assert rep1["attempts"][0]["peak_bytes"] == rep2["attempts"][0]["peak_bytes"]

@@ -91,22 +91,47 @@ def test_run_help_lists_every_exit_code():
     assert all(code in helptext for code in codes)
 
 
-def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_record(tmp_path):
+# a rank: torch.distributed's init_process_group wraps the excepthook, printing what the hooks under it write to a
+# buffer once they return (each line prefixed with the rank); the OOM's hook never returns (os._exit)
+RANK = ("import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='file://' + __file__ + '.store', rank=0, world_size=1)\n")
+
+
+@pytest.mark.parametrize("rank", [False, True], ids=["python", "a-rank-of-torch-distributed"])
+def test_an_ooms_traceback_is_trimmed_on_screen_and_kept_whole_in_the_crash_record(tmp_path, rank):
     # forty distinct frames, like TRL's, then an OOM the bootstrap recognises
     body = "".join(f"def frame_{i}():\n    return frame_{i + 1}()\n" for i in range(40))
     body += ("def frame_40():\n    raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
-             "total capacity of 8.00 GiB of which 1.00 GiB is free.')\nframe_0()\n")
+             "total capacity of 8.00 GiB of which 1.00 GiB is free.')\n" + (RANK if rank else "") + "frame_0()\n")
     script = tmp_path / "deep.py"
     script.write_text(body)
     out, rep = run_oomguard(tmp_path, "--max-attempts", "1", "--no-probe", str(script))
-    assert rep["attempts"][0]["outcome"] == "oom"
+    assert rep["attempts"][0]["outcome"] == "oom" and rep["attempts"][0]["exit_code"] == 86
     shown = re.findall(r"in frame_(\d+)", out.stderr)
-    assert shown and len(shown) <= 6 and "40" in shown and "0" not in shown  # the last frames only
-    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in out.stderr and "frames follow" in out.stderr
+    assert shown and len(shown) <= 6 and "40" in shown and "0" not in shown, out.stderr  # the last frames only
     crash = next((tmp_path / "wd").rglob("crash-*.json"))
+    # after the traceback (the supervisor's own progress lines may come between)
+    said = [line for line in out.stderr.rsplit("CUDA out of memory. Tried to allocate 2.00 GiB", 1)[1].splitlines()
+            if line.startswith("oomguard: out of memory")]
+    assert said == [f"oomguard: out of memory; the last 6 of 42 frames are above; {crash} keeps the full traceback"]
     record = json.loads(crash.read_text())
     assert all(f"in frame_{i}" in record["traceback"] for i in range(41))  # the record keeps everything
-    assert len(record["frames"]) >= 41 and str(crash) in out.stderr
+    assert len(record["frames"]) >= 41
+
+
+def test_an_oom_the_scripts_own_traceback_handler_printed_still_names_its_crash_record(tmp_path):
+    """A handler of the script's own (rich's, in effect) replaced oomguard's excepthook: it prints the OOM its way, and
+    the line naming the crash record still follows it (written as the interpreter shuts down)."""
+    script = tmp_path / "own.py"
+    script.write_text("import sys\nsys.excepthook = lambda t, v, tb: print('my handler:', v, file=sys.stderr)\n"
+                      "raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                      "of 8.00 GiB of which 1.00 GiB is free.')\n")
+    out, rep = run_oomguard(tmp_path, "--max-attempts", "1", "--no-probe", str(script))
+    assert rep["attempts"][0]["outcome"] == "oom", out.stderr[-2000:]
+    crash = next((tmp_path / "wd").rglob("crash-*.json"))
+    said = [line for line in out.stderr.split("my handler: CUDA out of memory", 1)[1].splitlines()
+            if line.startswith("oomguard: out of memory")]
+    assert said == [f"oomguard: out of memory; {crash} keeps the full traceback"]
 
 
 @pytest.mark.parametrize("script, code, reason", [

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import by_head, env_without_launchers, grpo_tiny, run_oomguard
+from helpers import by_head, env_without_launchers, events_of, grpo_tiny, run_oomguard
 
 pytestmark = pytest.mark.e2e
 
@@ -129,14 +129,21 @@ def write_lock(tmp: Path, **overrides) -> Path:
 
 @pytest.mark.core
 def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
-    """Also: a script that saves no checkpoints is told how to lose fewer steps, and the trainer is found by its
-    interpreter's path with no python on PATH."""
-    lock = write_lock(tmp_path, max_completion_length=64)
-    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", env=env_without_launchers(),
-                    extra=("--no-probe", "--config", str(lock)))
-    assert rep["status"] == "stable" and len(rep["attempts"]) == 1
-    assert rep["attempts"][0]["knobs"]["max_completion_length"] == 64
-    assert rep["diff"] == [{"knob": "max_completion_length", "from": 128, "to": 64, "remedy": "lock"}]
+    """Every value of the lock is what trains, one that equals TRL's default included: the script accumulates 2
+    micro-batches, the lock 1 (TRL's default, which a plan computed against TRL's defaults dropped: issue 45), and the
+    report's stable config is what the training process said it ran. Also: a script that saves no checkpoints is
+    told how to lose fewer steps, and the trainer is found by its interpreter's path with no python on PATH."""
+    lock = write_lock(tmp_path, max_completion_length=64, gradient_accumulation_steps=1)
+    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128", "--gradient-accumulation-steps",
+                    "2", env=env_without_launchers(), extra=("--no-probe", "--config", str(lock)))
+    assert rep["status"] == "stable" and len(rep["attempts"]) == 1, out.stderr[-3000:]
+    assert "gradient_accumulation_steps=1 max_completion_length=64" in out.stdout  # the trainer's own arguments
+    assert {k: rep["stable"][k] for k in ("max_completion_length", "gradient_accumulation_steps")} == \
+        {"max_completion_length": 64, "gradient_accumulation_steps": 1}
+    ran = [e for e in events_of(tmp_path, 1) if e["event"] == "ran"][-1]["knobs"]
+    assert (ran["max_completion_length"], ran["gradient_accumulation_steps"]) == (64, 1)
+    assert rep["diff"] == [{"knob": "max_completion_length", "from": 128, "to": 64, "remedy": "lock"},
+                           {"knob": "gradient_accumulation_steps", "from": 2, "to": 1, "remedy": "lock"}]
     assert "saves no checkpoints" in out.stderr and "--checkpoint-every" in out.stderr
 
 

@@ -120,25 +120,24 @@ def test_swift_round_trip_of_the_zero_stage_and_its_offloads(stage, optimizer, p
     assert {k: read[k] for k in DS_GROUP} == values
 
 
-def test_zero3_with_optimizer_offload_prints_what_swift_is_given_and_reads_back_the_same():
-    """The issue's case: a stable swift config with ZeRO-3 and DeepSpeed's optimizer offload. The printer used to
-    write ``--deepspeed zero3 --offload_optimizer true``, which swift reads as its offload while vLLM generates."""
+def test_zero3_with_only_the_optimizer_offloaded_reaches_swift_as_exactly_that():
+    """The issue's case: a rung chose ZeRO-3 and DeepSpeed's optimizer offload, not the parameters'. swift's
+    ``zero3_offload`` preset offloads both (more speed and host RAM than the memory model and the diff counted), so
+    swift is given a DeepSpeed JSON instead, swift's zero3 preset with the optimizer offloaded (written by the training
+    process), and the flag printed is that file, once the run says where it is."""
     overrides = {"zero_stage": 3, "offload_optimizer": True}
-    said = flags("swift", overrides)  # what the lock and the terminal say
-    assert said == ["--deepspeed zero3_offload"]
+    assert flags("swift", overrides) == ["--deepspeed <swift's zero3 preset with offload_optimizer only, as a JSON file>"]
+    path = "/work/.oomguard/runs/1/attempt-2/deepspeed-attempt2.json"
+    said = flags("swift", overrides, files={"deepspeed": path})  # what the lock and the terminal say
+    assert said == [f"--deepspeed {path}"]
     parsed = parse_swift(said)
-    assert (parsed.deepspeed, parsed.offload_optimizer, parsed.offload_model) == ("zero3_offload", False, False)
-    read = swift_read(parsed)
-    assert read["zero_stage"] == 3 and read["offload_optimizer"] is True
-    assert read["offload_params"] is True  # swift's zero3_offload preset puts the parameters in host RAM too
-    assert read["offload_during_generation"] is False  # and it is not swift's offload while vLLM generates
-    # the adapter, replaying the lock's overrides, gives swift the same preset
-    applied = swift_args(deepspeed=None)
-    swift_adapter.apply_model_args(runtime(**overrides), applied)
-    assert applied.deepspeed == parsed.deepspeed and not applied.offload_optimizer
+    assert (parsed.deepspeed, parsed.offload_optimizer, parsed.offload_model) == (path, False, False)
+    assert swift_read(parsed)["offload_during_generation"] is False  # and it is not swift's offload while vLLM generates
     # a diff's rows: one flag, under the first of the two knobs; the terminal says it once
-    assert said_by_knob("swift", {"zero_stage": 3, "offload_optimizer": True}) == {"zero_stage": "--deepspeed zero3_offload"}
-    assert flag("swift", "zero_stage", 3, among=TRL_DEFAULTS.replace(offload_optimizer=True)) == "--deepspeed zero3_offload"
+    assert said_by_knob("swift", overrides, files={"deepspeed": path}) == {"zero_stage": f"--deepspeed {path}"}
+    # the stage's preset where it says exactly what was chosen: both offloads, or the optimizer's under ZeRO-2
+    assert flags("swift", {**overrides, "offload_params": True}) == ["--deepspeed zero3_offload"]
+    assert flag("swift", "zero_stage", 2, among=TRL_DEFAULTS.replace(offload_optimizer=True)) == "--deepspeed zero2_offload"
     assert told("swift", ["--deepspeed zero3_offload"] * 2) == "as swift's flags: --deepspeed zero3_offload"
 
 
@@ -288,7 +287,8 @@ def test_each_adapter_names_its_trigger_modules_and_the_functions_they_load():
 
 def test_the_report_s_diff_flags_a_climb_to_zero3_offload_as_swift_takes_it():
     """The run's report and its lock print the diff's flags: a climb that put ZeRO-3 and the optimizer offload in
-    force is one ``--deepspeed zero3_offload``, read from every knob in force, not ``zero3`` beside another flag."""
+    force is one ``--deepspeed PATH``, the config the attempt generated (swift's zero3 preset with the optimizer
+    offloaded), read from every knob in force, not ``zero3`` beside another flag, nor ``zero3_offload``."""
     from oomguard.decide.climb import Climb
     from oomguard.decide.ladder import load_ladder
     from oomguard.vocab.knobs import RunFacts
@@ -297,6 +297,8 @@ def test_the_report_s_diff_flags_a_climb_to_zero3_offload_as_swift_takes_it():
     c = Climb(load_ladder("multi-gpu"), facts=RunFacts(stack="swift"))
     c.observe({"zero_stage": 2})
     final = c.original().replace(zero_stage=3, offload_optimizer=True)
-    c.record(Attempt(index=1, knobs=final.to_dict(), remedies=[], outcome="ok", exit_code=0, seconds=1.0))
+    path = "/work/.oomguard/runs/1/attempt-1/deepspeed-attempt1.json"
+    c.record(Attempt(index=1, knobs=final.to_dict(), remedies=[], outcome="ok", exit_code=0, seconds=1.0,
+                     generated={"deepspeed": {"path": path, "config": {}, "replaces": None}}))
     rows = {r["knob"]: r.get("flag") for r in c.report("stable", "", 0).diff}
-    assert rows == {"zero_stage": "--deepspeed zero3_offload", "offload_optimizer": None}
+    assert rows == {"zero_stage": f"--deepspeed {path}", "offload_optimizer": None}

@@ -120,3 +120,30 @@ def test_several_ranks_through_swift_s_torchrun(tmp_path, build_model, data):
                            env={"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
     assert out.returncode == 0, out.stderr[-3000:]
     assert report["status"] == "stable" and report["facts"]["world_size"] == 2
+
+
+def test_zero3_with_only_the_optimizer_offloaded_is_swift_s_own_zero3_preset_with_that_offload(tmp_path):
+    """A rung that chose ZeRO-3 and the optimizer offload, not the parameters': swift's ``zero3_offload`` would put the
+    parameters in host RAM too, so the adapter gives swift a path instead, to swift's own zero3 preset with exactly the
+    optimizer offloaded, which swift reads as it reads a preset (no launch: DeepSpeed is not in swift's environment)."""
+    from types import SimpleNamespace
+
+    from swift.utils import json_parse_to_dict
+
+    from oomguard.child.runtime import Runtime
+    from oomguard.child.stacks import swift as adapter
+    from oomguard.vocab.protocol import Plan
+
+    presets = Path(importlib.util.find_spec("swift").origin).parent / "config"
+    zero3, offload = (json_parse_to_dict(str(presets / f"{name}.json")) for name in ("zero3", "zero3_offload"))
+    assert offload["zero_optimization"]["offload_param"]["device"] == "cpu"  # what the preset would have added
+    rt = Runtime(Plan(attempt=1, overrides={"zero_stage": 3, "offload_optimizer": True}, crash_dir=str(tmp_path),
+                      events=str(tmp_path / "events.jsonl")))
+    args = SimpleNamespace(deepspeed=None)
+    adapter.apply_model_args(rt, args)
+    given = json_parse_to_dict(args.deepspeed)  # swift's own reading of --deepspeed
+    zero = given["zero_optimization"]
+    assert zero.pop("offload_optimizer")["device"] == "cpu" and "offload_param" not in zero
+    assert zero == {k: v for k, v in zero3["zero_optimization"].items() if not k.startswith("offload_")}
+    assert {k: v for k, v in given.items() if k != "zero_optimization"} == {
+        k: v for k, v in zero3.items() if k != "zero_optimization"}

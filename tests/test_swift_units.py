@@ -3,12 +3,15 @@ colocated vLLM generates (a rung, and what the memory model counts). The real ru
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from oomguard.child.runtime import Runtime
 from oomguard.child.stacks import swift
 from oomguard.memory.estimate import ModelSpec, estimate
 from oomguard.strategies import Context, make_remedy
+from oomguard.vocab.events import ConfigGenerated, read_events
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.protocol import Plan
 from oomguard.vocab.stacks import flags
@@ -45,11 +48,37 @@ def test_swift_s_default_lora_is_read_as_the_user_s_own():
 def test_the_knobs_are_set_as_swift_reads_them():
     args = swift_args(tuner_type="full")
     swift.apply_model_args(runtime(lora_r=16, load_in_4bit=True, zero_stage=3, offload_optimizer=True,
-                                   vllm_max_model_length=512, vllm_enable_sleep_mode=True,
+                                   offload_params=True, vllm_max_model_length=512, vllm_enable_sleep_mode=True,
                                    offload_during_generation=True), args)
     assert (args.tuner_type, args.lora_rank, args.quant_method, args.quant_bits) == ("lora", 16, "bnb", 4)
     assert args.deepspeed == "zero3_offload" and args.vllm_max_model_len == 512 and args.sleep_level == 1
     assert args.offload_model is True and args.offload_optimizer is True
+
+
+# swift's own zero3 preset (swift/config/zero3.json), in part: what the generated config must keep
+ZERO3 = {"bf16": {"enabled": "auto"}, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": True},
+                               "offload_param": {"device": "none", "pin_memory": True}, "overlap_comm": False,
+                               "reduce_bucket_size": "auto", "stage3_max_live_parameters": 1e9}}
+
+
+def test_zero3_with_only_the_optimizer_offloaded_is_swift_s_zero3_preset_with_that_offload(tmp_path, monkeypatch):
+    """swift's zero3_offload preset would put the parameters in host RAM too: swift is given a path instead, to its
+    zero3 preset with exactly the optimizer offloaded, and the supervisor is told (the report's diff names it)."""
+    monkeypatch.setattr(swift, "swift_preset", lambda name: json.loads(json.dumps(ZERO3)) if name == "zero3" else None)
+    rt = Runtime(Plan(attempt=2, overrides={"zero_stage": 3, "offload_optimizer": True}, crash_dir=str(tmp_path),
+                      events=str(tmp_path / "events.jsonl")))
+    args = swift_args(tuner_type="full", deepspeed="zero2")
+    swift.apply_model_args(rt, args)
+    assert args.deepspeed == str(tmp_path / "deepspeed-attempt2.json")
+    cfg = json.loads(Path(args.deepspeed).read_text())
+    zero = cfg.pop("zero_optimization")
+    assert zero.pop("offload_optimizer") == {"device": "cpu", "pin_memory": True} and "offload_param" not in zero
+    assert zero == {k: v for k, v in ZERO3["zero_optimization"].items() if not k.startswith("offload")} | {
+        "stage3_gather_16bit_weights_on_model_save": True}
+    assert cfg == {k: v for k, v in ZERO3.items() if k != "zero_optimization"}  # the rest as swift's preset
+    generated = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, ConfigGenerated)]
+    assert [(e.kind, e.path, e.replaces) for e in generated] == [("deepspeed", args.deepspeed, "zero2")]
 
 
 def test_a_user_s_half_offload_is_not_the_knob_and_nothing_is_turned_off():

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..vocab.events import PatchFailed, ProcessStarted
 from ..vocab.launchers import by_module, by_script
-from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, whereabouts
+from ..vocab.protocol import END_ERROR, END_OOM, EXIT_OOM, PLAN_ENV, SIMULATE_ENV, Plan, oom_line, whereabouts
 from .hooks import when_imported
 from .runtime import Runtime, is_helper, runtime, set_runtime
 
@@ -130,6 +130,10 @@ def install_hooks(rt: Runtime) -> None:
         return reported(rt, name, patch)
 
     when_imported("torch", reported(rt, "on_torch", lambda m: on_torch(rt, m)))
+    if rt.plan.trace:  # the per-step peak's marks leave the peak counters the user reads whole (child/peaks.py)
+        from . import peaks
+
+        when_imported("torch.cuda.memory", reported(rt, "peaks", peaks.install))
     when_imported("trl", lambda m: _check_trl(rt, m))
     when_imported("trl.trainer.grpo_config", patching("patch_grpo_config"))
     when_imported("trl.trainer.grpo_trainer", patching("patch_grpo_trainer"))
@@ -237,7 +241,8 @@ KEEP_FRAMES = 6  # frames of an OOM's traceback shown on the terminal; the Crash
 
 def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -> str:
     """The traceback of an OOM as the terminal shows it: the last ``keep`` frames of each exception in the chain and
-    the messages, with one line saying how many frames were hidden and which crash record keeps them all.
+    the messages, then oomguard's line (``oom_line``) saying how many frames were hidden and which crash record keeps
+    them all. The line comes last: behind a launcher, what is printed after it is the launcher's (``run.proc.Aside``).
 
     A TRL OOM is about 40 frames deep and every attempt prints one, so the full form would bury the run's output.
 
@@ -249,9 +254,9 @@ def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -
     ...     f(20)
     ... except RuntimeError as e:
     ...     text = format_trimmed(e, "crash-1.json")
-    >>> print(text.splitlines()[0])
-    oomguard: out of memory; the last 6 of 22 frames follow (crash-1.json keeps the full traceback)
-    >>> text.count('File "') <= 6, text.splitlines()[-1]
+    >>> print(text.splitlines()[-1])
+    oomguard: out of memory; the last 6 of 22 frames are above; crash-1.json keeps the full traceback
+    >>> text.count('File "') <= 6, text.splitlines()[-2]
     (True, 'RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB.')
     """
     te = traceback.TracebackException.from_exception(value)
@@ -265,14 +270,25 @@ def format_trimmed(value: BaseException, record: Any, keep: int = KEEP_FRAMES) -
         if len(t.stack) > keep:
             t.stack = traceback.StackSummary.from_list(list(t.stack)[-keep:])
         todo += [x for x in (t.__cause__, t.__context__) if x is not None]
-    head = (f"oomguard: out of memory; the last {min(keep, total)} of {total} frames follow ({record} keeps the full "
-            "traceback)\n")
-    return head + "".join(te.format(chain=True))
+    return "".join(te.format(chain=True)) + oom_line(record, f"the last {min(keep, total)} of {total} frames are above")
+
+
+def _console() -> Any:
+    """Where a process that is about to ``os._exit`` says its last words: ``sys.stderr``, unless that is a buffer
+    which a wrapper of the excepthook prints only once the hook returns (torch.distributed's, which prefixes each
+    line with the rank): the hook never returns, so the real stderr."""
+    err = sys.stderr
+    try:
+        err.fileno()
+        return err
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return sys.__stderr__ or err
 
 
 def install_excepthooks(rt: Runtime) -> None:
-    """An uncaught OOM writes the CrashRecord (with the full traceback), prints the last frames of the traceback,
-    and exits with EXIT_OOM. A traceback handler of the script's own (rich, IPython) is left to print as it does."""
+    """An uncaught OOM writes the CrashRecord (with the full traceback), prints the last frames of the traceback and
+    the line naming the record, and exits with EXIT_OOM. A traceback handler of the script's own (rich, IPython) is
+    left to print as it does, the line after it. All of it goes to the real stderr (``_console``)."""
     prev = sys.excepthook
 
     def is_oom(e: BaseException) -> bool:  # the parsers load only when an exception reaches here
@@ -290,11 +306,13 @@ def install_excepthooks(rt: Runtime) -> None:
         full = "".join(traceback.format_exception(tp, value, tb))
         if path is not None:
             _add_traceback(path, full)
-        if path is not None and prev is sys.__excepthook__:
-            sys.stderr.write(format_trimmed(value, path))
-        else:
-            prev(tp, value, tb)
         try:
+            sys.stderr = _console()
+            if path is not None and prev is sys.__excepthook__:
+                sys.stderr.write(format_trimmed(value, path))
+            else:
+                prev(tp, value, tb)
+                sys.stderr.write(oom_line(path))
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

@@ -22,9 +22,9 @@ def make_callback(rt: Runtime) -> Any:
             if rt.plan.trace and rt.memwatch is None:
                 from .memwatch import MemWatch
 
-                # transformers' own memory metrics read the process's peak at the end: leave the counters alone
-                rt.memwatch = MemWatch(rt, host_limit=rt.plan.host_limit, census_after=rt.plan.census_after,
-                                       reset_peak=bool(getattr(args, "skip_memory_metrics", True)))
+                # each step's peak is oomguard's own (child/peaks.py): transformers' memory metrics and the user's
+                # own reads of the peak counters see what they would without oomguard
+                rt.memwatch = MemWatch(rt, host_limit=rt.plan.host_limit, census_after=rt.plan.census_after)
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if rt.memwatch is not None:
@@ -38,6 +38,8 @@ def make_callback(rt: Runtime) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             rt.emit(StepDone(step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
+            if (added := saving(rt)) is not None:
+                added.step_end(args, state, control)
             if rt.memwatch is not None:
                 for ev in traced(rt, lambda w: w.step_end(state.global_step, rt.trainer)) or []:
                     rt.emit(ev)
@@ -52,14 +54,24 @@ def make_callback(rt: Runtime) -> Any:
                     host_peak=host_peak()))
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if (added := saving(rt)) is not None:
+                added.saved(args, state)
             rt.emit(CheckpointSaved(step=state.global_step,
                     path=os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), peak=rt.peak_bytes(),
                     host_peak=host_peak()))
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if (added := saving(rt)) is not None:
+                added.ended(args, state)
             rt.emit(StepDone(final=True, step=state.global_step, peak=rt.peak_bytes(), reserved=rt.peak_reserved_bytes()))
 
     return OOMGuardCallback()
+
+
+def saving(rt: Runtime) -> Any:
+    """The checkpoints oomguard's saving adds (child/saves.py), in a real run only: a probe saves in a scratch
+    directory the supervisor deletes."""
+    return rt.added if rt.added is not None and not rt.probing() else None
 
 
 def traced(rt: Runtime, call: Any) -> Any:

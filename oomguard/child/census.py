@@ -8,7 +8,10 @@ steps later: the second call returns the :class:`~oomguard.vocab.trace.Holder` r
 - **Sites**: the code line that allocated what stayed. On CUDA, from two memory snapshots
   (``torch.cuda.memory._snapshot()``, with ``_record_memory_history(enabled="state")`` on from :meth:`start`: stacks of
   live blocks only, no event trace); on the simulated device, from the site it records for each storage while a
-  census runs. What was allocated before :meth:`start` has no site.
+  census runs. What was allocated before :meth:`start` has no site. A recording the user started is the user's: the
+  census reads its snapshots as they are (with the stacks the user's settings keep) and never changes or stops it;
+  where torch cannot say whether one is on (``torch._C._cuda_isHistoryEnabled``, what torch's own inductor asks), the
+  census records nothing and names objects only.
 - **Objects**: the Python containers (a list, a dict, an object's attribute, a module's global) that hold tensors
   that appeared between the two tallies and stayed, found with ``gc.get_referrers`` over the largest of those tensors
   (at most :data:`MAX_NEW`) and named by who holds them in turn. A container counts only if it also held tensors at the
@@ -56,10 +59,12 @@ class Census:
     def __init__(self, *, least: int = LEAST) -> None:
         self.least = least
         self._first: _Tally | None = None
-        self._cuda_history = False
+        self._cuda_history = False  # sites come from CUDA's memory snapshots
+        self._ours = False  # ... from a recording the census started (and stops), not the user's
 
     def start(self) -> None:
-        """Begin recording the site of each allocation (the simulated device, or CUDA's memory history)."""
+        """Begin recording the site of each allocation (the simulated device, or CUDA's memory history: the user's
+        own recording where one is on, else one of the census's own)."""
         from . import simulate
 
         dev = simulate.device()
@@ -67,28 +72,35 @@ class Census:
             dev.record_sites(True)
             return
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            try:
-                torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
-                self._cuda_history = True
-            except (RuntimeError, TypeError, AttributeError):
-                self._cuda_history = False
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        recording = history_on(torch)
+        if recording is None:
+            return  # cannot tell: the user's recording, if any, is left as it is
+        self._cuda_history = True
+        if recording:
+            return
+        try:
+            torch.cuda.memory._record_memory_history(enabled="state", context="alloc", stacks="python")
+            self._ours = True
+        except (RuntimeError, TypeError, AttributeError):
+            self._cuda_history = False
 
     def stop(self) -> None:
-        """Stop recording sites and forget the tallies."""
+        """Stop recording sites (a recording the census started; never the user's) and forget the tallies."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
             dev.record_sites(False)
-        if self._cuda_history:
+        if self._ours:
             torch = sys.modules.get("torch")
             if torch is not None:
                 try:
                     torch.cuda.memory._record_memory_history(enabled=None)
                 except (RuntimeError, TypeError, AttributeError):
                     pass
-            self._cuda_history = False
+        self._cuda_history = self._ours = False
         self._first = None
 
     def take(self, step: int) -> tuple[Holder, ...]:
@@ -116,6 +128,27 @@ class Census:
             except (RuntimeError, AttributeError):
                 return {}
         return {}
+
+
+def history_on(torch: Any) -> bool | None:
+    """Whether CUDA's caching allocator records memory history now (someone called
+    ``torch.cuda.memory._record_memory_history``): torch 2.13 has no public getter; ``torch._C._cuda_isHistoryEnabled``
+    is what its own inductor asks before it turns recording on and off around CUDA graphs. None where it cannot be
+    told (a build without it).
+
+    >>> import types
+    >>> history_on(types.SimpleNamespace(_C=types.SimpleNamespace(_cuda_isHistoryEnabled=lambda: True)))
+    True
+    >>> history_on(types.SimpleNamespace(_C=types.SimpleNamespace())) is None
+    True
+    """
+    ask = getattr(getattr(torch, "_C", None), "_cuda_isHistoryEnabled", None)
+    if ask is None:
+        return None
+    try:
+        return bool(ask())
+    except (RuntimeError, TypeError):
+        return None
 
 
 class _Tally:

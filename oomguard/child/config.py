@@ -1,5 +1,6 @@
 """``GRPOConfig.__post_init__``: the script's own values observed (the diff starts from them), then oomguard's knobs
-and the attempt's plan (a fresh run's output directory, checkpoints, the probe) applied before TRL validates them.
+and the attempt's plan (a fresh run's output directory, the probe) applied before TRL validates them; a checkpoint
+cadence leaves the config as the script wrote it (``child/saves.py``).
 """
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ from typing import Any
 
 from ..vocab.events import CodeSeen
 from ..vocab.knobtable import CONFIG_KNOBS  # GRPOConfig fields that are knobs of the same name
+from . import ran
 from .patching import missing_packages, overrides_reported, plain, set_attr, world
 from .probe import apply_probe
 from .runtime import Runtime
+from .saves import added_checkpoints
 
 
 def observe_config(cfg: Any) -> dict[str, Any]:
@@ -56,9 +59,7 @@ def apply_config(rt: Runtime, cfg: Any, can_defer: bool = True) -> None:
     plan = rt.plan
     if plan.resume and plan.resume.output_dir and plan.resume.mode in ("weights", "restart"):
         cfg.output_dir = plan.resume.output_dir  # a new run must not write over the checkpoints of the one before
-    if plan.checkpoint_every:
-        cfg.save_strategy = "steps"
-        cfg.save_steps = int(plan.checkpoint_every)
+    rt.added = added_checkpoints(rt, cfg)  # checkpoints a cadence adds to the user's own, taken away again
     if plan.probe and rt.probe_undecided() and not can_defer:
         rt.decide_probe("probe", "this launch form builds its trainer where the probe can no longer be decided")
     if plan.probe and rt.probing():
@@ -82,6 +83,9 @@ def patch_grpo_config(rt: Runtime, module: Any) -> None:
         object.__setattr__(self, "_oomguard_seen", True)
         with overrides_reported(rt, "GRPOConfig"):
             apply_config(rt, self)
+            applied = ran.values(self)
             orig(self)
+        ran.config_built(rt, self, applied)
+        ran.report(rt)  # a replayed lock's value GRPOConfig changed stops here, before anything loads
 
     set_attr(cls, "__post_init__", __post_init__)

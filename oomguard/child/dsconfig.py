@@ -83,20 +83,10 @@ def apply(rt: Runtime, cfg: Any) -> None:
             for section in ("bf16", "fp16"):  # accelerate sets them from mixed_precision; transformers fills "auto"
                 generated.setdefault(section, {"enabled": "auto"})
             os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)  # the generated config holds the YAML's fields
-        target: str | None = os.path.join(rt.plan.crash_dir or tempfile.gettempdir(),
-                                           f"deepspeed-attempt{rt.plan.attempt}.json")
-        try:
-            with open(str(target), "w", encoding="utf-8") as f:
-                json.dump(generated, f, indent=2)
-        except OSError:
-            target = None
-        if not getattr(rt, "_deepspeed_emitted", False):
-            own = getattr(cfg, "deepspeed", None)
-            replaces = (str(own) if isinstance(own, str) else "your dict (GRPOConfig.deepspeed)" if own
-                        else "accelerate's, from its --config_file" if source == "accelerate" else None)
-            rt.emit(ConfigGenerated(kind="deepspeed", path=target, config=generated, replaces=replaces))
-            rt._deepspeed_emitted = True  # type: ignore[attr-defined]
-        cfg.deepspeed = target or generated
+        own = getattr(cfg, "deepspeed", None)
+        replaces = (str(own) if isinstance(own, str) else "your dict (GRPOConfig.deepspeed)" if own
+                    else "accelerate's, from its --config_file" if source == "accelerate" else None)
+        cfg.deepspeed = write_generated(rt, generated, replaces) or generated
     if (getattr(cfg, "deepspeed", None) or _flag("ACCELERATE_USE_DEEPSPEED")) and not getattr(cfg, "use_cpu", True) \
             and _deepspeed_on_cpu_ranks():
         cfg.use_cpu = True
@@ -106,6 +96,23 @@ def apply(rt: Runtime, cfg: Any) -> None:
             sys.stderr.write("oomguard: DeepSpeed runs on the CPU here and the script does not set use_cpu: setting "
                              f"use_cpu=True so that accelerate counts all {os.environ.get('WORLD_SIZE')} ranks "
                              "(accelerate's DeepSpeed launcher does not pass the YAML's use_cpu on)\n")
+
+
+def write_generated(rt: Runtime, generated: dict[str, Any], replaces: str | None) -> str | None:
+    """Write the DeepSpeed config oomguard generated for this attempt next to its records (one file per attempt:
+    written again with the same content where a stack's arguments and its GRPOConfig both take it) and tell the
+    supervisor once (``replaces``: what the run would have used); its path, or None where it cannot be written."""
+    target: str | None = os.path.join(rt.plan.crash_dir or tempfile.gettempdir(),
+                                       f"deepspeed-attempt{rt.plan.attempt}.json")
+    try:
+        with open(str(target), "w", encoding="utf-8") as f:
+            json.dump(generated, f, indent=2)
+    except OSError:
+        target = None
+    if not getattr(rt, "_deepspeed_emitted", False):
+        rt.emit(ConfigGenerated(kind="deepspeed", path=target, config=generated, replaces=replaces))
+        rt._deepspeed_emitted = True  # type: ignore[attr-defined]
+    return target
 
 
 def _deepspeed_on_cpu_ranks() -> bool:

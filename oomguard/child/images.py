@@ -12,10 +12,15 @@ How each processor spells the budget (transformers 5.x):
 
 Any other image processor: no budget oomguard can set (``pixel_budget_floor`` None; the ``smaller_images`` rung says
 so).
+
+The budget oomguard sets is for this run only: what the image processor saves (``to_dict``, through which its own
+``save_pretrained`` and the processor's write ``preprocessor_config.json`` with every checkpoint) is the user's own
+values (:func:`set_pixel_budget`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 from typing import Any
@@ -182,7 +187,8 @@ def pixel_budget(processor: Any) -> dict[str, Any]:
 
 
 def set_pixel_budget(processor: Any, pixels: int) -> bool:
-    """Set the processor's budget to ``pixels`` (as :func:`pixel_budget` reads it); False where it has none.
+    """Set the processor's budget to ``pixels`` (as :func:`pixel_budget` reads it); False where it has none. What the
+    image processor saves stays the user's (:func:`_saves_the_users`).
 
     >>> from types import SimpleNamespace
     >>> ip = SimpleNamespace(size={"shortest_edge": 3136, "longest_edge": 1003520}, merge_size=2)
@@ -195,6 +201,7 @@ def set_pixel_budget(processor: Any, pixels: int) -> bool:
     tile = _gemma_tile(ip)
     if tile is not None:
         crops = int(pixels) // tile - 1
+        _saves_the_users(ip, ("do_pan_and_scan", "pan_and_scan_max_num_crops"))
         if crops <= 0:
             ip.do_pan_and_scan = False
         else:
@@ -205,9 +212,58 @@ def set_pixel_budget(processor: Any, pixels: int) -> bool:
         return False
     new = {**s, "longest_edge": int(pixels), "shortest_edge": min(int(s.get("shortest_edge") or 1), int(pixels))}
     size = ip.size
+    _saves_the_users(ip, ("size",))
     ip.size = dataclasses.replace(size, **{k: new[k] for k in ("longest_edge", "shortest_edge")}) \
         if dataclasses.is_dataclass(size) else new
     return True
+
+
+_ABSENT = "<oomguard: absent>"  # an attribute the user's image processor did not have (a string survives deepcopy)
+# in the image processor's own attributes, so that it travels with the deep copy a processor's ``to_dict`` makes: the
+# user's own values of the attributes oomguard's budget changed (the first seen: the user's)
+USERS = "_oomguard_users"
+
+
+def _saves_the_users(ip: Any, names: tuple[str, ...]) -> None:
+    """Remember the user's values of ``names`` before oomguard's budget changes them, and make the image processor's
+    class serialise each of its instances with the user's values (``to_dict``: what ``save_pretrained``, the
+    processor's and the trainer's checkpoints, write), not oomguard's, which hold for this run only."""
+    own = getattr(ip, "__dict__", None)
+    if own is None:
+        return
+    users = own.setdefault(USERS, {})
+    for name in names:
+        users.setdefault(name, copy.deepcopy(own.get(name, _ABSENT)))
+    cls = type(ip)
+    if not callable(getattr(cls, "to_dict", None)) or getattr(cls.to_dict, "_oomguard_users", False):
+        return
+    inner = cls.to_dict
+
+    def to_dict(self: Any) -> Any:
+        users = vars(self).get(USERS)
+        if not users:
+            return inner(self)
+        ours = {name: vars(self).get(name, _ABSENT) for name in users}
+        _put(self, users)
+        try:
+            out = inner(self)
+        finally:
+            _put(self, ours)
+        if isinstance(out, dict):
+            out.pop(USERS, None)
+        return out
+
+    to_dict._oomguard_users = True  # type: ignore[attr-defined]
+    to_dict.__doc__ = inner.__doc__
+    cls.to_dict = to_dict
+
+
+def _put(ip: Any, values: dict[str, Any]) -> None:
+    for name, value in values.items():
+        if isinstance(value, str) and value == _ABSENT:
+            vars(ip).pop(name, None)
+        else:
+            vars(ip)[name] = value
 
 
 # -- what the user's model and PEFT config say --------------------------------------------------------------------

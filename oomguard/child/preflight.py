@@ -125,7 +125,7 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
 class _Load:
     """A load's prediction, judged by the same verdict as a step's: the weights and the context, no vLLM."""
 
-    vllm_lacks, notes = 0, ()
+    vllm_lacks, notes, unmodelled = 0, (), ()
 
     def __init__(self, need: int) -> None:
         self.peak_bytes = need

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..vocab.events import Adapted, CodeSeen, DatasetSeen, Event, ModelSeen, OOMRaised, ProbeDecided, ProcessEnded
 from ..vocab.knobs import TRL_DEFAULTS, Knobs
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan
+from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, STOPPED_MARK, Plan, oom_line
 from ..vocab.sizes import format_size
 
 
@@ -28,9 +28,14 @@ class Runtime:
         self.overrides = Knobs.from_dict(plan.overrides)
         self.observed: dict[str, Any] = {}
         self.resolved: dict[str, Any] = {}  # observed values a stack changed after the script set them
+        # knobs oomguard set that the process runs otherwise (the script set them again later, a stack changed them):
+        # knob -> (the value it runs, who changed it); child/ran.py
+        self.later: dict[str, tuple[Any, str]] = {}
+        self.ran_said: dict[str, Any] | None = None  # the knobs the last ``ran`` event reported
         self.model_config: dict[str, Any] | None = None
         self.trainer: Any = None
         self.memwatch: Any = None  # the per-step memory trace (child/memwatch.py), from the first train_begin
+        self.added: Any = None  # the checkpoints oomguard's saving adds to the user's (child/saves.py), or None
         self.crashed = False
         self.crash_path: Path | None = None  # the CrashRecord this process wrote (once)
         self.started = time.time()
@@ -42,7 +47,7 @@ class Runtime:
         self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
-        self._adapted: set[str] = set()  # knobs oomguard changed to let the command run here (``adapt``)
+        self._adapted: dict[str, Any] = {}  # knobs oomguard changed to let the command run here (``adapt``)
         # the process's peaks before the per-step trace last reset the device's peak counters (child/trace.py), so
         # that peak_bytes() stays the peak of the whole process
         self.peak_floor = 0
@@ -97,13 +102,24 @@ class Runtime:
         in the diff and the lock, so that what ran is what a replay runs (once per knob)."""
         if knob in self._adapted:
             return
-        self._adapted.add(knob)
+        self._adapted[knob] = value
         self.emit(Adapted(knob=knob, value=value, why=why))
 
     def knobs(self) -> Knobs:
         """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""
         base = TRL_DEFAULTS.merged({k: v for k, v in self.observed.items() if v is not None})
         return base.merged(self.overrides)
+
+    def runs_instead(self, values: dict[str, Any], where: str) -> None:
+        """The process runs these values of knobs oomguard set, not oomguard's (``where`` says who changed them)."""
+        for k, v in values.items():
+            if v is not None and getattr(self.overrides, k, None) is not None:
+                self.later[k] = (v, where)
+
+    def ran(self) -> Knobs:
+        """The knobs the process runs: the effective knobs, what oomguard adapted, then what changed oomguard's values
+        since (``runs_instead``)."""
+        return self.knobs().merged(self._adapted).merged({k: v for k, (v, _where) in self.later.items()})
 
     def override(self, name: str) -> Any:
         return getattr(self.overrides, name)
@@ -171,6 +187,8 @@ class Runtime:
                 if is_oom(exc):
                     path = self.record_crash(exc)
                     self.end(END_OOM, path=str(path) if path else None)
+                    sys.stderr.write(oom_line(path))  # after the traceback the script's own handler printed
+                    sys.stderr.flush()
                     return
             except Exception:  # never fail the user's interpreter shutdown
                 pass

@@ -12,11 +12,12 @@ synchronisation); the simulated device's are Python integers; host memory is one
 lengths are the shapes of the batch TRL already built (``trainer._buffered_inputs``), or a number TRL already turned
 into a Python float (``trainer._metrics["train"]["completions/max_length"]``). ``bench/trace_cost.py`` measures it.
 
-The step's peak needs the peak counters reset at each step. The process's peak is still what
-:meth:`Runtime.peak_bytes <oomguard.child.runtime.Runtime.peak_bytes>` reports (the progress events, the crash record,
-the logged ``oomguard/peak_gib``): before each reset the tracer hands the peaks to :meth:`Runtime.keep_peaks`.
-transformers' own memory metrics (``skip_memory_metrics=False``) read the process's peak at the end of training;
-with them on, pass ``reset_peak=False`` (the samples then carry no per-step peak).
+The step's peak is oomguard's own, from a mark at each step (:mod:`oomguard.child.peaks`): the peak counters the
+user's code reads (``torch.cuda.max_memory_allocated()``, transformers' memory metrics, the simulated device's
+``peak``) give what they would without oomguard. The process's peak is still what :meth:`Runtime.peak_bytes
+<oomguard.child.runtime.Runtime.peak_bytes>` reports (the progress events, the crash record, the logged
+``oomguard/peak_gib``): before each mark the tracer hands the peaks to :meth:`Runtime.keep_peaks`.
+``reset_peak=False`` measures no per-step peak (and marks nothing).
 
 >>> import torch
 >>> from oomguard.child import simulate
@@ -28,7 +29,7 @@ with them on, pass ``reset_peak=False`` (the samples then carry no per-step peak
 >>> s = tracer.sample(1)
 >>> s["peak"] - s["kept"] >= 16 << 20, s["capacity"] == 256 << 20, s["host_rss"] > 0
 (True, True, True)
->>> dev.peak == dev.model.allocated  # the peak counter starts again at the step's end
+>>> dev.model.mark_allocated == dev.model.allocated < dev.peak  # oomguard's peak starts again; the device's does not
 True
 >>> simulate.stop()
 """
@@ -38,6 +39,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any, Protocol
+
+from . import peaks
 
 
 class KeepsPeaks(Protocol):
@@ -50,51 +53,46 @@ class KeepsPeaks(Protocol):
 class StepTracer:
     """Samples one optimizer step's memory; one per training process.
 
-    ``rt`` is the process's :class:`Runtime` (the tracer keeps its process-wide peaks true across the resets);
-    ``reset_peak=False`` leaves the device's peak counters alone (no per-step peak then).
+    ``rt`` is the process's :class:`Runtime` (the tracer keeps its process-wide peaks true across the marks);
+    ``reset_peak=False`` measures no per-step peak.
     """
 
     def __init__(self, rt: KeepsPeaks | None = None, *, reset_peak: bool = True) -> None:
         self.rt = rt
         self.reset_peak = reset_peak
         self._capacity: int | None = None
+        self._stats: dict[str, Any] | None = None  # CUDA's counters as last read (a mark keeps their peaks for the user)
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
     # -- the device ---------------------------------------------------------------------------------------------
     def _read(self) -> tuple[int | None, int | None, int | None, int | None, int | None]:
-        """(allocated now, allocated peak, reserved now, reserved peak, capacity), without synchronising."""
+        """(allocated now, its peak since the last mark, reserved now, its peak since the mark, capacity), without
+        synchronising."""
         from . import simulate
 
         dev = simulate.device()
         if dev is not None:
             m = dev.model
-            return m.allocated, m.peak_allocated, m.reserved, m.peak_reserved, dev.capacity
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return m.allocated, m.mark_allocated, m.reserved, m.mark_reserved, dev.capacity
+        self._stats = stats = peaks.counters()  # one call: the allocator's host-side counters
+        if stats is None:
             return None, None, None, None, None
-        stats = torch.cuda.memory_stats()  # one call: the allocator's host-side counters
+        torch = sys.modules["torch"]
         if self._capacity is None:
             try:
                 self._capacity = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
             except (RuntimeError, AssertionError):
                 self._capacity = None
-        return (stats.get("allocated_bytes.all.current"), stats.get("allocated_bytes.all.peak"),
-                stats.get("reserved_bytes.all.current"), stats.get("reserved_bytes.all.peak"), self._capacity)
+        return (peaks.leaf(stats, "allocated_bytes", "current"), peaks.leaf(stats, "allocated_bytes", "peak"),
+                peaks.leaf(stats, "reserved_bytes", "current"), peaks.leaf(stats, "reserved_bytes", "peak"),
+                self._capacity)
 
     def _reset(self, peak: int | None, reserved_peak: int | None) -> None:
         if not self.reset_peak:
             return
         if self.rt is not None:
             self.rt.keep_peaks(peak, reserved_peak)
-        from . import simulate
-
-        dev = simulate.device()
-        if dev is not None:
-            dev.reset_peak()
-            return
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
+        peaks.mark(self._stats)
 
     def step_begin(self) -> None:
         """Start the step's peak here (what ran between two steps folds into the process's peak, not the step's)."""

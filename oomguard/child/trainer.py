@@ -12,6 +12,7 @@ from typing import Any
 
 from ..vocab.events import CodeSeen, ModelSeen, PatchFailed, Resumed, Saving
 from ..vocab.protocol import ProbePlan
+from . import ran
 from .datasets import prepare_dataset
 from .images import (
     image_facts,
@@ -89,9 +90,13 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
         bound = sig.bind(self, *args, **kwargs)
         a = bound.arguments
         with overrides_reported(rt, "GRPOTrainer"):
+            ran.notice(rt, a.get("args"), ran.BEFORE_TRAINER)
+            ran.report(rt)  # a locked value the script set again stops here, before anything loads
             prepare_trainer_args(rt, a, module)
+            ran.mark(a.get("args"))  # as oomguard leaves it (a probe's own settings included)
             orig_init(*bound.args, **bound.kwargs)
         rt.trainer = self
+        ran.notice(rt, getattr(self, "args", None), ran.IN_TRAINER)
         after_init(rt, self)
 
     __init__._oomguard = True  # type: ignore[attr-defined]
@@ -115,6 +120,8 @@ def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
 
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         rt.trainer = self
+        ran.notice(rt, getattr(self, "args", None), ran.BEFORE_TRAIN)
+        ran.report(rt)  # the last word before training: what it trains with
         plan_resume = rt.plan.resume
         resume = plan_resume.checkpoint if plan_resume is not None and plan_resume.mode == "continue" else None
         if resume and not kwargs.get("resume_from_checkpoint") and not args:
@@ -170,6 +177,11 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         # enabled on the model already (Unsloth's get_peft_model, a script's own call): the Trainer keeps it on
         # whatever args.gradient_checkpointing says
         rt.resolve({"gradient_checkpointing": True})
+        rt.runs_instead({"gradient_checkpointing": True}, ran.MODEL_CHECKPOINTING)
+    if lora is not None:  # the script's own LoRA: a LoRA of oomguard's is never added to it
+        rt.runs_instead(observed_lora(lora), ran.OWN_LORA)
+    if source == "instance" and k_over.dtype is not None and not in4 and dtype is not None:
+        rt.runs_instead({"dtype": dtype}, ran.OWN_MODEL)  # built without from_pretrained: oomguard's dtype missed it
 
     # Apply what only the trainer can take.
     weights = weights_checkpoint(rt)
@@ -213,6 +225,7 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
     rt.emit(CodeSeen(point="trainer", facts={"model_source": source, "user_peft": bool(is_peft_model), "world_size": world(),
                               "missing_packages": missing_packages(), **facts},
             observed=dict(rt.observed), resolved=dict(rt.resolved)))
+    ran.report(rt)  # before TRL loads a model given by name
     mik = dict(args.model_init_kwargs or {})
     if rt.probe_undecided():
         settle_probe(rt, a, model, args, mik)
@@ -330,6 +343,7 @@ def after_init(rt: Runtime, trainer: Any) -> None:
         from .callback import wrap_log
 
         wrap_log(rt, trainer)
+    ran.report(rt)  # the trainer as TRL (or a stack) built it
     from . import preflight
 
     preflight.check(rt)  # last: the model, the knobs and the prompt lengths are all known now

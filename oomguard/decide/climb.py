@@ -67,7 +67,8 @@ class Climb:
     pinned: Knobs = field(default_factory=Knobs)  # a lock file's overrides, replayed: oomguard's, not the user's
     pinned_by: dict[str, str] = field(default_factory=dict)  # the remedy the lock names for each pinned knob
     # what oomguard changed so that the command runs where it is launched, not for memory (``use_cpu`` for DeepSpeed's
-    # CPU ranks): knob -> (value, why); in the diff and the lock like any change, so that a replay runs the same
+    # CPU ranks; a checkpoint cadence a leak's restarts need): knob -> (value, why); in the diff and the lock like any
+    # change, so that a replay runs the same
     adapted: dict[str, tuple[Any, str]] = field(default_factory=dict)
     env_knobs: dict[str, Any] = field(default_factory=dict)  # allocator settings found in the environment
     facts: RunFacts = field(default_factory=RunFacts)
@@ -122,10 +123,37 @@ class Climb:
         knobs, changed = replay(knobs, [r for r in self.applied if r.name != without], self.facts)
         return knobs, {**who, **changed}
 
+    def start(self) -> Knobs:
+        """Where every choice starts: the user's config, a replayed lock's values and oomguard's adaptations (so that a
+        config chosen is compared with those that ran, which carried the adaptations, as they ran)."""
+        return self.original().merged(self.pinned).merged({k: v for k, (v, _why) in self.adapted.items()})
+
     def overrides(self, knobs: Knobs | None = None) -> dict[str, Any]:
-        """What oomguard changes relative to the original: the values a plan carries to the training code."""
+        """What oomguard changes relative to the original: the values a plan carries to the training code, and the
+        lock writes. Every value oomguard sets whatever the user's is (``fixed``) is among them, also where it equals
+        what the climb takes for the user's value.
+
+        >>> from oomguard.decide.ladder import load_ladder
+        >>> replay = Climb(load_ladder("default"), pinned=Knobs(per_device_train_batch_size=8,
+        ...                                                     gradient_accumulation_steps=8))
+        >>> replay.overrides()  # before the command reported its own values: 8 is TRL's default, and is sent
+        {'gradient_accumulation_steps': 8, 'per_device_train_batch_size': 8}
+        """
         knobs = knobs if knobs is not None else self.effective()[0]
-        return {r.knob: r.after for r in self.original().diff(knobs)}
+        out = {r.knob: r.after for r in self.original().diff(knobs)}
+        for k in self.fixed():
+            if getattr(knobs, k) is not None:
+                out.setdefault(k, getattr(knobs, k))
+        return out
+
+    def fixed(self) -> list[str]:
+        """The knobs oomguard sets whatever the user's value is: every knob a replayed lock pins, and each value a
+        chosen rung fixed (``Rung.values``) for a knob the command has not reported yet. A diff against the user's
+        config would leave out such a value where it equals what the climb takes for the user's (TRL's default,
+        before the command reported its own), and the command's own value would run instead."""
+        known = set(self.observed) | set(self.base.to_dict(only_set=True))
+        chosen = [k for r in self.applied for k, _v in r.values or () if k not in known]
+        return list(dict.fromkeys([*self.pinned.to_dict(only_set=True), *chosen]))
 
     def experiment(self, final: Knobs | None = None,
                    slowdown: Callable[[Knobs, Knobs], float | None] | None = None) -> Experiment:
@@ -147,10 +175,11 @@ class Climb:
         return exp
 
     def adapt(self, knob: str, value: Any, why: str) -> None:
-        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched (the training process
-        said so, and why): the first word stays."""
-        if knob in TRL_DEFAULTS.to_dict():
-            self.adapted.setdefault(knob, (value, why))
+        """oomguard changed ``knob`` to ``value`` so that the command runs where it is launched, or can resume (the
+        training process said so, and why): the latest value stays (a leak's restarts save more and more often), with
+        the first word for it."""
+        if knob in TRL_DEFAULTS.to_dict() and self.adapted.get(knob, (None,))[0] != value:
+            self.adapted[knob] = (value, why)
 
     def remedies_in_force(self, without: str | None = None) -> list[str]:
         return [n for n in dict.fromkeys(r.name for r in self.applied) if n != without]
@@ -228,7 +257,7 @@ class Climb:
         fit, ``settle_rechoice`` puts the choice back, to be probed in turn.
         """
         before = self.effective()[0]
-        start = self.original().merged(self.pinned)
+        start = self.start()
         pruned = self.applied != self.climbed  # the config in force is a choice below the ceiling
         steps: list[Step] = []
         skipped: dict[str, str] = {}
@@ -294,7 +323,7 @@ class Climb:
         if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]
-        choice = self._choose(self.original().merged(self.pinned), fits, peak, relax_fits, headroom_only=True)
+        choice = self._choose(self.start(), fits, peak, relax_fits, headroom_only=True)
         if choice is None or choice.knobs == current:
             return None
         pref = self.preference()
@@ -385,8 +414,9 @@ class Climb:
         rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
         changes = {r["knob"]: r["to"] for r in rows}
         # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one; a spelling of
-        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force
-        said = said_by_knob(self.facts.stack, changes, among=final)
+        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force; a config the
+        # last attempt generated where the front-end has no word (``--deepspeed PATH``) by its path
+        said = said_by_knob(self.facts.stack, changes, among=final, files=last.files() if last is not None else None)
         for r in rows:
             if r["knob"] in said:
                 r["flag"] = said[r["knob"]]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..memory.estimate import PROBE, FitVerdict, launch_as
@@ -111,6 +111,8 @@ class Conductor:
         self.reached: set[str] | None = set() if launched else None
         self.trl_seen: tuple[str, str | None, str | None] | None = None
         self.leaks: list[int] = []  # the attempts that ran out of memory through a leak and were resumed as they were
+        # a leak the trace showed over enough steps, or a young one a restart reproduced (got further, grew again)
+        self.leak_confirmed = False
         self.checkpoint_every: int | None = None  # the checkpoint cadence a leak's restarts need
 
     # -- the start and the budget ------------------------------------------------------------------------------
@@ -152,9 +154,10 @@ class Conductor:
                          preflight=parts["preflight"])
 
     def spent(self) -> bool:
-        """--max-attempts (undo trials are extra work the user asked for: they do not count) or --max-time."""
+        """--max-attempts (undo trials are extra work the user asked for: they do not count; a leak's restarts do, so
+        that a run can never loop) or --max-time."""
         c = self.climb
-        counted = sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE and a.index not in self.leaks)
+        counted = sum(1 for a in c.attempts if a.kind != AttemptKind.MINIMIZE)
         late = self.policy.max_time is not None and time.time() - c.started >= self.policy.max_time
         return counted >= self.policy.max_attempts or late
 
@@ -280,6 +283,8 @@ class Conductor:
         # out of memory, or stopped by the pre-flight check
         if diag is not None and diag.kind in LEAK_KINDS:
             return self._after_leak(attempt, diag)
+        if self.leaks and not self.leak_confirmed:  # the restart after a young leak ran out without growing again
+            self._unconfirmed(attempt, "the restart after it ran out of memory without the growth")
         if p.replay:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
@@ -371,26 +376,54 @@ class Conductor:
     def _after_leak(self, attempt: Attempt, diag: Diagnosis) -> Next:
         """The OOM was a leak (the memory trace shows memory kept step after step): no rung is climbed for it. The
         run resumes from its last checkpoint with the same config, saving often enough to move on at the leak's
-        pace (half the steps it made before running out), as long as each restart gets further; with
-        --no-leak-restart, or where a restart made no progress, it stops."""
+        pace (half the steps it made before running out), as long as each restart gets further and the budget
+        (--max-attempts, --max-time: restarts count) leaves room; with --no-leak-restart it stops.
+
+        A young leak (``Facts.young_leak``: foretold by a few steps only) is provisional: the restart confirms it by
+        getting further and growing again. One that gets no further, or runs out without the growth, is the
+        shortfall its figures show (a warm-up that settles late looks the same over a few steps), and a rung is
+        climbed."""
         c = self.climb
         made = (attempt.step or 0) - resumed_step(attempt.resume)
         where = "the host's memory" if diag.kind == "host-leak" else "the device"
-        if not self.policy.leak_restart or (self.leaks and made <= 0):
+        young = diag.facts.young_leak
+        if young and not self.leak_confirmed and (not self.policy.leak_restart or (self.leaks and made <= 0)):
+            self._unconfirmed(attempt, "the restart got no further before it ran out" if self.policy.leak_restart else
+                              "--no-leak-restart leaves no restart to reproduce the few steps it grew over")
+            self.last_diag = figures = replace(diag, kind=diag.facts.by_figures or "shortfall")
+            return self.choose(attempt, figures)
+        if not young or (self.leaks and made > 0):
+            self.leak_confirmed = True
+        budget = None if self.room_for(1) else (
+            f"--max-time {self.policy.max_time:g}s" if self.policy.max_time is not None and
+            time.time() - c.started >= self.policy.max_time else f"--max-attempts {self.policy.max_attempts}")
+        if not self.policy.leak_restart or (self.leaks and made <= 0) or budget:
             why = ("--no-leak-restart: stopped at the first leak" if not self.policy.leak_restart else
-                   f"the leak fills {where} before the run gets past its last checkpoint")
+                   f"the leak fills {where} before the run gets past its last checkpoint" if made <= 0 else
+                   f"the budget ({budget}) is spent after {len(self.leaks)} restart(s); raise it to restart again")
             c.give_up("leak", why)
             attempt.note = f"a leak, not a shortfall: no config change cures it; {why}"
             return Next(None).line(f"  {attempt.note}; fix the code that keeps the memory (the evidence says where)")
         cadence = max(1, made // 2)
         self.checkpoint_every = min(self.checkpoint_every or cadence, cadence)
         self.leaks.append(attempt.index)
-        attempt.note = (f"a leak, not a shortfall: resumed with the same config from the last checkpoint, saving "
-                        f"every {self.checkpoint_every} step(s)")
+        what = "a leak, not a shortfall" if self.leak_confirmed else "a leak, it seems (too few steps to be sure)"
+        attempt.note = (f"{what}: resumed with the same config from the last checkpoint, saving every "
+                        f"{self.checkpoint_every} step(s)")
+        line = (f"  {what}: no config change cures it, so the run resumes from its last checkpoint with the same "
+                f"config, with a checkpoint at least every {self.checkpoint_every} step(s) (it made {made} step(s) "
+                f"before {where} was full)")
+        if not self.leak_confirmed:
+            line += "; a restart that gets further and grows again confirms it, else a rung is climbed"
         return Next(AttemptKind.RUN, checkpoint_every=self.checkpoint_every).line(
-            f"  a leak, not a shortfall: no config change cures it, so the run resumes from its last checkpoint "
-            f"with the same config, with a checkpoint at least every {self.checkpoint_every} step(s) (it made {made} "
-            f"step(s) before {where} was full); --no-leak-restart stops instead")
+            line + "; --no-leak-restart stops instead")
+
+    def _unconfirmed(self, attempt: Attempt, why: str) -> None:
+        """A young leak the restart did not reproduce: what it was taken for is the shortfall its figures show; the
+        attempts restarted for it are no longer counted as a leak's (the ending does not call the run leaked)."""
+        attempt.note = (f"not a leak after all: {why}, so the OOM is the shortfall its figures show (a warm-up that "
+                        "settles late grows for a few steps too)")
+        self.leaks.clear()
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
         """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..memory.estimate import (
+    PROBE,
     RUN,
     STOP,
     Coefficients,
@@ -171,14 +172,16 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     out of memory (verdict ``probe``, predicted over the climb's headroom: the OOM's own figures, which run would learn
     from, are not known here), the same conductor's ``choose`` judged by the same ``Judge`` (the model's error kept
     free as headroom where a config has it; a cheaper trial first, with the choice as its ``fallback``), so plan never
-    recommends a config run would not pick. The LM head is
-    ``facts.trl_head`` (the installed TRL's, where the caller knows it), else the newest TRL's; ``device_name``
+    recommends a config run would not pick. The LM head is ``facts.trl_head`` (the installed TRL's or
+    ``--trl-version``'s, where the caller knows it), else the newest TRL's; ``device_name``
     (NVML's) loads what earlier probes of this model on this machine taught, unless ``coefficients`` are given;
     ``context`` is the device's memory outside the allocator where known (a simulated device's)."""
     facts = (facts or RunFacts()).replace(model_source=(facts.model_source if facts else None) or "string",
                                           prompt_tokens_max=prompt_tokens or 256)  # the estimate's default
     judge = Judge(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name,
                   context=context)
+    # judged as `oomguard run` judges this TRL: a release newer than the tested ones, or a stack whose memory no
+    # measurement covers, is verified by a probe (Conductor.take_trl)
     judge.set_trl(facts.trl_head, support(facts.trl_version).untested or bool(facts.stack_untested))
     facts = facts.replace(vllm_min_utilization=judge.vllm_floor(facts, knobs))
     est = judge.predict(facts, knobs)
@@ -266,3 +269,22 @@ def card_row(p: Prediction, gpu: str, fit: str | None, *, world_size: int = 1, u
         row["fit_knob"] = fit
         row["fit_value"] = largest(judge, p.knobs, fit, world_size=world_size, upper=upper) if judge else None
     return row
+
+
+def card_rows(spec: ModelSpec, knobs: Knobs, cards: list[tuple[str, int]], fit: str | None, *, ladder: Ladder,
+              facts: RunFacts, prompt_tokens: int | None, world_size: int = 1,
+              device_name: str | None = None) -> tuple[list[dict[str, Any]], str]:
+    """`oomguard plan` with several cards or ``--fit``: one row per ``(name, bytes)`` card (:func:`card_row`), and the
+    verdict the exit code follows: the least favourable card's, or with ``fit`` ``run`` where some value fits every
+    card, else ``stop``."""
+    upper = None
+    if fit == "max_completion_length" and spec.max_positions:  # the prompt and the completion share the context
+        upper = max(1, spec.max_positions - (prompt_tokens or 256))
+    elif fit == LENGTH_KNOB:
+        upper = spec.max_positions  # vLLM refuses a context longer than the model's
+    rows = [card_row(make_plan(spec, knobs, cap, ladder=ladder, facts=facts, prompt_tokens=prompt_tokens,
+                               device_name=device_name), name, fit, world_size=world_size, upper=upper)
+            for name, cap in cards]
+    if fit:
+        return rows, RUN if all(r["fit_value"] is not None for r in rows) else STOP
+    return rows, min((r["verdict"] for r in rows), key=(STOP, PROBE, RUN).index)

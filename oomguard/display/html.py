@@ -211,12 +211,14 @@ def figures_chart(f: dict[str, Any], index: int, *, width: int = 860) -> str:
         "</span></div>"
 
 
-def _diff_table(rows: Sequence[dict[str, Any]]) -> str:
+def _diff_table(rows: Sequence[dict[str, Any]], stable: bool = True) -> str:
+    """The diff as a table; where nothing was stable its third column is the last config tried, and says so."""
     if not rows:
         return '<p class="muted">Nothing was changed.</p>'
     body = "".join(f"<tr><td><code>{_e(r['knob'])}</code></td><td>{_e(r.get('from'))}</td><td>{_e(r.get('to'))}</td>"
                    f"<td>{_e(r.get('action') or r.get('remedy'))}</td></tr>" for r in rows)
-    return f"<table id=\"diff\"><tr><th>knob</th><th>original</th><th>stable</th><th>remedy</th></tr>{body}</table>"
+    to = "stable" if stable else "last tried"
+    return f"<table id=\"diff\"><tr><th>knob</th><th>original</th><th>{to}</th><th>remedy</th></tr>{body}</table>"
 
 
 def _finding_block(f: dict[str, Any], *, show_source: bool = True) -> str:
@@ -267,7 +269,9 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
             body.append(trace_svg(a["trace"], capacity=capacity, verdicts=verdicts,
                                   oom_step=step + 1 if a.get("outcome") == "oom" and isinstance(step, int) else None,
                                   title=f"Attempt {a.get('index')} ({a.get('kind', 'run')})"))
-    body.append("<h2>What changed</h2>" + _diff_table(report.get("diff") or []))
+    stable = report.get("status") == "stable"
+    body.append(("<h2>What changed</h2>" if stable else "<h2>What was tried</h2>")
+                + _diff_table(report.get("diff") or [], stable))
     from ..decide.experiment import experiment_lines
     from .ui import alternatives_lines
 

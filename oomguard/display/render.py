@@ -101,9 +101,12 @@ def trends(out: Console, items: Sequence[dict[str, Any]]) -> None:
             out.print(f"   • {escape(e)}", soft_wrap=True)
 
 
-def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What oomguard changed") -> None:
+def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What oomguard changed",
+               stable: bool = True) -> None:
+    """The diff of a run: each knob, the user's value, the value it ends with and the rung that set it. Where nothing
+    was stable (``stable`` False), the column holds the last config tried, and says so."""
     t = Table(title=title, title_justify="left", header_style="bold")
-    for c in ("knob", "original", "stable", "remedy"):
+    for c in ("knob", "original", "stable" if stable else "last tried", "remedy"):
         t.add_column(c)
     for r in rows:
         t.add_row(r["knob"], _v(r["from"], r["knob"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")

@@ -192,7 +192,10 @@ class ConsoleReporter:
             self._say(f"{what}: [yellow]stopped by the pre-flight check[/]: predicted "
                       f"{format_size(attempt.predicted_bytes or 0)}, too far over the device to run")
             return
-        if attempt.outcome == "failed":
+        if attempt.outcome == "failed" and attempt.unmet:
+            self._say(f"{what}: [red]stopped before training[/]: it does not run the lock's "
+                      f"{_plain(str(attempt.unmet.get('knob')))}")
+        elif attempt.outcome == "failed":
             self._say(f"{what}: [red]failed[/] with exit code {attempt.exit_code} (not an OOM)")
         elif attempt.outcome == "interrupted":
             self._say(f"{what}: interrupted")
@@ -227,8 +230,9 @@ class ConsoleReporter:
                   "leaked": "yellow"}[report.status]
         self._say(f"[bold {colour}]{report.status}[/]: {_plain(report.message)}")
         if report.diff and report.status in ("stable", "exhausted"):
-            title = "What oomguard changed" if report.status == "stable" else "What oomguard tried"
-            diff_table(self.out, report.diff, title=title)
+            stable = report.status == "stable"
+            diff_table(self.out, report.diff, title="What oomguard changed" if stable else "What oomguard tried",
+                       stable=stable)
         said = [r["flag"] for r in report.diff if r.get("flag")]
         if said and report.status == "stable":
             self._say(_plain(f"{told((report.facts or {}).get('stack'), said)} (the lock replays them: oomguard run "

@@ -76,25 +76,18 @@ def live_bytes() -> int | None:
 def peak_bytes() -> int | None:
     """The peak of live tensor bytes since :func:`reset_peak`, on the same device as :func:`live_bytes` (its
     example shows both)."""
-    from ..child import simulate
+    from ..child import peaks
 
-    dev = simulate.device()
-    if dev is not None:
-        return dev.peak
-    if cuda_in_use():
-        return int(loaded_torch().cuda.max_memory_allocated())
-    return None
+    return peaks.since_mark()[0]
 
 
 def reset_peak() -> None:
-    """Start a new peak (each attempt reports its own; :func:`live_bytes` shows it)."""
-    from ..child import simulate
+    """Start a new peak (each attempt reports its own; :func:`live_bytes` shows it): oomguard's own
+    (``oomguard.child.peaks``), so the peak counters the guarded code reads stay what they would be without the
+    guard."""
+    from ..child import peaks
 
-    dev = simulate.device()
-    if dev is not None:
-        dev.reset_peak()
-    if cuda_in_use():
-        loaded_torch().cuda.reset_peak_memory_stats()
+    peaks.mark()
 
 
 def release() -> None:

@@ -156,6 +156,10 @@ class AllocatorModel:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
+        # a second pair of peaks, since ``mark()``: oomguard's own (a step's, a call's), so that the peaks above, which
+        # the user's code reads, are never reset by oomguard
+        self.mark_allocated = 0
+        self.mark_reserved = 0
         self.num_ooms = 0
         self.num_alloc_retries = 0
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
@@ -228,7 +232,12 @@ class AllocatorModel:
         b.free = False
         self.allocated += b.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.mark_allocated = max(self.mark_allocated, self.allocated)
         return b
+
+    def mark(self) -> None:
+        """Start the second pair of peaks (``mark_allocated``, ``mark_reserved``) again from now."""
+        self.mark_allocated, self.mark_reserved = self.allocated, self.reserved
 
     def free(self, b: Block) -> None:
         """Give a block back: it merges with free neighbours and stays cached (reserved) until released."""
@@ -279,6 +288,7 @@ class AllocatorModel:
         self._first[seg.id] = b
         self.reserved += seg_size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.mark_reserved = max(self.mark_reserved, self.reserved)
         return b
 
     def _split(self, b: Block, size: int, small: bool) -> None:
@@ -337,12 +347,14 @@ class AllocatorModel:
             self._mapped.add((small, p))
             self.reserved += g
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.mark_reserved = max(self.mark_reserved, self.reserved)
         self._split(b, size, small)
         b.free = False
         for p in self._pages(b):
             self._page_refs[(small, p)] = self._page_refs.get((small, p), 0) + 1
         self.allocated += b.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.mark_allocated = max(self.mark_allocated, self.allocated)
         return b
 
     def _tail(self, seg: Segment) -> Block | None:

@@ -108,17 +108,17 @@ NOT_A_DEVICE_LEAK = ("impossible", "host-ram", "driver", "vllm-reservation")
 def _with_trend(v: Verdict, trend: Trend) -> Verdict:
     """What the run's memory trace adds to the figures' verdict (see ``diagnose``)."""
     late = []
-    kind = v.kind
+    kind, young = v.kind, False
     if v.kind == "host-ram" and trend.host_leak is not None:
         kind, late = "host-leak", [describe(trend.host_leak)]
     elif v.kind not in NOT_A_DEVICE_LEAK and trend.leak is not None:
-        kind, late = "leak", [describe(trend.leak)]
+        kind, late, young = "leak", [describe(trend.leak)], trend.leak.young
     elif v.kind in ("shortfall", "small-allocations") and trend.fragmentation is not None:
         kind, late = "fragmentation", [describe(trend.fragmentation)]
     late += [describe(s) for s in trend.long_samples if s.at_oom]
     if not late:
         return v
-    return replace(v, kind=kind, facts=replace(v.facts, late=tuple(late)))
+    return replace(v, kind=kind, facts=replace(v.facts, late=tuple(late), young_leak=young))
 
 
 # DeepSpeed's default reduce bucket (500,000,000 elements) in 32- and 16-bit gradients, and the function of

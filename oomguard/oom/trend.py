@@ -20,7 +20,14 @@ its most recent half or quarter (a leak may start late). All of these must hold 
   known: a leak raises every later step's peak, so **a run whose peak stays within the floor is never a leak**;
 - both halves of the window rise by at least half the floor, and the later half's slope is at least a third of the
   earlier half's: a warm-up that settles does not persist;
-- most pairs of steps rise (Kendall's tau at least :data:`MIN_TAU`): noise does not.
+- most pairs of steps rise (Kendall's tau at least :data:`MIN_TAU`): noise does not;
+- the growth persists beyond its own time constant. A warm-up (lazily made optimizer state, caches sized by the
+  largest batch so far) rises as ``A (1 - exp(-step / tau))``: its rate falls by ``e`` every ``tau`` steps, and a leak's
+  does not. Where the whole trace's later half rises at less than half the rate of its earlier half (:data:`LINEAR`:
+  a leak's noise keeps it above that), the trace is read as a warm-up of the time constant that fall implies, and only
+  the steps after the point where such a warm-up has less than half the floor left to rise are judged
+  (:func:`settled_from`). A warm-up still settling when the window ends has then too few steps left to be judged: no
+  verdict until the trace is longer, whatever its amplitude.
 
 The rate is the Theil–Sen slope (the median of the slopes between every two samples, so that a few outliers move it
 little), and the device runs out at the latest at the step where the recent peak plus the rate times the steps to
@@ -69,6 +76,13 @@ MIN_SAMPLES = 6  # settled samples a verdict on growth needs
 MIN_SAMPLES_AT_OOM = 4
 FORETOLD_EARLY = 3  # an OOM this many steps before the growth's projection still confirms it (fragmentation)
 MIN_TAU = 0.5  # Kendall's tau of a growth: most pairs of steps rise
+# A growth whose later half rises at less than this share of its earlier half's rate slows as a warm-up does
+# (:func:`settled_from`). Noise of a quarter of the rate on each sample keeps a steady leak's share at 0.6 or more
+# over 6 samples (0.65 over 8, more over more: tests/test_trend.py), so a leak is never read as a warm-up.
+LINEAR = 1 / 2
+# ... and at an OOM that a young growth foretold (4 or 5 settled steps, no noise allowed: every step must rise), a
+# warm-up of a time constant up to 5 steps falls below this share; a leak's steady rate does not
+YOUNG_LINEAR = 2 / 3
 MAX_POINTS = 96  # a window is thinned to this many samples (Theil-Sen compares every pair)
 FLOOR_BYTES = 1 * MiB  # the least growth a verdict names, on a device
 FLOOR_SHARE = 1 / 400  # ... or this share of the device (or host limit), where it is known
@@ -166,10 +180,10 @@ def persistent_growth(xs: Sequence[int], ys: Sequence[float], floor: float,
     if kendall_tau(ys) < MIN_TAU:
         return None
     h = n // 2
-    first, second = (xs[: n - h], ys[: n - h]), (xs[h:], ys[h:])  # halves (the middle one in both when n is odd)
-    if rise(first[1]) < floor / 2 or rise(second[1]) < floor / 2:
+    # halves (the middle one in both when n is odd)
+    if rise(ys[: n - h]) < floor / 2 or rise(ys[h:]) < floor / 2:
         return None
-    s1, s2 = theil_sen(*first), theil_sen(*second)
+    s1, s2, _, _ = _halves(xs, ys)
     if s1 <= 0 or s2 <= 0 or s2 < s1 / 3:
         return None
     rate = theil_sen(xs, ys)
@@ -189,9 +203,48 @@ def _windows(samples: Sequence[MemSample]) -> list[list[MemSample]]:
     return out
 
 
+def _halves(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float, float]:
+    """The Theil–Sen slopes of a series' two halves and their middle steps (the middle sample in both when odd)."""
+    n, h = len(ys), len(ys) // 2
+    first, second = (xs[: n - h], ys[: n - h]), (xs[h:], ys[h:])
+    return theil_sen(*first), theil_sen(*second), float(median(first[0])), float(median(second[0]))
+
+
+def settled_from(xs: Sequence[int], ys: Sequence[float], floor: float) -> float:
+    """The step from which a growth, read as a warm-up, has less than half the floor left to rise: the first step
+    where its rate did not fall (a leak, or no growth at all).
+
+    The later half's rate ``s2`` against the earlier half's ``s1``, their middles ``d`` steps apart, gives the time
+    constant of a warm-up that slows so: ``tau = d / ln(s1 / s2)``. From the later middle such a warm-up still rises by
+    ``s2 * tau``; it is within ``floor / 2`` of its level ``tau * ln(2 s2 tau / floor)`` steps later.
+
+    >>> import math
+    >>> xs = list(range(3, 21))
+    >>> warm = [100 * (1 - math.exp(-x / 3)) for x in xs]  # a warm-up of 100 with a time constant of 3 steps
+    >>> round(settled_from(xs, warm, 1.0), 1)  # exactly: 100 e^(-x/3) < 0.5 from x = 3 ln 200 = 15.9
+    16.2
+    >>> settled_from(xs, [5.0 * x for x in xs], 1.0)  # a steady rise: judged whole
+    3
+    """
+    if len(ys) < MIN_SAMPLES:
+        return xs[0]
+    s1, s2, c1, c2 = _halves(xs, ys)
+    if s1 <= 0 or s2 >= LINEAR * s1:
+        return xs[0]
+    if s2 <= 0:
+        return c2  # the later half no longer rises: what comes after its middle is judged by itself
+    tau = (c2 - c1) / math.log(s1 / s2)
+    left = s2 * tau
+    return c2 + tau * math.log(2 * left / floor) if left > floor / 2 else c2
+
+
 def _first_growth(samples: Sequence[MemSample], value: Callable[[MemSample], int | None], floor: float,
                   follow: Callable[[MemSample], int | None] | None = None) -> Growth | None:
     known = [s for s in samples if value(s) is not None]
+    whole = _thin(known)
+    if whole:  # a warm-up seen over the whole trace: only what comes after it has settled is judged
+        since = settled_from([s.step for s in whole], [float(value(s) or 0) for s in whole], floor)
+        known = [s for s in known if s.step >= since]
     for w in _windows(known):
         followed = [follow(s) for s in w] if follow is not None else None
         follower = [float(v) for v in followed if v is not None] if followed is not None else None
@@ -249,11 +302,13 @@ def at_oom(samples: Sequence[MemSample], *, step: int | None, capacity: int | No
 
 
 def _foretold_leak(settled: Sequence[MemSample], capacity: int | None, step: int) -> Leak | None:
-    """A leak too young for :func:`assess` (fewer than :data:`MIN_SAMPLES` settled steps) that the OOM confirms:
-    kept memory and peak rose at every step, by the growth floor in all, and the recent peak plus the rate reaches the
-    device by the step that ran out (a step later at most, or up to :data:`FORETOLD_EARLY` steps sooner: the
+    """A leak too young for :func:`assess` (fewer than :data:`MIN_SAMPLES` settled steps) that the OOM foretells:
+    kept memory and peak rose at every step, by the growth floor in all, the later steps as fast as the earlier ones
+    (:data:`YOUNG_LINEAR`: a warm-up of a few steps' time constant slows), and the recent peak plus the rate reaches
+    the device by the step that ran out (a step later at most, or up to :data:`FORETOLD_EARLY` steps sooner: the
     allocator's cache fragments as the kept memory grows). A run whose device is smaller than its leak's first
-    steps need runs out before a full trace exists; this is its verdict.
+    steps need runs out before a full trace exists; this is its verdict, ``young``: a restart with the same config
+    confirms it by getting further and growing again (``oomguard.decide.conductor``), else the shortfall stands.
 
     >>> MiB = 1 << 20
     >>> leak = [MemSample(s, kept=40 * MiB + 6 * MiB * s, peak=64 * MiB + 6 * MiB * s) for s in range(1, 8)]
@@ -275,6 +330,9 @@ def _foretold_leak(settled: Sequence[MemSample], capacity: int | None, step: int
     if peaks[-1] - peaks[0] < floor:
         return None
     xs = [s.step for s in rows]
+    s1, s2, _, _ = _halves(xs, kept)
+    if s2 < YOUNG_LINEAR * s1:
+        return None  # it slows as a warm-up does (a time constant of a few steps): the shortfall stands
     rate = theil_sen(xs, kept)
     if rate <= 0:
         return None
@@ -283,7 +341,7 @@ def _foretold_leak(settled: Sequence[MemSample], capacity: int | None, step: int
         return None
     mid = median(y - rate * x for x, y in zip(xs, kept, strict=True))
     return Leak("device", rate, xs[0], xs[-1], round(mid + rate * xs[0]), round(mid + rate * xs[-1]), capacity, full,
-                "kept")
+                "kept", young=True)
 
 
 def _runs_out(limit: int | None, level: float | None, rate: float, last: int) -> int | None:

@@ -23,7 +23,8 @@ class Leak:
     (``None`` without a limit). ``basis`` is what grew: ``kept`` (allocated at the step's end), ``peak`` (a log
     that shows only peaks: longer sequences would look the same), ``rss`` (the process's host memory) or ``used``
     (the machine's used host memory, where a log gives only that). ``holders`` says where the memory is held,
-    where a census found it."""
+    where a census found it. ``young``: foretold at an OOM by fewer steps than a verdict on a trace needs, so a
+    restart that grows again must confirm it."""
 
     where: str
     rate: float
@@ -35,6 +36,7 @@ class Leak:
     runs_out_at: int | None
     basis: str = "kept"
     holders: tuple[Holder, ...] = ()
+    young: bool = False
 
     @property
     def kind(self) -> str:
@@ -175,6 +177,9 @@ def describe(v: Verdict) -> str:
             limit = "the device"
             cure = LEAK_CURE
         out = head
+        if v.young:
+            out += (f" That rests on {v.until - v.since + 1} step(s), too few to be sure: a restart with the same config "
+                    "that gets further and grows again confirms it.")
         if v.runs_out_at is not None and v.limit:
             out += f" At that rate {limit} ({format_size(v.limit)}) is full by step {v.runs_out_at} at the latest."
         return out + held(v.holders) + " " + cure

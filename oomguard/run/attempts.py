@@ -37,17 +37,19 @@ from ..vocab.events import (
 )
 from ..vocab.files import write_json_atomic
 from ..vocab.knobs import Knobs
+from ..vocab.lock import shown
 from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, ProbePlan, whereabouts
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
+from .aside import Aside
 from .classify import classify, main_trace
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
-from .learning import take_events
+from .learning import knobs_ran, ran_report, take_events
 from .options import BOOT_DIR, Reporter, RunOptions
-from .proc import Aside, Interrupts, ProcessResult, process_alive, run_attempt
+from .proc import Interrupts, ProcessResult, StartError, process_alive, run_attempt
 from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
@@ -132,7 +134,8 @@ class Launcher:
                  if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
-        plan = Plan(attempt=index, overrides=c.overrides(knobs), simulate_gpu=self.o.simulate_gpu,
+        plan = Plan(attempt=index, overrides=c.overrides(knobs), pinned=c.pinned.to_dict(only_set=True),
+                    simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
                     events=str(events_path), remedies=remedies, probe=probe, resume=resume, **judging,
                     checkpoint_every=self._saves(nxt) if kind == AttemptKind.RUN or deferred else None,
@@ -151,8 +154,7 @@ class Launcher:
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
         res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
         if aside.lines:
-            self.ui.message(f"  what the launcher printed after the stop ({aside.lines} lines) is in "
-                            f"{aside.path}")
+            self.ui.message(f"  what the launcher printed after {aside.why} ({aside.lines} lines) is in {aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
         self.poll(watch, live=False)  # the last lines the process wrote
@@ -185,29 +187,45 @@ class Launcher:
         elif attempt.outcome == Outcome.FAILED and not configured and not attempt.note:
             # what a training process said of its failure stays the reason
             attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
-        # The knobs as the child really ran them: the first attempt learns the user's config while it runs.
-        attempt.knobs = c.effective(without)[0].to_dict()
+        # The knobs as the child really ran them: the first attempt learns the user's config while it runs, and the
+        # training process says what it runs (a value of oomguard's the script set again later, say)
+        attempt.knobs = knobs_ran(c.effective(without)[0], events).to_dict()
+        self._said_later(events, plan.overrides)
         broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
         if attempt.outcome == Outcome.FAILED and broke is not None:
             attempt.override_error = {"where": broke.where, "error": broke.error}
         self.conductor.record(attempt, diag)
         return attempt, diag
 
+    def _said_later(self, events: list[ChildEvent], overrides: dict[str, Any]) -> None:
+        """A value oomguard set that the training process runs otherwise (the script sets it again later, a stack
+        changes it): said once, since no rung can change it that way. (A replayed lock stops there instead:
+        ``child/ran.py``.)"""
+        ran = ran_report(events)
+        if ran is None or ran.unmet:  # a replay that stopped for it said so itself
+            return
+        for knob, where in ran.later.items():
+            self.warn(f"oomguard set {knob}={shown(overrides.get(knob))}, but the training process runs "
+                      f"{shown(ran.knobs.get(knob))} ({where}): a rung that changes it cannot help this command")
+
     def start(self, env: dict[str, str], watch: Watch, scratch: Path | None,
                aside: Aside | None = None) -> ProcessResult:
         """Run the command once, watched; a command that cannot start is the user's to fix (one line, exit 127 or
-        126). A probe's scratch output directory goes whatever the ending: a script that saves its model at the end
-        writes a whole copy of it there."""
+        126); an error once it runs is oomguard's own (``run_attempt`` has ended the attempt's processes), raised on.
+        A probe's scratch output directory goes whatever the ending: a script that saves its model at the end writes
+        a whole copy of it there."""
         try:
             with self.ui.live():
                 return run_attempt(self.argv, env, self.interrupts, grace=self.o.grace, echo=self.o.echo,
                                    on_tick=lambda: self._tick(watch), named=lambda: self._ours(watch),
                                    aside=aside)
-        except FileNotFoundError:
-            raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
-        except PermissionError:
-            raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
-        except OSError as e:  # ENOEXEC: a script without a #! line, a binary for another machine
+        except StartError as start:
+            e = start.error
+            if isinstance(e, FileNotFoundError):
+                raise UsageError(f"command not found: {self.argv[0]}", EXIT_NOT_FOUND) from None
+            if isinstance(e, PermissionError):
+                raise UsageError(f"permission denied: {self.argv[0]} is not executable", EXIT_NOT_EXECUTABLE) from None
+            # ENOEXEC: a script without a #! line, a binary for another machine
             why = ("the kernel cannot run it (no #! line naming an interpreter, or a binary for another machine); "
                    f"add a #! line, or run it through its interpreter (`oomguard run -- bash {self.argv[0]}`)"
                    if e.errno == errno.ENOEXEC else e.strerror or str(e))
@@ -307,7 +325,8 @@ class Launcher:
 
     def _saves(self, nxt: Next) -> int | None:
         """The checkpoint cadence of a real run: a leak's restarts need one (unless the script already saves as
-        often), else --checkpoint-every."""
+        often), else --checkpoint-every. The training process adds its checkpoints beside the script's own and
+        deletes them again, all but the newest (child/saves.py)."""
         every = nxt.checkpoint_every
         if every is not None and self.script_saves is not None and self.script_saves <= every:
             every = None
@@ -344,7 +363,8 @@ class Launcher:
                 if w.saves_set is None:  # the script's own cadence (oomguard set none): a leak's restarts keep it
                     steps = "steps" in ev.save_strategy.lower().split(".")[-1:]
                     self.script_saves = ev.save_steps if steps and ev.save_steps else None
-                if "no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints:
+                if ("no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints
+                        and w.saves_set is None):  # oomguard's own cadence saves beside it
                     self.warned_no_checkpoints = True
                     self.ui.message("the script saves no checkpoints, so an OOM late in training restarts it from "
                                     "step 0; add --checkpoint-every N to lose at most N steps")

@@ -7,15 +7,19 @@ writes an ``end`` event when it ends (``exit`` with its code, ``error``, ``oom``
 or writes none when a signal kills it. :class:`Ranks` gathers those records; :func:`classify` decides, in order:
 
 1. an interrupt (a signal to oomguard);
-2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly;
-3. a pre-flight stop (a ``predicted`` event);
-4. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
+2. an OOM that a training process recorded (a CrashRecord), unless that process caught it and ended cleanly or of
+   another error; recorded with the training process's own exit code (EXIT_OOM), whatever a launcher exited with;
+3. a replayed lock's value a training process does not run (a ``ran`` event with ``unmet``): it stopped before
+   training, a failure with its own line and the usage code, never retried;
+4. a pre-flight stop (a ``predicted`` event);
+5. a host-RAM OOM: a training process (or the command itself) killed by SIGKILL, with evidence of the kernel's OOM
    killer (``hostmem``); a SIGKILL without such evidence (``kill -9``, a preemption) is never retried as an OOM;
-5. an OOM seen only in the output (a process that died before it could write a record), when the job did not end
-   cleanly;
-6. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
+6. an OOM seen only in the output, when the job did not end cleanly and no training process recorded how it ended
+   (processes the bootstrap did not reach, or killed before they could write a record): where one did, its record
+   decides, and an OOM a script caught and printed earlier cannot turn another failure into an OOM;
+7. a clean end: every training process ended with ``exit`` 0 (or, with none to ask, the command exited 0), whatever
    code a launcher returned;
-7. else a failure, passed through with the command's own exit code and the first training process's reason.
+8. else a failure, passed through with the command's own exit code and the first training process's reason.
 
 Where ranks record different endings (one OOM while the others wait, one stopped by the pre-flight), this order makes
 the decision once, for the whole job.
@@ -41,12 +45,23 @@ from ..vocab.events import (
     PreflightStop,
     ProcessEnded,
     ProcessStarted,
+    Ran,
     Saving,
     StepDone,
 )
 from ..vocab.knobs import Knobs
+from ..vocab.lock import Unmet
 from ..vocab.oomreport import OOMReport
-from ..vocab.protocol import END_ERROR, END_EXIT, END_OOM, END_PREDICTED, EXIT_PREDICTED
+from ..vocab.protocol import (
+    END_ERROR,
+    END_EXIT,
+    END_OOM,
+    END_PREDICTED,
+    END_UNMET,
+    EXIT_LOCK_UNMET,
+    EXIT_OOM,
+    EXIT_PREDICTED,
+)
 from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
 from .proc import ProcessResult
@@ -66,8 +81,11 @@ class Ranks:
 
     training: dict[int, int | None] = field(default_factory=dict)  # pid -> rank, in the order first seen
     ended: dict[int, ProcessEnded] = field(default_factory=dict)  # pid -> its own record of its end
-    recovered: set[str] = field(default_factory=set)  # crash records of OOMs their process caught and outlived
+    # crash records of OOMs their process caught and outlived: it ended cleanly, or of another error (uncaught, not
+    # an OOM), which is then what ended it
+    recovered: set[str] = field(default_factory=set)
     stop: PreflightStop | None = None
+    unmet: Ran | None = None  # a replayed lock's value a training process does not run: it stopped before training
     finished: set[int] = field(default_factory=set)  # processes whose trainer.train() returned
     where: dict[int, str] = field(default_factory=dict)  # pid -> host and PID namespace it ran in
     helpers: set[int] = field(default_factory=set)  # processes multiprocessing started to serve another
@@ -95,12 +113,14 @@ class Ranks:
             self.ended.setdefault(ev.pid, ev)
             if ev.reached and ev.pid not in self.helpers:
                 self.training.setdefault(ev.pid, ev.rank)
-            if ev.how == END_EXIT and ev.code == 0:
+            if (ev.how == END_EXIT and ev.code == 0) or ev.how == END_ERROR:
                 self.recovered.update(self._ooms.get(ev.pid, []))
         elif isinstance(ev, OOMRaised) and ev.pid is not None and ev.path:
             self._ooms.setdefault(ev.pid, []).append(ev.path)
         elif isinstance(ev, PreflightStop) and self.stop is None:
             self.stop = ev
+        elif isinstance(ev, Ran) and ev.unmet and self.unmet is None:
+            self.unmet = ev
         elif isinstance(ev, StepDone) and ev.final and ev.pid is not None:
             self.finished.add(ev.pid)
 
@@ -122,11 +142,16 @@ class Ranks:
             return local and not alive(pid)
 
         for pid, e in self.ended.items():
-            decisive = e.how in (END_OOM, END_PREDICTED) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
+            decisive = e.how in (END_OOM, END_PREDICTED, END_UNMET) or (pid in self.training and (e.how != END_EXIT or bool(e.code)))
             if decisive and (gone(pid) or (here is not None and self.where.get(pid) not in (None, here))):
                 return f"{self.who(pid)} ended: {e.how}" + (f" {e.code}" if e.how == END_EXIT else "")
         lost = [pid for pid in self.silent() if gone(pid)]
         return f"{self.who(lost[0])} is gone without a word" if lost else None
+
+    def spoke(self) -> bool:
+        """Whether any training process recorded how it ended (an ``end`` event): then the job's ending rests on those
+        records, never on text in the output, where an OOM a script caught and printed long before may still be."""
+        return any(pid in self.ended for pid in self.training)
 
     def silent(self) -> list[int]:
         """Training processes that wrote no end and had not finished training: killed by a signal, or still running.
@@ -214,12 +239,18 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         d = diagnose(crash.report, crash.frames, phase=crash.phase,
                      buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend)
         attempt.outcome = Outcome.OOM
+        attempt.exit_code = EXIT_OOM  # the training process's own code, whatever a launcher made of it
         attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
         attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
         attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
         if crash.step is not None:
             attempt.step = crash.step
         return attempt, d
+    if ranks.unmet is not None:
+        unmet = Unmet.from_dict(ranks.unmet.unmet)
+        attempt.outcome, attempt.exit_code = Outcome.FAILED, EXIT_LOCK_UNMET  # whatever a launcher made of it
+        attempt.unmet, attempt.note = unmet.to_dict(), unmet.line()
+        return attempt, None
     if ranks.stop is not None:
         stop = ranks.stop
         attempt.outcome = Outcome.PREDICTED
@@ -254,7 +285,8 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         attempt.oom = finding("exit status", None, report, d)
         return attempt, d
     clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
-    if not clean and (silent or said is None):  # a process that died before it could say why: read its output
+    if not clean and not ranks.spoke():  # no training process could say how it ended (not reached, or killed): read
+        # the output
         from ..oom.parse import scan_text
 
         hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)

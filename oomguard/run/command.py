@@ -24,7 +24,7 @@ from ..vocab.schema import RecordError
 from ..vocab.trlrange import Support, support
 
 EXIT_EXHAUSTED = 75  # EX_TEMPFAIL: the ladder or the budget is used up
-EXIT_LEAKED = 76  # the run leaks memory and stopped at it (--no-leak-restart, or too fast to get past a checkpoint)
+EXIT_LEAKED = 76  # the run leaks memory and stopped at it (--no-leak-restart, too fast, or the budget spent)
 EXIT_BUG = 70  # EX_SOFTWARE: an oomguard bug (a rung produced invalid knobs)
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -36,6 +36,48 @@ class UsageError(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+class InternalError(Exception):
+    """An error of oomguard's own (a bug, a training process of another version): the message is one line that names
+    it and where its traceback is; the exit code is EXIT_BUG."""
+
+    code = EXIT_BUG
+
+
+INTERNAL_ERROR_FILE = "internal-error.txt"
+
+
+def internal_error(e: BaseException, run_dir: Path, when: str = "") -> str:
+    """Keep ``e``'s traceback in ``run_dir`` and return the one line the user reads instead of it (``when``: "during
+    attempt 2", where that is known).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> try:
+    ...     {}["answer"]
+    ... except KeyError as e:
+    ...     line = internal_error(e, d, "during attempt 2")
+    >>> line.replace(str(d), "RUN")  # doctest: +NORMALIZE_WHITESPACE
+    "internal error of oomguard during attempt 2 (KeyError: 'answer'); the traceback is in RUN/internal-error.txt:
+    please report it to oomguard's maintainers with that file"
+    >>> "Traceback" in (d / INTERNAL_ERROR_FILE).read_text()
+    True
+    """
+    import traceback
+
+    path = run_dir / INTERNAL_ERROR_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)) + "\n")
+        where = f"the traceback is in {path}"
+    except OSError:
+        where = f"its traceback could not be kept ({path} cannot be written)"
+    said = (str(e).strip().splitlines() or [""])[0][:300]
+    what = f"{type(e).__name__}: {said}" if said else type(e).__name__
+    return (f"internal error of oomguard{' ' + when if when else ''} ({what}); {where}: please report it to "
+            "oomguard's maintainers with that file")
 
 
 def resolve_command(args: list[str]) -> list[str]:
@@ -230,5 +272,6 @@ def load_lock(path: str) -> Lock:
     return lock
 
 
-__all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_LEAKED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "UsageError", "load_lock",
-           "output_file", "resolve_command", "trl_support", "work_dir"]
+__all__ = ["EXIT_BUG", "EXIT_EXHAUSTED", "EXIT_LEAKED", "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "INTERNAL_ERROR_FILE",
+           "InternalError", "UsageError", "internal_error", "load_lock", "output_file", "resolve_command",
+           "trl_support", "work_dir"]

@@ -14,9 +14,10 @@ from ..decide.experiment import Experiment
 from ..vocab.files import publish, write_json_atomic
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs
 from ..vocab.lock import Lock
-from ..vocab.records import Attempt, RunReport
+from ..vocab.records import Attempt, AttemptKind, Outcome, RunReport
 from ..vocab.stacks import flags
 from .attempts import Launcher
+from .command import EXIT_BUG
 from .group import Group
 from .options import Reporter, RunOptions
 from .verdict import conclude
@@ -30,16 +31,20 @@ class Writer:
         self.argv, self.o, self.ui, self.conductor, self.launcher = argv, options, ui, conductor, launcher
         self.run_dir, self.group = run_dir, group
 
-    def finish(self, last: Attempt | None, signum: int | None) -> int:
-        """Conclude the run after ``last`` (``signum``: the signal that interrupted it), write what it found, and
-        return the exit code."""
+    def finish(self, last: Attempt | None, signum: int | None, error: str | None = None) -> int:
+        """Conclude the run after ``last`` (``signum``: the signal that interrupted it; ``error``: the line of an
+        error of oomguard's own that ended it), write what it found, and return the exit code. After such an error a
+        stable attempt keeps its status and lock, anything else is ``failed``; the code is EXIT_BUG either way."""
         c, judge, run = self.conductor.climb, self.conductor.judge, self.launcher
         status, code, message = conclude(last, c, signum=signum, replay=self.o.replay,
                                          reached=bool(self.conductor.reached), max_attempts=self.o.max_attempts,
                                          max_time=self.o.max_time, broken=run.broken,
                                          leaks=[a for a in c.attempts if a.index in self.conductor.leaks],
                                          held=run.leak_held)
-        if run.group_failure is not None and status == "failed":
+        if error is not None:
+            status, code, message = (status, EXIT_BUG, f"{message}; then an {error}") if status == "stable" else (
+                "failed", EXIT_BUG, error)
+        elif run.group_failure is not None and status == "failed":
             message = run.group_failure
         margin = self.conductor.stop_margin() if judge is not None and self.o.preflight else None
         report = c.report(status, message, code, command=self.argv,
@@ -69,7 +74,7 @@ class Writer:
         lock_path = self._write_outputs(report, status)
         if self.group is not None:
             lock = (self.lock(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
-                              report.diff).to_dict() if lock_path is not None else None)
+                              report.diff, report.attempts[-1].files()).to_dict() if lock_path is not None else None)
             self.group.finish({"status": status, "exit_code": code, "report": report.to_dict(), "lock": lock})
         self.ui.finish(report, self.o.report_path, lock_path)
         return code
@@ -95,46 +100,74 @@ class Writer:
         alts = judge.alternatives(c, final)
         for n, a in enumerate(alts, 1):
             path = self.run_dir / f"alternative-{n}.lock.json"
-            diff = [{**r.to_dict(), "remedy": None} for r in c.original().diff(a.knobs)]
-            write_json_atomic(path, self.lock(a.knobs, c.original().to_dict(), a.knobs.to_dict(), diff).to_dict())
+            write_json_atomic(path, self.bare_lock(a.knobs).to_dict())
             alts[n - 1] = dataclasses.replace(a, lock=str(path))
         return alts
 
+    def bare_lock(self, knobs: Knobs) -> Lock:
+        """The lock of ``knobs`` from the climb alone (no run's report: an alternative, a salvaged lock)."""
+        original = self.conductor.climb.original()
+        diff = [{**r.to_dict(), "remedy": None} for r in original.diff(knobs)]
+        return self.lock(knobs, original.to_dict(), knobs.to_dict(), diff)
+
     def lock(self, knobs: Knobs, original: dict[str, Any], stable: dict[str, Any] | None,
-             diff: list[dict[str, Any]]) -> Lock:
-        """The lock that replays ``knobs``: what oomguard changed on top of the script's own values."""
+             diff: list[dict[str, Any]], files: dict[str, str] | None = None) -> Lock:
+        """The lock that replays ``knobs``: what oomguard changed on top of the script's own values (``files``: the
+        configs the attempt that ran them generated, named in the stack's flags)."""
         c = self.conductor.climb
         overrides = c.overrides(knobs)
-        said = flags(c.facts.stack, overrides)
+        said = flags(c.facts.stack, overrides, files=files)
         return Lock(overrides=overrides, command=list(self.argv), ladder=self.o.ladder.name, original=original,
                     stable=stable, world_size=c.facts.world_size or 1, diff=diff,
                     stack=c.facts.stack if said else None, flags=said)
 
     def _write_outputs(self, report: RunReport, status: str) -> Path | None:
-        """The report (and HTML), and the lock when stable. Each run keeps its own copies; the top-level files are
-        copies of the latest, and an older one that no run keeps is kept aside first."""
-        c, judge = self.conductor.climb, self.conductor.judge
+        """The report, the lock when stable, then the HTML page (a help: its failure costs only the page, one line).
+        Each run keeps its own copies; the top-level files are copies of the latest, and an older one that no run
+        keeps is kept aside first."""
         kept = self.o.workdir / "kept"
         aside = publish(report.to_dict(), self.run_dir / "report.json", self.o.report_path, kept)
-        if self.o.html_path:
-            from ..display.html import write_run_html
-
-            breakdown = None
-            if judge is not None and report.attempts:
-                est = judge.predict(c.facts, Knobs.from_dict(report.attempts[-1].knobs))
-                breakdown = dict(est.breakdown) if est else None
-            write_run_html(self.o.html_path, report.to_dict(), breakdown)
         lock_path: Path | None = None
         if status == "stable":
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
-            lock_aside = publish(self.lock(final, report.original, report.stable, report.diff).to_dict(),
+            lock_aside = publish(self.lock(final, report.original, report.stable, report.diff,
+                                           report.attempts[-1].files()).to_dict(),
                                  self.run_dir / "lock.json", lock_path, kept)
             aside = aside or lock_aside
         if aside is not None:
             self.ui.message(f"an older report or lock (not kept by any run) was kept aside in {kept}/ before the new "
                             "one replaced it")
+        if self.o.html_path:
+            try:
+                self._write_html(report)
+            except Exception as e:
+                self.ui.message(f"warning: the HTML page {self.o.html_path} could not be written ({type(e).__name__}: "
+                                f"{e}); the report and the lock are written")
         return lock_path
+
+    def _write_html(self, report: RunReport) -> None:
+        from ..display.html import write_run_html
+
+        c, judge = self.conductor.climb, self.conductor.judge
+        breakdown = None
+        if judge is not None and report.attempts:
+            est = judge.predict(c.facts, Knobs.from_dict(report.attempts[-1].knobs))
+            breakdown = dict(est.breakdown) if est else None
+        assert self.o.html_path is not None
+        write_run_html(self.o.html_path, report.to_dict(), breakdown)
+
+    def salvage_lock(self, last: Attempt | None) -> Path | None:
+        """Where writing the report failed (an error of oomguard's own): the lock of a stable attempt all the same,
+        from the climb alone, so that a long climb's result is never lost. None where ``last`` was not stable."""
+        if last is None or last.outcome != Outcome.OK or last.kind != AttemptKind.RUN:
+            return None
+        try:
+            publish(self.bare_lock(Knobs.from_dict(last.knobs)).to_dict(), self.run_dir / "lock.json",
+                    self.o.lock_path, self.o.workdir / "kept")
+        except Exception:
+            return None
+        return self.o.lock_path
 
 
 __all__ = ["Writer"]

@@ -9,8 +9,14 @@ nothing, so :class:`HostOOMWatch` gathers evidence around one attempt, torch-fre
    ended, the global one included;
 2. the kernel's own line for one of the attempt's processes (``Out of memory: Killed process PID``, ``oom-kill:...
    pid=PID``), read from ``/dev/kmsg`` where this user may (root, or ``kernel.dmesg_restrict=0``);
-3. the attempt's resident memory, sampled while it runs (each process's high-water mark, ``VmHWM``), against the
-   cgroup's limit or the machine's RAM: 90% or more counts.
+3. the attempt's resident memory, sampled while it runs, against the cgroup's limit or the machine's RAM: 90% or more
+   counts, as weak evidence (a rank's own error outweighs it). Each sample sums the processes' proportional set sizes
+   (``Pss`` of ``/proc/PID/smaps_rollup``: a page that N processes share counts 1/N in each) read at the same moment,
+   and the largest such sum is what counts: never each process's own high-water mark (``VmHWM``), which counts every
+   shared page (a forked data-loader worker's copy-on-write memory, each rank's CUDA libraries) once per process, at
+   moments that need not coincide, so that a ``kill -9`` of a job of many processes looked like the host running out.
+   Where ``smaps_rollup`` cannot be read, a process's anonymous resident memory (``RssAnon``) stands in. Reading it
+   walks the process's page tables, so samples are spaced to keep that under a twentieth of the time.
 
 ``OOMGUARD_CGROUP`` names the cgroup directory to read when it is mounted somewhere this module does not look.
 
@@ -39,7 +45,8 @@ from ..vocab.sizes import format_size
 CGROUP_ENV = "OOMGUARD_CGROUP"
 RSS_EVIDENCE_FRACTION = 0.9  # a group that used this share of the limit was near it
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a huge number (9223372036854771712)
-SAMPLE_EVERY = 1.0  # seconds between resident-memory samples
+SAMPLE_EVERY = 1.0  # seconds between resident-memory samples, at least
+SAMPLE_COST = 20  # ... and at least this many times as long as the last sample took to read
 
 
 @dataclass(frozen=True)
@@ -141,13 +148,25 @@ def host_limit(proc: Path = Path("/proc")) -> int | None:
     return lim if lim is not None else _meminfo_total(proc)
 
 
-def peak_rss(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """A process's resident-memory high-water mark (``VmHWM``) in bytes."""
-    try:
-        m = re.search(r"^VmHWM:\s+(\d+) kB", (proc / str(pid) / "status").read_text(), re.M)
-    except OSError:
-        return None
-    return int(m.group(1)) * 1024 if m else None
+def resident_share(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """A process's share of the host memory in use now, in bytes: its proportional set size (``Pss`` of
+    ``smaps_rollup``: shared pages divided among the processes that share them), else its anonymous resident memory
+    (``RssAnon``); None where neither can be read (the process is gone).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); (d / "7").mkdir()
+    >>> _ = (d / "7" / "smaps_rollup").write_text("Rss:  262144 kB\\nPss:  65536 kB\\nShared_Clean: 0 kB\\n")
+    >>> resident_share(7, d) // (1 << 20)   # a quarter of 256 MiB: shared with three other processes
+    64
+    """
+    for name, field in (("smaps_rollup", "Pss"), ("status", "RssAnon")):
+        try:
+            m = re.search(rf"^{field}:\s+(\d+) kB", (proc / str(pid) / name).read_text(), re.M)
+        except OSError:
+            continue
+        if m:
+            return int(m.group(1)) * 1024
+    return None
 
 
 _KILLED = re.compile(r"(?:Killed process |oom-kill:.*?[ ,]pid=)(\d+)")
@@ -186,11 +205,11 @@ class HostOOMWatch:
         self.kmsg_path = kmsg
         self.kills_before: int | None = None
         self.pids: set[int] = set()
-        self.rss: dict[int, int] = {}  # each process's high-water mark, as last read
+        self.used = 0  # the most memory the attempt's processes held together, summed at one moment
         self._kmsg_fd: int | None = None
         self.kmsg_readable = False
         self.strong = False  # set by evidence(): the kernel's own word, not resident memory alone
-        self._last_sample = 0.0
+        self._next_sample = 0.0
 
     def start(self) -> None:
         """Read the OOM-kill counter and open the kernel log at its end (new lines only)."""
@@ -204,17 +223,19 @@ class HostOOMWatch:
                 self._kmsg_fd = None
 
     def sample(self, pids: Iterable[int], force: bool = False) -> None:
-        """Note the attempt's processes (``oomguard.run.proc.Tracker``) and their resident-memory high-water marks (at
-        most once a second)."""
+        """Note the attempt's processes (``oomguard.run.proc.Tracker``) and the memory they hold together now (their
+        resident shares, :func:`resident_share`, summed), keeping the largest sum; at most once a second, and spaced
+        so that reading costs at most a twentieth of the time."""
         now = time.monotonic()
-        if not force and now - self._last_sample < SAMPLE_EVERY:
+        if not force and now < self._next_sample:
             return
-        self._last_sample = now
+        total = 0
         for p in pids:
             self.pids.add(p)
-            hwm = peak_rss(p, self.proc)
-            if hwm is not None:
-                self.rss[p] = max(self.rss.get(p, 0), hwm)
+            total += resident_share(p, self.proc) or 0
+        self.used = max(self.used, total)
+        done = time.monotonic()
+        self._next_sample = done + max(SAMPLE_EVERY, SAMPLE_COST * (done - now))
 
     def close(self, read: bool = True) -> list[str]:
         """Stop watching; returns the kernel-log records written since :meth:`start` (none when unreadable, or
@@ -261,10 +282,10 @@ class HostOOMWatch:
         if lines:
             out.append(f"the kernel log says: {lines[-1]}")
         self.strong = bool(out)
-        used = sum(self.rss.values())
+        used = self.used
         limit, what = self.limit()
         if used and limit and used >= RSS_EVIDENCE_FRACTION * limit:
-            out.append(f"the attempt's processes reached {format_size(used)} of resident memory, "
+            out.append(f"the attempt's processes held {format_size(used)} of memory together, "
                        f"{used / limit:.0%} of {what} ({format_size(limit)})")
         return out
 
@@ -277,12 +298,13 @@ class HostOOMWatch:
             checks.append("the cgroup's OOM-kill counter did not rise")
         checks.append("no OOM-killer line for it in the kernel log" if self.kmsg_readable
                       else "the kernel log is not readable here")
-        used = sum(self.rss.values())
+        used = self.used
         limit, what = self.limit()
         if used and limit:
-            checks.append(f"its peak resident memory was {format_size(used)} of {what} ({format_size(limit)})")
+            checks.append(f"its processes held at most {format_size(used)} of memory together, of {what} "
+                          f"({format_size(limit)})")
         return "; ".join(checks)
 
 
 __all__ = ["CGROUP_ENV", "CgroupFiles", "HostOOMWatch", "find_cgroup", "kernel_oom_lines",
-           "peak_rss"]
+           "resident_share"]

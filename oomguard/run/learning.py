@@ -18,10 +18,13 @@ from ..vocab.events import (
     DeviceMeasured,
     ModelSeen,
     OtherEvent,
+    ProcessStarted,
     ProtocolError,
+    Ran,
     strict,
 )
 from ..vocab.facts import RunFacts
+from ..vocab.knobs import KNOB_NAMES, Knobs
 
 
 def take_events(conductor: Conductor, events: Sequence[ChildEvent], *, sized_by_nvml: bool,
@@ -55,6 +58,8 @@ def take_events(conductor: Conductor, events: Sequence[ChildEvent], *, sized_by_
             facts = facts.replace(prompt_tokens_max=ev.prompt_tokens_max or facts.prompt_tokens_max,
                                   prompt_tokens_p95=ev.prompt_tokens_p95 or facts.prompt_tokens_p95,
                                   dataset_rows=ev.rows or facts.dataset_rows)
+        elif isinstance(ev, Ran):
+            c.resolve(ev.resolved)
         elif isinstance(ev, Adapted):
             c.adapt(ev.knob, ev.value, ev.why)
         elif isinstance(ev, ModelSeen):
@@ -78,6 +83,35 @@ def take_events(conductor: Conductor, events: Sequence[ChildEvent], *, sized_by_
     return device
 
 
+def ran_report(events: Sequence[ChildEvent]) -> Ran | None:
+    """What the attempt's main training process last reported it runs (rank 0, or the process without a rank; a
+    helper that multiprocessing started is never one), or None where it reported nothing.
+
+    >>> ran_report([Ran(knobs={"num_generations": 4}, pid=1, rank=1), Ran(knobs={"num_generations": 8}, pid=2, rank=0)]).knobs
+    {'num_generations': 8}
+    """
+    helpers = {e.pid for e in events if isinstance(e, ProcessStarted) and e.helper}
+    said = [e for e in events if isinstance(e, Ran) and e.pid not in helpers]
+    main = [e for e in said if e.rank in (None, 0)] or said
+    return main[-1] if main else None
+
+
+def knobs_ran(knobs: Knobs, events: Sequence[ChildEvent]) -> Knobs:
+    """``knobs`` (the config the climb set for an attempt) with the values its training process reported it ran on
+    top: what the attempt's record, the report's stable config and the lock say ran.
+
+    >>> k = knobs_ran(Knobs(num_generations=4, max_completion_length=64), [Ran(knobs={"num_generations": 8})])
+    >>> k.num_generations, k.max_completion_length
+    (8, 64)
+    """
+    ran = ran_report(events)
+    if ran is None:
+        return knobs
+    reported = {k: v for k, v in ran.knobs.items() if k in KNOB_NAMES}
+    plain = Knobs.from_dict(reported)
+    return knobs.replace(**{k: getattr(plain, k) for k in reported})
+
+
 def _known_facts(reported: dict[str, Any], warn: Callable[[str], None]) -> dict[str, Any]:
     """The facts of ``reported`` that RunFacts holds; another is oomguard's own mistake (the training process and the
     supervisor are the same version): an error under OOMGUARD_STRICT_EVENTS, else said once."""
@@ -95,4 +129,4 @@ def _unknown(what: str, name: str, warn: Callable[[str], None]) -> None:
          "oomguard's training process and supervisor should be the same version: please report it)")
 
 
-__all__ = ["take_events"]
+__all__ = ["knobs_ran", "ran_report", "take_events"]

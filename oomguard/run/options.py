@@ -81,7 +81,7 @@ class RunOptions:
     always_probe: bool = False  # probe even a config the memory model is sure of (else that one's launch is the run)
     minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
     refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
-    checkpoint_every: int | None = None  # make the script save every N steps, so a late OOM loses at most N
+    checkpoint_every: int | None = None  # add a checkpoint every N steps, so a late OOM loses at most N
     oom_grace: float = RANK_GRACE_S  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
     # how long the others may take to stop before oomguard stops them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)

@@ -24,6 +24,7 @@ from typing import IO, Any
 import psutil
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from .aside import Aside
 from .hostmem import HostOOMWatch
 
 TAIL_BYTES = 256 * 1024
@@ -274,51 +275,6 @@ class Tracker:
             return []
 
 
-class Aside:
-    """Where the output of an attempt goes once the training process has stopped itself on purpose (a pre-flight
-    stop): what a launcher then prints (torch elastic's ``ChildFailedError`` traceback, accelerate's
-    ``CalledProcessError``) would read as a crash, so it goes to a file of the attempt instead of the terminal. Lines
-    of oomguard's own (``oomguard...``) still reach the terminal. ``stopped()`` says whether the stop happened (the
-    training process marks it before it exits, so anything a launcher prints about it comes after)."""
-
-    def __init__(self, stopped: Callable[[], bool], path: Any) -> None:
-        self.stopped = stopped
-        self.path = path
-        self.lines = 0
-        self._carry: dict[int, bytes] = {}
-        self._lock = threading.Lock()
-
-    def split(self, stream: int, b: bytes) -> bytes:
-        """The part of ``b`` still for the terminal (whole lines of oomguard's own); the rest is written aside."""
-        if not self.stopped():
-            return b
-        data = self._carry.pop(stream, b"") + b
-        *lines, rest = data.split(b"\n")
-        if rest:
-            self._carry[stream] = rest
-        show = [ln + b"\n" for ln in lines if ln.lstrip().startswith(b"oomguard")]
-        hide = [ln + b"\n" for ln in lines if not ln.lstrip().startswith(b"oomguard")]
-        if hide:
-            self._write(b"".join(hide), len(hide))
-        return b"".join(show)
-
-    def flush(self) -> None:
-        """At the end: a last line without its newline goes aside too."""
-        rest = b"".join(self._carry.values())
-        self._carry.clear()
-        if rest:
-            self._write(rest, 1)
-
-    def _write(self, data: bytes, lines: int) -> None:
-        with self._lock:
-            self.lines += lines
-            try:
-                with open(self.path, "ab") as f:
-                    f.write(data)
-            except OSError:
-                pass
-
-
 def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None] | None,
           aside: Aside | None = None) -> None:
     fd = src.fileno()
@@ -348,6 +304,15 @@ def _pump(src: IO[bytes], dst: Any, tail: Tail, on_data: Callable[[bytes], None]
     src.close()
 
 
+class StartError(Exception):
+    """The command could not be started: Popen's own error (``error``: FileNotFoundError, PermissionError, another
+    OSError such as ENOEXEC), the user's to fix, unlike any error raised once the attempt runs."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 TICK = 0.2  # seconds between looks at an attempt while it runs (signals, the supervisor's watch, host memory)
 
 
@@ -356,20 +321,26 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
                 on_stderr: Callable[[bytes], None] | None = None, cwd: str | None = None,
                 on_tick: Callable[[], int | None] | None = None,
                 named: Callable[[], Iterable[int]] | None = None, aside: Aside | None = None) -> ProcessResult:
-    """Run ``argv`` in a new process group and wait for it. Raises FileNotFoundError/PermissionError as Popen does.
+    """Run ``argv`` in a new process group and wait for it. A command that cannot start raises :class:`StartError`
+    (Popen's own error); any other error while the attempt runs (an ``on_tick`` that fails: a bug of oomguard's)
+    ends every process the attempt started before it propagates, as the attempt's normal end does.
 
     ``on_tick`` is called about five times a second while the attempt runs; a signal number it returns is sent to
     the whole group (the supervisor ends a group whose rank died of OOM but whose other ranks hang), and to the
     attempt's processes in sessions of their own. ``named``: the PIDs of training processes the attempt's events
-    name on this machine, tracked with the rest (``Tracker.add``). ``aside``: where the output goes once the training
-    process stopped itself on purpose (:class:`Aside`). When it ends, every process the attempt started is killed and
+    name on this machine, tracked with the rest (``Tracker.add``). ``aside``: where the output goes once a training
+    process ended the attempt on purpose or by an OOM (:class:`~oomguard.run.aside.Aside`). When it ends, every process the attempt started is killed and
     waited for (``Tracker.sweep``).
     """
     start = time.monotonic()
     watch = HostOOMWatch()
     watch.start()
-    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, cwd=cwd)
+    try:
+        proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, cwd=cwd)
+    except OSError as e:
+        watch.close(read=False)
+        raise StartError(e) from e
     tracker = Tracker(proc.pid)
     interrupts.pgid, interrupts.tracker = proc.pid, tracker
     out_tail, err_tail = Tail(), Tail()
@@ -389,30 +360,36 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     # up to 50 ms, a delay every attempt would pay.
     ended = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
-    while not ended.wait(TICK):
-        tracker.look()
-        for pid in named() if named is not None else ():
-            tracker.add(pid)
-        if interrupts.signum is not None:
-            killed_at = killed_at or time.monotonic()
-            if time.monotonic() - killed_at > grace:
-                _killpg(proc.pid, signal.SIGKILL)
-                tracker.signal(signal.SIGKILL)
+    try:
+        while not ended.wait(TICK):
+            tracker.look()
+            for pid in named() if named is not None else ():
+                tracker.add(pid)
+            if interrupts.signum is not None:
+                killed_at = killed_at or time.monotonic()
+                if time.monotonic() - killed_at > grace:
+                    _killpg(proc.pid, signal.SIGKILL)
+                    tracker.signal(signal.SIGKILL)
+            if on_tick is not None:
+                sig = on_tick()
+                if sig is not None:
+                    _killpg(proc.pid, sig)
+                    tracker.signal(sig)
+            watch.sample({proc.pid, *tracker.pids()})
+        rc = proc.returncode
         if on_tick is not None:
-            sig = on_tick()
-            if sig is not None:
-                _killpg(proc.pid, sig)
-                tracker.signal(sig)
-        watch.sample({proc.pid, *tracker.pids()})
-    rc = proc.returncode
-    if on_tick is not None:
-        on_tick()  # the last events
-    # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank, ranks a dead
-    # launcher left in sessions of their own): kill them and wait until they are gone, since a killed process still
-    # holds its memory until it has finished dying.
-    _killpg(proc.pid, signal.SIGKILL)
-    survivors = sorted(set(tracker.sweep()) | set(wait_group_gone(proc.pid)))
-    interrupts.pgid, interrupts.tracker = None, None
+            on_tick()  # the last events
+    except BaseException:
+        watch.close(read=False)
+        raise
+    finally:
+        # Nothing the attempt started may outlive it (grandchildren, dataloader workers, a stuck rank, ranks a dead
+        # launcher left in sessions of their own), however the attempt ends, the supervisor's own error included:
+        # kill them and wait until they are gone, since a killed process still holds its memory until it has
+        # finished dying.
+        _killpg(proc.pid, signal.SIGKILL)
+        survivors = sorted(set(tracker.sweep()) | set(wait_group_gone(proc.pid)))
+        interrupts.pgid, interrupts.tracker = None, None
     for t in threads:
         t.join(timeout=5)
     if aside is not None:

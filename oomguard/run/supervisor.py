@@ -32,7 +32,9 @@ from .command import (
     EXIT_LEAKED,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
+    InternalError,
     UsageError,
+    internal_error,
     load_lock,
     resolve_command,
 )
@@ -118,7 +120,16 @@ class Supervisor:
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Launch, classify, ask the conductor what is next, until it says done or the budget is spent; then write
-        the report."""
+        the report. An error of oomguard's own ends as one line (InternalError), its traceback kept in the run's
+        directory."""
+        try:
+            return self._run()
+        except (UsageError, InternalError):
+            raise
+        except Exception as e:
+            raise InternalError(internal_error(e, self.run_dir)) from None
+
+    def _run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         become_subreaper()  # orphaned ranks come back to this process, where the attempt's sweep finds them
         if self.o.ladder_reason:
@@ -139,19 +150,39 @@ class Supervisor:
                 self.store_sync.close()
 
     def _lead(self) -> int:
-        nxt, last = self.conductor.first(), None
+        nxt, last, when = self.conductor.first(), None, ""
         with self.interrupts:
             try:
                 while nxt.kind is not None and (last is None or not self.conductor.spent()):
+                    when = f"during attempt {len(self.conductor.climb.attempts) + 1}"
                     last, diag = self.launcher.launch(nxt)  # recorded by the conductor
+                    when = f"after attempt {last.index}"
                     self.ui.attempt_end(last, diag)
                     if self.interrupts.signum:
                         break
                     nxt = self.conductor.after(last, diag)
                     say(nxt, self.ui.message, self._show)
+                when = "while it wrote the run's report"
+                return self.writer.finish(last, self.interrupts.signum)
             except KeyboardInterrupt:
                 self.interrupts.signum = self.interrupts.signum or 2
+            except UsageError:
+                raise
+            except Exception as e:  # oomguard's own: the attempt's processes are ended already (proc.run_attempt)
+                return self._failed(e, last, when)
         return self.writer.finish(last, self.interrupts.signum)
+
+    def _failed(self, e: Exception, last: Any, when: str) -> int:
+        """An error of oomguard's own ended the run: keep its traceback, and write the report (and the lock of a stable
+        attempt) with one line naming it; where even that fails, the lock alone, then the line (InternalError)."""
+        line = internal_error(e, self.run_dir, when)
+        try:
+            return self.writer.finish(last, self.interrupts.signum, error=line)
+        except Exception as again:
+            internal_error(again, self.run_dir, "while it wrote the report after that")
+            kept = self.writer.salvage_lock(last)
+            raise InternalError(line + (f"; no report was written, the lock is in {kept}" if kept else
+                                        "; no report was written")) from None
 
     def _show(self, d: Decision) -> None:
         if d.exhausted is not None:

@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from ..decide.climb import Climb
 from ..vocab.lock import Lock
+from ..vocab.protocol import EXIT_LOCK_UNMET
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from .command import EXIT_EXHAUSTED, EXIT_LEAKED
 
@@ -50,6 +52,8 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     if last.outcome == Outcome.OK or (last.outcome != Outcome.FAILED and climb.verified and climb.exhausted is None):
         return "exhausted", EXIT_EXHAUSTED, (f"a config fits (its probe passed), but the budget ({budget}) ran out "
                                              "before the run (no lock written): raise it to train")
+    if last.outcome == Outcome.FAILED and last.unmet:  # a replay stopped before training: the lock is not what runs
+        return "failed", EXIT_LOCK_UNMET, last.note or "the training process does not run the lock's config"
     if last.outcome == Outcome.FAILED:
         code = last.exit_code or 1  # 0 only from a launcher that hides a failed rank: still a failure
         why = f": {last.note}" if last.note else ""
@@ -58,7 +62,7 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
         return "failed", code, f"{said} (not an OOM){why}; passed through without retrying"
     if climb.exhausted is not None:
         if replay:
-            return "exhausted", EXIT_EXHAUSTED, "the locked config ran out of memory; run without --config to climb again"
+            return "exhausted", EXIT_EXHAUSTED, f"the locked config {_fell_short(last)}; run without --config to climb again"
         if not reached and broken:
             return "exhausted", EXIT_EXHAUSTED, f"no rung can reach this command: {broken}"
         if not reached:
@@ -66,7 +70,19 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
                 "no rung can reach this command: it built no GRPOConfig or GRPOTrainer and loaded no model with "
                 "from_pretrained before running out of memory, so only allocator settings apply")
         return "exhausted", EXIT_EXHAUSTED, "the ladder is used up: no rung left that can help"
-    return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
+    if last.outcome == Outcome.OOM:
+        return "exhausted", EXIT_EXHAUSTED, f"stopped by the budget ({budget}) while the run still ran out of memory"
+    ooms = sum(1 for a in climb.attempts if a.outcome == Outcome.OOM)
+    return "exhausted", EXIT_EXHAUSTED, (
+        f"stopped by the budget ({budget}) while the last config tried was still predicted not to fit (stopped by the "
+        "pre-flight check before it loaded or generated)" + ("" if ooms else "; no attempt ran out of memory"))
+
+
+def _fell_short(last: Attempt) -> str:
+    """How the last attempt fell short: it ran out of memory, or the pre-flight check stopped it first."""
+    if last.outcome == Outcome.PREDICTED:
+        return "was predicted not to fit (stopped by the pre-flight check before it loaded or generated)"
+    return "ran out of memory"
 
 
 def _leak_said(a: Attempt, held: str | None) -> str:
@@ -90,10 +106,26 @@ def _stable_message(climb: Climb, replay: Lock | None) -> str:
     if replay:
         return (f"the locked config fit: replayed the lock's {len(replay.overrides)} override(s), no "
                 "rung climbed")
+    how = "on the first attempt" if len(climb.attempts) <= 1 else f"in {_launches(climb.attempts)}"
     if climb.adapted:
-        return ("the command fit on the first attempt; nothing changed for memory, only what lets it run here: "
+        return (f"the command fit {how}; nothing changed for memory, only what lets it run here: "
                 + ", ".join(f"{k}={v}" for k, (v, _why) in climb.adapted.items()))
-    return "the command fit on the first attempt; nothing changed"
+    return f"the command fit {how}; nothing changed"
+
+
+def _launches(attempts: Sequence[Attempt]) -> str:
+    """The launches of a run that changed nothing, in words: what came before its run.
+
+    >>> from oomguard.vocab.records import Attempt
+    >>> _launches([Attempt(1, {}, [], "ok", 0, 1.0, kind="probe"), Attempt(2, {}, [], "ok", 0, 1.0)])
+    '2 launches (a probe, then the run)'
+    """
+    kinds = Counter(str(a.kind) for a in attempts[:-1])
+    names = {"probe": ("a probe", "probes"), "minimize": ("a probe without a change", "probes without a change"),
+             "run": ("a run", "runs")}
+    before = [names.get(k, (f"a {k}", f"{k}s"))[0] if n == 1 else f"{n} {names.get(k, (k, k + 's'))[1]}"
+              for k, n in kinds.items()]
+    return f"{len(attempts)} launches ({', '.join(before)}, then the run)"
 
 
 __all__ = ["conclude"]

@@ -101,6 +101,8 @@ class Facts:
     host_signs: tuple[str, ...] = ()
     engine: str | None = None
     late: tuple[str, ...] = ()  # what the run's memory trace said of the OOM (``oom.trend.at_oom``), one sentence each
+    # the kind is a leak that too few steps foretold (``Leak.young``): a restart must confirm it, else ``by_figures``
+    young_leak: bool = False
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,21 @@ class CodeSeen(Event):
 
 
 @dataclass(frozen=True)
+class Ran(Event):
+    """``ran``: the knobs the process runs at a construction point (``child/ran.py``); ``later``: who changed a knob
+    oomguard set; ``resolved``: the user's values changed after the script set them; ``unmet``: a locked value it does
+    not run, once it stops for it (``vocab.lock.Unmet``)."""
+
+    name: ClassVar[str] = "ran"
+    knobs: dict[str, Any] = field(default_factory=dict)
+    later: dict[str, str] = field(default_factory=dict)
+    resolved: dict[str, Any] = field(default_factory=dict)
+    unmet: dict[str, Any] = field(default_factory=dict)
+    pid: int | None = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelSeen(Event):
     """``model``: the shape of the model the script loaded (``config.json`` fields)."""
 
@@ -396,11 +411,10 @@ class OtherEvent(Event):
 ChildEvent = Event
 # event name -> its class; a class of several names (CodeSeen, StepDone) reads the name into one field
 EVENTS: dict[str, type[Event]] = {
-    cls.name: cls for cls in (ProcessStarted, ModelSeen, DatasetSeen, ProbeDataset, TrainBegin, CheckpointSaved,
+    cls.name: cls for cls in (ProcessStarted, Ran, ModelSeen, DatasetSeen, ProbeDataset, TrainBegin, CheckpointSaved,
                               Saving, Evaluated, OOMRaised, ConfigGenerated, PreflightStop, ProbeDecided, Adapted,
                               Resumed, WeightsFrom, DeviceMeasured, VLLMMemory, ProcessEnded, OverrideFailed,
-                              PatchFailed, MemSampled, MemTrend, MemHolders)
-}
+                              PatchFailed, MemSampled, MemTrend, MemHolders)}
 EVENTS.update({"config": CodeSeen, "trainer": CodeSeen, "facts": CodeSeen, "step": StepDone, "train_end": StepDone})
 _IMPLIED = {"config": {"point": "config"}, "trainer": {"point": "trainer"}, "facts": {"point": "facts"},
             "step": {"final": False}, "train_end": {"final": True}}
@@ -463,9 +477,7 @@ class EventTail:
     """Reads the events a running attempt appends, as they arrive (only whole lines)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.pos = 0
-        self.buf = b""
+        self.path, self.pos, self.buf = Path(path), 0, b""
 
     def poll(self) -> list[Event]:
         try:
@@ -483,8 +495,6 @@ class EventTail:
 __all__ = [
     "ENVELOPE", "EVENTS", "STRICT_ENV", "Adapted", "CheckpointSaved", "ChildEvent", "CodeSeen", "ConfigGenerated",
     "DatasetSeen", "DeviceMeasured", "Evaluated", "Event", "EventTail", "MemHolders", "MemSampled", "MemTrend",
-    "ModelSeen", "OOMRaised", "OtherEvent",
-    "OverrideFailed", "PatchFailed", "PreflightStop", "ProbeDataset", "ProbeDecided", "ProcessEnded",
-    "ProcessStarted", "ProtocolError", "Resumed", "Saving", "StepDone", "TrainBegin", "VLLMMemory", "WeightsFrom",
-    "parse_event", "read_events", "strict",
-]
+    "ModelSeen", "OOMRaised", "OtherEvent", "OverrideFailed", "PatchFailed", "PreflightStop", "ProbeDataset",
+    "ProbeDecided", "ProcessEnded", "ProcessStarted", "ProtocolError", "Ran", "Resumed", "Saving", "StepDone",
+    "TrainBegin", "VLLMMemory", "WeightsFrom", "parse_event", "read_events", "strict"]

@@ -75,9 +75,13 @@ class RunFacts:
     freeze_vision: bool = False
     lora_target_parameters: tuple[str, ...] = ()
     keep_mxfp4: bool = False
+    # what the run does that the memory model does not count (the keys of memory/estimate/unmodelled.py's
+    # NOT_MODELLED: Unsloth's standby, offloaded checkpointing and chunked loss, padding-free batches), reported by a
+    # stack's adapter or told `oomguard plan`: said in one line each, and the verdict is never "sure"
+    unmodelled: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("missing_packages", "trl_lacks", "lora_target_parameters"):
+        for name in ("missing_packages", "trl_lacks", "lora_target_parameters", "unmodelled"):
             if not isinstance(getattr(self, name), tuple):  # JSON gives a list
                 object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 

@@ -285,6 +285,11 @@ class KnobFields:
     use_liger_kernel: bool | None = _grpo(
         "TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the [batch, completion, vocab] logits", trl=False)
     fsdp_offload: bool | None = knob("FSDP: offload parameters and gradients to the CPU", trl=False, reaches="config")
+    checkpoint_every: int | None = knob(
+        "oomguard's own checkpoint cadence: a checkpoint every N steps besides the script's own saves, so that a "
+        "restart after a late OOM loses at most N steps (a leak's restarts, --checkpoint-every); an adaptation in the "
+        "diff and the lock, never a rung; the checkpoints it adds are deleted again, all but the newest",
+        reaches="trainer", **_POSITIVE)
     use_cpu: bool | None = _grpo(
         "train on the CPU even where a GPU backend is found; oomguard sets it only so that DeepSpeed's ranks run on a "
         "CPU-only machine (an adaptation in the diff and the lock, never a rung)", trl=False)

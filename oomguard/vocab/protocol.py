@@ -27,12 +27,32 @@ EXIT_OOM = 86
 # courtesy to a reader of `echo $?`: the supervisor learns of the stop from the process's `end` event, since a launcher
 # between them (torchrun, accelerate, `trl`, a shell script) replaces the code.
 EXIT_PREDICTED = 87
+# Exit code of a training process that does not run a value its replayed lock pins (``child/ran.py``), stopped before it
+# trains: the usage code, which `oomguard run` exits with too (a lock this command cannot replay as it stands).
+EXIT_LOCK_UNMET = 2
 # A file a training process writes into its attempt's directory (the plan's ``crash_dir``) just before it stops itself on
 # purpose (a pre-flight stop, a TRL oomguard refuses): what a launcher prints after that reads as a crash, so the
 # supervisor keeps it out of the terminal (``run.proc.Aside``).
 STOPPED_MARK = "stopped-on-purpose"
+# How the line a training process prints as it dies of an uncaught OOM begins, after the traceback and naming its
+# CrashRecord: what a launcher prints after that line (a ``ChildFailedError`` traceback, the other ranks' errors) is
+# kept out of the terminal as after a stop (``run.proc.Aside``). In the output itself, so it is read in order with
+# the traceback before it, which a file written alongside could not promise.
+OOM_LINE = "oomguard: out of memory"
+
+
+def oom_line(record: Any, shown: str = "") -> str:
+    """The line (``OOM_LINE``) a training process prints after the traceback of its uncaught OOM, naming its record.
+
+    >>> print(oom_line("crash-rank1.json", "the last 6 of 40 frames are above"), end="")
+    oomguard: out of memory; the last 6 of 40 frames are above; crash-rank1.json keeps the full traceback
+    >>> print(oom_line(None), end="")
+    oomguard: out of memory; no crash record could be written
+    """
+    kept = f"{record} keeps the full traceback" if record is not None else "no crash record could be written"
+    return f"{OOM_LINE}; {shown + '; ' if shown else ''}{kept}\n"
 # How a process's `end` event says it ended (see Runtime.end).
-END_EXIT, END_ERROR, END_OOM, END_PREDICTED = "exit", "error", "oom", "predicted"
+END_EXIT, END_ERROR, END_OOM, END_PREDICTED, END_UNMET = "exit", "error", "oom", "predicted", "unmet"
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,8 @@ class Plan:
 
     attempt: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
+    # a replayed lock's values: the process stops before it trains where it runs another (child/ran.py)
+    pinned: dict[str, Any] = field(default_factory=dict)
     simulate_gpu: int | None = None
     simulate_context: int | None = None  # held outside the simulated allocator (memory/allocmodel.py, context_for)
     gpu_memory: int | None = None

@@ -170,12 +170,18 @@ class Attempt:
     override_error: dict[str, Any] | None = None  # applying oomguard's overrides failed: where, error
     # launched as a probe unless the memory model is sure of the config: what the training process decided, and why
     probe_decision: dict[str, Any] | None = None
+    # a replayed lock's value the training process did not run (knob, locked, ran, where): it stopped before training
+    unmet: dict[str, Any] | None = field(default=None, metadata={"omit": True})
     # the memory trace of its main process, one sample per step (thinned): step, kept, peak, reserved, host_rss
     trace: list[dict[str, Any]] = field(default_factory=list, metadata={"omit": True})
     trend: dict[str, Any] | None = field(default=None, metadata={"omit": True})  # what the trace said of its OOM
 
     def to_dict(self) -> dict[str, Any]:
         return to_fields(self)
+
+    def files(self) -> dict[str, str]:
+        """Where the configs oomguard generated for this attempt were written, by kind (``{"deepspeed": PATH}``)."""
+        return {kind: g["path"] for kind, g in (self.generated or {}).items() if isinstance(g, dict) and g.get("path")}
 
 
 @dataclass

@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--trl-precision", action="store_true",
                    help="keep TRL's bf16=True default (bf16 autocast, on the CPU too) instead of bf16=False")
     p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (eval_strategy='steps')")
     p.add_argument("--per-device-eval-batch-size", type=int, default=None)
     p.add_argument("--num-generations-eval", type=int, default=None)
@@ -165,6 +166,7 @@ def main() -> None:
         **({} if a.trl_precision else {"bf16": False}),
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
+        save_total_limit=a.save_total_limit,
         **({"eval_strategy": "steps", "eval_steps": a.eval_steps} if a.eval_steps else {}),
         **({} if a.per_device_eval_batch_size is None else {"per_device_eval_batch_size": a.per_device_eval_batch_size}),
         **({} if a.num_generations_eval is None else {"num_generations_eval": a.num_generations_eval}),
@@ -235,7 +237,11 @@ def main() -> None:
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     TRAINER[0] = trainer
     trainer.train()
-    print(f"trained {trainer.state.global_step} steps", flush=True)
+    # what it trained with, as the trainer read it (a lock's replay is checked against this line)
+    t = trainer.args
+    print(f"trained {trainer.state.global_step} steps with per_device_train_batch_size={t.per_device_train_batch_size} "
+          f"gradient_accumulation_steps={t.gradient_accumulation_steps} max_completion_length={t.max_completion_length}",
+          flush=True)
 
 
 if __name__ == "__main__":

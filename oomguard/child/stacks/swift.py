@@ -10,7 +10,8 @@ swift's own construction points instead, in the training process (ms-swift 4.x):
   own values are recorded (``tuner_type``/``lora_rank`` as ``lora_r``, ``quant_method``/``quant_bits`` as
   ``load_in_4bit``, ``torch_dtype`` as ``dtype``) and oomguard's knobs are set where swift reads them, before swift
   derives the rest: ``lora_r`` as ``tuner_type lora --lora_rank``, ``load_in_4bit`` as ``--quant_method bnb
-  --quant_bits 4``, ``dtype`` as ``--torch_dtype``, ZeRO as ``--deepspeed zero2|zero3|zero3_offload``,
+  --quant_bits 4``, ``dtype`` as ``--torch_dtype``, ZeRO as ``--deepspeed zero2|zero3|zero2_offload|zero3_offload``
+  (or ``--deepspeed PATH``, swift's preset for the stage with exactly the offloads chosen, where none says them),
   ``vllm_max_model_length`` as ``--vllm_max_model_len``, vLLM's sleep as ``--sleep_level 1``. A probe writes into a
   scratch directory, not the user's ``output_dir``.
 - ``swift.rlhf_trainers.arguments.GRPOConfig.__post_init__``: TRL's knobs, which swift names as TRL does
@@ -31,6 +32,7 @@ from typing import Any
 
 from ...vocab.events import CodeSeen
 from ...vocab.knobs import STACK_ONLY
+from ...vocab.stacks.spelling import Generated
 from ...vocab.stacks.swift import ARGUMENTS, SWIFT
 from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
@@ -47,6 +49,17 @@ CANNOT_TAKE = ("max_prompt_tokens",)
 TAKES = tuple(sorted(STACK_ONLY))
 # the knob swift reads on RLHFArguments and again on its GRPOConfig: offload while vLLM generates
 OFFLOAD = ("offload_during_generation",)
+
+
+def unmodelled(args: Any) -> list[str]:
+    """What swift's arguments do that the memory model does not count (``RunFacts.unmodelled``): packed or
+    padding-free batches (``--padding_free``, ``--packing``), whose rows are not padded to the longest.
+
+    >>> from types import SimpleNamespace
+    >>> unmodelled(SimpleNamespace(padding_free=True, packing=False)), unmodelled(object())
+    (['padding_free'], [])
+    """
+    return ["padding_free"] if getattr(args, "padding_free", False) or getattr(args, "packing", False) else []
 
 
 def observed_offload(args: Any) -> dict[str, Any]:
@@ -86,9 +99,13 @@ def observed_model_args(args: Any) -> dict[str, Any]:
 
 def apply_model_args(rt: Runtime, args: Any) -> None:
     """oomguard's model-level knobs, set where swift reads them (before ``RLHFArguments.__post_init__``): LoRA, 4-bit,
-    the dtype, ZeRO as one of swift's DeepSpeed presets, vLLM's context and sleep, the offload while vLLM generates."""
+    the dtype, ZeRO as one of swift's DeepSpeed presets (or, where none says exactly what the rung chose, a JSON
+    written from swift's preset for the stage), vLLM's context and sleep, the offload while vLLM generates."""
     ov = rt.overrides
+    own = getattr(args, "deepspeed", None)
     SWIFT.apply(ov, args, point=ARGUMENTS)
+    if isinstance(getattr(args, "deepspeed", None), Generated):
+        args.deepspeed = deepspeed_file(rt, args.deepspeed, own)
     if ov.dtype is not None and ov.dtype not in ("auto", "float32") and not _cuda():
         # swift turns 16-bit mixed precision on with a 16-bit dtype, which needs use_cpu here
         args.use_cpu = True
@@ -101,6 +118,35 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
         args.output_dir = probe.output_dir
         args.save_strategy = "no"
         args.add_version = False
+
+
+def deepspeed_file(rt: Runtime, wanted: Generated, own: Any) -> str | dict[str, Any]:
+    """The DeepSpeed JSON for a ZeRO stage and offloads no preset of swift's says (ZeRO-3 with the optimizer offloaded
+    but not the parameters): swift's own preset for the stage with exactly those offloads, written next to the
+    attempt's records; its path (swift reads a path to a JSON file as it reads a preset), else the config itself.
+    ``own``: the user's ``--deepspeed``, named in the report as what it replaces."""
+    from ...vocab.distributed import deepspeed_config
+    from ..dsconfig import write_generated
+
+    how = dict(wanted.settings)
+    cfg = deepspeed_config(swift_preset(str(how.pop("preset"))), **how)
+    return write_generated(rt, cfg, str(own) if own else None) or cfg
+
+
+def swift_preset(name: str) -> dict[str, Any] | None:
+    """swift's DeepSpeed preset ``name`` (``zero3``: swift/config/zero3.json) as swift reads it, or None where this
+    swift has none (the generated config then starts from transformers' "auto" template)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("swift")
+        if spec is None or spec.origin is None:
+            return None
+        return json.loads((Path(spec.origin).parent / "config" / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, ImportError):
+        return None
 
 
 def _cuda() -> bool:
@@ -133,7 +179,8 @@ def patch_arguments(rt: Runtime, module: Any) -> None:
         rt.observe(user)
         rt.emit(CodeSeen(point="trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
                                                  "stack": STACK, "trl_lacks": lacks(()),
-                                                 "missing_packages": missing_packages()}))
+                                                 "missing_packages": missing_packages(),
+                                                 "unmodelled": unmodelled(self)}))
 
     set_attr(cls, "__post_init__", __post_init__)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from ...vocab.events import CodeSeen
 from ...vocab.stacks.spelling import Code
-from ...vocab.stacks.unsloth import LOADER, PEFT, UNSLOTH
+from ...vocab.stacks.unsloth import GENERATED_TRAINER, LOADER, PEFT, UNSLOTH
 from ..runtime import Runtime
 
 STACK = "unsloth"
@@ -188,7 +188,7 @@ def facts(trainer: Any = None) -> dict[str, Any]:
     process's routing alone)."""
     out: dict[str, Any] = dict(LOADER_FACTS)
     if trainer is not None and generated(trainer):
-        out["stack_untested"] = "Unsloth's generated GRPO trainer, whose loss no measurement covers"
+        out["stack_untested"] = GENERATED_TRAINER
     elif cpu_head() and _on_cpu(trainer):
         out["trl_head"] = "rowchunk"
     return out

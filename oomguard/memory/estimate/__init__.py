@@ -112,6 +112,7 @@ from .model import (
 from .peak import BREAKDOWN_KEYS, Estimate, describe, estimate, load_bytes
 from .phases import PHASES
 from .terms import NF4_BYTES_PER_PARAM
+from .unmodelled import NOT_MODELLED, not_modelled
 from .vision import Images, image_tokens, load_pixel_budget, vision_patches
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "DEVICE_OVERPREDICTION",
     "MXFP4_BYTES_PER_PARAM",
     "NF4_BYTES_PER_PARAM",
+    "NOT_MODELLED",
     "PHASES",
     "PROBE",
     "RUN",
@@ -157,6 +159,7 @@ __all__ = [
     "lora_targets",
     "lora_trainable_params",
     "measured_error",
+    "not_modelled",
     "verdict",
     "vision_patches",
 ]

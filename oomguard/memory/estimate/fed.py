@@ -48,12 +48,12 @@ def images_of(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> Images | None:
 
 def fed(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> dict[str, Any]:
     """``estimate``'s keyword arguments for what the run feeds the model beyond the knobs: its images, PEFT's
-    ``target_parameters``, a frozen vision tower, gpt-oss's experts kept in MXFP4 and a loader that keeps the dtype
-    under 4-bit."""
+    ``target_parameters``, a frozen vision tower, gpt-oss's experts kept in MXFP4, a loader that keeps the dtype
+    under 4-bit, and what the run does that the model does not count (``RunFacts.unmodelled``)."""
     return {"images": images_of(spec, facts, knobs),
             "lora_target_parameters": tuple(facts.lora_target_parameters) or None,
             "freeze_vision": facts.freeze_vision, "keep_mxfp4": facts.keep_mxfp4,
-            "keeps_dtype_4bit": facts.load_takes_4bit}
+            "keeps_dtype_4bit": facts.load_takes_4bit, "unmodelled": tuple(facts.unmodelled)}
 
 
 def load_fed(facts: RunFacts) -> dict[str, Any]:

@@ -7,7 +7,8 @@ A predicted device peak is judged against the device with the memory model's mea
 
 - ``stop``: predicted over the device by more than the stop margin (the model's measured over-prediction for the
   installed TRL's LM head, plus STOP_ALLOWANCE; UNTESTED_FACTOR times the device for a TRL or a stack no measurement
-  covers), or a colocated vLLM's share cannot hold what vLLM needs to start. The pre-flight stops it before it loads
+  covers), or a colocated vLLM's share cannot hold what vLLM needs to start (where the model counts vLLM's memory:
+  not Unsloth's standby, ``unmodelled.VLLM_NOT_MODELLED``). The pre-flight stops it before it loads
   or generates, and the climb chooses again.
 - ``run``: predicted under the device by SURE_HEADROOM beyond the model's measured under-prediction, with nothing
   the model is unsure of: the first launch is the real run.
@@ -37,6 +38,7 @@ from ...vocab.sizes import format_size
 from ...vocab.trlrange import HEADS, support
 from .coefficients import STOP_ALLOWANCE, SURE_HEADROOM, UNTESTED_FACTOR, measured_error
 from .model import ModelSpec
+from .unmodelled import VLLM_NOT_MODELLED, not_modelled
 
 STOP, PROBE, RUN = "stop", "probe", "run"
 
@@ -124,28 +126,12 @@ class Doubts:
         return ((self.untested,) if self.untested else ()) + self.unsure
 
 
-# families whose rows ran on the simulated device only (docs/limitations.md): on a GPU their kernels are not measured
-def cpu_only_family(spec: ModelSpec | None) -> str | None:
-    """The name of what makes ``spec`` a family measured on the simulated device only, or None.
-
-    >>> cpu_only_family(ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)) is None
-    True
-    """
-    if spec is None:
-        return None
-    if spec.moe is not None:
-        return "a mixture-of-experts model"
-    if spec.vision is not None:
-        return "a vision-language model"
-    if spec.mla is not None:
-        return "DeepSeek's latent attention"
-    return None
-
-
 def doubts_of(spec: ModelSpec | None, facts: RunFacts, *, simulated: bool) -> Doubts:
-    """What the model cannot be sure of in this run: a TRL newer than the tested releases or a stack's trainer no
-    measurement covers (``untested``); a stack around TRL, and on a GPU a family measured on the simulated device
-    only (``unsure``).
+    """What the model cannot be sure of in this run, beyond what its prediction says it does not count
+    (``Estimate.unmodelled``, which :func:`verdict` reads: a family measured on the simulated device only, on a GPU; a
+    vLLM server; Unsloth's own memory; packed batches): a TRL newer than the tested releases or a stack's trainer no
+    measurement covers (``untested``); a stack around TRL (``unsure``). ``spec`` and ``simulated`` are for doubts a
+    model's shape raises on a device.
 
     >>> doubts_of(None, RunFacts(trl_version="1.99.0"), simulated=True).untested
     'TRL 1.99.0 is newer than the tested releases'
@@ -160,9 +146,6 @@ def doubts_of(spec: ModelSpec | None, facts: RunFacts, *, simulated: bool) -> Do
     unsure: list[str] = []
     if facts.stack:
         unsure.append(f"a stack around TRL ({facts.stack}) builds this trainer")
-    family = cpu_only_family(spec)
-    if family and not simulated:
-        unsure.append(f"{family} is measured on the simulated device only, not on a GPU")
     return Doubts(untested, tuple(unsure))
 
 
@@ -235,19 +218,21 @@ class FitVerdict:
 
 
 def verdict(est: Any, spec: JudgeSpec, *, head: str | None = None, doubts: Doubts = Doubts()) -> FitVerdict:
-    """The one verdict on a predicted config (``est``, an Estimate) on the device ``spec`` judges for, with the LM
-    head of the installed TRL (``head``; None: the newest TRL's) and what keeps the model from being sure
-    (``doubts``, :func:`doubts_of`). See the module for the rule."""
+    """The one verdict on a predicted config (``est``, an Estimate: what it says it does not count,
+    ``Estimate.unmodelled``, is never sure) on the device ``spec`` judges for, with the LM head of the installed TRL
+    (``head``; None: the newest TRL's) and what else keeps the model from being sure (``doubts``, :func:`doubts_of`).
+    See the module for the rule."""
     cap = spec.capacity
     margin, source = stop_margin(spec, head, untested=doubts.untested is not None)
     under = _error(spec, head)[1]
-    reasons = doubts.reasons + (() if cap > 0 else ("the device's size is not known",))
+    unmodelled = tuple(f"not modelled: {line}" for line in not_modelled(est.unmodelled))
+    reasons = doubts.reasons + unmodelled + (() if cap > 0 else ("the device's size is not known",))
     sure = int(cap * (1 - spec.headroom) / (1 + under)) if cap > 0 and not reasons else None
     stop_limit = int(cap * (1 + margin))
     peak = int(est.peak_bytes)
     short: tuple[str, int] | None = None
     note = ""
-    if cap > 0 and est.vllm_lacks:
+    if cap > 0 and est.vllm_lacks and not VLLM_NOT_MODELLED & set(est.unmodelled):
         decision, short = STOP, ("vllm", int(est.vllm_lacks))
         note = next((n for n in est.notes if n.startswith("vLLM's reservation")), "vLLM's reservation is too small")
     elif cap > 0 and peak > stop_limit:
@@ -276,5 +261,5 @@ def launch_as(decision: str, *, probe: bool, deferred: bool, preflight: bool) ->
     return RUN if deferred and decision == RUN else PROBE
 
 
-__all__ = ["PROBE", "RUN", "STOP", "Doubts", "FitVerdict", "chooses", "cpu_only_family", "doubts_of", "judge_spec",
-           "launch_as", "relax_margin", "stop_margin", "verdict"]
+__all__ = ["PROBE", "RUN", "STOP", "Doubts", "FitVerdict", "chooses", "doubts_of", "judge_spec", "launch_as",
+           "relax_margin", "stop_margin", "verdict"]

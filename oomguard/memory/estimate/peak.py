@@ -17,6 +17,8 @@ from .model import ModelSpec
 from .phases import _PHASE_TERMS, EVAL_PHASE, PHASES, _evaluation
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
+from .unmodelled import from_model
+from .unmodelled import unmodelled as _unmodelled
 from .vision import Images, prompt_image_tokens
 from .vllm import VllmMemory, vllm_memory
 
@@ -42,6 +44,8 @@ class Estimate:
     dominant_phase: str
     notes: tuple[str, ...] = field(default=())
     vllm_lacks: int = 0  # how far a colocated vLLM's reservation is short of what it needs to start (0: it starts)
+    # what the run does that no term counts (``unmodelled.NOT_MODELLED``'s keys): never judged sure
+    unmodelled: tuple[str, ...] = field(default=())
 
     def fits(self, capacity: int) -> bool:
         """Whether the predicted device peak fits in ``capacity`` bytes (and a colocated vLLM can start)."""
@@ -51,6 +55,7 @@ class Estimate:
         """JSON-friendly form (sizes in bytes, plus a readable ``peak`` string)."""
         d = asdict(self)
         d["notes"] = list(self.notes)
+        d["unmodelled"] = list(self.unmodelled)
         d["peak"] = format_size(self.peak_bytes)
         return d
 
@@ -99,7 +104,8 @@ def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, 
     return comp
 
 
-def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -> Estimate:
+def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None,
+              reported: tuple[str, ...] = ()) -> Estimate:
     """Scale each phase, add T9 vLLM, T10 context and T11 fragmentation, and pick the dominant phase. The breakdown
     is that phase's composition, so that it sums to the peak."""
     co, k, simulated = s.co, s.k, s.g.simulated
@@ -133,7 +139,9 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None) -
     held = v.held if v is not None and not sleep else 0
     return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()) + held, breakdown=bd, phases=phases,
                     trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
-                    notes=tuple(notes), vllm_lacks=v.lacks if v is not None else 0)
+                    notes=tuple(notes), vllm_lacks=v.lacks if v is not None else 0,
+                    unmodelled=_unmodelled(k, reported, from_model(s.spec, simulated=simulated, images=bool(
+                        s.images is not None and s.images.per_prompt > 0))))
 
 
 def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_tokens: int | None = None,
@@ -141,7 +149,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
              capacity: int | None = None, context: int | None = None, head: str | None = None,
              keeps_dtype_4bit: bool = False, images: Images | None = None,
              lora_target_parameters: tuple[str, ...] | None = None, freeze_vision: bool = False,
-             keep_mxfp4: bool = False) -> Estimate:
+             keep_mxfp4: bool = False, unmodelled: tuple[str, ...] = ()) -> Estimate:
     """Predict the peak memory of one steady-state TRL GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
@@ -162,7 +170,9 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     the buffered batch; None or a text model: none. ``lora_target_parameters``: PEFT's ``target_parameters`` (experts
     named by the user, e.g. ``("mlp.experts.gate_up_proj", "mlp.experts.down_proj")``). ``freeze_vision``: a full
     fine-tune whose script froze the vision tower. ``keep_mxfp4``: gpt-oss's experts kept in MXFP4 (the inference load
-    with the kernels; training recipes dequantise, the default).
+    with the kernels; training recipes dequantise, the default). ``unmodelled``: what the run does that no term
+    counts (``RunFacts.unmodelled``, keys of :data:`.unmodelled.NOT_MODELLED`), kept in ``Estimate.unmodelled`` with
+    what the knobs imply (vLLM in server mode).
 
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
@@ -189,7 +199,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     parts = {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}
     if k.evaluates():
         parts[EVAL_PHASE] = _evaluation(s)
-    return _assemble(s, _composition(s, parts), capacity)
+    return _assemble(s, _composition(s, parts), capacity, tuple(unmodelled))
 
 
 def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | None = None,

@@ -8,8 +8,10 @@ what oomguard applied, and a lock replays it (``spelling.py`` says how a table i
 
 >>> flags("swift", {"num_generations": 4, "lora_r": 16, "load_in_4bit": True, "expandable_segments": True})
 ['--num_generations 4', '--tuner_type lora --lora_rank 16', '--quant_method bnb --quant_bits 4']
->>> flags("swift", {"zero_stage": 3, "offload_optimizer": True})
+>>> flags("swift", {"zero_stage": 3, "offload_optimizer": True, "offload_params": True})
 ['--deepspeed zero3_offload']
+>>> flags("swift", {"zero_stage": 3, "offload_optimizer": True}, files={"deepspeed": "attempt-2/ds.json"})
+['--deepspeed attempt-2/ds.json']
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def flag(stack: str | None, knob: str, value: Any, among: Any = None) -> str | N
 
     >>> flag("swift", "per_device_train_batch_size", 2), flag(None, "lora_r", 8), flag("swift", "max_split_size_mb", 1)
     ('--per_device_train_batch_size 2', None, None)
-    >>> flag("swift", "zero_stage", 3), flag("swift", "zero_stage", 3, among={"offload_optimizer": True})
-    ('--deepspeed zero3', '--deepspeed zero3_offload')
+    >>> flag("swift", "zero_stage", 3), flag("swift", "zero_stage", 2, among={"offload_optimizer": True})
+    ('--deepspeed zero3', '--deepspeed zero2_offload')
     >>> flag("unsloth", "load_in_4bit", False), flag("unsloth", "per_device_train_batch_size", 2)
     ('FastLanguageModel.from_pretrained(load_in_4bit=False)', 'GRPOConfig(per_device_train_batch_size=2)')
     """
@@ -47,15 +49,17 @@ def flag(stack: str | None, knob: str, value: Any, among: Any = None) -> str | N
     return table.said({knob: value}, among).get(knob)
 
 
-def said_by_knob(stack: str | None, changes: Mapping[str, Any], among: Any = None) -> dict[str, str]:
+def said_by_knob(stack: str | None, changes: Mapping[str, Any], among: Any = None,
+                 files: Mapping[str, str | None] | None = None) -> dict[str, str]:
     """``changes`` (knob -> new value) in ``stack``'s words, keyed by knob: each spelling once, under the first of its
-    knobs among the changes (a diff's rows take their flag from here; the others of a spelling have none).
+    knobs among the changes (a diff's rows take their flag from here; the others of a spelling have none). ``files``:
+    the configs the run generated for settings the stack has no word for, by kind (``Attempt.generated``).
 
-    >>> said_by_knob("swift", {"offload_optimizer": True, "zero_stage": 3, "beta": 0.0})
-    {'offload_optimizer': '--deepspeed zero3_offload', 'beta': '--beta 0.0'}
+    >>> said_by_knob("swift", {"offload_optimizer": True, "zero_stage": 2, "beta": 0.0})
+    {'offload_optimizer': '--deepspeed zero2_offload', 'beta': '--beta 0.0'}
     """
     table = STACKS.get(stack or "")
-    return table.said(changes, among) if table is not None else {}
+    return table.said(changes, among, files) if table is not None else {}
 
 
 def told(stack: str | None, said: list[str]) -> str:
@@ -71,10 +75,11 @@ def told(stack: str | None, said: list[str]) -> str:
     return f"{SAID_AS.get(stack or '', 'as the front-end takes them')}: {join.join(dict.fromkeys(said))}"
 
 
-def flags(stack: str | None, changes: dict[str, Any], among: Any = None) -> list[str]:
+def flags(stack: str | None, changes: dict[str, Any], among: Any = None,
+          files: Mapping[str, str | None] | None = None) -> list[str]:
     """``changes`` (knob -> new value) in ``stack``'s flags, in order, those that are flags (a spelling of several
-    knobs once)."""
-    return list(said_by_knob(stack, changes, among).values())
+    knobs once; ``files`` as for :func:`said_by_knob`)."""
+    return list(said_by_knob(stack, changes, among, files).values())
 
 
 __all__ = ["ENVIRONMENT", "SAID_AS", "STACKS", "flag", "flags", "said_by_knob", "told"]

@@ -44,6 +44,32 @@ class Code:
         return self.text.rpartition(".")[2]
 
 
+@dataclass(frozen=True)
+class Generated:
+    """A config file for a setting the stack has no word for (ms-swift's ZeRO-3 with only the optimizer offloaded,
+    which none of its DeepSpeed presets says): the training process writes it (``settings`` say what goes in it) and
+    gives the stack its path; ``kind`` names it among an attempt's generated configs (``Attempt.generated``). Printed
+    as the file once a run says where it was written (``at``), as ``what`` until then.
+
+    >>> g = Generated("deepspeed", "swift's zero3 preset with offload_optimizer only, as a JSON file")
+    >>> str(g), str(g.at({"deepspeed": "attempt-2/deepspeed-attempt2.json"}))
+    ("<swift's zero3 preset with offload_optimizer only, as a JSON file>", 'attempt-2/deepspeed-attempt2.json')
+    """
+
+    kind: str
+    what: str
+    settings: tuple[tuple[str, Any], ...] = ()
+    path: str | None = None
+
+    def __str__(self) -> str:
+        return self.path or f"<{self.what}>"
+
+    def at(self, files: Mapping[str, str | None] | None) -> Generated:
+        """This file where ``files`` (kind -> path, what a run generated) says it was written."""
+        path = (files or {}).get(self.kind)
+        return Generated(self.kind, self.what, self.settings, path) if path else self
+
+
 def arg(target: Any, name: str, default: Any = None) -> Any:
     """Argument ``name`` of ``target``: a parsed-arguments object (attribute) or a call's keyword arguments (key)."""
     if isinstance(target, Mapping):
@@ -136,15 +162,18 @@ class StackTable:
         return tuple(k for s in self.spellings for k in s.knobs)
 
     # -- said --------------------------------------------------------------------------------------------------
-    def say(self, spelling: Spelling, values: Iterable[Any]) -> str | None:
-        """The words that set ``spelling``'s knobs to ``values``, or None (nothing to say)."""
-        args = spelling.to_args(*values)
+    def say(self, spelling: Spelling, values: Iterable[Any],
+            files: Mapping[str, str | None] | None = None) -> str | None:
+        """The words that set ``spelling``'s knobs to ``values``, or None (nothing to say); a file the training
+        process generated for them named where ``files`` says it was written (:class:`Generated`)."""
+        args = {k: v.at(files) if isinstance(v, Generated) else v for k, v in spelling.to_args(*values).items()}
         return self.render(spelling, args) if args else spelling.otherwise or None
 
-    def said(self, changes: Mapping[str, Any], among: Any = None) -> dict[str, str]:
+    def said(self, changes: Mapping[str, Any], among: Any = None,
+             files: Mapping[str, str | None] | None = None) -> dict[str, str]:
         """``changes`` (knob -> value) in the stack's words, each spelling once, keyed by the first of its knobs among
         the changes; a spelling of several knobs reads the others from ``changes``, else from ``among`` (the knobs in
-        force), else takes them as unset."""
+        force), else takes them as unset. ``files``: the configs a run generated, by kind (:class:`Generated`)."""
         out: dict[str, str] = {}
         seen: set[int] = set()
         for knob in changes:
@@ -156,7 +185,7 @@ class StackTable:
                       for k in spelling.knobs]
             if all(v is None for v in values):  # unset: nothing to say
                 continue
-            words = self.say(spelling, values)
+            words = self.say(spelling, values, files)
             if words is not None:
                 out[knob] = words
         return out
@@ -203,4 +232,4 @@ class StackTable:
         return done
 
 
-__all__ = ["Code", "Spelling", "StackTable", "arg", "has_arg", "never", "same_name", "with_trl_names"]
+__all__ = ["Code", "Generated", "Spelling", "StackTable", "arg", "has_arg", "never", "same_name", "with_trl_names"]

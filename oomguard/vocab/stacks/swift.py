@@ -6,7 +6,7 @@ adapts. The adapter in the training process (``oomguard/child/stacks/swift.py``)
 ``config`` (swift's ``GRPOConfig``, where the generic GRPOConfig patches read and set TRL's names). The diff, the lock
 and the terminal print them from the same table.
 
->>> SWIFT.said({"zero_stage": 3, "offload_optimizer": True, "lora_r": 16})
+>>> SWIFT.said({"zero_stage": 3, "offload_optimizer": True, "offload_params": True, "lora_r": 16})
 {'zero_stage': '--deepspeed zero3_offload', 'lora_r': '--tuner_type lora --lora_rank 16'}
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .spelling import Spelling, StackTable, arg, has_arg, never, with_trl_names
+from .spelling import Generated, Spelling, StackTable, arg, has_arg, never, with_trl_names
 
 ARGUMENTS = "arguments"  # RLHFArguments.__post_init__: what the model is loaded and adapted with
 CONFIG = "config"  # swift's GRPOConfig.__post_init__: TRL's knobs under TRL's names (the generic GRPOConfig patches)
@@ -29,7 +29,7 @@ SWIFT_ARGUMENTS: dict[str, tuple[type, Any]] = {
     "offload_optimizer": (bool, False), "gradient_checkpointing": (bool, True),
 }
 # swift's DeepSpeed presets (swift/config/*.json): zero3_offload puts the optimizer state and the parameters in host
-# RAM, zero2_offload the optimizer state (ZeRO-2 has no parameters to offload)
+# RAM, zero2_offload the optimizer state (ZeRO-2 has no parameters to offload); each is zeroN.json with the offloads
 _PRESET = re.compile(r"zero([0-3])(_offload)?")
 
 
@@ -45,11 +45,27 @@ def _target_modules(a: Any) -> dict[str, Any]:
 
 
 def _deepspeed(stage: Any, optimizer: Any, params: Any) -> dict[str, Any]:
-    """The preset for a ZeRO stage and its offloads (what swift's ``--deepspeed`` takes by name)."""
+    """The preset for a ZeRO stage and its offloads (what swift's ``--deepspeed`` takes by name), where one says
+    exactly that; else (ZeRO-3 with one offload, an offload below ZeRO-2) a DeepSpeed JSON the training process writes
+    from swift's preset for the stage, given as ``--deepspeed PATH`` (:class:`~.spelling.Generated`): a preset that
+    offloaded more than the rung chose would cost speed and host RAM the memory model and the diff never counted.
+
+    >>> _deepspeed(3, True, True), _deepspeed(2, True, None)
+    ({'deepspeed': 'zero3_offload'}, {'deepspeed': 'zero2_offload'})
+    >>> print(_deepspeed(3, True, None)["deepspeed"])
+    <swift's zero3 preset with offload_optimizer only, as a JSON file>
+    """
     if stage is None:
         return {}
-    offload = (stage == 3 and (optimizer or params)) or (stage == 2 and optimizer)
-    return {"deepspeed": f"zero{int(stage)}" + ("_offload" if offload else "")}
+    stage, optimizer, params = int(stage), bool(optimizer), bool(params) and int(stage) == 3
+    if optimizer == params and (stage == 3 or not optimizer):
+        return {"deepspeed": f"zero{stage}" + ("_offload" if optimizer else "")}
+    if stage == 2 and optimizer:
+        return {"deepspeed": "zero2_offload"}
+    only = "offload_optimizer" if optimizer else "offload_params"
+    return {"deepspeed": Generated("deepspeed", f"swift's zero{stage} preset with {only} only, as a JSON file",
+                                   (("preset", f"zero{stage}"), ("zero_stage", stage),
+                                    ("offload_optimizer", optimizer), ("offload_params", params)))}
 
 
 def _read_deepspeed(a: Any) -> dict[str, Any]:

@@ -22,6 +22,9 @@ LOADER = "FastLanguageModel.from_pretrained"
 PEFT = "get_peft_model"
 CONFIG = "GRPOConfig"
 _VLLM = ("fast_inference",)  # the loader's vLLM settings mean something only with fast_inference
+# Why a run in Unsloth's generated trainer is judged like an untested TRL (RunFacts.stack_untested): its loss is
+# Unsloth's own, which no measurement covers (reported by child/stacks/unsloth.py, assumed by `oomguard plan --stack`)
+GENERATED_TRAINER = "Unsloth's generated GRPO trainer, whose loss no measurement covers"
 
 
 def _four_bit(a: Any) -> dict[str, Any]:

@@ -28,4 +28,5 @@ trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dat
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                              task_type="CAUSAL_LM"))
 trainer.train()
-print("trained", trainer.state.global_step, "steps")
+print("trained", trainer.state.global_step, "steps with", trainer.args.per_device_train_batch_size, "x",
+      trainer.args.gradient_accumulation_steps, "rows and", trainer.num_generations, "generations")
