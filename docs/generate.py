@@ -13,7 +13,8 @@ field or log event, or a changed version range fails the suite until the pages a
 The parts (the name after ``generated:``, and the code each one is read from):
 
 - ``cli COMMAND``: a command's usage, its help and every option as ``--help`` prints it (click, ``oomguard/cli.py``)
-- ``exit-codes``: the exit codes of every command (``oomguard/cli.py`` RUN_EXIT_CODES, ``oomguard/vocab/protocol.py``)
+- ``exit-codes``: the exit codes of every command (``oomguard/cli.py`` RUN_EXIT_CODES and PLAN_EXIT_CODES,
+  ``oomguard/vocab/protocol.py``)
 - ``knobs``: every knob, its type, TRL's default, its values, where it reaches the training process (``oomguard knobs
   --json``, the knob table ``oomguard/vocab/knobtable.py``)
 - ``stack-spellings``: the knobs ms-swift and an Unsloth notebook spell in their own words (``oomguard.vocab.stacks``)
@@ -109,14 +110,12 @@ def _help_text(text: str) -> str:
 
 
 def exit_codes(_: str | None = None) -> str:
-    from oomguard.cli import EXIT_DOES_NOT_FIT, EXIT_USAGE, RUN_EXIT_CODES
+    from oomguard.cli import EXIT_USAGE, PLAN_EXIT_CODES, RUN_EXIT_CODES
     from oomguard.vocab.protocol import EXIT_LOCK_UNMET, EXIT_OOM, EXIT_PREDICTED
 
     rows = [["run", code, text] for code, text in RUN_EXIT_CODES]
-    rows += [["plan", "0", "the configuration is predicted to fit"],
-             ["plan", str(EXIT_DOES_NOT_FIT), "it is predicted not to fit (also with --json)"],
-             ["plan", str(EXIT_USAGE), "usage errors: an unknown knob, a bad size, a model config that cannot be read"],
-             ["analyze", "0", "at least one file was read (whether or not it held an OOM)"],
+    rows += [["plan", code, text] for code, text in PLAN_EXIT_CODES]
+    rows += [["analyze", "0", "at least one file was read (whether or not it held an OOM)"],
              ["analyze", str(EXIT_USAGE), "nothing could be read (each unreadable path gets a one-line note)"],
              ["knobs, ladders", "0", "always"],
              ["(training process)", str(EXIT_OOM), "a training process that ran out of memory, after writing its "

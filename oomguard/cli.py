@@ -12,7 +12,18 @@ from .vocab.knobtable import KNOB_MEANINGS as KNOB_TABLE_MEANINGS
 from .vocab.knobtable import describe as describe_knobs
 
 EXIT_USAGE = 2
-EXIT_DOES_NOT_FIT = 3  # `oomguard plan`: the configuration is predicted not to fit (0 when it fits)
+# `oomguard plan`'s exit code follows the verdict `oomguard run` acts on; one list for `plan --help`, and the plan
+# how-to's table states the same (a test checks both)
+PLAN_EXIT = {"run": 0, "probe": 4, "stop": 3}
+PLAN_EXIT_CODES: tuple[tuple[str, str], ...] = (
+    ("0", "sure to fit: `oomguard run` starts the real run at once, no probe (with --fit: a value fits every card)"),
+    ("4", "probe first: it may fit, but it is within the memory model's error of the edge, or the model cannot be "
+          "sure of it (a TRL newer than tested, a family measured on CPU only): `oomguard run` probes it first"),
+    ("3", "predicted not to fit: `oomguard run`'s pre-flight stops it and runs the choice printed (with --fit: no "
+          "value fits some card)"),
+    ("2", "usage errors (an unknown knob, a bad size or model config, a hub id whose config is neither cached nor "
+          "reachable)"),
+)
 
 # The exit codes of `oomguard run`: one list for `run --help`, and the README states the same (a test checks both).
 RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
@@ -31,8 +42,8 @@ RUN_EXIT_CODES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _exit_codes_epilog() -> str:
-    return "\b\nExit codes:\n" + "\n".join(f"  {code:<8} {text}" for code, text in RUN_EXIT_CODES)
+def _exit_codes_epilog(codes: tuple[tuple[str, str], ...] = RUN_EXIT_CODES) -> str:
+    return "\b\nExit codes:\n" + "\n".join(f"  {code:<8} {text}" for code, text in codes)
 
 
 class _Group(click.Group):
@@ -277,7 +288,7 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 
 
 # ----------------------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(epilog=_exit_codes_epilog(PLAN_EXIT_CODES))
 @click.option("--model", "model_path", required=True, metavar="PATH|ORG/NAME",
               help="A model directory, its config.json, or a hub id (only its config.json is read, from the Hugging "
                    "Face cache; fetched once where the hub can be reached). No weights are read.")
@@ -287,7 +298,8 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
 @click.option("--fit", "fit_knob", default=None, metavar="KNOB",
               help="Also answer the largest value of KNOB that fits each card at the other settings: "
                    "max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, "
-                   "lora_r or per_device_eval_batch_size.")
+                   "lora_r or per_device_eval_batch_size; vllm_gpu_memory_utilization (the range of vLLM's shares "
+                   "where vLLM and training both fit) or vllm_max_model_length (the longest context at the share).")
 @click.option("--ladder", default=None, metavar="NAME|PATH",
               help="The ladder whose rungs are suggested, in its order [default: multi-gpu with --world-size above 1 "
                    "or a zero_stage, else default].")
@@ -323,13 +335,9 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
       oomguard plan --model ./Qwen2.5-VL-3B-Instruct --gpu 24GiB --images-per-prompt 2 --image-size 1080x1920
       oomguard plan --model ./Qwen3-1.7B --gpu 80GiB --trl-version 0.17 per_device_train_batch_size=4
 
-    KNOB=VALUE sets one knob; `oomguard knobs` lists them all with their types and TRL 1.16's defaults. Unset knobs
-    take the defaults of the installed TRL, or of --trl-version's release.
-
-    \b
-    Exit codes: 0 when the configuration is predicted to fit (every card given; with --fit, some value fits every
-    card); 3 when it does not (also with --json); 2 for usage errors (an unknown knob, a bad size or model config, a
-    hub id whose config is neither cached nor reachable).
+    KNOB=VALUE sets one knob (`oomguard knobs` lists them); unset knobs take the installed TRL's defaults, or
+    --trl-version's. The verdict is the one `oomguard run` acts on (sure to fit, probe first, predicted not to fit),
+    with the margin that decides it; with several cards, the least favourable card's sets the exit code.
     """
     from .decide.fit import FitError, check_knob
     from .decide.ladder import LadderError, load_ladder
@@ -348,8 +356,6 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
             raise SizeError("--gpu needs a size, e.g. 24GiB")
         capacities = [parse_size_arg(t, "--gpu") for t in sizes]
         capacity = capacities[0]
-        if fit_knob is not None:
-            check_knob(fit_knob)
         values: dict[str, Any] = {}
         for item in knobs:
             name, sep, text = item.partition("=")
@@ -362,6 +368,8 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
         trl = trl_version or trl_support([sys.executable]).version
         asked = planned(values, trl_version=trl, given=trl_version is not None, world_size=world_size, stack=stack,
                         padding_free=padding_free)
+        if fit_knob is not None:
+            check_knob(fit_knob, asked.knobs)
         spec = load_model_spec(config_path(model_path))
         image_facts, k = plan_images(spec, asked.knobs, config_path(model_path), images_per_prompt, image_size)
         lad = load_ladder(ladder or ("multi-gpu" if world_size > 1 or k.zero_stage else "default"))
@@ -415,32 +423,17 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
             click.echo(line)
         if warning:
             click.echo(f"warning: {warning}")
-    sys.exit(0 if p.fits else EXIT_DOES_NOT_FIT)
+    sys.exit(PLAN_EXIT[p.first])
 
 
 def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int], sizes: list[str], model: str, fit: str | None, lad: Any,
                 facts: Any, prompt_tokens: int | None, world_size: int, as_json: bool) -> None:
     """``oomguard plan`` with several cards or ``--fit``: one row per card, judged as ``run`` judges."""
-    from .decide.fit import largest
-    from .decide.plan import make_plan
+    from .decide.plan import card_rows
     from .memory.device import gpu_name
 
-    upper = None
-    if fit == "max_completion_length" and spec.max_positions:  # the prompt and the completion share the context
-        upper = max(1, spec.max_positions - (prompt_tokens or 256))
-    rows = []
-    for text, cap in zip(sizes, capacities, strict=True):
-        p = make_plan(spec, k, cap, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
-                      device_name=gpu_name() or "unknown GPU")
-        row = {"gpu": text, "capacity_bytes": cap, "peak_bytes": p.estimate.peak_bytes, "fits": p.fits,
-               "suggest": p.suggest if not p.fits else {}, "exhausted": p.exhausted}
-        if fit is not None:
-            assert p.judge is not None and p.facts is not None
-            judge = p.judge.fits(p.facts)
-            row["fit_knob"] = fit
-            row["fit_value"] = largest(judge, k, fit, world_size=world_size, upper=upper) if judge else None
-        rows.append(row)
-    ok = all(r["fit_value"] is not None for r in rows) if fit else all(r["fits"] for r in rows)
+    rows, worst = card_rows(spec, k, list(zip(sizes, capacities, strict=True)), fit, ladder=lad, facts=facts,
+                            prompt_tokens=prompt_tokens, world_size=world_size, device_name=gpu_name() or "unknown GPU")
     if as_json:
         import json
 
@@ -449,10 +442,7 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
         from .display.render import cards_table, console
 
         cards_table(console(), rows, model, fit)
-        if fit:
-            click.echo(f"largest {fit}: the largest value GRPO accepts at the other settings that the memory model "
-                       "judges to fit, with its error kept free as `oomguard run` keeps it")
-    sys.exit(0 if ok else EXIT_DOES_NOT_FIT)
+    sys.exit(PLAN_EXIT[worst])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def test_the_cheap_commands_in_the_pages_run(tmp_path, monkeypatch):
         if not all(Path(a).exists() for a in inputs):
             continue  # a user's own file, named for the reader
         result = CliRunner().invoke(main, args)
-        allowed = {0, 3} if args[0] == "plan" else {0}
+        allowed = {0, 3, 4} if args[0] == "plan" else {0}  # plan: sure, predicted not to fit, probe first
         said = f"{page.relative_to(ROOT)}: `oomguard {shlex.join(args)}` exited {result.exit_code}: {result.output}"
         assert result.exit_code in allowed, said
         assert result.exception is None or isinstance(result.exception, SystemExit), said

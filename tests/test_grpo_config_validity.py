@@ -134,3 +134,27 @@ def test_a_config_that_evaluates_is_probed_with_one_evaluation_pass_and_no_save_
     kw = {k: getattr(cfg, k) for k in ("eval_strategy", "eval_steps", "per_device_eval_batch_size",
                                        "num_generations_eval", "num_generations")}
     trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **kw)
+
+
+def test_the_batch_rule_is_trls_across_every_rank(monkeypatch):
+    """Issue 47: GRPO's batch rules as oomguard checks them (``Knobs.validate``, what `oomguard plan --world-size`
+    and every rung ask) accept exactly what TRL's own GRPOConfig accepts on each world size: the generation batch
+    across every rank (rows per device x ranks) must divide by num_generations, not the rows of one device. (TRL 0.29.1
+    and 1.10.0 have the same rule, GRPOConfig.__post_init__.)"""
+    from oomguard.vocab.knobs import check_values
+
+    disagree = []
+    # (ranks, rows per device, accumulation, generations): valid only across ranks, invalid on any, valid on one
+    for world, bs, ga, gens in ((4, 2, 1, 8), (2, 3, 2, 4), (3, 2, 1, 8), (2, 3, 1, 4), (1, 2, 1, 8), (1, 4, 2, 8),
+                                (4, 1, 2, 8), (2, 1, 1, 4)):
+        monkeypatch.setattr(trl.GRPOConfig, "world_size", property(lambda self, w=world: w))
+        values = {"per_device_train_batch_size": bs, "gradient_accumulation_steps": ga, "num_generations": gens}
+        try:
+            trl.GRPOConfig(output_dir=NEVER_CREATED, use_cpu=True, bf16=False, report_to=[], **values)
+            accepted = True
+        except ValueError:
+            accepted = False
+        if accepted != (not check_values(values, world)):
+            disagree.append((world, values, accepted))
+    assert not disagree
+    assert not check_values({"per_device_train_batch_size": 2, "num_generations": 8}, 4)  # 8 rows on 4 GPUs: one group

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child import capped
-from oomguard.child.preflight import verdict
 from oomguard.child.simulate import SimulatedDevice
 from oomguard.decide.choose import Rung
 from oomguard.decide.climb import Climb
@@ -25,12 +24,20 @@ from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
 from oomguard.memory.allocmodel import CARD_CONTEXT, context_for
 from oomguard.memory.calibration import Calibration
-from oomguard.memory.estimate import DEVICE_OVERPREDICTION, STOP_ALLOWANCE, ModelSpec, estimate, load_bytes
+from oomguard.memory.estimate import (
+    DEVICE_OVERPREDICTION,
+    STOP,
+    STOP_ALLOWANCE,
+    ModelSpec,
+    estimate,
+    judge_spec,
+    load_bytes,
+    verdict,
+)
 from oomguard.oom.diagnose import diagnose
 from oomguard.oom.parse import parse_oom
 from oomguard.strategies import make_remedy
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
-from oomguard.vocab.protocol import PreflightPlan
 
 from helpers import PYTHON, SCRIPTS, run_oomguard
 
@@ -38,6 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 H100 = ROOT / "tests" / "fixtures" / "h100"
 Q3B = json.loads((ROOT / "tests" / "fixtures" / "models" / "qwen2.5-3b" / "config.json").read_text())
 GiB = 2**30
+
+
+def peak(n: int) -> SimpleNamespace:
+    """A prediction of ``n`` device bytes, as the one verdict reads one (a load's, or a step's without vLLM)."""
+    return SimpleNamespace(peak_bytes=n, vllm_lacks=0, notes=(), unmodelled=())
 
 
 # -- a model that does not load --------------------------------------------------------------------------------------
@@ -68,8 +80,7 @@ def test_the_8gib_quickstart_is_stopped_before_it_loads_and_the_choice_loads_in_
     original = TRL_DEFAULTS.merged(json.loads((H100 / "report-qwen3b-quickstart-8GiB-default.json").read_text())
                                    ["attempts"][0]["knobs"])
     judge = Judge(8 * GiB)
-    margin, _ = judge.stop_margin()
-    assert verdict(PreflightPlan(capacity=8 * GiB, margin=margin), load_bytes(spec, original)) == "over"
+    assert judge.verdict(peak(load_bytes(spec, original))).decision == STOP
     facts = RunFacts(model_source="string", prompt_tokens_max=199, model_config=Q3B)
     climb = Climb(load_ladder("fastest"))
     climb.learn(facts)
@@ -130,12 +141,11 @@ def test_the_stop_margin_is_the_built_in_fits_measured_over_prediction_plus_an_a
 def test_on_the_h100_rows_the_pre_flight_stops_no_config_that_fits():
     """Every row on a sweep of card sizes: a card it fits (at most its measured use over) is never stopped (no
     false stop), and most cards it does not fit are stopped before they load or generate."""
-    margin = Judge(16 * GiB).stop_margin()[0]
     false_stops = stops = over = 0
     for predicted, measured in h100_rows():
         for f in [x / 100 for x in range(50, 131)]:
             cap = int(measured * f)
-            stopped = verdict(PreflightPlan(capacity=cap, margin=margin), predicted) == "over"
+            stopped = verdict(peak(predicted), judge_spec(cap, margin=0.05)).decision == STOP
             if measured <= cap:
                 false_stops += stopped
             else:
@@ -494,8 +504,8 @@ def test_a_pre_flight_stop_prints_one_line_for_the_job_and_every_rank_records_it
     rt = SimpleNamespace(emit=lambda ev: seen.append(ev.event_name()), end=lambda kind: seen.append(f"end:{kind}"),
                          stopping_on_purpose=lambda: seen.append("marked"))
     with pytest.raises(SystemExit) as stop:
-        preflight._stop(rt, PreflightPlan(capacity=64 << 20, margin=0.117), 100 << 20, "this config needs 100 MiB",
-                        "generates")
+        v = verdict(peak(100 << 20), judge_spec(64 << 20, simulated=True, margin=0.02))  # stopped beyond 11.7%
+        preflight._stop(rt, v, "this config needs 100 MiB", "generates")
     assert stop.value.code == preflight.EXIT_PREDICTED
     # the stop is marked before the process ends, so a launcher's report of the exit stays off the terminal
     assert seen == ["predicted", "marked", f"end:{preflight.END_PREDICTED}"]

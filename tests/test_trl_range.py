@@ -153,13 +153,16 @@ def test_the_memory_model_counts_the_head_the_installed_trl_has():
 
 
 def test_the_preflight_margin_is_the_measured_error_of_the_installed_trls_head():
+    from oomguard.memory.estimate.fitverdict import stop_margin
+
     g = Judge(300 * 2**20, simulated=True)
-    margins = g.stop_margins()
-    assert set(margins) == {"fused", "logits", "rowchunk", "untested"}
-    assert margins["untested"][0] == pytest.approx(2.02) and "newer than the tested" in margins["untested"][1]
-    assert margins["logits"][0] == pytest.approx(measured_error(simulated=True, head="logits").over + 0.02)
+    js = g.judge_spec()  # what the training process judges with: each head's measured error, and the untested factor
+    assert set(js.errors) == {"fused", "logits", "rowchunk"}
+    untested = stop_margin(js, "logits", untested=True)
+    assert untested[0] == pytest.approx(2.02) and "newer than the tested" in untested[1]
+    assert stop_margin(js, "logits")[0] == pytest.approx(measured_error(simulated=True, head="logits").over + 0.02)
     g.set_trl("logits", untested=False)
-    assert g.stop_margin()[0] == pytest.approx(margins["logits"][0]) and g.doubt == g.stop_margin()[0]
+    assert g.stop_margin()[0] == pytest.approx(stop_margin(js, "logits")[0]) and g.doubt == g.stop_margin()[0]
     g.set_trl("fused", untested=True)  # a newer TRL: the pre-flight waits for 3x, the doubt stays its head's
     assert g.stop_margin()[0] == pytest.approx(2.02) and g.doubt == pytest.approx(0.117)
     assert measured_error(simulated=False, head="logits").over > measured_error(simulated=False).over

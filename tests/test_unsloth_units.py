@@ -76,12 +76,22 @@ def test_rowchunk_grows_with_the_completion_and_never_with_less(c, b, v):
 
 
 def test_the_pre_flight_uses_the_rowchunk_margin_and_the_untested_one_for_unsloth_s_trainer():
-    from oomguard.child.preflight import margin_of
-    from oomguard.vocab.protocol import PreflightPlan
+    """The training process's verdict (child/preflight.judged) stops a config by the error of the head its facts name,
+    and Unsloth's generated trainer (``stack_untested``) only beyond the untested factor."""
+    from oomguard.decide.judge import Judge
+    from oomguard.memory.estimate import doubts_of, measured_error, verdict
+    from oomguard.vocab.knobs import RunFacts
 
-    pf = PreflightPlan(margins={"rowchunk": [0.22, "rowchunk"], "fused": [0.1, "fused"], "untested": [2.0, "untested"]})
-    assert margin_of(pf, {"trl_version": "1.15.0", "trl_head": "rowchunk"}) == (0.22, "rowchunk")
-    assert margin_of(pf, {"trl_version": "1.15.0", "trl_head": "fused", "stack_untested": "x"})[0] == 2.0
+    js = Judge(256 * 2**20, simulated=True).judge_spec()
+    est = estimate(ModelSpec(724, 256, 4, 8, 2, 32, 1024, True), LORA, prompt_tokens=32, simulated=True,
+                   head="rowchunk")
+
+    def margin(**facts):
+        f = RunFacts(trl_version="1.15.0", stack="unsloth", **facts)
+        return verdict(est, js, head=f.trl_head, doubts=doubts_of(None, f, simulated=True)).stop_margin
+
+    assert margin(trl_head="rowchunk") == pytest.approx(measured_error(simulated=True, head="rowchunk").over + 0.02)
+    assert margin(trl_head="fused", stack_untested="x") == pytest.approx(2.02)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -51,6 +51,29 @@ def test_the_documented_script_at_0_9_gets_a_smaller_reservation_and_keeps_the_e
     assert set(diff) <= {"vllm_gpu_memory_utilization", "vllm_max_model_length", "expandable_segments"}, diff
     assert report["experiment"]["kept"] == KEPT
     assert "vLLM runs eager under the simulated device" in out.stderr
+    # `oomguard plan --fit vllm_gpu_memory_utilization` on this device answered this run before it started: 0.9
+    # leaves training short, and the share the run took, which started vLLM and trained, is in the range where both
+    # fit, the value plan says run launches with after the stop
+    row = share_plan(tiny_model, report, 150 * 2**20)
+    chosen = diff["vllm_gpu_memory_utilization"]["to"]
+    low, high = row["fit_range"]
+    assert low <= chosen <= high < 0.9 and row["verdict"] == "stop" and row["short"]["side"] == "training", row
+    assert row["run_value"] == chosen, row
+
+
+def share_plan(model: str, report: dict, capacity: int) -> dict:
+    """What `oomguard plan --fit vllm_gpu_memory_utilization` says of the user's config of ``report`` (its GRPOConfig
+    values as the run read them, the run's longest prompt) on the simulated device of ``capacity`` bytes."""
+    from oomguard.decide.plan import card_row, make_plan
+    from oomguard.memory.allocmodel import context_for
+    from oomguard.memory.estimate import load_model_spec
+    from oomguard.vocab.knobs import Knobs, RunFacts
+
+    facts = RunFacts.from_dict(report["facts"])
+    p = make_plan(load_model_spec(model), Knobs.from_dict(report["original"]), capacity,
+                  facts=RunFacts(trl_version=facts.trl_version, trl_head=facts.trl_head),
+                  prompt_tokens=facts.prompt_tokens_max, simulated=True, context=context_for(capacity))
+    return card_row(p, "150MiB", "vllm_gpu_memory_utilization")
 
 
 def test_a_kv_cache_that_cannot_hold_one_sequence_of_the_model_s_window_changes_vllm_s_length(tmp_path,

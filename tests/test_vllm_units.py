@@ -153,3 +153,86 @@ def test_the_reservation_never_shrinks_below_what_vllm_needs_to_start():
     k = RUNG.apply(Context(knobs=VLLM.replace(vllm_gpu_memory_utilization=0.55),
                            facts=RunFacts(prompt_tokens_max=20, vllm_min_utilization=floor)))
     assert k.vllm_gpu_memory_utilization == floor
+
+
+def test_once_its_context_is_the_run_s_the_rung_raises_the_share_only_to_what_holds_it():
+    """After a pre-flight stop for vLLM's KV cache the rung first sets vLLM's context to the run's sequences; it then
+    raises the share only as far as the memory model says holds one of them (``vllm_min_utilization``), never on
+    towards 0.9, which would take training's room (a 3B model on 24 GiB: 0.9 of it left training 7 GiB short)."""
+    kv = diagnose(OOMReport("vllm", "vllm-kv", "x"))
+    short = VLLM.replace(vllm_max_model_length=64, vllm_gpu_memory_utilization=0.3)
+    assert RUNG.apply(ctx(short, kv, vllm_min_utilization=0.25)) == short  # it holds them already
+    assert RUNG.apply(ctx(short, kv, vllm_min_utilization=0.37)).vllm_gpu_memory_utilization == 0.37
+    assert RUNG.apply(ctx(short, kv)).vllm_gpu_memory_utilization == 0.4  # no model: the old step
+
+
+# -- the colocated split (`oomguard plan --fit vllm_gpu_memory_utilization` / `vllm_max_model_length`) -------------
+
+CFG4 = {"vocab_size": 724, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 1024, "tie_word_embeddings": True}
+
+
+def test_the_shares_where_both_fit_are_one_range_bounded_by_each_side():
+    """Below the range vLLM's share cannot hold its weights and a KV cache for its context and the generation batch
+    (with the model's margin); above it training does not fit beside it; inside, both do."""
+    from oomguard.decide.split import share_split, vllm_needs
+
+    judge, facts = Judge(150 * MiB, simulated=True), RunFacts(model_config=CFG4, prompt_tokens_max=20)
+    s = share_split(judge, facts, VLLM)
+    assert s.short is None and 0 < s.low < s.high < 0.9
+    fits = judge.fits(facts)
+
+    def at(u):
+        return VLLM.replace(vllm_gpu_memory_utilization=round(u, 2))
+
+    assert vllm_needs(judge, facts, at(s.low)) <= s.low * 150 * MiB < vllm_needs(judge, facts, at(s.low)) + 1.5 * MiB
+    assert not (vllm_needs(judge, facts, at(s.low - 0.01)) <= (s.low - 0.01) * 150 * MiB)
+    assert fits(at(s.high)) and not fits(at(s.high + 0.01))
+    assert all(fits(at(u / 100)) for u in range(round(100 * s.low), round(100 * s.high) + 1))
+    assert s.low == judge.vllm_floor(facts, VLLM)  # the rung's floor: vLLM holds one of the run's sequences
+
+
+def test_where_no_share_fits_the_answer_names_the_short_side_and_by_how_much():
+    from oomguard.decide.split import share_split, vllm_needs
+
+    facts = RunFacts(model_config=CFG4, prompt_tokens_max=20)
+    small = Judge(60 * MiB, simulated=True)
+    s = share_split(small, facts, VLLM)
+    assert (s.low, s.short.side, s.short.at) == (None, "vllm", 1.0)
+    assert s.short.bytes == vllm_needs(small, facts, VLLM) - 60 * MiB > 0 and "whole 60.00 MiB card" in s.short.why
+    mid = Judge(90 * MiB, simulated=True)
+    s = share_split(mid, facts, VLLM)
+    est = mid.predict(facts, VLLM.replace(vllm_gpu_memory_utilization=s.short.at))
+    assert s.short.side == "training" and s.short.bytes == int(est.peak_bytes * 1.02) + 1 - 90 * MiB > 0
+    assert vllm_needs(mid, facts, VLLM) <= s.short.at * 90 * MiB  # at the least share vLLM fits
+
+
+def test_the_longest_context_at_a_share_is_the_one_vllm_still_holds():
+    from oomguard.decide.split import length_split, vllm_needs
+
+    judge, facts = Judge(300 * MiB, simulated=True), RunFacts(model_config=CFG4, prompt_tokens_max=20)
+    k = VLLM.replace(vllm_gpu_memory_utilization=0.4)
+    s = length_split(judge, facts, k, upper=1 << 20)
+    room = 0.4 * 300 * MiB
+    assert vllm_needs(judge, facts, k.replace(vllm_max_model_length=s.high)) <= room
+    assert vllm_needs(judge, facts, k.replace(vllm_max_model_length=s.high + 16)) > room  # one more KV block
+    assert length_split(judge, facts, k, upper=2048).high == 2048  # never past the model's window
+    tight = length_split(judge, facts, k.replace(vllm_gpu_memory_utilization=0.1), upper=2048)
+    assert tight.high is None and tight.short.side == "vllm"
+
+
+def test_plan_fit_vllm_gpu_memory_utilization_answers_per_card():
+    model = str(Path(__file__).parent / "fixtures" / "models" / "qwen2.5-3b")
+    out = subprocess.run([sys.executable, "-m", "oomguard", "plan", "--model", model, "--gpu", "24GiB,80GiB",
+                          "use_vllm=true", "dtype=bfloat16", "lora_r=16", "vllm_max_model_length=2048",
+                          "--fit", "vllm_gpu_memory_utilization", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    small, big = json.loads(out.stdout)["cards"]
+    for card in (small, big):
+        low, high = card["fit_range"]
+        assert 0 < card["vllm_starts_from"] <= low < high <= 1 and card["run_value"] == 0.3
+        assert card["fit_value"] == high and card["fit_short"] is None
+    assert big["fit_range"][1] > small["fit_range"][1] and big["fit_range"][0] < small["fit_range"][0]
+    text = subprocess.run([sys.executable, "-m", "oomguard", "plan", "--model", model, "--gpu", "24GiB",
+                           "dtype=bfloat16", "--fit", "vllm_gpu_memory_utilization"], capture_output=True, text=True)
+    assert text.returncode == 2 and "give use_vllm=true" in text.stderr

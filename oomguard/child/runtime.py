@@ -54,7 +54,7 @@ class Runtime:
         self.reserved_floor = 0
         # "probe" (a short worst-case rehearsal), "run" (the real run), None: launched as a probe unless the memory
         # model is sure of the config, not decided yet (``decide_probe``)
-        self.probe_as: str | None = ("run" if plan.probe is None else None if plan.probe.unless_sure is not None
+        self.probe_as: str | None = ("run" if plan.probe is None else None if plan.probe.unless_sure and plan.judge
                                      else "probe")
 
     def stopping_on_purpose(self) -> None:

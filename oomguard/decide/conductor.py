@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..memory.estimate import PROBE, FitVerdict, launch_as
 from ..vocab.diagnosis import LEAK_KINDS, Diagnosis
 from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs, reachable
@@ -129,6 +130,28 @@ class Conductor:
         if self.judge is None or self.policy.always_probe or self.policy.minimize:
             return False
         return self.climb.probe_may_be_skipped()
+
+    def judging(self, nxt: Next) -> dict[str, Any]:
+        """What the plan of the attempt ``nxt`` carries for the training process to judge its config with (the one
+        verdict, ``memory.estimate.verdict``): the Judge as it stands (``judge``, with --preflight-margin where
+        given; None without a model), whether the pre-flight stops a config the verdict is ``stop`` on
+        (``preflight``: not under --no-preflight nor for a replayed lock), and whether a probe becomes the real run
+        where the model is sure (``unless_sure``)."""
+        judge = self.judge
+        return {"judge": judge.judge_spec(self.policy.preflight_margin) if judge is not None else None,
+                "preflight": judge is not None and self.policy.preflight and not self.policy.replay,
+                "unless_sure": nxt.kind == AttemptKind.PROBE and nxt.deferred and judge is not None}
+
+    def starts(self, v: FitVerdict | None) -> str:
+        """How the config in force starts where the memory model's verdict on it is ``v`` (None: the model cannot
+        judge it): ``stop``, ``probe`` or ``run``, as the training process decides it (``memory.estimate.launch_as``)
+        for the attempt :meth:`first` launches, with what :meth:`judging` puts in its plan; what `oomguard plan` says
+        `oomguard run` does."""
+        nxt = self.first()
+        parts = self.judging(nxt)
+        return launch_as(v.decision if v is not None and parts["judge"] is not None else PROBE,
+                         probe=nxt.kind != AttemptKind.RUN, deferred=parts["unless_sure"],
+                         preflight=parts["preflight"])
 
     def spent(self) -> bool:
         """--max-attempts (undo trials are extra work the user asked for: they do not count; a leak's restarts do, so

@@ -31,6 +31,8 @@ FIT_KNOBS: dict[str, tuple[int, int]] = {
     "lora_r": (1, 1024),
     "per_device_eval_batch_size": (1, 1024),
 }
+# the colocated split, answered by ``decide/split.py``: vLLM's share of the card, and its context at a share
+SPLIT_KNOBS = ("vllm_gpu_memory_utilization", "vllm_max_model_length")
 
 
 def _searched(knobs: Knobs, knob: str) -> Knobs:
@@ -47,16 +49,21 @@ class FitError(ValueError):
     """A knob ``--fit`` cannot search (one line, naming those it can)."""
 
 
-def check_knob(knob: str) -> None:
-    """Raise :class:`FitError` unless ``knob`` can be searched.
+def check_knob(knob: str, knobs: Knobs | None = None) -> None:
+    """Raise :class:`FitError` unless ``knob`` can be searched (with ``knobs``: at these settings; vLLM's share and
+    context only where vLLM generates beside the trainer, colocated).
 
     >>> check_knob("optim")
     Traceback (most recent call last):
     ...
-    oomguard.decide.fit.FitError: --fit takes one of max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, lora_r, per_device_eval_batch_size, not 'optim'
+    oomguard.decide.fit.FitError: --fit takes one of max_completion_length, num_generations, per_device_train_batch_size, generation_batch_size, lora_r, per_device_eval_batch_size, vllm_gpu_memory_utilization, vllm_max_model_length, not 'optim'
     """
-    if knob not in FIT_KNOBS:
-        raise FitError(f"--fit takes one of {', '.join(FIT_KNOBS)}, not {knob!r}")
+    if knob not in FIT_KNOBS and knob not in SPLIT_KNOBS:
+        raise FitError(f"--fit takes one of {', '.join((*FIT_KNOBS, *SPLIT_KNOBS))}, not {knob!r}")
+    if knob in SPLIT_KNOBS and knobs is not None and not (knobs.use_vllm and (knobs.vllm_mode or "colocate")
+                                                           == "colocate"):
+        raise FitError(f"--fit {knob} answers vLLM beside the trainer: give use_vllm=true (vllm_mode=colocate, TRL's "
+                       "default); a vLLM server has a card of its own")
 
 
 def candidates(knobs: Knobs, knob: str, *, world_size: int = 1, upper: int | None = None) -> list[int]:
@@ -90,4 +97,4 @@ def largest(fits: Callable[[Knobs], bool], knobs: Knobs, knob: str, *, world_siz
     return best
 
 
-__all__ = ["FIT_KNOBS", "FitError", "candidates", "check_knob", "largest"]
+__all__ = ["FIT_KNOBS", "SPLIT_KNOBS", "FitError", "candidates", "check_knob", "largest"]

@@ -11,23 +11,25 @@ from typing import Any
 
 from ..memory.calibration import builtin_description, load_calibration, machine_key, model_key, record_run
 from ..memory.estimate import (
-    STOP_ALLOWANCE,
     Coefficients,
+    Doubts,
     Estimate,
+    FitVerdict,
     ModelSpec,
+    chooses,
+    doubts_of,
     estimate,
     fed,
+    judge_spec,
     load_bytes,
     load_fed,
-    measured_error,
-    sure_limit,
-    sure_to_fit,
+    verdict,
 )
+from ..memory.estimate import fitverdict as rule
 from ..memory.estimate.vllm import vllm_memory
 from ..memory.steptime import slowdown
 from ..vocab.knobs import Knobs, RunFacts
-from ..vocab.protocol import SurePlan
-from ..vocab.trlrange import HEADS
+from ..vocab.protocol import JudgeSpec
 from .alternatives import Alternative, alternatives
 from .climb import Climb
 
@@ -83,7 +85,7 @@ class Judge:
         self.fixed_margin = margin is not None
         self.head: str | None = None  # the installed TRL's LM head, once known (RunFacts.trl_head)
         self.untested = False  # the installed TRL is newer than the newest tested release
-        self.relax_margin = self._relax_margin()
+        self._spec: tuple[Any, JudgeSpec] | None = None  # the judge as last built, and what it was built from
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
@@ -97,6 +99,7 @@ class Judge:
         self.calibrated_for: str | None = None
         self.given = coefficients is not None
         self.coefficients = coefficients or base
+        self.relax_margin = self._relax_margin()
         if spec is not None:
             self._calibrate(spec)
         self.doubt, self.doubt_source = self.stop_margin()
@@ -117,10 +120,25 @@ class Judge:
             self.coefficients = self.calibration.apply(self.base)
             self.doubt, self.doubt_source = self.stop_margin()
 
+    def judge_spec(self, stop_margin: float | None = None) -> JudgeSpec:
+        """The judge as it stands (device, coefficients, measured error, margins: ``vocab.protocol.JudgeSpec``), the
+        one plan part the training process decides with; ``stop_margin`` where the user set the pre-flight's."""
+        key = (self.capacity, self.context, self.coefficients, id(self.calibration), self.margin, stop_margin)
+        if self._spec is None or self._spec[0] != key:
+            spread = self.calibration.device_error() if self.calibration is not None else None
+            calibrated = None
+            if spread is not None:
+                calibrated = (max(0.0, spread), f"this machine's {self.calibration.runs} recorded runs: up to "
+                                                f"{100 * spread:.1f}% over")
+            js = judge_spec(self.capacity, simulated=self.simulated, margin=self.margin, context=self.context,
+                            coefficients=asdict(self.coefficients), calibrated=calibrated,
+                            relax_margin=self.margin if self.fixed_margin or not self.simulated else None,
+                            stop_margin=stop_margin)
+            self._spec = (key, js)
+        return self._spec[1]
+
     def _relax_margin(self) -> float:
-        if self.fixed_margin:
-            return self.margin
-        return measured_error(simulated=True, head=self.head).under if self.simulated else self.margin
+        return rule.relax_margin(self.judge_spec(), self.head)
 
     def set_trl(self, head: str | None, untested: bool = False) -> None:
         """The installed TRL's LM head (``fused``/``logits``, None: not known) and whether it is newer than the newest
@@ -132,52 +150,34 @@ class Judge:
     def stop_margin(self, head: str | None = None, *, untested: bool | None = None,
                     tested: bool = False) -> tuple[float, str]:
         """How far over the device a config must be predicted before the pre-flight stops it, and where the figure
-        comes from: this machine's recorded runs, once there are enough of them, else the built-in fit's measured
-        over-prediction for the installed TRL's LM head (H100 rows, or the simulated device's), plus
-        :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`; for a TRL newer than tested (``untested``, default: as
-        :meth:`set_trl` said) only beyond UNTESTED_FACTOR times the device, unless ``tested`` asks for its head's own.
+        comes from (``memory.estimate.fitverdict.stop_margin``): this machine's recorded runs, once there are enough
+        of them, else the built-in fit's measured over-prediction for the installed TRL's LM head (H100 rows, or the
+        simulated device's), plus :data:`~oomguard.memory.estimate.STOP_ALLOWANCE`; for a TRL newer than tested
+        (``untested``, default: as :meth:`set_trl` said) only beyond UNTESTED_FACTOR times the device, unless
+        ``tested`` asks for its head's own.
 
         >>> round(Judge(24 * 2**30).stop_margin()[0], 3), round(Judge(2**28, simulated=True).stop_margin()[0], 3)
         (0.084, 0.117)
         >>> Judge(2**28, simulated=True).stop_margin(untested=True)[0]
         2.02
         """
-        spread = self.calibration.device_error() if self.calibration is not None else None
-        if spread is not None:
-            return (max(0.0, spread) + STOP_ALLOWANCE,
-                    f"this machine's {self.calibration.runs} recorded runs: up to {100 * spread:.1f}% over, + "
-                    f"{100 * STOP_ALLOWANCE:.0f}%")
         untested = self.untested if untested is None else untested
-        err = measured_error(simulated=self.simulated, head=head or self.head, untested=untested and not tested)
-        return err.over + STOP_ALLOWANCE, f"{err.source}, + {100 * STOP_ALLOWANCE:.0f}%"
+        return rule.stop_margin(self.judge_spec(), head or self.head, untested=untested and not tested)
 
-    def stop_margins(self) -> dict[str, list[Any]]:
-        """The pre-flight's margin for each LM head and for a TRL newer than tested, for the training process to pick
-        the one of the TRL it finds (``child/preflight.py``): ``{key: [margin, source]}``."""
-        out: dict[str, list[Any]] = {h: list(self.stop_margin(h, untested=False)) for h in HEADS}
-        out["untested"] = list(self.stop_margin(untested=True))
-        return out
+    def doubts(self, facts: RunFacts | None = None) -> Doubts:
+        """What keeps the model from being sure of the run's configs (``memory.estimate.doubts_of``), with the TRL
+        :meth:`set_trl` was told of."""
+        facts = facts or RunFacts()
+        d = doubts_of(self.spec(facts), facts, simulated=self.simulated)
+        if self.untested and d.untested is None:
+            d = Doubts("the installed TRL, or a stack around it, is newer than the tested releases", d.unsure)
+        return d
 
-    def under(self, head: str | None = None) -> float:
-        """How much more than predicted a config may need (the model's measured under-prediction) with the LM head
-        ``head`` (default: the installed TRL's)."""
-        return measured_error(simulated=self.simulated, head=head or self.head).under
-
-    def sure(self, est: Estimate, head: str | None = None) -> bool:
-        """Whether the model is sure ``est`` fits the device (``memory.estimate.sure_to_fit``): far enough under it
-        that a probe could only confirm it. Never for a TRL newer than the tested releases, nor where a colocated
-        vLLM's reservation cannot hold what vLLM needs, nor where the run does what the model does not count
-        (``Estimate.unmodelled``)."""
-        return not self.untested and not est.vllm_lacks and not est.unmodelled and sure_to_fit(
-            est.peak_bytes, self.capacity, self.under(head))
-
-    def sure_plan(self) -> SurePlan:
-        """What the training process needs to decide whether an attempt launched as a probe is the real run
-        (``child/preflight.py``, ``decide_probe``): the device, the coefficients, and the measured under-prediction
-        for each LM head (the process picks the one of the TRL it finds; a TRL newer than tested is never sure)."""
-        return SurePlan(capacity=self.capacity, simulated=self.simulated, context=self.context,
-                        coefficients=asdict(self.coefficients), under={h: self.under(h) for h in HEADS},
-                        limits={h: sure_limit(self.capacity, self.under(h)) for h in HEADS})
+    def verdict(self, est: Estimate, facts: RunFacts | None = None, stop_margin: float | None = None) -> FitVerdict:
+        """The one verdict on ``est`` (``memory.estimate.verdict``): ``stop``, ``probe`` or ``run``, as the training
+        process decides it with the plan's judge."""
+        facts = facts or RunFacts()
+        return verdict(est, self.judge_spec(stop_margin), head=self.head_for(facts), doubts=self.doubts(facts))
 
     def set_capacity(self, capacity: int) -> None:
         """The device's size as the training process sees it (it may differ from NVML's): judged from now on."""
@@ -260,8 +260,7 @@ class Judge:
     def judge(self, est: Estimate, margin: float | None = None) -> bool:
         """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare, and a colocated
         vLLM's reservation holds what vLLM needs to start."""
-        return (est.peak_bytes * (1 + (self.margin if margin is None else margin)) <= self.capacity
-                and not est.vllm_lacks)
+        return chooses(est, self.judge_spec(), margin=margin)
 
     def fits(self, facts: RunFacts, margin: float | None = None) -> Any:
         """A Knobs -> bool judge for the climb, or None when the model cannot be read. A config predicted within the
@@ -278,7 +277,7 @@ class Judge:
                                       context=self.context, **load_fed(facts))
                 except ValueError:
                     return False
-                return need * (1 + (self.margin if margin is None else margin)) <= self.capacity
+                return chooses(need, self.judge_spec(), margin=margin)
 
             return load_fits
         ceiling = self.failed_ceiling(facts)

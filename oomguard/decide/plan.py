@@ -1,17 +1,20 @@
-"""Predict before running: the memory model applied to a configuration, and the cheapest rungs that make it fit.
+"""Predict before running: the memory model applied to a configuration, the verdict `oomguard run` acts on, and the
+cheapest rungs that make it fit.
 
-``make_plan`` climbs the ladder in its own order (never reordered) with the memory model as the judge up to the first
-prefix predicted to fit, then keeps only what memory demands (``oomguard.decide.choose``: rungs not needed are dropped,
-graded knobs relaxed towards the user's values). `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after an OOM
-to skip rungs predicted not to be enough.
+``make_plan`` asks the one verdict (``memory.estimate.verdict``: sure to fit, probe first, predicted not to fit) and
+how `oomguard run` starts the config (``Conductor.starts``). Where the climb would not keep the config as it is, it
+climbs the ladder in its own order (never reordered) with the memory model as the judge up to the first prefix
+predicted to fit, then keeps only what memory demands (``oomguard.decide.choose``: rungs not needed are dropped, graded
+knobs relaxed towards the user's values). `oomguard plan` prints it; `oomguard run` and `guard` use the same climb after
+an OOM to skip rungs predicted not to be enough.
 
 >>> from oomguard.memory.estimate import ModelSpec
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
 >>> spec = ModelSpec(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
 ...                  intermediate_size=8192, tie_word_embeddings=True)
 >>> p = make_plan(spec, TRL_DEFAULTS, 16 * 2**30)   # TRL loads a model given by name in float32
->>> p.fits, p.after.fits(16 * 2**30), [s.remedy.name for s in p.steps][-1]   # bf16 weights would not learn at 1e-6
-(False, True, 'lora')
+>>> p.first, p.then, p.fallback.lora_r   # bf16 weights would not learn at 1e-6: LoRA, if a cheaper trial runs out
+('stop', 'probe', 16)
 >>> [s.remedy.name for s in make_plan(spec, TRL_DEFAULTS.replace(learning_rate=1e-4), 16 * 2**30).steps][-1]
 'bf16_load'
 """
@@ -23,19 +26,28 @@ from pathlib import Path
 from typing import Any
 
 from ..memory.estimate import (
+    PROBE,
+    RUN,
+    STOP,
     Coefficients,
     Estimate,
+    FitVerdict,
     ModelSpec,
     load_pixel_budget,
 )
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.oomreport import OOMReport
+from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.trlrange import support
 from .alternatives import Alternative
 from .choose import Rung
 from .climb import Climb
 from .conductor import Conductor, Policy
+from .fit import largest
 from .judge import Judge
 from .ladder import Ladder, Step, load_ladder
+from .split import LENGTH_KNOB, SHARE_KNOB, SPLIT_KNOBS, length_split, share_split
 
 
 @dataclass
@@ -50,7 +62,12 @@ class Prediction:
     choose_by: str = "cost"  # how the ladder chose them (its ``choose_by``)
     judge: Judge | None = None  # the judge, as `oomguard run` would judge
     facts: RunFacts | None = None
-    climb: Climb | None = None  # the choice as `oomguard run` makes it (None when the config fits as it is)
+    climb: Climb | None = None  # the choice as `oomguard run` makes it (None when the config is kept as it is)
+    verdict: FitVerdict | None = None  # the one verdict on the config as given (``memory.estimate.verdict``)
+    first: str = "probe"  # how `oomguard run` starts it: ``run``, ``probe`` or ``stop`` (``Conductor.starts``)
+    after_verdict: FitVerdict | None = None  # the verdict on the choice
+    then: str | None = None  # how `oomguard run` starts the choice (None: no choice)
+    fallback: Knobs | None = None  # where the choice is a cheaper trial: the config run takes if the trial runs out
 
     def alternatives(self) -> list[Alternative]:
         """Configs predicted to fit that trade differently from the suggestion (``Judge.alternatives``)."""
@@ -60,28 +77,16 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.estimate.fits(self.capacity)
+        """Whether the config is not predicted not to fit: the verdict is ``run`` or ``probe``, never ``stop``."""
+        return self.verdict is None or self.verdict.decision != STOP
 
     def launches(self) -> dict[str, str | None]:
-        """What `oomguard run` would do with this config on this device, by the same rules: ``first`` is ``run``
-        (the memory model is sure it fits: one launch, the real run), ``probe`` (a short worst-case probe first) or
-        ``stopped`` (predicted over the device by more than the pre-flight's margin: stopped before it generates,
-        then the choice); ``then``, after a stop or where the config does not fit: how the chosen config starts
-        (``run`` or ``probe``), None where there is no choice."""
-        judge = self.judge
-        if judge is None:
-            return {"first": "probe", "then": None}
-        margin = judge.stop_margin()[0]
-        if judge.sure(self.estimate):
-            first = "run"
-        elif self.estimate.peak_bytes > self.capacity * (1 + margin):
-            first = "stopped"
-        else:
-            first = "probe"
-        then = None
-        if self.after is not None and self.climb is not None:
-            then = "run" if judge.sure(self.after) and self.climb.probe_may_be_skipped() else "probe"
-        return {"first": first, "then": then}
+        """What `oomguard run` would do with this config on this device, by the same rules (the one verdict and
+        ``Conductor.starts``): ``first`` is ``run`` (the memory model is sure it fits: one launch, the real run),
+        ``probe`` (a short worst-case probe first) or ``stop`` (predicted not to fit: stopped before it generates,
+        then the choice); ``then``: how the chosen config starts (``run`` or ``probe``), None where there is no
+        choice."""
+        return {"first": self.first, "then": self.then}
 
     @property
     def headroom(self) -> int:
@@ -89,9 +94,12 @@ class Prediction:
 
     @property
     def suggest(self) -> dict[str, Any]:
+        """What `oomguard run` changes for its next launch: the choice, or the cheaper trial it probes first."""
         if not self.steps:
             return {}
-        final = self.steps[-1].knobs
+        return self._changes(self.steps[-1].knobs)
+
+    def _changes(self, final: Knobs) -> dict[str, Any]:
         return {r.knob: (list(r.after) if isinstance(r.after, tuple) else r.after) for r in self.knobs.diff(final)}
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,10 +115,13 @@ class Prediction:
             "phases": dict(e.phases),
             "dominant_phase": e.dominant_phase,
             "suggest": self.suggest,
+            "fallback": self._changes(self.fallback) if self.fallback is not None else None,
             "remedies": [s.remedy.name for s in self.steps],
             "peak_bytes_after": self.after.peak_bytes if self.after else None,
-            "fits_after": self.after.fits(self.capacity) if self.after else None,
+            "fits_after": self.after_verdict.decision != STOP if self.after_verdict else None,
             "run": self.launches(),
+            "verdict": self.verdict.to_dict() if self.verdict else None,
+            "verdict_after": self.after_verdict.to_dict() if self.after_verdict else None,
         }
 
 
@@ -154,29 +165,42 @@ def plan_images(spec: ModelSpec, knobs: Knobs, model_path: str | Path, per_promp
 def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | None = None,
               facts: RunFacts | None = None, prompt_tokens: int | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False,
-              device_name: str | None = None) -> Prediction:
-    """Predict ``knobs`` on a device of ``capacity`` bytes; if it does not fit, the config ``oomguard run`` would
-    choose: the same ``Conductor.choose`` judged by the same ``Judge`` (the model's error kept free as headroom where
-    a config has it), so plan never recommends a config run would not pick. The LM head is ``facts.trl_head`` (the
-    installed TRL's or ``--trl-version``'s, where the caller knows it), else the newest TRL's; ``device_name`` (NVML's) loads what earlier
-    probes of this model on this machine taught, unless ``coefficients`` are given."""
+              device_name: str | None = None, context: int | None = None) -> Prediction:
+    """Predict ``knobs`` on a device of ``capacity`` bytes, with the verdict `oomguard run` acts on and how it starts
+    the config (a conductor with run's default policy); where the climb would not keep the config as it is, the
+    config ``oomguard run`` would launch next: after the pre-flight's stop (verdict ``stop``), or after its probe ran
+    out of memory (verdict ``probe``, predicted over the climb's headroom: the OOM's own figures, which run would learn
+    from, are not known here), the same conductor's ``choose`` judged by the same ``Judge`` (the model's error kept
+    free as headroom where a config has it; a cheaper trial first, with the choice as its ``fallback``), so plan never
+    recommends a config run would not pick. The LM head is ``facts.trl_head`` (the installed TRL's or
+    ``--trl-version``'s, where the caller knows it), else the newest TRL's; ``device_name``
+    (NVML's) loads what earlier probes of this model on this machine taught, unless ``coefficients`` are given;
+    ``context`` is the device's memory outside the allocator where known (a simulated device's)."""
     facts = (facts or RunFacts()).replace(model_source=(facts.model_source if facts else None) or "string",
-                                          prompt_tokens_max=prompt_tokens)
-    judge = Judge(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name)
+                                          prompt_tokens_max=prompt_tokens or 256)  # the estimate's default
+    judge = Judge(capacity, simulated=simulated, coefficients=coefficients, spec=spec, device_name=device_name,
+                  context=context)
     # judged as `oomguard run` judges this TRL: a release newer than the tested ones, or a stack whose memory no
     # measurement covers, is verified by a probe (Conductor.take_trl)
     judge.set_trl(facts.trl_head, support(facts.trl_version).untested or bool(facts.stack_untested))
     facts = facts.replace(vllm_min_utilization=judge.vllm_floor(facts, knobs))
     est = judge.predict(facts, knobs)
     assert est is not None  # the spec is fixed: only knobs the model cannot judge fail, and those raise
-    plan = Prediction(estimate=est, capacity=capacity, knobs=knobs, judge=judge, facts=facts)
-    if est.fits(capacity):
-        return plan
     lad = ladder or load_ladder("default")
     climb = Climb(lad, base=knobs, facts=facts)
-    # the choice `oomguard run` would make after its first OOM: its conductor's, with nothing launched (every knob
-    # reaches) and no probe to settle a cheaper trial
-    nxt = Conductor(climb, judge, Policy(probe_steps=0), capacity=capacity).choose(None, None)
+    run = Conductor(climb, judge, Policy(), capacity=capacity)  # how `oomguard run` starts a config
+    v = judge.verdict(est, facts)
+    plan = Prediction(estimate=est, capacity=capacity, knobs=knobs, judge=judge, facts=facts, verdict=v,
+                      first=run.starts(v))
+    if judge.judge(est) or plan.first == RUN:
+        return plan  # the climb keeps it as it is
+    # the first attempt as run ends it: stopped by the pre-flight, or its probe out of memory
+    run.record(Attempt(index=1, knobs=knobs.to_dict(), remedies=[], exit_code=None, seconds=0.0, kind=AttemptKind.PROBE,
+                       outcome=Outcome.PREDICTED if plan.first == STOP else Outcome.OOM), None)
+    # the choice `oomguard run` would make: its conductor's, with nothing launched (every knob reaches); after a stop
+    # for vLLM's share, on the diagnosis run's classify gives that stop. Where the choice changes what is trained or
+    # learned and a cheaper config may fit, run probes that one first (a trial), and the choice only if it runs out
+    nxt = run.choose(None, vllm_stop(v))
     decision = next(s.decision for s in nxt.said if s.decision is not None)
     plan.climb = climb
     plan.choose_by = lad.choose_by
@@ -190,6 +214,77 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
         steps[-1] = replace(steps[-1], knobs=final)
     plan.steps, plan.rungs = steps, list(climb.applied)
     plan.after = judge.predict(facts, final) if steps else None
+    if plan.after is not None:
+        plan.after_verdict = judge.verdict(plan.after, facts)
+        plan.then = run.starts(plan.after_verdict)
+    if climb.trial_of is not None:
+        plan.fallback = climb.trial_of.knobs
     return plan
 
 
+def vllm_stop(v: FitVerdict) -> Diagnosis | None:
+    """The diagnosis of a pre-flight stop for vLLM's share, as `oomguard run` reads the stop (``run.classify``: vLLM
+    would refuse to start, its KV cache cannot hold one sequence); None for any other verdict."""
+    if v.short is None or v.short[0] != "vllm":
+        return None
+    return Diagnosis(kind="vllm-reservation", phase="unknown", evidence=(v.vllm_note,),
+                     report=OOMReport(backend="vllm", origin="vllm-kv", message=v.vllm_note))
+
+
+def run_value(p: Prediction, knob: str) -> Any:
+    """The value of ``knob`` `oomguard run` launches with on this card: the user's, unless the pre-flight stops their
+    config (then its choice's; None where no choice is predicted to get past the pre-flight)."""
+    if p.first != STOP:
+        k = p.knobs
+    elif p.steps and not p.exhausted and p.then != STOP:
+        k = p.steps[-1].knobs
+    else:
+        return None
+    value = getattr(k, knob)
+    if value is None and knob == SHARE_KNOB:
+        return 0.3  # TRL's default share
+    if value is None and knob == LENGTH_KNOB and p.judge is not None and p.judge.fixed_spec is not None:
+        return p.judge.fixed_spec.max_positions or 2048  # vLLM takes the model's whole window
+    return value
+
+
+def card_row(p: Prediction, gpu: str, fit: str | None, *, world_size: int = 1, upper: int | None = None
+             ) -> dict[str, Any]:
+    """One card's row of `oomguard plan --gpu A,B,...`: the predicted peak, the verdict `oomguard run` acts on, what
+    run would change where it stops the config, and with ``fit`` the largest value of that knob that fits (for vLLM's
+    share and context: the range where vLLM and training both fit, which side is short where none does, and the value
+    run launches with)."""
+    v = p.verdict
+    assert v is not None and p.judge is not None and p.facts is not None
+    row: dict[str, Any] = {"gpu": gpu, "capacity_bytes": p.capacity, "peak_bytes": p.estimate.peak_bytes,
+                           "fits": p.fits, "verdict": v.decision, "verdict_line": v.line(),
+                           "short": {"side": v.short[0], "bytes": v.short[1]} if v.short else None,
+                           "suggest": p.suggest if p.first == STOP else {}, "exhausted": p.exhausted}
+    if fit in SPLIT_KNOBS:
+        split = (share_split(p.judge, p.facts, p.knobs) if fit == SHARE_KNOB
+                 else length_split(p.judge, p.facts, p.knobs, upper))
+        row.update(fit_knob=fit, fit_value=split.high, **split.to_dict(), run_value=run_value(p, fit))
+    elif fit is not None:
+        judge = p.judge.fits(p.facts)
+        row["fit_knob"] = fit
+        row["fit_value"] = largest(judge, p.knobs, fit, world_size=world_size, upper=upper) if judge else None
+    return row
+
+
+def card_rows(spec: ModelSpec, knobs: Knobs, cards: list[tuple[str, int]], fit: str | None, *, ladder: Ladder,
+              facts: RunFacts, prompt_tokens: int | None, world_size: int = 1,
+              device_name: str | None = None) -> tuple[list[dict[str, Any]], str]:
+    """`oomguard plan` with several cards or ``--fit``: one row per ``(name, bytes)`` card (:func:`card_row`), and the
+    verdict the exit code follows: the least favourable card's, or with ``fit`` ``run`` where some value fits every
+    card, else ``stop``."""
+    upper = None
+    if fit == "max_completion_length" and spec.max_positions:  # the prompt and the completion share the context
+        upper = max(1, spec.max_positions - (prompt_tokens or 256))
+    elif fit == LENGTH_KNOB:
+        upper = spec.max_positions  # vLLM refuses a context longer than the model's
+    rows = [card_row(make_plan(spec, knobs, cap, ladder=ladder, facts=facts, prompt_tokens=prompt_tokens,
+                               device_name=device_name), name, fit, world_size=world_size, upper=upper)
+            for name, cap in cards]
+    if fit:
+        return rows, RUN if all(r["fit_value"] is not None for r in rows) else STOP
+    return rows, min((r["verdict"] for r in rows), key=(STOP, PROBE, RUN).index)

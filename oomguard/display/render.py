@@ -134,39 +134,80 @@ _TERMS = [
 ]
 
 
+# The verdict `oomguard plan` prints, as `oomguard run` acts on it (``memory.estimate.verdict``).
+_VERDICT = {"run": "[green]sure to fit[/]", "probe": "[yellow]probe first[/]", "stop": "[red]predicted not to fit[/]"}
+# How `oomguard plan` says what `oomguard run` would do with a config (``Prediction.launches``).
+_FIRST = {"run": "one launch, the real run (the memory model is sure this config fits)",
+          "probe": "a short worst-case probe first (it may fit; only a probe can tell), then the real run",
+          "stop": "stopped by the pre-flight before it generates (predicted not to fit), then the choice above"}
+_THEN = {"run": "its real run at once (sure to fit)", "probe": "probed first, then its real run",
+         "stop": "stopped by the pre-flight too (predicted not to fit), and the climb goes on"}
+_SIDE = {"vllm": "vLLM's share", "training": "training"}
+
+
+def _card_verdict(r: dict[str, Any]) -> str:
+    if r["verdict"] == "stop":
+        return f"[red]no[/], {_SIDE[r['short']['side']]} {size(r['short']['bytes'])} short"
+    return "[green]sure[/]" if r["verdict"] == "run" else "[yellow]probe first[/]"
+
+
+def _split_cells(r: dict[str, Any]) -> list[str]:
+    """The colocated split's cells: the range where vLLM and training both fit, and the value run launches with."""
+    rng = r["fit_range"]
+    if rng is None:
+        fits = f"none: {_SIDE[r['fit_short']['side']]} {size(r['fit_short']['bytes'])} short"
+    elif r["fit_knob"] == "vllm_gpu_memory_utilization":
+        fits = f"{rng[0]:.2f} to {rng[1]:.2f}"
+    else:
+        fits = f"up to {rng[1]:,}"
+    run = r["run_value"]
+    return [fits, "—" if run is None else f"{run:.2f}" if isinstance(run, float) else f"{run:,}"]
+
+
 def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str | None) -> None:
-    """One row per card (``oomguard plan --gpu A,B,...``): the config's predicted peak, whether it fits, the largest
-    ``fit`` that does (``--fit``), and what ``oomguard run`` would change where it does not."""
+    """One row per card (``oomguard plan --gpu A,B,...``): the config's predicted peak, the verdict `oomguard run`
+    acts on, the largest ``fit`` that fits (``--fit``; for vLLM's share, the range where vLLM and training both fit
+    and the value run launches with), and what ``oomguard run`` would change where it stops the config."""
     out.print(f"[bold]{model}[/]: one row per card, at the settings given")
+    split = fit in ("vllm_gpu_memory_utilization", "vllm_max_model_length")
     t = Table(header_style="bold")
     t.add_column("card", justify="right")
     t.add_column("peak", justify="right")
-    t.add_column("fits")
-    if fit:
+    t.add_column("verdict")
+    if split:
+        t.add_column("vLLM's share: both fit" if fit == "vllm_gpu_memory_utilization" else "vLLM's context: fits",
+                     justify="right")
+        t.add_column("oomguard run sets", justify="right")
+    elif fit:
         t.add_column(f"largest {fit}", justify="right")
-    some_short = not all(r["fits"] for r in rows)
+    some_short = any(r["verdict"] == "stop" for r in rows)
     if some_short:
         t.add_column("else oomguard run would set")
     for r in rows:
-        verdict = "[green]yes[/]" if r["fits"] else f"[red]no[/], {size(r['peak_bytes'] - r['capacity_bytes'])} short"
-        cells = [size(r["capacity_bytes"]), size(r["peak_bytes"]), verdict]
-        if fit:
+        cells = [size(r["capacity_bytes"]), size(r["peak_bytes"]), _card_verdict(r)]
+        if split:
+            cells += _split_cells(r)
+        elif fit:
             cells.append("none fits" if r["fit_value"] is None else f"{r['fit_value']:,}")
-        change = ("" if r["fits"] else "no rung fits it" if not r["suggest"]
+        change = ("" if r["verdict"] != "stop" else "no rung fits it" if not r["suggest"]
                   else " ".join(f"{k}={_v(v)}" for k, v in r["suggest"].items()))
         t.add_row(*cells, *([change] if some_short else []))
     out.print(t)
-
-
-# How `oomguard plan` says what `oomguard run` would do with a config (``Plan.launches``).
-_FIRST = {"run": "one launch, the real run (the memory model is sure this config fits)",
-          "probe": "a short worst-case probe first (near the device's edge), then the real run",
-          "stopped": "stopped by the pre-flight before it generates (too far over the device)"}
-_THEN = {"run": "its real run at once (sure to fit)", "probe": "probed first, then its real run"}
+    for r in rows:
+        if r.get("fit_short"):
+            out.print(f"{r['gpu']}: {escape(r['fit_short']['why'])}", soft_wrap=True)
+    if split:
+        out.print("both fit: vLLM's share holds its weights, its profile's activations and a KV cache for its context "
+                  "and the generation batch, and training fits beside it, each with the memory model's margin kept "
+                  "free; oomguard run sets: the value it launches with (yours, unless the pre-flight stops it)",
+                  soft_wrap=True)
+    elif fit:
+        out.print(f"largest {fit}: the largest value GRPO accepts at the other settings that the memory model judges "
+                  "to fit, with its error kept free as `oomguard run` keeps it", soft_wrap=True)
 
 
 def plan_table(out: Console, p: Any, model: str) -> None:
-    """The breakdown, the verdict with headroom, and the suggested rungs."""
+    """The breakdown, the verdict `oomguard run` acts on with the margin that decides it, and the suggested rungs."""
     e = p.estimate
     out.print(f"[bold]{model}[/]: predicted peak in the {e.dominant_phase.replace('_', '/')} phase")
     t = Table(header_style="bold")
@@ -180,25 +221,34 @@ def plan_table(out: Console, p: Any, model: str) -> None:
     t.add_row("[bold]peak[/]", f"[bold]{size(e.peak_bytes)}[/]", "")
     out.print(t)
     out.print(f"trainable parameters {e.trainable_params:,} of {e.total_params:,}")
+    out.print(f"{_VERDICT[p.verdict.decision]} in {size(p.capacity)}: {escape(p.verdict.line())}", soft_wrap=True)
+    out.print(f"  margins: {escape(p.verdict.margins())}", soft_wrap=True)
     launches = p.launches()
-    if p.fits:
-        out.print(f"[green]fits[/] in {size(p.capacity)} with {size(p.headroom)} to spare")
-        out.print(f"oomguard run: {_FIRST[launches['first']]}", soft_wrap=True)
+    first = f"oomguard run: {_FIRST[launches['first']]}"
+    if p.climb is None:
+        out.print(first, soft_wrap=True)
         return
-    out.print(f"[red]does not fit[/] in {size(p.capacity)}: {size(-p.headroom)} short")
     if not p.steps:
-        out.print("no rung of the ladder applies")
+        out.print(f"{first}; no rung of the ladder applies", soft_wrap=True)
         return
-    out.print("[bold]the rungs that cost the experiment least[/]" if p.choose_by == "cost"
-              else "[bold]cheapest rungs, in the ladder's order[/]")
+    if p.first != "stop":
+        out.print("[bold]if its probe runs out of memory[/], the rungs oomguard run would choose (as predicted now)")
+    if p.fallback is not None:
+        out.print("[bold]first a cheaper config[/], predicted within the memory model's error of the card (a probe "
+                  "tells), before the choice, which changes what is trained or learned", soft_wrap=True)
+    elif p.first == "stop":
+        out.print("[bold]the rungs that cost the experiment least[/]" if p.choose_by == "cost"
+                  else "[bold]cheapest rungs, in the ladder's order[/]")
     for s in p.steps:
         r = s.remedy
         note = r.trade_for(p.suggest)
         out.print(f"  [cyan]{r.name}[/]  (costs {r.cost}{': ' + note if note else ''})", soft_wrap=True)
     out.print("  " + " ".join(f"{k}={_v(v)}" for k, v in p.suggest.items()), soft_wrap=True)
-    if p.after is not None:
-        verdict = "fits" if p.after.fits(p.capacity) else "still does not fit"
-        out.print(f"  then: peak {size(p.after.peak_bytes)}, {verdict}")
+    if p.after is not None and p.after_verdict is not None:
+        out.print(f"  then: peak {size(p.after.peak_bytes)}, {_VERDICT[p.after_verdict.decision]}")
+    if p.fallback is not None:
+        out.print("  if it runs out of memory, the choice: " + " ".join(f"{k}={_v(v)}" for k, v in
+                                                                     p.to_dict()["fallback"].items()), soft_wrap=True)
     then = launches["then"]
-    out.print(f"oomguard run: {_FIRST[launches['first']]}" + (f"; the choice: {_THEN[then]}" if then else ""),
-              soft_wrap=True)
+    out.print(first + (f"; the choice: {_THEN[then]}" if then else ""), soft_wrap=True)
+

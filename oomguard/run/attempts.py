@@ -8,7 +8,6 @@ writes, why a group ended early, the warnings said once and kept for the report,
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import shutil
@@ -39,7 +38,7 @@ from ..vocab.events import (
 from ..vocab.files import write_json_atomic
 from ..vocab.knobs import Knobs
 from ..vocab.lock import shown
-from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, PreflightPlan, ProbePlan, whereabouts
+from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, ProbePlan, whereabouts
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
@@ -127,18 +126,18 @@ class Launcher:
         # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
         # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
         scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
-        # a probe unless the training process finds the memory model sure of the config: then it is the real run
-        judge = self.conductor.judge
-        deferred = kind == AttemptKind.PROBE and nxt.deferred and judge is not None
-        probe = (ProbePlan(steps=self.conductor.probe_steps, output_dir=str(scratch),
-                           unless_sure=judge.sure_plan() if deferred and judge is not None else None)
+        # how the training process judges its config; a probe unless it finds the memory model sure of the config:
+        # then it is the real run
+        judging = self.conductor.judging(nxt)
+        deferred = judging.pop("unless_sure")
+        probe = (ProbePlan(steps=self.conductor.probe_steps, output_dir=str(scratch), unless_sure=deferred)
                  if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
                   if kind == AttemptKind.RUN else None)
         plan = Plan(attempt=index, overrides=c.overrides(knobs), pinned=c.pinned.to_dict(only_set=True),
                     simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
-                    events=str(events_path), remedies=remedies, probe=probe, resume=resume, preflight=self._preflight(),
+                    events=str(events_path), remedies=remedies, probe=probe, resume=resume, **judging,
                     checkpoint_every=self._saves(nxt) if kind == AttemptKind.RUN or deferred else None,
                     trace=self.o.trace, host_limit=self.host_limit,
                     census_after=CENSUS_AFTER if self.conductor.leaks else None)
@@ -312,19 +311,6 @@ class Launcher:
             if label.startswith("attempt "):  # named as the attempt it may have been: the end line names the probe
                 w.progress.label = "probe " + label[len("attempt "):]
             self.ui.message(f"  {ev.why}: a {self.conductor.probe_steps}-step worst-case probe first")
-
-    def _preflight(self) -> PreflightPlan | None:
-        """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
-        judge, policy = self.conductor.judge, self.conductor.policy
-        if judge is None or not policy.preflight or policy.replay:
-            return None
-        margin, source = self.conductor.stop_margin()
-        # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
-        # finds (the supervisor may not see the command's environment); --preflight-margin sets the one margin
-        margins = judge.stop_margins() if policy.preflight_margin is None else None
-        return PreflightPlan(capacity=int(self.conductor.capacity or 0), margin=margin, margin_source=source,
-                             margins=margins or {}, simulated=judge.simulated, context=judge.context,
-                             coefficients=dataclasses.asdict(judge.coefficients))
 
     def progress_state(self, index: int, kind: AttemptKind, remedies: list[str]) -> Any:
         """The live view's state (the console reporter owns one; for others, --json-log, it is kept here)."""

@@ -117,8 +117,11 @@ class VllmMemory(Remedy):
         if r is not None and r.origin == "vllm-kv":  # one full-length sequence does not fit the KV cache
             if longer:
                 return k.replace(vllm_max_model_length=need)
-            if u < 0.9:
-                return k.replace(vllm_gpu_memory_utilization=round(min(0.9, u / self.p["factor"]), 3))
+            held = ctx.facts.vllm_min_utilization  # the least share that holds one of the run's sequences, if known
+            if held is not None and u >= held:
+                return k  # it holds the run's sequences already: a larger share would only take training's room
+            if u < 0.9:  # to what holds them where the memory model knows it, else one step
+                return k.replace(vllm_gpu_memory_utilization=round(min(0.9, held or u / self.p["factor"]), 3))
             return k
         out = k.replace(vllm_max_model_length=need) if longer else k
         if r is not None and r.origin == "vllm-startup" and r.free and r.capacity and u > floor:

@@ -56,29 +56,39 @@ END_EXIT, END_ERROR, END_OOM, END_PREDICTED, END_UNMET = "exit", "error", "oom",
 
 
 @dataclass(frozen=True)
-class SurePlan:
-    """What the training process needs to decide whether an attempt launched as a probe is the real run
-    (``child/preflight.decide_probe``; built by ``Judge.sure_plan``): the device, the coefficients, and the measured
-    under-prediction for each LM head with the limit it gives (a TRL newer than tested is never sure)."""
+class JudgeSpec:
+    """The memory model's judge of "will it fit", the one plan part the training process decides with (built by
+    ``memory.estimate.judge_spec``; judged by ``memory.estimate.verdict``, which the supervisor's Judge, the climb and
+    `oomguard plan` ask too): the device (``capacity``, ``simulated``, its ``context`` outside the allocator when
+    measured), the model's ``coefficients``, its measured error for each LM head (``errors``: ``[over, under,
+    source]``), the factor beyond which a TRL no measurement covers is stopped (``untested_factor``), the share of the
+    device a sure config leaves free beyond the under-prediction (``headroom``), what the stop margin adds to the
+    over-prediction (``allowance``), the climb's ``margin`` (and ``relax_margin`` for relaxing graded knobs; None: each
+    head's under-prediction), and the stop margin the user set (``stop_margin``, ``--preflight-margin``)."""
 
     capacity: int = 0
     simulated: bool = False
     context: int | None = None
     coefficients: dict[str, Any] = field(default_factory=dict)
-    under: dict[str, float] = field(default_factory=dict)
-    limits: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, Any] = field(default_factory=dict)
+    untested_factor: float = 0.0
+    headroom: float = 0.0
+    allowance: float = 0.0
+    margin: float = 0.0
+    relax_margin: float | None = None
+    stop_margin: float | None = None
 
 
 @dataclass(frozen=True)
 class ProbePlan:
     """A short worst-case probe instead of the command's run (``child/probe.py``): ``steps`` optimizer steps on
     ``rows`` of the longest prompts, saving into oomguard's scratch ``output_dir``; with ``unless_sure``, the real run
-    instead where the memory model is sure of the config."""
+    instead where the memory model (the plan's ``judge``) is sure of the config."""
 
     steps: int = 2
     rows: int = 64
     output_dir: str | None = None
-    unless_sure: SurePlan | None = None
+    unless_sure: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,21 +101,6 @@ class ResumePlan:
     checkpoint: str = ""
     why: str = ""
     output_dir: str | None = field(default=None, metadata={"omit": True})
-
-
-@dataclass(frozen=True)
-class PreflightPlan:
-    """What the training process needs to stop a config the memory model is sure cannot fit (``child/preflight.py``):
-    the device, the margin over it (``margins``: one per LM head and one for a TRL newer than tested, each
-    ``[margin, source]``; ``margin`` where the supervisor sends none), and the model's coefficients."""
-
-    capacity: int = 0
-    margin: float | None = None
-    margin_source: str = ""
-    margins: dict[str, Any] = field(default_factory=dict)
-    simulated: bool = False
-    context: int | None = None
-    coefficients: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,13 +122,14 @@ class Plan:
     checkpoint_every: int | None = None
     remedies: list[str] = field(default_factory=list)
     log_to_trainer: bool = True
-    preflight: PreflightPlan | None = None
+    judge: JudgeSpec | None = None  # the memory model's judge (None: no model judges this run)
+    preflight: bool = False  # the training process stops a config the judge's verdict is "stop" on
     trace: bool = True  # a memory sample at each optimizer step's end (child/memwatch.py), and its trend
     host_limit: int | None = None  # the host memory the process may use (its cgroup's limit, else the RAM)
     census_after: int | None = None  # find where a leak is held after this many steps (a run known to leak)
 
     def __post_init__(self) -> None:
-        for name, cls in (("probe", ProbePlan), ("resume", ResumePlan), ("preflight", PreflightPlan)):
+        for name, cls in (("probe", ProbePlan), ("resume", ResumePlan), ("judge", JudgeSpec)):
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, read_fields(cls, value))

@@ -56,7 +56,8 @@ The terms (bytes; ``b_w`` weight dtype, ``b_res`` residual-stream dtype, ``b_c``
 
 The modules follow a prediction: ``model`` (the shapes and exact parameter counts), ``coefficients`` (the fitted
 coefficients and the measured errors), ``terms`` (the byte formulas T1-T9), ``step`` (one step read from the knobs),
-``phases`` (what each phase adds) and ``peak`` (:func:`estimate`, :func:`load_bytes`, :func:`describe`).
+``phases`` (what each phase adds) and ``peak`` (:func:`estimate`, :func:`load_bytes`, :func:`describe`); then
+``fitverdict`` (:func:`verdict`: the one answer to "will it fit" that `oomguard run` and `oomguard plan` act on).
 
 >>> from oomguard.vocab.knobs import TRL_DEFAULTS
 >>> qwen3b = ModelSpec(vocab_size=151936, hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=2,
@@ -82,10 +83,20 @@ from .coefficients import (
     Coefficients,
     ModelError,
     measured_error,
-    sure_limit,
-    sure_to_fit,
 )
 from .fed import fed, images_of, load_fed
+from .fitverdict import (
+    PROBE,
+    RUN,
+    STOP,
+    Doubts,
+    FitVerdict,
+    chooses,
+    doubts_of,
+    judge_spec,
+    launch_as,
+    verdict,
+)
 from .model import (
     MXFP4_BYTES_PER_PARAM,
     EstimateError,
@@ -111,15 +122,20 @@ __all__ = [
     "NF4_BYTES_PER_PARAM",
     "NOT_MODELLED",
     "PHASES",
+    "PROBE",
+    "RUN",
     "SIMULATED_HEAD_ERROR",
     "SIMULATED_OVERPREDICTION",
     "SIMULATED_UNDERPREDICTION",
+    "STOP",
     "STOP_ALLOWANCE",
     "SURE_HEADROOM",
     "UNTESTED_FACTOR",
     "Coefficients",
+    "Doubts",
     "Estimate",
     "EstimateError",
+    "FitVerdict",
     "Images",
     "LoraTarget",
     "MlaSpec",
@@ -127,11 +143,15 @@ __all__ = [
     "ModelSpec",
     "MoeSpec",
     "VisionSpec",
+    "chooses",
     "describe",
+    "doubts_of",
     "estimate",
     "fed",
     "image_tokens",
     "images_of",
+    "judge_spec",
+    "launch_as",
     "load_bytes",
     "load_fed",
     "load_model_spec",
@@ -140,7 +160,6 @@ __all__ = [
     "lora_trainable_params",
     "measured_error",
     "not_modelled",
-    "sure_limit",
-    "sure_to_fit",
+    "verdict",
     "vision_patches",
 ]

@@ -38,30 +38,9 @@ HEAD_NAMES = {"fused": "the fused LM head of TRL 1.15 on", "logits": "the logits
 UNTESTED_FACTOR = 3.0
 # What a config the memory model is sure of leaves free of the device beyond the model's measured under-prediction:
 # room for what no term counts (a long tail of small allocations, a late step's longer prompts within the measured
-# maximum, a framework's own buffers). `oomguard run` starts such a config's real run without a probe first.
+# maximum, a framework's own buffers). `oomguard run` starts such a config's real run without a probe first
+# (the rule: ``fitverdict.verdict``).
 SURE_HEADROOM = 0.10
-
-
-def sure_to_fit(predicted: int, capacity: int, under: float) -> bool:
-    """Whether a predicted device peak is clearly under the device: with the model's measured under-prediction
-    (``ModelError.under``) added, still SURE_HEADROOM of the device free. Far from the edge a probe could only
-    confirm what the model knows; near it, only a probe can tell.
-
-    >>> sure_to_fit(64 * 2**20, 256 * 2**20, 0.12), sure_to_fit(240 * 2**20, 256 * 2**20, 0.12)
-    (True, False)
-    >>> sure_to_fit(100, 0, 0.0)
-    False
-    """
-    return capacity > 0 and predicted * (1 + under) <= capacity * (1 - SURE_HEADROOM)
-
-
-def sure_limit(capacity: int, under: float) -> int:
-    """The largest predicted peak :func:`sure_to_fit` accepts on ``capacity``.
-
-    >>> sure_limit(1000, 0.125)
-    800
-    """
-    return int(capacity * (1 - SURE_HEADROOM) / (1 + under))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,10 @@ NOT_MODELLED: dict[str, str] = {
     "mla_gpu": "DeepSeek's latent attention on a GPU: its memory is measured on the simulated device only",
 }
 
+# Those under which vLLM's own memory is not the reservation the model counts (a server's GPU, Unsloth's standby
+# sizing its share itself): a shortfall the model computes for vLLM's share is no reason to stop the config.
+VLLM_NOT_MODELLED = frozenset({"vllm_server", "unsloth_standby"})
+
 
 def from_knobs(k: Knobs) -> tuple[str, ...]:
     """What the knobs themselves say the model cannot count: vLLM generating in a server."""
@@ -80,4 +84,4 @@ def not_modelled(keys: Iterable[str]) -> list[str]:
     return [NOT_MODELLED.get(key, key) for key in keys]
 
 
-__all__ = ["NOT_MODELLED", "from_knobs", "from_model", "not_modelled", "unmodelled"]
+__all__ = ["NOT_MODELLED", "VLLM_NOT_MODELLED", "from_knobs", "from_model", "not_modelled", "unmodelled"]
