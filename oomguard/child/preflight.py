@@ -142,7 +142,8 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
     from ``Judge.sure_plan``): decide it once the config, the model's shape (``config``) and the prompt lengths are
     known, before anything is generated. Sure (``memory.estimate.sure_to_fit``: predicted clearly under the device,
     with the model's measured under-prediction for this TRL's LM head): this launch is the real run. Near the edge, a
-    TRL or a stack around it that no measurement covers, or a model the memory model cannot read: a probe."""
+    TRL or a stack around it that no measurement covers, something of the run oomguard could not observe (its
+    prompts, its generation engine: ``RunFacts.unobserved``), or a model the memory model cannot read: a probe."""
     if not rt.probe_undecided():
         return
     us = (rt.plan.probe.unless_sure if rt.plan.probe is not None else None) or SurePlan()
@@ -154,6 +155,9 @@ def decide_probe(rt: Runtime, config: dict[str, Any] | None) -> None:
         return
     if rt.stack_facts or facts.get("stack_untested"):
         rt.decide_probe("probe", str(facts.get("stack_untested") or "a stack around TRL builds this trainer"))
+        return
+    if facts.get("unobserved"):  # what oomguard could not observe of the run (RunFacts.unobserved)
+        rt.decide_probe("probe", f"not observed: {facts['unobserved'][0]}")
         return
     est = predict_estimate(rt, us, config)
     head = str(facts.get("trl_head") or "fused")

@@ -83,6 +83,7 @@ class Judge:
         self.fixed_margin = margin is not None
         self.head: str | None = None  # the installed TRL's LM head, once known (RunFacts.trl_head)
         self.untested = False  # the installed TRL is newer than the newest tested release
+        self.unobserved: tuple[str, ...] = ()  # what the training process could not observe (RunFacts.unobserved)
         self.relax_margin = self._relax_margin()
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
@@ -165,10 +166,11 @@ class Judge:
 
     def sure(self, est: Estimate, head: str | None = None) -> bool:
         """Whether the model is sure ``est`` fits the device (``memory.estimate.sure_to_fit``): far enough under it
-        that a probe could only confirm it. Never for a TRL newer than the tested releases, nor where a colocated
-        vLLM's reservation cannot hold what vLLM needs."""
-        return not self.untested and not est.vllm_lacks and sure_to_fit(est.peak_bytes, self.capacity,
-                                                                          self.under(head))
+        that a probe could only confirm it. Never for a TRL newer than the tested releases, nor for a run of which
+        something was not observed (``unobserved``), nor where a colocated vLLM's reservation cannot hold what vLLM
+        needs."""
+        return (not self.untested and not self.unobserved and not est.vllm_lacks
+                and sure_to_fit(est.peak_bytes, self.capacity, self.under(head)))
 
     def sure_plan(self) -> SurePlan:
         """What the training process needs to decide whether an attempt launched as a probe is the real run

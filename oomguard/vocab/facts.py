@@ -75,9 +75,17 @@ class RunFacts:
     freeze_vision: bool = False
     lora_target_parameters: tuple[str, ...] = ()
     keep_mxfp4: bool = False
+    # what generates the completions, as the training process found it (child/engine.py): ``generate`` (TRL's default,
+    # transformers' padded generate), ``continuous_batching`` (transformers' paged cache), ``vllm_colocate``,
+    # ``vllm_server``, ``unsloth_fast_inference`` (Unsloth's own vLLM), ``rollout_func`` (the script's own); None: not
+    # known yet
+    generation_engine: str | None = None
+    # what oomguard could not observe of this run, one line each (a dataset it cannot read, an engine it does not
+    # model, tools it cannot render): the memory model is never sure of such a run (a probe first), and each is said
+    unobserved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("missing_packages", "trl_lacks", "lora_target_parameters"):
+        for name in ("missing_packages", "trl_lacks", "lora_target_parameters", "unobserved"):
             if not isinstance(getattr(self, name), tuple):  # JSON gives a list
                 object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 
