@@ -234,6 +234,8 @@ GRID: list[Config] = [
     replace(BASE, name="vlm-full", arch="vlm"),
     replace(BASE, name="vlm-full-nogc", arch="vlm", gc=False),
     replace(BASE, name="vlm-lora16", arch="vlm", lora_r=16),
+    # the same images as content parts of the prompt's message (as chat datasets hold them), not an image column
+    replace(BASE, name="vlm-msgs-full", arch="vlm", extra={"in_messages": True}),
 ]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -251,9 +253,10 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     from oomguard.child import simulate
 
     dev = simulate.start(64 * 2**30, expandable=False)
-    extra = {k: v for k, v in cfg.extra.items() if k != "targets"}
+    extra = {k: v for k, v in cfg.extra.items() if k not in ("targets", "in_messages")}
     if cfg.arch == "vlm":
-        trainer = build_vlm_trainer(cfg, model_dir, out_dir, rows=64, bf16=cfg.bf16, use_cpu=True, **extra)
+        trainer = build_vlm_trainer(cfg, model_dir, out_dir, rows=64, bf16=cfg.bf16, use_cpu=True,
+                                    in_messages=bool(cfg.extra.get("in_messages")), **extra)
     else:
         trainer = build_trainer(replace(cfg, extra=extra), model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir,
                                 rows=64, model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True,

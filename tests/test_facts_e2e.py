@@ -72,37 +72,37 @@ def prediction_error(rep: dict) -> float:
 def sure_and_within_5_percent(out, rep: dict) -> None:
     attempts = rep["attempts"]
     assert rep["status"] == "stable" and len(attempts) == 1, (rep["message"], story(rep), out.stderr[-3000:])
-    assert attempts[0]["kind"] == "run" and not rep["diff"]  # sure of it: one launch, the real run
-    assert rep["facts"]["unobserved"] == [], rep["facts"]["unobserved"]
     assert abs(prediction_error(rep)) <= 0.05, prediction_error(rep)
+    assert attempts[0]["kind"] == "run" and not rep["diff"]  # sure of it: one launch, the real run
+    assert rep["facts"].get("unobserved") == [], rep["facts"].get("unobserved")
 
 
 def test_a_tool_calling_scripts_prompts_are_measured_as_the_trainer_tokenizes_them(tmp_path, tiny_model):
     out, rep = run(tmp_path, "tools", tiny_model, "64GiB")
-    sure_and_within_5_percent(out, rep)
     trainer = int(re.search(r"trainer prompt tokens (\d+)", out.stdout).group(1))
     assert rep["facts"]["prompt_tokens_max"] == trainer > 1000  # the tools' schemas: without them, under 200
-    assert rep["facts"]["generation_engine"] == "generate"
+    assert rep["facts"].get("generation_engine") == "generate"
+    sure_and_within_5_percent(out, rep)
 
 
 def test_a_vision_language_models_images_in_its_messages_are_counted(tmp_path, family_model):
     out, rep = run(tmp_path, "vlm", family_model("vlm"), "64GiB")
-    sure_and_within_5_percent(out, rep)
     f = rep["facts"]
-    assert (f["images_per_prompt"], f["image_height"], f["image_width"]) == (1, 224, 224)
+    assert (f.get("images_per_prompt"), f.get("image_height"), f.get("image_width")) == (1, 224, 224)
     assert f["prompt_tokens_max"] == 32 + 5  # the text as the processor's template renders it; the image's are added
+    sure_and_within_5_percent(out, rep)
 
 
 def test_continuous_batchings_paged_cache_is_modelled_and_sized_as_on_a_gpu(tmp_path, tiny_model):
     """The paged cache takes 0.02 of what the 64 GiB device has free (1.3 GiB, as on a GPU of that size; transformers'
     CPU path would take a share of the host's RAM), which the memory model predicts."""
     out, rep = run(tmp_path, "cb", tiny_model, "64GiB")
-    sure_and_within_5_percent(out, rep)
-    assert rep["facts"]["generation_engine"] == "continuous_batching"
+    assert rep["facts"].get("generation_engine") == "continuous_batching"
     knobs = rep["attempts"][0]["knobs"]
-    assert knobs["use_transformers_continuous_batching"] and knobs["cb_max_memory_percent"] == 0.02
-    assert knobs["cb_max_batch_tokens"] == 512
+    assert knobs.get("use_transformers_continuous_batching") and knobs.get("cb_max_memory_percent") == 0.02
+    assert knobs.get("cb_max_batch_tokens") == 512
     assert rep["attempts"][0]["peak_bytes"] > 0.6 * 0.02 * DEVICE  # the cache, beside 40 MiB of training
+    sure_and_within_5_percent(out, rep)
 
 
 @pytest.mark.slow

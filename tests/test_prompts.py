@@ -13,7 +13,14 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.datasets import prepare_dataset, prompt_lengths
-from oomguard.child.prompts import CANDIDATES, Construction, check_built, measure_longest, text_only
+from oomguard.child.prompts import (
+    CANDIDATES,
+    Construction,
+    check_built,
+    construction_for,
+    measure_longest,
+    text_only,
+)
 from oomguard.child.runtime import Runtime
 from oomguard.vocab.events import DatasetSeen, read_events
 from oomguard.vocab.protocol import Plan
@@ -144,15 +151,15 @@ def test_the_dataset_event_carries_the_trainers_lengths_and_max_prompt_tokens_dr
     assert len(kept) == 2
 
 
-@pytest.mark.parametrize("dataset, what", [
-    (lambda: __import__("datasets").Dataset.from_list([{"prompt": "a b"}]).to_iterable_dataset(), "IterableDataset"),
-    (lambda: __import__("datasets").Dataset.from_list([{"question": "a b"}]), "no prompt column"),
-])
-def test_a_dataset_that_cannot_be_measured_is_said(tmp_path, dataset, what):
+def test_a_dataset_that_cannot_be_measured_is_said(tmp_path):
+    from datasets import Dataset
+
     rt = runtime(tmp_path)
-    prepare_dataset(rt, dataset(), tokenizer(), "m")
+    prepare_dataset(rt, Dataset.from_list([{"prompt": "a b"}]).to_iterable_dataset(), tokenizer(), "m")
     (line,) = rt.facts()["unobserved"]
-    assert what in line and "256 tokens" in line
+    assert "IterableDataset" in line and "256 tokens" in line
+    construction_for(rt, {"processing_class": tokenizer(), "environment_factory": object}, SimpleNamespace(), "m")
+    assert len(rt.facts()["unobserved"]) == 3  # the environments' tools, and their prompts without a dataset
 
 
 def test_tools_the_template_cannot_render_are_said_and_the_tokenizers_template_measures(tmp_path):
@@ -182,3 +189,30 @@ def test_the_built_trainers_own_tokenization_corrects_a_length_measured_before_i
     check_built(rt, longer)
     assert seen(tmp_path)[-1].prompt_tokens_max == before + 7 == rt.facts()["prompt_tokens_max"]
     assert f"({before + 7} tokens, {before} as measured before it was built)" in rt.facts()["unobserved"][0]
+
+
+@pytest.mark.core
+def test_the_construction_before_the_trainer_is_the_built_trainers_own(tmp_path, tiny_model):
+    """Under each end of the supported range (tests/compat.sh runs the ``core`` tests under TRL 0.29.1): the lengths
+    measured from GRPOTrainer's arguments before it is built are those its own ``_tokenize_prompts`` gives once it is,
+    for a tool-calling config with ``chat_template_kwargs`` and a system prompt in the data."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = qwen3_chat_template
+    prompts = [chat("the weather in Lima " * n, system="be brief") for n in (1, 3, 2)]
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=2,
+                      num_generations=2, max_completion_length=8, report_to=[],
+                      chat_template_kwargs={"enable_thinking": False})
+    a = {"processing_class": tok, "tools": [lookup]}
+    before, why = Construction.from_arguments(a, args, tiny_model)
+    assert why is None
+    trainer = GRPOTrainer(model=tiny_model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                          args=args, train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), **a)
+    built = Construction.from_trainer(trainer)
+    assert before.lengths(prompts) == built.lengths(prompts)
+    assert built.lengths(prompts) == [len(trainer._tokenize_prompts([p])[0][0]) for p in prompts]
+    assert min(built.lengths(prompts)) > max(prompt_lengths(prompts, tok)) + 20  # the tool's schema

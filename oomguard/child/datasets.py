@@ -81,14 +81,8 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
     ``probe.probe_train_dataset``'s). Every row is measured cheaply (:func:`prompt_lengths`), the longest of them
     through the trainer's own construction (``prompts.measure_longest``), whose largest difference from the cheap
     length is added to the rest; what cannot be measured is said (``Runtime.cannot_observe``)."""
-    if dataset is None:
-        rt.cannot_observe("the prompts' length: no train_dataset is given to GRPOTrainer (the memory model assumes "
-                          "256 tokens)")
-        return dataset
     if isinstance(dataset, dict) or not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []):
-        rt.cannot_observe(f"the prompts' length: the train_dataset ({type(dataset).__name__}) has no prompt column "
-                          "oomguard can read (the memory model assumes 256 tokens)")
-        return dataset
+        return dataset  # not GRPOTrainer's: a stack around TRL measures its own rows (``emit_prompt_stats``)
     tok = tokenizer_for(tokenizer, model)
     limit = rt.overrides.max_prompt_tokens
     n = len(dataset) if hasattr(dataset, "__len__") else None
