@@ -101,8 +101,8 @@ def _fake(fields: set[str], params: tuple[str, ...], fused: bool) -> tuple[types
 def test_a_trl_without_a_field_or_argument_reports_the_knobs_that_cannot_reach_it():
     """A release without ``steps_per_generation`` or the trainer's ``quantization_config`` (as before TRL 1.10):
     the knob that cannot reach it is reported, and a 4-bit load goes through model_init_kwargs instead."""
-    fields = set(TRL_DEFAULTS.to_dict()) - {"steps_per_generation"} | {"activation_checkpointing", "deepspeed",
-                                                                           "fsdp", "model_init_kwargs"}
+    fields = set(TRL_DEFAULTS.to_dict()) - {"steps_per_generation"} | {
+        "activation_checkpointing", "deepspeed", "fsdp", "model_init_kwargs", "transformers_continuous_batching_config"}
     f = trlcompat.read(*_fake(fields, ("model", "args", "train_dataset", "peft_config"), fused=False))
     assert f.lacks() == ("steps_per_generation",) and f.head == "logits"
     assert f.quantization_via == "model_init_kwargs"
