@@ -107,7 +107,7 @@ def test_tools_with_a_template_that_is_not_prefix_preserving_take_trls_training_
     c, _ = Construction.from_arguments({"processing_class": tok, "tools": [lookup]}, SimpleNamespace(), "m")
     assert c.chat_template == get_training_chat_template(tok) is not None
     no_tools, _ = Construction.from_arguments({"processing_class": tok}, SimpleNamespace(), "m")
-    assert no_tools.chat_template is None and no_tools.tools is None
+    assert no_tools.chat_template is None and not no_tools.tools  # TRL 0.29 passes [], TRL 1.x None
     prompt = chat("how far is Lima")
     assert c.lengths([prompt])[0] > no_tools.lengths([prompt])[0] + 20
 
@@ -216,3 +216,12 @@ def test_the_construction_before_the_trainer_is_the_built_trainers_own(tmp_path,
     assert before.lengths(prompts) == built.lengths(prompts)
     assert built.lengths(prompts) == [len(trainer._tokenize_prompts([p])[0][0]) for p in prompts]
     assert min(built.lengths(prompts)) > max(prompt_lengths(prompts, tok)) + 20  # the tool's schema
+    # without tools: TRL 0.29 passes an empty list, TRL 1.x None, and Llama's template renders its tool boilerplate
+    # for the one and not the other
+    tok.chat_template = ("{% if tools is not none %}Environment: ipython tools {% endif %}"
+                         "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    plain, _ = Construction.from_arguments({"processing_class": tok}, args, tiny_model)
+    no_tools = GRPOTrainer(model=tiny_model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                           args=args, train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                           processing_class=tok)
+    assert plain.lengths(prompts) == Construction.from_trainer(no_tools).lengths(prompts)

@@ -99,7 +99,7 @@ class Construction:
                     template = get_training_chat_template(pc)
             except Exception as e:  # TRL raises the same when the trainer is built: nothing to measure then
                 return None, f"the chat template TRL would train with ({_why(e)})"
-        return cls(pc, tools or None, template, dict(getattr(args, "chat_template_kwargs", None) or {})), None
+        return cls(pc, tools or _no_tools(), template, dict(getattr(args, "chat_template_kwargs", None) or {})), None
 
     @classmethod
     def from_trainer(cls, trainer: Any) -> Construction:
@@ -125,9 +125,24 @@ class Construction:
 
     def _tokenized(self, prompt: Any) -> list[int]:
         out = self.processing_class.apply_chat_template(
-            conversation=[prompt], tools=self.tools or None, chat_template=self.chat_template,
+            conversation=[prompt], tools=self.tools, chat_template=self.chat_template,
             add_generation_prompt=True, tokenize=True, return_dict=True, **self.kwargs)
         return list(out["input_ids"][0])
+
+
+def _no_tools() -> list[Any] | None:
+    """What the installed GRPOTrainer passes as ``tools`` when it has none, read from its ``_tokenize_prompts``: TRL
+    1.x passes None (``self.tools or None``: Llama's template renders its tool boilerplate for an empty list), TRL 0.29
+    the empty list."""
+    try:
+        import inspect
+
+        from trl.trainer.grpo_trainer import GRPOTrainer
+
+        source = inspect.getsource(GRPOTrainer._tokenize_prompts)
+    except Exception:  # no source to read: TRL 1.x's
+        return None
+    return None if "self.tools or None" in source else []
 
 
 def _load_processor(model: Any) -> tuple[Any, str | None]:
