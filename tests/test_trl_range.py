@@ -31,6 +31,13 @@ from helpers import ROOT, run_oomguard
 # What is read from the installed TRL
 
 
+def lacking(config_fields: frozenset[str]) -> set[str]:
+    """What every tested TRL lacks: the knobs only a stack around TRL takes, and continuous batching's memory share and
+    batch tokens before GRPOConfig had ``transformers_continuous_batching_config`` (TRL 1.10)."""
+    cb = {"cb_max_memory_percent", "cb_max_batch_tokens"}
+    return set(STACK_ONLY) | (set() if "transformers_continuous_batching_config" in config_fields else cb)
+
+
 @pytest.mark.core
 def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
     """Under either end of the range: every knob reaches this TRL, its LM head is the one its release is known to
@@ -39,10 +46,7 @@ def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
 
     f = trlcompat.read()
     assert f.version == trl.__version__ and support(f.version).status == "tested"
-    # every knob but those only a stack around TRL takes, and continuous batching's config before TRL 1.10 has one
-    cb = {"cb_max_memory_percent", "cb_max_batch_tokens"}
-    assert set(f.lacks()) == STACK_ONLY | (set() if "transformers_continuous_batching_config" in f.config_fields
-                                           else cb)
+    assert set(f.lacks()) == lacking(f.config_fields)
     assert f.head == head_of(f.version)
     assert f.quantization_via == ("quantization_config" if f.takes("quantization_config") else "model_init_kwargs")
     assert {"peft_config", "callbacks", "processing_class", "train_dataset"} <= f.trainer_args
@@ -75,7 +79,8 @@ def test_the_readme_job_first_choice_is_predicted_within_the_measured_error(tmp_
                             env={"OOMGUARD_EXAMPLE_CACHE": str(tmp_path / "cache")}, timeout=1500)
     assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
     facts = rep["facts"]
-    assert facts["trl_version"] == trl.__version__ and facts["trl_lacks"] == sorted(STACK_ONLY)
+    assert facts["trl_version"] == trl.__version__
+    assert facts["trl_lacks"] == sorted(lacking(trlcompat.read().config_fields))
     assert facts["trl_head"] == head_of(trl.__version__)
     first = next(a for a in rep["attempts"] if a["kind"] == "probe" and a["outcome"] == "ok")
     over, under = SIMULATED_HEAD_ERROR[facts["trl_head"]]
