@@ -134,10 +134,11 @@ def vlm_processor(vocab_size: int, max_pixels: int = IMAGE * IMAGE) -> Any:
 
 
 def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, image: int = IMAGE,
-                      max_pixels: int = IMAGE * IMAGE, **config: Any) -> Any:
+                      max_pixels: int = IMAGE * IMAGE, in_messages: bool = False, **config: Any) -> Any:
     """The calibration run of ``_phases.build_trainer`` for the VLM: conversational prompts of exactly P words, one
-    random RGB image of ``image`` x ``image`` pixels each (the dataset's ``image`` column), Qwen2.5-VL's processor
-    with a budget of ``max_pixels`` (:func:`vlm_processor`)."""
+    random RGB image of ``image`` x ``image`` pixels each (the dataset's ``image`` column, or with ``in_messages`` an
+    ``{"type": "image", "image": ...}`` content part of the prompt's message, as chat datasets hold them), Qwen2.5-VL's
+    processor with a budget of ``max_pixels`` (:func:`vlm_processor`)."""
     import random
 
     import numpy as np
@@ -154,6 +155,16 @@ def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, imag
     words = ARCHS["vlm"]["vocab_size"] - 3 - len(VLM_SPECIALS)
     data = [{"prompt": [{"role": "user", "content": " ".join(f"w{rng.randrange(3, 3 + words)}" for _ in range(cfg.P))}],
              "image": Image.fromarray(nrng.integers(0, 255, (image, image, 3), dtype=np.uint8))} for _ in range(rows)]
+    features = None
+    if in_messages:
+        from datasets import Features, List, Value
+        from datasets import Image as ImageFeature
+
+        part = {"type": Value("string"), "image": ImageFeature(), "text": Value("string")}
+        features = Features({"prompt": List({"role": Value("string"), "content": List(part)})})
+        data = [{"prompt": [{"role": "user", "content": [{"type": "image", "image": d["image"], "text": None},
+                                                         {"type": "text", "image": None,
+                                                          "text": d["prompt"][0]["content"]}]}]} for d in data]
 
     args = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=cfg.B, num_generations=cfg.G,
@@ -172,8 +183,9 @@ def build_vlm_trainer(cfg: Config, model_dir: str, out_dir: str, rows: int, imag
     def reward(completions: list[Any], **kw: Any) -> list[float]:
         return [rng.random() for _ in completions]
 
-    return GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(data),
-                       processing_class=processor, peft_config=peft_config)
+    return GRPOTrainer(model=model_dir, reward_funcs=[reward], args=args,
+                       train_dataset=Dataset.from_list(data, features=features), processing_class=processor,
+                       peft_config=peft_config)
 
 
 def build_model(path: Path, arch: dict[str, Any], dtype: str = "float32") -> None:
@@ -222,6 +234,8 @@ GRID: list[Config] = [
     replace(BASE, name="vlm-full", arch="vlm"),
     replace(BASE, name="vlm-full-nogc", arch="vlm", gc=False),
     replace(BASE, name="vlm-lora16", arch="vlm", lora_r=16),
+    # the same images as content parts of the prompt's message (as chat datasets hold them), not an image column
+    replace(BASE, name="vlm-msgs-full", arch="vlm", extra={"in_messages": True}),
 ]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -239,9 +253,10 @@ def worker(cfg: Config, model_dir: str, out_dir: str) -> dict[str, Any]:
     from oomguard.child import simulate
 
     dev = simulate.start(64 * 2**30, expandable=False)
-    extra = {k: v for k, v in cfg.extra.items() if k != "targets"}
+    extra = {k: v for k, v in cfg.extra.items() if k not in ("targets", "in_messages")}
     if cfg.arch == "vlm":
-        trainer = build_vlm_trainer(cfg, model_dir, out_dir, rows=64, bf16=cfg.bf16, use_cpu=True, **extra)
+        trainer = build_vlm_trainer(cfg, model_dir, out_dir, rows=64, bf16=cfg.bf16, use_cpu=True,
+                                    in_messages=bool(cfg.extra.get("in_messages")), **extra)
     else:
         trainer = build_trainer(replace(cfg, extra=extra), model_dir, ARCHS[cfg.arch]["vocab_size"], out_dir,
                                 rows=64, model_init_kwargs={"dtype": cfg.dtype}, bf16=cfg.bf16, use_cpu=True,

@@ -228,7 +228,10 @@ REPORT_KEYS = {
             "`checkpoint_every`, the checkpoints a leak's restarts or `--checkpoint-every` add)",
     "facts": "what the training process reported about the run: model shape, prompt lengths, world size, packages, "
              "where its DeepSpeed config comes from (`deepspeed`: `GRPOConfig` or `accelerate`), the installed TRL "
-             "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take)",
+             "(`trl_version`, `trl_head`: `fused` or `logits`, `trl_lacks`: the knobs it has no way to take), the "
+             "generation engine (`generation_engine`: `generate`, `continuous_batching`, `vllm_colocate`, "
+             "`vllm_server`, `unsloth_fast_inference` or `rollout_func`), and what oomguard could not observe of the "
+             "run (`unobserved`, one line each: the model is never sure of such a run)",
     "alternatives": "configs predicted to fit that trade differently: `avoids` (the cost classes of the choice each "
                     "leaves as you had them), `keeps`, `trades` (its own changes, each with its cost class), "
                     "`predicted_bytes`, `versus_choice` (predicted step time against the choice's: -0.2 is 20% "

@@ -23,8 +23,9 @@ py="$venv/bin/python"
 if [ "$mode" != test ]; then
   [ -x "$py" ] || python3 -m venv "$venv"
   "$py" -m pip install -q torch==2.13.0
-  # TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it.
-  "$py" -m pip install -q "${stack[@]}" requests
+  # TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it. Its
+  # tools need `jmespath` (response parsing), which it does not declare either (TRL 1.x does).
+  "$py" -m pip install -q "${stack[@]}" requests jmespath
   before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
   "$py" -m pip install -q -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
   after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)

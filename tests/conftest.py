@@ -155,3 +155,22 @@ def tiny_model(build_model) -> str:
 def wide_model(build_model) -> str:
     """The weights-heavy variant (1 layer, hidden 1024, ~16M parameters): optimizer and LoRA rungs matter most."""
     return build_model("wide")
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory) -> Callable[[str], str]:
+    """``family_model("moe")``: a tiny random model of that family (bench/family_calibrate.py's ARCHS), built once a
+    session."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from family_calibrate import ARCHS, build_model
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            build_model(root / arch, ARCHS[arch])
+            built[arch] = str(root / arch)
+        return built[arch]
+
+    return get

@@ -119,6 +119,19 @@ def test_a_trl_newer_than_tested_is_probed_even_under_no_probe():
     assert con.take_trl("99.0.0", None) == []  # said once
 
 
+def test_what_the_training_process_could_not_observe_is_said_once_and_probed_even_under_no_probe():
+    con = conductor(probe_steps=0)
+    small = TRL_DEFAULTS.replace(dtype="bfloat16", lora_r=16, per_device_train_batch_size=2, num_generations=2,
+                                 max_completion_length=64)
+    est = con.judge.predict(con.climb.facts, small)
+    assert est is not None and con.judge.verdict(est).decision == "run"
+    line = "the generation engine: the script's rollout_func generates"
+    said = con.take_facts(con.climb.facts.replace(unobserved=(line,)))
+    assert said == [f"not observed: {line} (the memory model is unsure of this run: a probe goes first)"]
+    assert con.probe_steps == 2 and con.judge.unobserved == (line,) and not con.judge.verdict(est).decision == "run"
+    assert con.take_facts(con.climb.facts.replace(unobserved=(line,))) == []  # said once
+
+
 def test_a_run_reported_distributed_takes_the_multi_gpu_ladder_unless_one_was_named():
     con = conductor(ladder_auto=True)
     lines = con.take_facts(con.climb.facts.replace(world_size=4))

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,31 +26,11 @@ from helpers import PYTHON, SCRIPTS, run_oomguard, trl_head
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 ROWS = Path(__file__).resolve().parent / "fixtures" / "families" / "cpu-rows.json"
 # each family's row of the committed fixture: the same config, measured by the bench (TRL 1.16)
 FAMILIES = {"qwen3": "qwen3-full", "moe": "moe-full", "gpt-oss": "gpt-oss-full", "gemma3": "gemma3-full",
             "vlm": "vlm-full"}
 DEVICE = 64 * 2**30
-
-
-@pytest.fixture(scope="session")
-def family_model(tmp_path_factory) -> Callable[[str], str]:
-    """``family_model("moe")``: a tiny random model of that family (bench/family_calibrate.py's ARCHS), built once a
-    session."""
-    sys.path.insert(0, str(BENCH))
-    from family_calibrate import ARCHS, build_model
-
-    root = tmp_path_factory.mktemp("families")
-    built: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in built:
-            build_model(root / arch, ARCHS[arch])
-            built[arch] = str(root / arch)
-        return built[arch]
-
-    return get
 
 
 def grpo(tmp: Path, model: str, arch: str, budget: str, *args: str, extra: tuple[str, ...] = ()):

@@ -176,6 +176,32 @@ def test_the_dataset_images_are_measured_as_grpo_trainer_reads_them():
     assert paired["prompt"] == ["a", "a"] and [im.size for im in paired["image"]] == [(50, 50), (50, 50)]
 
 
+def _in_messages(rows: list[list]) -> object:
+    """A dataset whose images are content parts of the prompt's message (``{"type": "image", "image": ...}``), with
+    the nested Image feature a chat dataset declares."""
+    from datasets import Dataset, Features, List, Value
+    from datasets import Image as ImageFeature
+
+    part = {"type": Value("string"), "image": ImageFeature(), "text": Value("string")}
+    features = Features({"prompt": List({"role": Value("string"), "content": List(part)})})
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": [
+        *({"type": "image", "image": im, "text": None} for im in images),
+        {"type": "text", "image": None, "text": text}]}]} for text, images in rows], features=features)
+
+
+def test_images_in_the_prompts_messages_are_found_as_grpo_trainer_finds_them():
+    """Images as content parts of the prompt's messages (no image column): GRPOTrainer's ``_tokenize_prompts``
+    collects them, and so do the facts: several per prompt, the largest by its pixels, read without decoding."""
+    data = _in_messages([("a", [_image(30, 40)]), ("b", [_image(10, 10), _image(64, 32)]), ("c", [])])
+    assert image_facts(data) == {"images_per_prompt": 2, "image_height": 64, "image_width": 32}
+    assert largest_image_row(data) == 1
+    paired = with_images_of(data, [0, 0], donor=1)  # the probe: the longest prompt with the largest image
+    (part,) = [c for c in paired[0]["prompt"][0]["content"] if c["type"] == "image"]
+    assert part["image"].size == (32, 64) and paired[0]["prompt"][0]["content"][-1]["text"] == "a"
+    text_only = _in_messages([("a", [])])
+    assert image_facts(text_only) == {}
+
+
 def test_the_processor_budget_is_read_and_set_where_each_processor_keeps_it():
     from transformers import Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil
 

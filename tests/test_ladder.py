@@ -45,7 +45,7 @@ def test_shipped_ladders_and_default_order():
     # the earlier default order is one --ladder away, chosen by its order
     fastest = load_ladder("fastest")
     assert [r.name for r in fastest.rungs
-            if r.name not in ("deepspeed_buffers", "eval_batch", "liger_kernel", "smaller_images")][:8] == [
+            if r.name not in ("deepspeed_buffers", "eval_batch", "liger_kernel", "smaller_images", "paged_cache")][:8] == [
                                                    "expandable_segments", "empty_cache", "shorter_sequences",
                                                    "fewer_generations", "checkpointing", "optimizer_8bit", "lora",
                                                    "load_4bit"]

@@ -23,6 +23,7 @@ from oomguard.decide.ladder import load_ladder
 from oomguard.decide.plan import make_plan
 from oomguard.memory.estimate import RUN, ModelSpec, estimate, judge_spec, load_model_spec, verdict
 from oomguard.vocab.events import CodeSeen, DatasetSeen, ProbeDecided, parse_event, read_events
+from oomguard.vocab.facts import RunFacts
 from oomguard.vocab.knobs import TRL_DEFAULTS
 from oomguard.vocab.protocol import Plan, ProbePlan
 from oomguard.vocab.records import Attempt
@@ -77,12 +78,30 @@ def test_a_config_near_the_edge_is_probed(tmp_path):
     ("not modelled: packed or padding-free batches",
      lambda rt: rt.emit(CodeSeen(point="trainer", facts={"unmodelled": ["padding_free"]}))),
     ("not modelled: a vLLM server's own GPU", lambda rt: rt.observe({"use_vllm": True, "vllm_mode": "server"})),
+    ("not observed: the generation engine", lambda rt: rt.cannot_observe("the generation engine: a rollout_func")),
 ])
 def test_what_the_model_cannot_be_sure_of_is_probed(tmp_path, why, setup):
     rt = runtime(tmp_path, 1024 * MIB)
     setup(rt)
     preflight.decide_probe(rt, None if why == "cannot judge" else TINY)
     assert rt.probing() and why in decisions(tmp_path)[0].why
+
+
+def test_a_run_with_something_not_observed_is_never_sure(tmp_path):
+    """A config far under the device that the model would be sure of, but whose prompts the training process could
+    not measure: the model is unsure of the run, in the training process and in the supervisor's judge alike."""
+    rt = runtime(tmp_path, 1024 * MIB)
+    rt.cannot_observe("the prompts' length: the train_dataset is an IterableDataset")
+    rt.cannot_observe("the prompts' length: the train_dataset is an IterableDataset")  # said once
+    assert rt.facts()["unobserved"] == ["the prompts' length: the train_dataset is an IterableDataset"]
+    preflight.decide_probe(rt, TINY)
+    assert rt.probing() and "not observed: the prompts' length" in decisions(tmp_path)[0].why
+    judge = Judge(1024 * MIB, simulated=True)
+    est = judge.predict(RunFacts(model_config=TINY, prompt_tokens_max=24), TRL_DEFAULTS.replace(
+        max_completion_length=32, num_generations=4, per_device_train_batch_size=4))
+    assert judge.verdict(est).decision == "run"
+    judge.unobserved = ("the prompts' length",)
+    assert judge.verdict(est).decision == "probe"
 
 
 def test_a_plan_without_unless_sure_is_a_probe_from_the_start_and_one_without_a_probe_the_run(tmp_path):

@@ -31,6 +31,13 @@ from helpers import ROOT, run_oomguard
 # What is read from the installed TRL
 
 
+def lacking(config_fields: frozenset[str]) -> set[str]:
+    """What every tested TRL lacks: the knobs only a stack around TRL takes, and continuous batching's memory share and
+    batch tokens before GRPOConfig had ``transformers_continuous_batching_config`` (TRL 1.10)."""
+    cb = {"cb_max_memory_percent", "cb_max_batch_tokens"}
+    return set(STACK_ONLY) | (set() if "transformers_continuous_batching_config" in config_fields else cb)
+
+
 @pytest.mark.core
 def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
     """Under either end of the range: every knob reaches this TRL, its LM head is the one its release is known to
@@ -39,7 +46,7 @@ def test_the_installed_trl_is_read_from_its_code_and_is_in_the_tested_range():
 
     f = trlcompat.read()
     assert f.version == trl.__version__ and support(f.version).status == "tested"
-    assert set(f.lacks()) == STACK_ONLY  # every knob but those only a stack around TRL takes
+    assert set(f.lacks()) == lacking(f.config_fields)
     assert f.head == head_of(f.version)
     assert f.quantization_via == ("quantization_config" if f.takes("quantization_config") else "model_init_kwargs")
     assert {"peft_config", "callbacks", "processing_class", "train_dataset"} <= f.trainer_args
@@ -72,7 +79,8 @@ def test_the_readme_job_first_choice_is_predicted_within_the_measured_error(tmp_
                             env={"OOMGUARD_EXAMPLE_CACHE": str(tmp_path / "cache")}, timeout=1500)
     assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
     facts = rep["facts"]
-    assert facts["trl_version"] == trl.__version__ and facts["trl_lacks"] == sorted(STACK_ONLY)
+    assert facts["trl_version"] == trl.__version__
+    assert facts["trl_lacks"] == sorted(lacking(trlcompat.read().config_fields))
     assert facts["trl_head"] == head_of(trl.__version__)
     first = next(a for a in rep["attempts"] if a["kind"] == "probe" and a["outcome"] == "ok")
     over, under = SIMULATED_HEAD_ERROR[facts["trl_head"]]
@@ -98,8 +106,8 @@ def _fake(fields: set[str], params: tuple[str, ...], fused: bool) -> tuple[types
 def test_a_trl_without_a_field_or_argument_reports_the_knobs_that_cannot_reach_it():
     """A release without ``steps_per_generation`` or the trainer's ``quantization_config`` (as before TRL 1.10):
     the knob that cannot reach it is reported, and a 4-bit load goes through model_init_kwargs instead."""
-    fields = set(TRL_DEFAULTS.to_dict()) - {"steps_per_generation"} | {"activation_checkpointing", "deepspeed",
-                                                                           "fsdp", "model_init_kwargs"}
+    fields = set(TRL_DEFAULTS.to_dict()) - {"steps_per_generation"} | {
+        "activation_checkpointing", "deepspeed", "fsdp", "model_init_kwargs", "transformers_continuous_batching_config"}
     f = trlcompat.read(*_fake(fields, ("model", "args", "train_dataset", "peft_config"), fused=False))
     assert f.lacks() == ("steps_per_generation",) and f.head == "logits"
     assert f.quantization_via == "model_init_kwargs"

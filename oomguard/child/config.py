@@ -9,7 +9,7 @@ from typing import Any
 
 from ..vocab.events import CodeSeen
 from ..vocab.knobtable import CONFIG_KNOBS  # GRPOConfig fields that are knobs of the same name
-from . import ran
+from . import engine, ran
 from .patching import missing_packages, overrides_reported, plain, set_attr, world
 from .probe import apply_probe
 from .runtime import Runtime
@@ -25,6 +25,7 @@ def observe_config(cfg: Any) -> dict[str, Any]:
     out["gradient_checkpointing"] = act if act is not None else getattr(cfg, "gradient_checkpointing", None)
     out.update(dsconfig.observe(cfg))
     out["fsdp_offload"] = "offload" in fsdp_options(getattr(cfg, "fsdp", None))
+    out.update(engine.observe(cfg))
     return out
 
 def apply_distributed(rt: Runtime, cfg: Any) -> None:
@@ -51,6 +52,7 @@ def apply_config(rt: Runtime, cfg: Any, can_defer: bool = True) -> None:
         if v is not None and hasattr(cfg, name):
             setattr(cfg, name, v)
     apply_distributed(rt, cfg)
+    engine.apply(rt, cfg)
     if ov.gradient_checkpointing is not None:
         # transformers 5.x: activation_checkpointing is the name; gradient_checkpointing is its deprecated mirror.
         if hasattr(cfg, "activation_checkpointing"):

@@ -75,15 +75,20 @@ def tokenizer_for(tokenizer: Any, model: Any) -> Any:
 
 TOKENIZER_WARNED_ONCE = False
 
-def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args: Any = None) -> Any:
+def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args: Any = None,
+                    construction: Any = None) -> Any:
     """Measure prompt lengths and apply max_prompt_tokens (a probe's cut to the longest prompt is
-    ``probe.probe_train_dataset``'s)."""
+    ``probe.probe_train_dataset``'s). Every row is measured cheaply (:func:`prompt_lengths`), the longest of them
+    through the trainer's own construction (``prompts.measure_longest``), whose largest difference from the cheap
+    length is added to the rest; what cannot be measured is said (``Runtime.cannot_observe``)."""
     if isinstance(dataset, dict) or not hasattr(dataset, "column_names") or "prompt" not in (dataset.column_names or []):
-        return dataset
+        return dataset  # not GRPOTrainer's: a stack around TRL measures its own rows (``emit_prompt_stats``)
     tok = tokenizer_for(tokenizer, model)
     limit = rt.overrides.max_prompt_tokens
     n = len(dataset) if hasattr(dataset, "__len__") else None
     if n is None:  # IterableDataset: filter lazily, no statistics
+        rt.cannot_observe("the prompts' length: the train_dataset is an IterableDataset, which cannot be measured "
+                          "before training (the memory model assumes 256 tokens)")
         if limit:
             rt.emit(DatasetSeen(rows=None, dropped=None, max_prompt_tokens=limit))
             return dataset.filter(lambda row: prompt_lengths([row["prompt"]], tok)[0] <= limit)
@@ -92,12 +97,19 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
         return dataset
     step = max(1, math.ceil(n / PROMPT_STATS_ROWS))
     sample_idx = list(range(0, n, step))
-    lengths = prompt_lengths([dataset[i]["prompt"] for i in sample_idx], tok)
-    ordered = sorted(lengths)
+    sample = [dataset[i]["prompt"] for i in sample_idx]
+    lengths = prompt_lengths(sample, tok)
+    measured = _measured(rt, sample, lengths, construction)
+    offset = measured.offset if measured is not None else 0
+    exact = [length + offset for length in lengths]
+    if measured is not None:
+        for i, e in zip(measured.rows, measured.exact, strict=True):
+            exact[i] = e
+    ordered = sorted(exact)
     stats = _stats(n, ordered, step > 1)
     out = dataset
     if limit:
-        all_len = lengths if step == 1 else prompt_lengths(list(dataset["prompt"]), tok)
+        all_len = exact if step == 1 else [length + offset for length in prompt_lengths(list(dataset["prompt"]), tok)]
         keep = [i for i, length in enumerate(all_len) if length <= limit]
         dropped = n - len(keep)
         if keep:
@@ -107,6 +119,24 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
                          f"(longest was {ordered[-1]} tokens)\n")
     rt.emit(DatasetSeen(**stats))
     return out
+
+
+def _measured(rt: Runtime, sample: list[Any], lengths: list[int], construction: Any) -> Any:
+    """The longest rows of ``sample`` through the trainer's construction (kept for the check once the trainer is
+    built), or None, said, where they cannot be."""
+    from .prompts import _why, measure_longest
+
+    if construction is None:
+        return None
+    try:
+        measured = measure_longest(sample, lengths, construction)
+    except Exception as e:
+        rt.cannot_observe(f"the prompts as GRPOTrainer builds them ({_why(e)}): their length is measured with the "
+                          "tokenizer's chat template alone, without the trainer's tools and template arguments")
+        return None
+    rt.prompts = measured
+    return measured
+
 
 def _stats(rows: int, ordered: list[int], sampled: bool) -> dict[str, Any]:
     return {"rows": rows, "prompt_tokens_max": ordered[-1],

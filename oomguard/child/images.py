@@ -1,5 +1,6 @@
-"""A vision-language model's images, in the training process: what the dataset's images are (as GRPOTrainer reads
-them: an ``image`` column of one image per prompt, or ``images`` of a list), the processor's pixel budget read and
+"""A vision-language model's images, in the training process: what the dataset's images are (wherever GRPOTrainer
+finds them: an ``image`` column of one image per prompt, ``images`` of a list, or the prompt's own messages, whose
+``{"type": "image", "image": ...}`` content parts ``_tokenize_prompts`` collects), the processor's pixel budget read and
 set (the ``max_pixels`` knob), and what the user's model and PEFT config say beyond the knobs (a frozen vision tower,
 PEFT's ``target_parameters``, gpt-oss's experts kept in MXFP4).
 
@@ -71,27 +72,79 @@ def image_size(img: Any) -> tuple[int, int] | None:
     return None
 
 
-def _undecoded(dataset: Any, column: str) -> Any:
-    """The dataset with ``column``'s images left encoded (``datasets``' Image feature without decoding), so that only
-    their headers are read; the dataset itself where that cannot be done."""
-    try:
-        from datasets import Image
+def content_images(prompt: Any) -> list[Any]:
+    """The images in a conversational prompt's content parts, in order (``GRPOTrainer._tokenize_prompts`` collects
+    the same); none in a plain-text prompt.
 
+    >>> content_images([{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "?"}]}])
+    ['a.png']
+    >>> content_images("a question")
+    []
+    """
+    if not isinstance(prompt, list):
+        return []
+    return [part.get("image") for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def _without_decoding(feature: Any) -> Any:
+    """``feature`` with every ``datasets.Image`` in it left encoded (nested in lists and structs too)."""
+    from datasets import Image
+
+    if isinstance(feature, Image):
+        return Image(decode=False)
+    if isinstance(feature, dict):
+        return {k: _without_decoding(v) for k, v in feature.items()}
+    if isinstance(feature, (list, tuple)):
+        return type(feature)(_without_decoding(v) for v in feature)
+    inner = getattr(feature, "feature", None)
+    if inner is not None:
+        try:
+            return type(feature)(_without_decoding(inner))
+        except TypeError:
+            return feature
+    return feature
+
+
+def _undecoded(dataset: Any, column: str) -> Any:
+    """The dataset with ``column``'s images left encoded (``datasets``' Image feature without decoding, nested in the
+    prompt's messages too), so that only their headers are read; the dataset itself where that cannot be done."""
+    try:
         feature = dataset.features[column]
-        if isinstance(feature, Image):
-            return dataset.cast_column(column, Image(decode=False))
-        inner = getattr(feature, "feature", None)
-        if isinstance(inner, Image):
-            return dataset.cast_column(column, type(feature)(Image(decode=False)))
+        undecoded = _without_decoding(feature)
+        if undecoded != feature:
+            return dataset.cast_column(column, undecoded)
     except Exception:  # any datasets release: measuring decoded images is slower, never wrong
         pass
     return dataset
 
 
+def _images_of(value: Any, column: str) -> list[Any]:
+    if column == "prompt":
+        return content_images(value)
+    return list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
+
+
+def images_source(dataset: Any) -> str | None:
+    """Where GRPOTrainer finds the dataset's images: its ``images`` or ``image`` column, or ``prompt`` (content parts
+    of the first rows' messages); None without images."""
+    column = image_column(dataset)
+    if column is not None:
+        return column
+    cols = list(getattr(dataset, "column_names", None) or [])
+    if "prompt" not in cols or not hasattr(dataset, "__len__") or not len(dataset):
+        return None
+    try:
+        first = dataset.select(range(min(len(dataset), 8)))["prompt"]
+    except Exception:
+        return None
+    return "prompt" if any(content_images(p) for p in first) else None
+
+
 def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None]:
     """(the most images in one prompt, the largest image's ``(height, width)``, its row) over the dataset's rows, or
-    ``IMAGE_STATS_ROWS`` of them evenly spaced; ``(0, None, None)`` without an image column."""
-    column = image_column(dataset)
+    ``IMAGE_STATS_ROWS`` of them evenly spaced; ``(0, None, None)`` without images."""
+    column = images_source(dataset)
     if column is None or not hasattr(dataset, "__len__") or not len(dataset):
         return 0, None, None
     n = len(dataset)
@@ -99,8 +152,7 @@ def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None]:
     view = _undecoded(dataset, column)
     per_prompt, largest, row = 0, None, None
     for i in range(0, n, step):
-        value = view[i][column]
-        imgs = list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
+        imgs = _images_of(view[i][column], column)
         per_prompt = max(per_prompt, len(imgs))
         sizes = [hw for hw in map(image_size, imgs) if hw is not None]
         big = max(sizes, key=lambda hw: hw[0] * hw[1], default=None)
@@ -111,8 +163,8 @@ def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None]:
 
 def image_facts(dataset: Any) -> dict[str, Any]:
     """RunFacts of the dataset's images: the most images in one prompt, and the largest image's size (by pixels);
-    nothing for a dataset without an image column."""
-    if image_column(dataset) is None:
+    nothing for a dataset without images."""
+    if images_source(dataset) is None:
         return {}
     per_prompt, largest, _row = _scan(dataset)
     out: dict[str, Any] = {"images_per_prompt": per_prompt}
@@ -127,13 +179,27 @@ def largest_image_row(dataset: Any) -> int | None:
     return _scan(dataset)[2]
 
 
+def _largest(images: list[Any]) -> Any:
+    sized = [(hw[0] * hw[1], i) for i, hw in enumerate(map(image_size, images)) if hw is not None]
+    return images[max(sized)[1]] if sized else (images[0] if images else None)
+
+
 def with_images_of(dataset: Any, rows: list[int], donor: int) -> Any:
     """``dataset.select(rows)`` with every row's images replaced by row ``donor``'s (the probe's longest prompt with the
-    largest image)."""
-    column = image_column(dataset)
+    largest image): a column's images, or each image part of the prompt's messages the donor's largest image."""
+    column = images_source(dataset)
     picked = dataset.select(rows)
     if column is None or donor in rows:
         return picked
+    if column == "prompt":
+        big = _largest(content_images(dataset[donor]["prompt"]))
+
+        def swap(prompt: Any) -> Any:
+            return [{**m, "content": [{**c, "image": big} if isinstance(c, dict) and c.get("type") == "image" else c
+                                      for c in m["content"]]} if isinstance(m, dict)
+                    and isinstance(m.get("content"), list) else m for m in prompt]
+
+        return picked.map(lambda row: {"prompt": swap(row["prompt"])}, features=dataset.features)
     images = dataset[donor][column]
     return picked.map(lambda _row: {column: images})
 

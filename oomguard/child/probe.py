@@ -16,6 +16,7 @@ from .datasets import prompt_lengths, tokenizer_for
 from .images import largest_image_row, with_images_of
 from .load import checkpoint_config, model_config_dict, placed_elsewhere
 from .patching import evaluates, saves, world
+from .prompts import measure_longest
 from .runtime import Runtime
 
 
@@ -106,15 +107,23 @@ def longest_prompt_only(dataset: Any, tok: Any, rt: Runtime, args: Any = None) -
     must hold the longest prompt too: with the several longest prompts instead, the sampler's shuffle gives a later
     step shorter ones, and a probe measured that way under-measures the run (by a third on a dataset whose prompts
     range from 18 to 56 tokens)."""
-    lengths = prompt_lengths(list(dataset["prompt"]), tok)
+    prompts = list(dataset["prompt"])
+    lengths = prompt_lengths(prompts, tok)
     if not lengths:
         return dataset
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    tokens = lengths[longest]
+    try:  # the longest as the trainer builds it (its tools, template and arguments: child/prompts.py)
+        measured = measure_longest(prompts, lengths, getattr(rt.prompts, "construction", None))
+    except Exception:  # said when the dataset was measured
+        measured = None
+    if measured is not None:
+        longest, tokens = measured.longest, measured.most
     rows = max(1, _probe_prompts(rt, args))
     # a vision-language model's worst case is the longest prompt with the largest image (the memory model's too):
     # every probe row holds the longest prompt and the images of the row with the largest one
     donor = largest_image_row(dataset)
-    rt.emit(ProbeDataset(rows=rows, prompt_tokens=lengths[longest], image_row=donor))
+    rt.emit(ProbeDataset(rows=rows, prompt_tokens=tokens, image_row=donor))
     if donor is None:
         return dataset.select([longest] * rows)
     return with_images_of(dataset, [longest] * rows, donor)

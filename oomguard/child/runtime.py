@@ -48,6 +48,10 @@ class Runtime:
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
         self._adapted: dict[str, Any] = {}  # knobs oomguard changed to let the command run here (``adapt``)
+        self.unobserved: list[str] = []  # what oomguard could not observe of this run (``cannot_observe``)
+        # the longest prompts measured before GRPOTrainer was built, checked against the trainer's own construction
+        # once it exists (child/prompts.py)
+        self.prompts: Any = None
         # the process's peaks before the per-step trace last reset the device's peak counters (child/trace.py), so
         # that peak_bytes() stays the peak of the whole process
         self.peak_floor = 0
@@ -104,6 +108,14 @@ class Runtime:
             return
         self._adapted[knob] = value
         self.emit(Adapted(knob=knob, value=value, why=why))
+
+    def cannot_observe(self, line: str) -> None:
+        """Something of this run oomguard could not observe (one line, what and why): the supervisor says it once, and
+        the memory model is never sure of the run (``RunFacts.unobserved``)."""
+        if line in self.unobserved:
+            return
+        self.unobserved.append(line)
+        self.emit(CodeSeen(point="facts", facts={"unobserved": list(self.unobserved)}))
 
     def knobs(self) -> Knobs:
         """The effective knobs: TRL defaults, the script's values, then oomguard's overrides."""

@@ -249,6 +249,13 @@ class SimulatedDevice:
         """Enter the dispatch mode on this thread for the rest of the process."""
         if self._mode is not None:
             return
+        self._mode = self.counting()
+        self._mode.__enter__()
+
+    def counting(self) -> Any:
+        """A dispatch mode that counts what an operator creates, to enter on a thread (a mode counts on the thread
+        that entered it only: :meth:`start` enters one on the main thread, a library's own worker thread enters its
+        own, as ``child/stacks/paged.py`` does for transformers' continuous batching)."""
         import torch
         from torch._subclasses.fake_tensor import is_fake
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -282,8 +289,7 @@ class SimulatedDevice:
                             raise e.with_traceback(None) from None  # the user's frames, not the simulator's
                 return out
 
-        self._mode = _Count()
-        self._mode.__enter__()
+        return _Count()
 
     def stop(self) -> None:
         """Leave the dispatch mode (on the thread that started it): tensors are no longer counted."""

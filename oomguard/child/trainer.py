@@ -12,7 +12,7 @@ from typing import Any
 
 from ..vocab.events import CodeSeen, ModelSeen, PatchFailed, Resumed, Saving
 from ..vocab.protocol import ProbePlan
-from . import ran
+from . import engine, ran
 from .datasets import prepare_dataset
 from .images import (
     image_facts,
@@ -32,6 +32,7 @@ from .load import (
 )
 from .patching import UNDO, dtype_name, evaluates, missing_packages, overrides_reported, set_attr, world
 from .probe import apply_probe, probe_datasets, settle_probe
+from .prompts import check_built, construction_for
 from .runtime import Runtime
 
 
@@ -207,11 +208,14 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
         a["peft_config"] = _lora_config(rt)
     dataset = a.get("train_dataset")
     tokenizer = a.get("processing_class")
-    facts = {**image_facts(dataset), **budget_facts(rt, tokenizer, model)}
+    facts = {**image_facts(dataset), **budget_facts(rt, tokenizer, model),
+             **engine.report(rt, args, rollout_func=a.get("rollout_func"))}
     if lora is not None and (tp := target_parameters(lora)):
         facts["lora_target_parameters"] = tp
+    construction = construction_for(rt, a, args, model)
     if dataset is not None:
-        a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer, model, args)
+        a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer or getattr(construction, "processing_class", None),
+                                             model, args, construction)
     if rt.probing():  # a probe from the start (one launched unless the model is sure is settled below)
         probe_datasets(rt, a, model, args)
     if evaluates(args) and a.get("eval_dataset") is None:
@@ -325,6 +329,8 @@ def after_init(rt: Runtime, trainer: Any) -> None:
         facts.update(budget_facts(rt, getattr(trainer, "processing_class", None)))
         for stack_facts in rt.stack_facts:  # what a stack around TRL changes (child/stacks/)
             facts.update(stack_facts(trainer))
+        if facts.get("stack") == "unsloth" and rt.facts().get("generation_engine") == "vllm_colocate":
+            facts["generation_engine"] = "unsloth_fast_inference"  # Unsloth's own vLLM, its fast_inference
         resolved_precision(rt, getattr(trainer, "args", None))
         targs = getattr(trainer, "args", None)
         if targs is not None and rt.knobs().evaluates() and not evaluates(targs):
@@ -344,6 +350,7 @@ def after_init(rt: Runtime, trainer: Any) -> None:
 
         wrap_log(rt, trainer)
     ran.report(rt)  # the trainer as TRL (or a stack) built it
+    check_built(rt, trainer)  # the prompts again, as the built trainer tokenizes them
     from . import preflight
 
     preflight.check(rt)  # last: the model, the knobs and the prompt lengths are all known now

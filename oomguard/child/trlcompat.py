@@ -35,6 +35,9 @@ _CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
     "offload_optimizer": ("deepspeed",),
     "offload_params": ("deepspeed",),
     "fsdp_offload": ("fsdp",),
+    "use_transformers_continuous_batching": ("use_transformers_continuous_batching", "use_transformers_paged"),
+    "cb_max_memory_percent": ("transformers_continuous_batching_config",),  # TRL 1.10 on
+    "cb_max_batch_tokens": ("transformers_continuous_batching_config",),
     **{knob: ("deepspeed",) for knob in (*DS_SIZE_KNOBS, "overlap_comm")},
 }
 # Knobs that reach the trainer, and what of GRPOTrainer.__init__ (or GRPOConfig) takes them: any one of these.

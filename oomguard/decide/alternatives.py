@@ -63,7 +63,7 @@ def searched(ladder: Ladder, skip: Sequence[str] = ()) -> Ladder:
     (stable, so each ladder's own order breaks ties), less ``skip``.
 
     >>> [r.name for r in searched(load_ladder("fastest")).rungs][2:7]
-    ['eval_batch', 'deepspeed_buffers', 'checkpointing', 'liger_kernel', 'vllm_memory']
+    ['eval_batch', 'deepspeed_buffers', 'paged_cache', 'checkpointing', 'liger_kernel']
     """
     seen = {r.name for r in ladder.rungs}
     rungs = [*ladder.rungs, *(r for r in load_ladder("default").rungs if r.name not in seen)]

@@ -49,10 +49,11 @@ from .ladder import Ladder
 # all-reduce), ZeRO-3 (parameters gathered in every forward and generation step), offloads (every step through host
 # memory; ms-swift's offload while vLLM generates moves the weights and optimizer out and back once a step),
 # DeepSpeed's buffers sized to the model (more, smaller collectives), ZeRO-3's generation gathered layer by layer
-# (each decode step gathers every layer again).
+# (each decode step gathers every layer again), a halving of continuous batching's paged cache (fewer sequences at
+# once: more forward passes in a round, none while the cache still held them all).
 SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero3": 0.30, "offload_optimizer": 0.5,
               "offload_params": 1.0, "fsdp_offload": 1.0, "offload_during_generation": 0.3, "zero3_gather": 0.3,
-              "buffers": 0.01}
+              "buffers": 0.01, "paged_cache_halving": 0.05}
 
 
 def class_distance(user: Knobs, k: Knobs, world_size: int = 1, image_pixels: int | None = None) -> dict[str, float]:
@@ -90,7 +91,9 @@ def class_distance(user: Knobs, k: Knobs, world_size: int = 1, image_pixels: int
              + (SPEED_COST["buffers"] if any(new(n) for n in DS_SIZE_KNOBS) else 0.0)
              + (SPEED_COST["zero3_gather"] if k.ds3_gather_for_generation is False
                 and user.ds3_gather_for_generation is not False else 0.0)
-             + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization))
+             + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization)
+             + SPEED_COST["paged_cache_halving"] * max(0.0, math.log2((user.cb_max_memory_percent or 0.5)
+                                                                      / (k.cb_max_memory_percent or 0.5))))
     out = dict.fromkeys(COST_CLASSES, 0.0)
     out["signal"] = round(cut(user.max_completion_length, k.max_completion_length)
                           + cut(user.num_generations or 8, k.num_generations or 8)

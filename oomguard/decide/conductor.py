@@ -110,6 +110,7 @@ class Conductor:
         # nothing is launched (`oomguard plan`: every knob reaches)
         self.reached: set[str] | None = set() if launched else None
         self.trl_seen: tuple[str, str | None, str | None] | None = None
+        self.unobserved_said: list[str] = []  # RunFacts.unobserved lines said so far
         self.leaks: list[int] = []  # the attempts that ran out of memory through a leak and were resumed as they were
         # a leak the trace showed over enough steps, or a young one a restart reproduced (got further, grew again)
         self.leak_confirmed = False
@@ -183,6 +184,7 @@ class Conductor:
             facts = facts.replace(vllm_min_utilization=self.judge.vllm_floor(facts, c.effective()[0]))
         c.learn(facts)
         lines = self.take_trl(facts.trl_version, facts.trl_head, facts.stack_untested)
+        lines += self.take_unobserved(facts.unobserved)
         if self.policy.ladder_auto and c.ladder.name != MULTI_GPU and not c.climbed and \
                 (why := distributed_reason_of(facts)):
             c.switch_ladder(load_ladder(MULTI_GPU))
@@ -209,6 +211,18 @@ class Conductor:
         if self.judge is not None:
             self.judge.set_trl(head or head_of(version), untested)
         return lines
+
+    def take_unobserved(self, unobserved: tuple[str, ...]) -> list[str]:
+        """What the training process could not observe of the run (its prompts, its generation engine: one line each,
+        ``RunFacts.unobserved``): each is said once, the judge is never sure of the run, and a probe verifies the
+        first choice even under --no-probe, as for a TRL no measurement covers."""
+        new = [line for line in unobserved if line not in self.unobserved_said]
+        self.unobserved_said.extend(new)
+        if self.judge is not None:
+            self.judge.unobserved = tuple(self.unobserved_said)
+        if new and self.probe_steps <= 0 and not self.policy.replay:
+            self.probe_steps = 2
+        return [f"not observed: {line} (the memory model is unsure of this run: a probe goes first)" for line in new]
 
     def take_device(self, total: int | None, from_nvml: bool) -> str | None:
         """The size of the device the training process computes on, as CUDA reports it there: where the size came

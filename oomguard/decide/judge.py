@@ -86,6 +86,7 @@ class Judge:
         self.head: str | None = None  # the installed TRL's LM head, once known (RunFacts.trl_head)
         self.untested = False  # the installed TRL is newer than the newest tested release
         self._spec: tuple[Any, JudgeSpec] | None = None  # the judge as last built, and what it was built from
+        self.unobserved: tuple[str, ...] = ()  # what the training process could not observe (RunFacts.unobserved)
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
@@ -169,6 +170,9 @@ class Judge:
         :meth:`set_trl` was told of."""
         facts = facts or RunFacts()
         d = doubts_of(self.spec(facts), facts, simulated=self.simulated)
+        extra = tuple(f"not observed: {u}" for u in self.unobserved if f"not observed: {u}" not in d.unsure)
+        if extra:
+            d = Doubts(d.untested, d.unsure + extra)
         if self.untested and d.untested is None:
             d = Doubts("the installed TRL, or a stack around it, is newer than the tested releases", d.unsure)
         return d

@@ -85,7 +85,7 @@ class Ladder:
         by order, the whole ladder (every rung's first pass, then the graded rungs' second, ...).
 
         >>> [[r.name for r in b] for b in load_ladder("default").blocks(load_ladder("default").rungs)][:2]
-        [['expandable_segments', 'empty_cache', 'eval_batch'], ['micro_batch', 'generation_rounds', 'checkpointing', 'liger_kernel', 'vllm_memory', 'deepspeed_buffers']]
+        [['expandable_segments', 'empty_cache', 'eval_batch'], ['micro_batch', 'generation_rounds', 'checkpointing', 'liger_kernel', 'vllm_memory', 'paged_cache', 'deepspeed_buffers']]
         """
         if self.choose_by != "cost":
             return [list(rungs)]

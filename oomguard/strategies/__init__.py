@@ -24,6 +24,7 @@ from . import (  # noqa: F401
     host,
     images,
     kernels,
+    paged,
     precision,
     sequences,
     vllm,

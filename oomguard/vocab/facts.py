@@ -80,8 +80,17 @@ class RunFacts:
     # stack's adapter or told `oomguard plan`: said in one line each, and the verdict is never "sure"
     unmodelled: tuple[str, ...] = ()
 
+    # what generates the completions, as the training process found it (child/engine.py): ``generate`` (TRL's default,
+    # transformers' padded generate), ``continuous_batching`` (transformers' paged cache), ``vllm_colocate``,
+    # ``vllm_server``, ``unsloth_fast_inference`` (Unsloth's own vLLM), ``rollout_func`` (the script's own); None: not
+    # known yet
+    generation_engine: str | None = None
+    # what oomguard could not observe of this run, one line each (a dataset it cannot read, an engine it does not
+    # model, tools it cannot render): the memory model is never sure of such a run (a probe first), and each is said
+    unobserved: tuple[str, ...] = ()
+
     def __post_init__(self) -> None:
-        for name in ("missing_packages", "trl_lacks", "lora_target_parameters", "unmodelled"):
+        for name in ("missing_packages", "trl_lacks", "lora_target_parameters", "unmodelled", "unobserved"):
             if not isinstance(getattr(self, name), tuple):  # JSON gives a list
                 object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 

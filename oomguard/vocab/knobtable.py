@@ -260,6 +260,17 @@ class KnobFields:
                                                       above=0, maximum=1)
     vllm_enable_sleep_mode: bool | None = _grpo("vLLM gives its memory back between generation rounds", trl=False)
     vllm_max_model_length: int | None = _grpo("vLLM's context length, which sizes its KV cache", **_POSITIVE)
+    use_transformers_continuous_batching: bool | None = _grpo(
+        "generate with transformers' continuous batching and its paged cache (TRL 0.29: use_transformers_paged); "
+        "read, never changed", trl=False)
+    cb_max_memory_percent: float | None = knob(
+        "continuous batching: the share of the device memory free when generation starts that transformers' paged "
+        "cache takes (transformers_continuous_batching_config's max_memory_percent, TRL 1.10 on); a smaller share "
+        "generates fewer sequences at once", trl=0.5, reaches="config", above=0, maximum=1)
+    cb_max_batch_tokens: int | None = knob(
+        "continuous batching: the most tokens one forward of a generation round computes (transformers_continuous_"
+        "batching_config's max_batch_tokens; unset: transformers' 8192); read, never changed", reaches="config",
+        **_POSITIVE)
     offload_during_generation: bool | None = knob(
         "the trainer's weights and optimizer state wait in host RAM while a colocated vLLM generates (ms-swift's "
         "--offload_model --offload_optimizer; TRL has no such option)", trl=False, reaches="config", stack_only=True)

@@ -3,8 +3,8 @@
 The run of ``bench/family_calibrate.py`` (which measured the committed rows): every prompt exactly ``--prompt-words``
 tokens, completions forced to ``--max-completion-length`` tokens, a random reward, two steps, the model given to
 GRPOTrainer by its path; the vision-language model (``--arch vlm``) with one random 224 x 224 image per prompt in
-the dataset's ``image`` column and Qwen2.5-VL's processor over a word-level tokenizer (``--image-size`` and
-``--max-pixels`` change the images and the processor's budget).
+the dataset's ``image`` column (``--images-in-messages``: in the prompt's message instead) and Qwen2.5-VL's processor
+over a word-level tokenizer (``--image-size`` and ``--max-pixels`` change the images and the processor's budget).
 
   python tests/scripts/grpo_family.py --arch moe --model DIR --output-dir OUT
 """
@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--no-gradient-checkpointing", action="store_true")
     p.add_argument("--image-size", type=int, default=224, help="the VLM's images: this many pixels a side")
     p.add_argument("--max-pixels", type=int, default=224 * 224, help="the VLM processor's pixel budget")
+    p.add_argument("--images-in-messages", action="store_true",
+                   help="the VLM's images as content parts of the prompt's message, not an image column")
     a = p.parse_args()
     sys.path.insert(0, str(BENCH))
     from _phases import build_trainer
@@ -44,7 +46,8 @@ def main() -> None:
                   lora_r=a.lora_r)
     if a.arch == "vlm":
         trainer = build_vlm_trainer(cfg, a.model, a.output_dir, rows=a.rows, image=a.image_size,
-                                    max_pixels=a.max_pixels, bf16=False, use_cpu=True)
+                                    max_pixels=a.max_pixels, in_messages=a.images_in_messages, bf16=False,
+                                    use_cpu=True)
     else:
         trainer = build_trainer(cfg, a.model, ARCHS[a.arch]["vocab_size"], a.output_dir, rows=a.rows,
                                 model_init_kwargs={"dtype": "float32"}, bf16=False, use_cpu=True)

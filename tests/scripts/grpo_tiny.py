@@ -118,6 +118,11 @@ def main() -> None:
     p.add_argument("--no-ds3-gather", action="store_true",
                    help="ds3_gather_for_generation=False: under ZeRO-3, generate gathering layer by layer, not the "
                         "whole model")
+    p.add_argument("--continuous-batching", type=float, default=None, metavar="SHARE",
+                   help="generate with transformers' continuous batching, its paged cache taking SHARE of the free "
+                        "memory (transformers_continuous_batching_config's max_memory_percent)")
+    p.add_argument("--cb-max-batch-tokens", type=int, default=None,
+                   help="with --continuous-batching: transformers_continuous_batching_config's max_batch_tokens")
     p.add_argument("--no-use-cpu", action="store_true",
                    help="build GRPOConfig without use_cpu=True, as a script written for GPUs does")
     a = p.parse_args()
@@ -176,6 +181,11 @@ def main() -> None:
         model_init_kwargs={"dtype": a.dtype} if a.model_as_string else None,
         deepspeed=deepspeed_config(a.deepspeed),
         **({"ds3_gather_for_generation": False} if a.no_ds3_gather else {}),
+        **({} if a.continuous_batching is None else {
+            "use_transformers_continuous_batching": True,
+            "transformers_continuous_batching_config": {
+                "max_memory_percent": a.continuous_batching,
+                **({} if a.cb_max_batch_tokens is None else {"max_batch_tokens": a.cb_max_batch_tokens})}}),
     )
     if a.mem_trace:
         from oomguard.child import simulate

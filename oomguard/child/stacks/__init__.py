@@ -13,4 +13,4 @@ Unsloth notebook's loader and LoRA. ``deepspeed``: DeepSpeed's communication und
 ``child/dsconfig.py``'s).
 """
 
-ADAPTERS = ("vllm", "swift", "unsloth", "deepspeed")
+ADAPTERS = ("vllm", "paged", "swift", "unsloth", "deepspeed")

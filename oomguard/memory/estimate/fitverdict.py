@@ -146,6 +146,7 @@ def doubts_of(spec: ModelSpec | None, facts: RunFacts, *, simulated: bool) -> Do
     unsure: list[str] = []
     if facts.stack:
         unsure.append(f"a stack around TRL ({facts.stack}) builds this trainer")
+    unsure.extend(f"not observed: {u}" for u in facts.unobserved)  # what the training process could not observe
     return Doubts(untested, tuple(unsure))
 
 

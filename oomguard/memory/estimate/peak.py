@@ -14,6 +14,7 @@ from ...vocab.trlrange import HEADS
 from .arch import _DTYPE_BYTES, EstimateError
 from .coefficients import Coefficients
 from .model import ModelSpec
+from .paged import paged_cache
 from .phases import _PHASE_TERMS, EVAL_PHASE, PHASES, _evaluation
 from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
 from .terms import _weight_bytes
@@ -81,6 +82,22 @@ def _vllm(s: _Step, capacity: int | None, notes: list[str]) -> VllmMemory | None
     return v
 
 
+def _paged(s: _Step, capacity: int | None, ctx: int, phases: dict[str, int], notes: list[str]) -> dict[str, int]:
+    """transformers' continuous batching: the paged cache each generating phase allocates, a share of what the device
+    has free when the round starts (``estimate.paged``); nothing without it, or under vLLM (which TRL uses first)."""
+    k = s.k
+    if not k.use_transformers_continuous_batching or k.use_vllm:
+        return {}
+    if not capacity:
+        notes.append("transformers' paged cache not counted: pass capacity")
+        return {}
+    share = float(k.cb_max_memory_percent or 0.5)
+    rows = {"generation": s.geo.B_gen, EVAL_PHASE: s.k.eval_geometry()[0]}
+    return {ph: paged_cache(s.spec, available=int(share * max(0, capacity - ctx - phases[ph])), dtype_bytes=s.g.b_w,
+                            requests=rows[ph], sequence=s.geo.T, max_batch_tokens=k.cb_max_batch_tokens)
+            for ph in ("generation", EVAL_PHASE) if ph in phases}
+
+
 def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Each phase's allocated bytes by breakdown key: the persistent state plus what the phase adds (unscaled)."""
     p = s.p
@@ -124,9 +141,10 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None,
 
     frag = co.f_frag_expandable if k.expandable_segments else co.f_frag
     ctx = s.context if s.context is not None else 0 if simulated else int(co.m_ctx)
+    paged = _paged(s, capacity, ctx, phases, notes)  # one block, outside the fragmentation margin
 
     def device_bytes(ph: str) -> int:
-        return ctx + int(phases[ph] * (1 + frag)) + vllm_bytes(ph)
+        return ctx + int(phases[ph] * (1 + frag)) + vllm_bytes(ph) + paged.get(ph, 0)
 
     # ties go to the earlier phase of a step; the evaluation pass (when the run evaluates) comes last
     dominant = max((ph for ph in (*PHASES, EVAL_PHASE) if ph in phases), key=lambda ph: (device_bytes(ph), phases[ph]))
@@ -134,10 +152,12 @@ def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None,
     bd = {key: round(v * scale) for key, v in comp[dominant].items()}
     bd["activations"] += phases[dominant] - sum(bd.values())  # rounding of the scale
     bd["vllm"] = vllm_bytes(dominant)
+    bd["kv_cache"] += paged.get(dominant, 0)
     bd["overhead"] = peak_bytes - sum(v for key, v in bd.items() if key != "overhead")
     # what torch's allocator counts includes what vLLM keeps allocated (engine and KV cache) while it is awake
     held = v.held if v is not None and not sleep else 0
-    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=max(phases.values()) + held, breakdown=bd, phases=phases,
+    allocated = max(phases[ph] + paged.get(ph, 0) for ph in phases)
+    return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=allocated + held, breakdown=bd, phases=phases,
                     trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
                     notes=tuple(notes), vllm_lacks=v.lacks if v is not None else 0,
                     unmodelled=_unmodelled(k, reported, from_model(s.spec, simulated=simulated, images=bool(

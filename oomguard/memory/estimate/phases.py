@@ -16,9 +16,10 @@ EVAL_PHASE = "evaluation"
 
 def _generation(s: _Step) -> dict[str, int]:
     """HF ``generate`` (GC is off while generating, trl/models/utils.py:136-154): T9's KV cache and the larger of
-    the prefill and the decode-step transients; nothing with vLLM, whose memory is outside torch's allocator."""
+    the prefill and the decode-step transients; nothing with vLLM, whose memory is outside torch's allocator, nor with
+    transformers' continuous batching, whose paged cache is sized from the free memory (``peak._paged``)."""
     spec, g, geo, c = s.spec, s.g, s.geo, s.casts
-    if s.k.use_vllm:
+    if s.k.use_vllm or s.k.use_transformers_continuous_batching:
         kv_cache = gen_transient = 0
     else:
         B_gen, P, V, L = geo.B_gen, geo.P, spec.vocab_size, spec.num_layers
