@@ -128,7 +128,7 @@ def test_what_the_training_process_could_not_observe_is_said_once_and_probed_eve
     line = "the generation engine: the script's rollout_func generates"
     said = con.take_facts(con.climb.facts.replace(unobserved=(line,)))
     assert said == [f"not observed: {line} (the memory model is unsure of this run: a probe goes first)"]
-    assert con.probe_steps == 2 and con.judge.unobserved == (line,) and not con.judge.verdict(est).decision == "run"
+    assert con.probe_steps == 2 and con.judge.unobserved == (line,) and con.judge.verdict(est).decision != "run"
     assert con.take_facts(con.climb.facts.replace(unobserved=(line,))) == []  # said once
 
 

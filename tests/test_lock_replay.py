@@ -223,6 +223,19 @@ def test_a_value_a_rung_fixed_before_the_command_reported_its_own_is_sent_too():
     assert climb.overrides()["per_device_train_batch_size"] == 8
 
 
+def test_a_rung_whose_values_hold_more_than_knobs_sends_only_the_knobs():
+    """generation_rounds keeps the rows per round among its values (not a knob): the plan carries only knobs."""
+    from oomguard.decide.choose import Rung
+    from oomguard.strategies import make_remedy
+
+    climb = Climb(load_ladder("default"))
+    climb.applied = [Rung(make_remedy("generation_rounds"), values=(
+        ("per_device_train_batch_size", 2), ("gradient_accumulation_steps", 8), ("steps_per_generation", 8),
+        ("rows_per_round", 4)))]
+    assert climb.overrides() == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8,
+                                 "steps_per_generation": 8}
+
+
 def ran_events(tmp) -> list:
     from oomguard.vocab.events import read_events
 
