@@ -10,7 +10,8 @@ Everything else is derived from this one table: ``TRL_DEFAULTS``, ``REACH``, the
 and sets on ``GRPOConfig`` by name), ``OPTIONAL_PACKAGES``, what the installed TRL lacks (``child/trlcompat.py``), the
 choice's costs (``decide/cheapest.py``), ``oomguard knobs`` and its reference page. How a stack around TRL spells a
 knob is the stack's own table (``oomguard.vocab.stacks``). Adding a knob is one field here; a knob with a rung adds the
-remedy and the memory model's term (``docs/contributing/layout.md``, "Adding a knob with a rung").
+remedy, the memory model's term and its place in the default ladder (``docs/contributing/layout.md``, "Adding a knob
+with a rung").
 
 >>> TABLE["max_completion_length"].trl, TABLE["max_completion_length"].reaches, TABLE["lora_r"].kind
 (512, ('config',), <class 'int'>)
