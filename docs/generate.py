@@ -179,6 +179,10 @@ def remedies(_: str | None = None) -> str:
                  f"- checkpoint after it: `{r.resume}`",
                  "- writes " + (", ".join(f"`{k}`" for k in r.changes) or "no knob"),
                  f"- ladder parameters: {params or 'none'}"]
+        weighed = _weighed(r)
+        if weighed:
+            share = "a step's time" if r.cost == "speed" else "what GRPO learns from"
+            lines.append(f"- weighed within {r.cost}, as a share of {share}: {weighed}")
         if r.graded:
             lines.append("- graded: it steps again on later passes, down to its floor")
         if r.requires:
@@ -187,6 +191,22 @@ def remedies(_: str | None = None) -> str:
             lines.append(f"- used for {r.addresses} OOMs only")
         out.append("\n".join(lines) + "\n")
     return "\n".join(out)
+
+
+def _weighed(r: Any) -> str:
+    """What a rung of a weighed class (speed, signal) costs within it, as declared: on the remedy, or on each knob it
+    writes (the knob table's ``speed_cost``/``signal_cost``)."""
+    from oomguard.strategies import WEIGHED
+    from oomguard.vocab.knobtable import TABLE
+
+    attr = WEIGHED.get(r.cost)
+    if attr is None:
+        return ""
+    own = getattr(r, attr)
+    parts = [own.text()] if own is not None else []  # a quantity read from several knobs
+    parts += [f"`{k}`: {c.text()}" for k in r.changes if k not in r.follows and (c := getattr(TABLE[k], attr))
+              is not None]
+    return "; ".join(parts)
 
 
 def ladders(_: str | None = None) -> str:

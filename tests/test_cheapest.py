@@ -97,6 +97,19 @@ def test_within_a_class_the_smallest_change_wins_over_the_earlier_listed_rung():
     assert class_distance(USER, c.knobs)["signal"] == 0.125
 
 
+def test_generation_rounds_cost_time_so_a_split_that_fits_wins_over_them():
+    """Speed: two generation rounds of 16 rows instead of one of 32 take about twice the generation (decoding reads
+    every weight once per token whatever the rows), a split into micro-batches of 2 rows a few percent. Either fits;
+    the split wins (generation_rounds once cost nothing here, and won)."""
+    user = USER.replace(per_device_train_batch_size=4, gradient_accumulation_steps=8)
+    climbed = [Rung(make_remedy("micro_batch")), Rung(make_remedy("generation_rounds"))]
+    fits = lambda k: k.geometry()[0] <= 2 or k.rows_per_device() <= 16  # noqa: E731
+    c = cheapest(user, climbed, fits, order=ORDER)
+    assert c is not None and [r.name for r in c.rungs] == ["micro_batch"]
+    rounds = user.replace(steps_per_generation=4)
+    assert class_distance(user, rounds)["speed"] == 0.8 > class_distance(user, c.knobs)["speed"] == 0.05
+
+
 def test_fewer_rungs_of_a_class_beat_a_smaller_change_with_more_of_them():
     """Precision: bf16 weights alone fit; the 8-bit optimizer would also be needed without them. One change wins."""
     climbed = [Rung(make_remedy("optimizer_8bit")), Rung(make_remedy("bf16_load"))]

@@ -24,12 +24,12 @@ from oomguard.memory.estimate import (
     lora_trainable_params,
 )
 from oomguard.memory.estimate.terms import (
-    _activation_bytes_per_token,
-    _head_bytes,
-    _kv_cache_bytes,
-    _optimizer_bytes,
-    _Regime,
-    _weight_bytes,
+    Regime,
+    activation_bytes_per_token,
+    head_bytes,
+    kv_cache_bytes,
+    optimizer_bytes,
+    weight_bytes,
 )
 from oomguard.memory.estimate.vllm import vllm_memory
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs
@@ -95,15 +95,15 @@ def test_lora_counts():
 # -- T1: weights -------------------------------------------------------------------------------------------------------
 
 def test_weight_bytes():
-    assert _weight_bytes(QWEN3B, 2) == 2 * 3_085_938_688  # 5.75 GiB
-    assert _weight_bytes(QWEN3B, 4) == 4 * 3_085_938_688
+    assert weight_bytes(QWEN3B, 2) == 2 * 3_085_938_688  # 5.75 GiB
+    assert weight_bytes(QWEN3B, 4) == 4 * 3_085_938_688
     lin = 2_774_532_096  # quantised projection weights (research §3 T1)
     assert 36 * QWEN3B.linear_params_per_layer() == lin
-    nf4 = _weight_bytes(QWEN3B, 2, load_in_4bit=True)
+    nf4 = weight_bytes(QWEN3B, 2, load_in_4bit=True)
     assert nf4 == math.ceil(lin * (0.5 + 1 / 64 + 4 / (64 * 256))) + 2 * (3_085_938_688 - lin)
     assert nf4 / GiB == pytest.approx(1.91, abs=0.005)
     assert NF4_BYTES_PER_PARAM == 0.515869140625  # exact in binary
-    assert _weight_bytes(QWEN3B, 2, lora_params=1000, b_adapter=4) == 2 * QWEN3B.params + 4000
+    assert weight_bytes(QWEN3B, 2, lora_params=1000, b_adapter=4) == 2 * QWEN3B.params + 4000
 
 
 def test_reference_copy_only_without_lora():
@@ -118,23 +118,23 @@ def test_reference_copy_only_without_lora():
 def test_optimizer_bytes():
     # bnb 8-bit: uint8 state1/state2 + fp32 absmax per 256 elements; < 4096 elements stay 32-bit. The simulated
     # device measured exactly 1,067,008 bytes for these two tensors.
-    assert _optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 4, True)[0] == 2 * (524288 + 4 * 2048) + 8 * 256
-    assert _optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 4, True)[0] == 1_067_008
+    assert optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 4, True)[0] == 2 * (524288 + 4 * 2048) + 8 * 256
+    assert optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 4, True)[0] == 1_067_008
     # transformers gives nn.Embedding weights 32-bit bnb states
-    assert _optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 2, True, embeddings=1)[0] == 8 * (524288 + 256)
+    assert optimizer_bytes("adamw_bnb_8bit", [2048 * 256, 256], 2, True, embeddings=1)[0] == 8 * (524288 + 256)
     # ~2.03 B/param for big tensors
-    state = _optimizer_bytes("adamw_8bit", [10**8], 2, False)[0]
+    state = optimizer_bytes("adamw_8bit", [10**8], 2, False)[0]
     assert state / 10**8 == pytest.approx(2 * (1 + 4 / 256), rel=1e-6)
     # paged on CUDA: states of tensors >= 1e5 elements are outside torch's statistics
-    s, _, note = _optimizer_bytes("paged_adamw_8bit", [10**6, 5000], 2, False)
+    s, _, note = optimizer_bytes("paged_adamw_8bit", [10**6, 5000], 2, False)
     assert s == 2 * (5000 + 4 * math.ceil(5000 / 256)) and "unified memory" in note
-    assert _optimizer_bytes("paged_adamw_8bit", [10**6], 2, True)[0] > 0  # CPU falls back to plain buffers
+    assert optimizer_bytes("paged_adamw_8bit", [10**6], 2, True)[0] > 0  # CPU falls back to plain buffers
     # torch AdamW: two states in the parameter dtype; foreach transient on CUDA, none fused
-    assert _optimizer_bytes("adamw_torch_fused", [1000, 10], 2, False) == (2 * 2 * 1010, 0, None)
-    assert _optimizer_bytes("adamw_torch", [1000, 10], 4, False) == (8 * 1010, 4 * 1010, None)
-    assert _optimizer_bytes("adamw_torch", [1000, 10], 4, True) == (8 * 1010, 8 * 1000, None)
-    assert _optimizer_bytes("sgd", [1000], 4, False)[0] == 0
-    assert _optimizer_bytes("lion_8bit", [10**6], 2, False)[0] == 10**6 + 4 * math.ceil(10**6 / 256)
+    assert optimizer_bytes("adamw_torch_fused", [1000, 10], 2, False) == (2 * 2 * 1010, 0, None)
+    assert optimizer_bytes("adamw_torch", [1000, 10], 4, False) == (8 * 1010, 4 * 1010, None)
+    assert optimizer_bytes("adamw_torch", [1000, 10], 4, True) == (8 * 1010, 8 * 1000, None)
+    assert optimizer_bytes("sgd", [1000], 4, False)[0] == 0
+    assert optimizer_bytes("lion_8bit", [10**6], 2, False)[0] == 10**6 + 4 * math.ceil(10**6 / 256)
 
 
 def test_optimizer_term_in_estimate():
@@ -143,7 +143,7 @@ def test_optimizer_term_in_estimate():
     assert e32.breakdown["optimizer"] == 4 * LLAMA1B.params
     e8 = estimate(LLAMA1B, k.replace(optim="adamw_bnb_8bit"))
     emb = 128256 * 2048
-    assert e8.breakdown["optimizer"] == _optimizer_bytes("adamw_bnb_8bit", LLAMA1B.param_tensors(), 2, False, 1)[0]
+    assert e8.breakdown["optimizer"] == optimizer_bytes("adamw_bnb_8bit", LLAMA1B.param_tensors(), 2, False, 1)[0]
     assert e8.breakdown["optimizer"] < 8 * emb + 2.04 * (LLAMA1B.params - emb)
 
 
@@ -152,23 +152,23 @@ def test_optimizer_term_in_estimate():
 def _regime(**kw):
     base = dict(b_w=2, b_res=2, b_c=2, autocast=True, autocast_cast=False, simulated=False, quant4=False, lora=False, r=0,
                 targets=frozenset(), b_a=4)
-    return _Regime(**{**base, **kw})
+    return Regime(**{**base, **kw})
 
 
 def test_activation_bytes_per_token():
     h, i, a = 2048, 8192, 32
     # bf16 full fine-tune: 26h + 8i (research §3 T7) plus the fp32 logsumexp per head
-    assert _activation_bytes_per_token(LLAMA1B, _regime()) == 26 * h + 8 * i + 4 * a
+    assert activation_bytes_per_token(LLAMA1B, _regime()) == 26 * h + 8 * i + 4 * a
     # fp32 activations (bf16=False: no autocast, on any device)
-    assert _activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, b_c=4, autocast=False, simulated=True)) == \
+    assert activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, b_c=4, autocast=False, simulated=True)) == \
         44 * h + 16 * i + 4 * a
     # fp32 master weights under bf16 autocast: every Linear casts its fp32 input
-    assert _activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, autocast_cast=True)) == 36 * h + 8 * i + 4 * a
+    assert activation_bytes_per_token(LLAMA1B, _regime(b_w=4, b_res=4, autocast_cast=True)) == 36 * h + 8 * i + 4 * a
     # LoRA on a bf16 base, fp32 adapters under autocast: frozen norms save no normalised copy, each adapted Linear
     # saves a bf16 copy of its input, lora_B saves r per module
     lora = _regime(lora=True, r=16, targets=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"}))
-    assert _activation_bytes_per_token(LLAMA1B, lora) == (2 * 4 * h + 3 * 2 * h + 2 * 2 * h + 5 * 2 * h + 8 * i
+    assert activation_bytes_per_token(LLAMA1B, lora) == (2 * 4 * h + 3 * 2 * h + 2 * 2 * h + 5 * 2 * h + 8 * i
                                                           + 4 * a + 7 * 16 * 2)
 
 
@@ -178,7 +178,7 @@ def test_checkpointing_term():
     on = estimate(LLAMA1B, k, prompt_tokens=256)
     off = estimate(LLAMA1B, k.replace(gradient_checkpointing=False), prompt_tokens=256)
     tokens = 8 * (256 + 2048)
-    a_tok = _activation_bytes_per_token(LLAMA1B, _regime(lora=True, r=16, targets=frozenset(
+    a_tok = activation_bytes_per_token(LLAMA1B, _regime(lora=True, r=16, targets=frozenset(
         {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})))
     # without checkpointing the L layers' activations are stored; with it only the layer inputs (2 B x h)
     diff = off.phases["forward_backward"] - on.phases["forward_backward"]
@@ -191,9 +191,9 @@ def test_checkpointing_term():
 def test_chunked_head_tile():
     tiny = ModelSpec(2048, 64, 2, 4, 2, 16, 128, True)
     # mm_buf is [min(N, 4096), 32768] in the compute dtype whatever the vocabulary
-    hb = _head_bytes(tiny, 100, b_c=2, b_res=2, b_w=2, head_trains=False, fallback=False, k_logits=12)
+    hb = head_bytes(tiny, 100, b_c=2, b_res=2, b_w=2, head_trains=False, fallback=False, k_logits=12)
     assert hb["mm_buf"] == 100 * 32768 * 2 and hb["grad_weight"] == 0
-    big = _head_bytes(QWEN3B, 8 * 1024, b_c=2, b_res=2, b_w=2, head_trains=True, fallback=False, k_logits=12)
+    big = head_bytes(QWEN3B, 8 * 1024, b_c=2, b_res=2, b_w=2, head_trains=True, fallback=False, k_logits=12)
     assert big["mm_buf"] == 4096 * 32768 * 2 == 256 * MiB
     assert big["grad_weight"] == 4 * 151936 * 2048  # fp32 [V, h] when lm_head trains
     # backward: saved hidden copy and per-token stats + fp32 grad_hidden [N, h] + fp32 grad_weight, with mm_buf
@@ -202,8 +202,8 @@ def test_chunked_head_tile():
     saved_and_grads = (N * h * 2 + 12 * N) + 4 * N * h + 4 * V * h
     assert big["backward"] == saved_and_grads + max(256 * MiB, 2 * N * h + 2 * V * h)
     # the torch fallback (CPU) adds k_logits bytes per [n, min(V, 32768)] tile element
-    cpu = _head_bytes(tiny, 100, b_c=4, b_res=4, b_w=4, head_trains=False, fallback=True, k_logits=29)
-    gpu = _head_bytes(tiny, 100, b_c=4, b_res=4, b_w=4, head_trains=False, fallback=False, k_logits=29)
+    cpu = head_bytes(tiny, 100, b_c=4, b_res=4, b_w=4, head_trains=False, fallback=True, k_logits=29)
+    gpu = head_bytes(tiny, 100, b_c=4, b_res=4, b_w=4, head_trains=False, fallback=False, k_logits=29)
     assert cpu["backward"] - gpu["backward"] == 29 * 100 * 2048
 
 
@@ -240,15 +240,15 @@ def test_head_positions_gpu_vs_simulated():
 
 def test_kv_cache_bytes():
     # Qwen2.5-3B: 36,864 B per token in bf16 (research §6); 32k tokens of one sequence = 1.125 GiB (§7 row 11)
-    assert _kv_cache_bytes(QWEN3B, 1, 1, 2, 2) == 36_864
-    assert _kv_cache_bytes(QWEN3B, 1, 32768) == 1.125 * GiB
+    assert kv_cache_bytes(QWEN3B, 1, 1, 2, 2) == 36_864
+    assert kv_cache_bytes(QWEN3B, 1, 32768) == 1.125 * GiB
     llama8b = ModelSpec(128256, 4096, 32, 32, 8, 128, 14336, False)
-    assert _kv_cache_bytes(llama8b, 1, 20480) / GiB == pytest.approx(2.50)  # Unsloth's "KV cache 2.5 GB"
+    assert kv_cache_bytes(llama8b, 1, 20480) / GiB == pytest.approx(2.50)  # Unsloth's "KV cache 2.5 GB"
     k = TRL_DEFAULTS.replace(dtype="bfloat16", per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_completion_length=1024, lora_r=16)
     e = estimate(QWEN3B, k, prompt_tokens=512)
     gen = e.phases["generation"]
-    assert gen >= _weight_bytes(QWEN3B, 2, lora_params=lora_trainable_params(QWEN3B, 16)) + _kv_cache_bytes(
+    assert gen >= weight_bytes(QWEN3B, 2, lora_params=lora_trainable_params(QWEN3B, 16)) + kv_cache_bytes(
         QWEN3B, 8, 1536)
 
 

@@ -147,6 +147,19 @@ def test_load_phase_only_takes_load_remedies():
     ("[[rung]\n", "not valid TOML"),
     ("[[rung]]\nfactor = 2", "needs a `remedy"),
     ("choose_by = 'price'\n[[rung]]\nremedy = 'lora'", "choose_by must be one of 'cost', 'order'"),
+    # a ladder built on another (tests/test_ladder_extends.py)
+    ("extends = 'default'\n[[rung]]\nremedy = 'lora'\nafter = 'zero3'", "rung #1: after 'zero3': the ladder has no "
+                                                                        "rung zero3 here"),
+    ("extends = 'default'\n[[rung]]\nremedy = 'lora'\nafter = 'lora'", "after 'lora'"),
+    ("extends = 'default'\n[[rung]]\nremedy = 'lora'\nafter = 'micro_batch'\nbefore = 'bf16_load'",
+     "rung #1: give one rung name"),
+    ("extends = 'default'\nremove = ['zero3']", "remove names zero3, which default does not have"),
+    ("remove = ['lora']\n[[rung]]\nremedy = 'bf16_load'", "it extends none"),
+    ("extends = 'default'\nremove = ['lora']\n[[rung]]\nremedy = 'lora'", "lora is listed and removed"),
+    ("extends = 'slowest'", "extends: no ladder named 'slowest'"),
+    ("extends = 3", "extends must be a string"),
+    ("extends = 'default'\nremove = 'lora'", "remove must be a list of rung names"),
+    ("[[rung]]\nremedy = 'lora'\nbefore = 'bf16_load'", "rung #1: before 'bf16_load'"),
 ])
 def test_bad_ladder_files_get_one_line_errors(tmp_path: Path, text: str, problem: str):
     p = tmp_path / "mine.toml"

@@ -25,7 +25,7 @@ import pytest
 from oomguard.memory.estimate import Coefficients, EstimateError, ModelSpec, estimate, load_model_spec
 from oomguard.memory.estimate.model import lora_targets, lora_trainable_params
 from oomguard.memory.estimate.readconfig import CLASS_DEFAULTS
-from oomguard.memory.estimate.terms import _kv_cache_bytes
+from oomguard.memory.estimate.terms import kv_cache_bytes
 from oomguard.memory.estimate.vision import Images, image_tokens, load_pixel_budget, vision_patches
 from oomguard.vocab.knobs import TRL_DEFAULTS
 
@@ -220,9 +220,9 @@ def test_lora_targets_explain_what_peft_adapts():
 def test_kv_cache_of_sliding_windows_and_latent_attention():
     gemma = load_model_spec(MODELS / "gemma-3-1b-it")  # 26 layers, every 6th global, window 512
     per_token = 2 * gemma.kv_dim * 2  # keys and values, bf16
-    assert _kv_cache_bytes(gemma, 1, 4096) == per_token * (4 * 4096 + 22 * 511)
+    assert kv_cache_bytes(gemma, 1, 4096) == per_token * (4 * 4096 + 22 * 511)
     ds = load_model_spec(MODELS / "deepseek-v2-lite")  # the compressed latent: 512 + 64 per token per layer
-    assert _kv_cache_bytes(ds, 2, 1000) == 2 * 27 * 1000 * (512 + 64) * 2
+    assert kv_cache_bytes(ds, 2, 1000) == 2 * 27 * 1000 * (512 + 64) * 2
 
 
 def test_moe_terms_follow_the_experts():

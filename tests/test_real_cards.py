@@ -501,12 +501,14 @@ def test_a_pre_flight_stop_prints_one_line_for_the_job_and_every_rank_records_it
     else:
         monkeypatch.setenv("RANK", rank)
     seen = []
-    rt = SimpleNamespace(emit=lambda ev: seen.append(ev.event_name()), end=lambda kind: seen.append(f"end:{kind}"),
-                         stopping_on_purpose=lambda: seen.append("marked"))
+    # Qwen2.5-3B's weights in bfloat16 (5.75 GiB) before a script's from_pretrained, on a simulated 4 GiB device
+    rt = SimpleNamespace(plan=SimpleNamespace(judge=judge_spec(4 * GiB, simulated=True, margin=0.02), preflight=True),
+                         facts=dict, emit=lambda ev: seen.append(ev.event_name()),
+                         end=lambda kind: seen.append(f"end:{kind}"), stopping_on_purpose=lambda: seen.append("marked"))
     with pytest.raises(SystemExit) as stop:
-        v = verdict(peak(100 << 20), judge_spec(64 << 20, simulated=True, margin=0.02))  # stopped beyond 11.7%
-        preflight._stop(rt, v, "this config needs 100 MiB", "generates")
+        preflight.check_load(rt, Q3B, TRL_DEFAULTS.replace(dtype="bfloat16"))
     assert stop.value.code == preflight.EXIT_PREDICTED
     # the stop is marked before the process ends, so a launcher's report of the exit stays off the terminal
     assert seen == ["predicted", "marked", f"end:{preflight.END_PREDICTED}"]
-    assert ("pre-flight: this config needs 100 MiB, 56% over" in capsys.readouterr().err) is printed
+    err = capsys.readouterr().err
+    assert ("pre-flight: loading this model needs 5.7" in err and "% over the 4.00 GiB device" in err) is printed

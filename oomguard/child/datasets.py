@@ -124,14 +124,14 @@ def prepare_dataset(rt: Runtime, dataset: Any, tokenizer: Any, model: Any, args:
 def _measured(rt: Runtime, sample: list[Any], lengths: list[int], construction: Any) -> Any:
     """The longest rows of ``sample`` through the trainer's construction (kept for the check once the trainer is
     built), or None, said, where they cannot be."""
-    from .prompts import _why, measure_longest
+    from .prompts import error_line, measure_longest
 
     if construction is None:
         return None
     try:
         measured = measure_longest(sample, lengths, construction)
     except Exception as e:
-        rt.cannot_observe(f"the prompts as GRPOTrainer builds them ({_why(e)}): their length is measured with the "
+        rt.cannot_observe(f"the prompts as GRPOTrainer builds them ({error_line(e)}): their length is measured with the "
                           "tokenizer's chat template alone, without the trainer's tools and template arguments")
         return None
     rt.prompts = measured

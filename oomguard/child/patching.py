@@ -16,6 +16,7 @@ from importlib import metadata
 from typing import Any
 
 from ..vocab.events import OverrideFailed
+from ..vocab.knobtable import OPTIONAL_PACKAGES
 from .runtime import Runtime
 
 UNDO: list[Callable[[], None]] = []
@@ -51,13 +52,10 @@ def world() -> int:
     except ValueError:
         return 1
 
-# Packages some rungs need (LoRA: peft; 8-bit and 4-bit: bitsandbytes; ZeRO: deepspeed; Liger's loss: liger_kernel),
-# checked where they are used.
-OPTIONAL_PACKAGES = ("peft", "bitsandbytes", "deepspeed", "liger_kernel")
 
 def missing_packages() -> list[str]:
-    """The optional packages this training environment lacks: installed (a distribution, as transformers checks for
-    DeepSpeed) and findable, without importing them."""
+    """The optional packages this training environment lacks (of those the knob table names, ``OPTIONAL_PACKAGES``):
+    installed (a distribution, as transformers checks for DeepSpeed) and findable, without importing them."""
     out = []
     for name in OPTIONAL_PACKAGES:
         try:

@@ -98,7 +98,7 @@ class Construction:
                 if not is_chat_template_prefix_preserving(pc):
                     template = get_training_chat_template(pc)
             except Exception as e:  # TRL raises the same when the trainer is built: nothing to measure then
-                return None, f"the chat template TRL would train with ({_why(e)})"
+                return None, f"the chat template TRL would train with ({error_line(e)})"
         return cls(pc, tools or _no_tools(), template, dict(getattr(args, "chat_template_kwargs", None) or {})), None
 
     @classmethod
@@ -155,10 +155,16 @@ def _load_processor(model: Any) -> tuple[Any, str | None]:
 
         return AutoProcessor.from_pretrained(name, truncation_side="left", padding_side="left"), None
     except Exception as e:
-        return None, f"the tokenizer of {name!r} ({_why(e)})"
+        return None, f"the tokenizer of {name!r} ({error_line(e)})"
 
 
-def _why(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+    """An error in one line, for the reason a fact could not be observed: its type and the first line of its
+    message (at most 160 characters).
+
+    >>> error_line(ValueError("no chat template\\nmore"))
+    'ValueError: no chat template'
+    """
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
     return f"{type(e).__name__}{': ' + first if first else ''}"
 
@@ -208,7 +214,7 @@ def check_built(rt: Any, trainer: Any) -> None:
     try:
         exact = Construction.from_trainer(trainer).lengths(before.prompts)
     except Exception as e:
-        rt.cannot_observe(f"the prompts as the built trainer tokenizes them ({_why(e)}): their length is the one "
+        rt.cannot_observe(f"the prompts as the built trainer tokenizes them ({error_line(e)}): their length is the one "
                           "measured before it was built")
         return
     if max(exact) == before.most:

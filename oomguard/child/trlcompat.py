@@ -5,7 +5,8 @@ memory model depend on, and each difference is read here from the code that is i
 number:
 
 - ``GRPOConfig``'s fields (own and inherited from transformers' ``TrainingArguments``): a knob whose field this TRL
-  lacks cannot reach it. The training process reports those knobs (``RunFacts.trl_lacks``), and a rung that would
+  lacks cannot reach it (the field of its own name, or those the knob table names for it, ``KnobInfo.trl_fields``;
+  what of the trainer takes a knob that reaches it: ``KnobInfo.trainer_args``). The training process reports those knobs (``RunFacts.trl_lacks``), and a rung that would
   change one is passed over with the reason, as a rung whose knobs the command never reads is.
 - ``GRPOTrainer.__init__``'s arguments: ``quantization_config`` exists from TRL 1.10 on; before, a 4-bit load of a
   model given by name goes through ``GRPOConfig.model_init_kwargs`` (what TRL's own scripts do).
@@ -25,29 +26,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..vocab.knobs import DS_SIZE_KNOBS, REACH
+from ..vocab.knobtable import REACH, TABLE
 from ..vocab.trlrange import support
-
-# Knobs that reach the training process through a GRPOConfig field of another name (or one of several names).
-_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
-    "gradient_checkpointing": ("activation_checkpointing", "gradient_checkpointing"),  # transformers 5.23 renamed it
-    "zero_stage": ("deepspeed",),
-    "offload_optimizer": ("deepspeed",),
-    "offload_params": ("deepspeed",),
-    "fsdp_offload": ("fsdp",),
-    "use_transformers_continuous_batching": ("use_transformers_continuous_batching", "use_transformers_paged"),
-    "cb_max_memory_percent": ("transformers_continuous_batching_config",),  # TRL 1.10 on
-    "cb_max_batch_tokens": ("transformers_continuous_batching_config",),
-    **{knob: ("deepspeed",) for knob in (*DS_SIZE_KNOBS, "overlap_comm")},
-}
-# Knobs that reach the trainer, and what of GRPOTrainer.__init__ (or GRPOConfig) takes them: any one of these.
-_TRAINER_NEEDS: dict[str, tuple[str, ...]] = {
-    "lora_r": ("peft_config",),
-    "lora_alpha": ("peft_config",),
-    "lora_target_modules": ("peft_config",),
-    "load_in_4bit": ("quantization_config", "model_init_kwargs"),
-    "max_prompt_tokens": ("train_dataset",),
-}
 
 
 @dataclass(frozen=True)
@@ -85,11 +65,11 @@ class TrlFeatures:
     def lacks(self) -> tuple[str, ...]:
         """The knobs that cannot reach this TRL: a GRPOConfig field or a trainer argument it does not have."""
         out = []
-        for knob in sorted(REACH["config"]):
-            if not any(f in self.config_fields for f in _CONFIG_FIELDS.get(knob, (knob,))):
+        for knob in sorted(REACH["config"]):  # the fields that take it (the knob table's trl_fields), any one
+            if not any(f in self.config_fields for f in TABLE[knob].trl_fields or (knob,)):
                 out.append(knob)
-        for knob, needs in sorted(_TRAINER_NEEDS.items()):
-            if not any(n in self.trainer_args or n in self.config_fields for n in needs):
+        for knob in sorted(n for n, i in TABLE.items() if i.trainer_args):  # a trainer argument, or a config field
+            if not any(n in self.trainer_args or n in self.config_fields for n in TABLE[knob].trainer_args):
                 out.append(knob)
         return tuple(out)
 

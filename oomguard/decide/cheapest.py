@@ -31,37 +31,28 @@ Two steps, like the ladder-order choice of ``oomguard.decide.choose``:
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..strategies import COST_CLASSES, Context, cost_rank
-from ..strategies.images import pixel_cut
-from ..vocab.knobs import DS_SIZE_KNOBS, Knobs, RunFacts
+from ..strategies import COST_CLASSES, REGISTRY, WEIGHED, Context, cost_rank
+from ..vocab.knobcost import total
+from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.knobtable import TABLE
 from .choose import Choice, Rung, relax_rungs, replay
 from .ladder import Ladder
 
-# A rough share of a step's time each speed change adds, to weigh speed changes against each other (never against
-# another class): a halving of the micro-batch (the weights read again per micro-step), checkpointing (a third more
-# training compute, in a step that generation dominates), ZeRO-2 (a reduce-scatter and all-gather, about DDP's
-# all-reduce), ZeRO-3 (parameters gathered in every forward and generation step), offloads (every step through host
-# memory; ms-swift's offload while vLLM generates moves the weights and optimizer out and back once a step),
-# DeepSpeed's buffers sized to the model (more, smaller collectives), ZeRO-3's generation gathered layer by layer
-# (each decode step gathers every layer again), a halving of continuous batching's paged cache (fewer sequences at
-# once: more forward passes in a round, none while the cache still held them all).
-SPEED_COST = {"micro_halving": 0.05, "checkpointing": 0.10, "zero2": 0.05, "zero3": 0.30, "offload_optimizer": 0.5,
-              "offload_params": 1.0, "fsdp_offload": 1.0, "offload_during_generation": 0.3, "zero3_gather": 0.3,
-              "buffers": 0.01, "paged_cache_halving": 0.05}
-
 
 def class_distance(user: Knobs, k: Knobs, world_size: int = 1, image_pixels: int | None = None) -> dict[str, float]:
-    """How far ``k`` moved from ``user`` within each cost class that has graded values (0 for the others): for
-    ``signal`` the relative cuts of completion length, generations and prompts per step, summed, with half the cut of
-    a vision-language model's pixel budget (``strategies.images.pixel_cut``: of the pixels the largest image,
-    ``image_pixels``, got); for ``speed`` the
-    share of a step's time its changes add, roughly (:data:`SPEED_COST`; a smaller vLLM reservation by its cut).
+    """How far ``k`` moved from ``user`` within each cost class whose changes are weighed (0 for the others): the
+    costs declared on the knobs (the knob table's ``speed_cost`` and ``signal_cost``: a flag set, a ZeRO stage, a
+    share cut) and on the remedies whose rungs move a quantity read from several knobs (``Remedy.speed_cost``: the
+    micro-steps per generation round, the generation rounds per step, the prompts per step), each measured from the
+    user's value to ``k``'s and summed (``oomguard.vocab.knobcost``). For ``speed`` a rough share of a step's time
+    the changes add, never compared with another class's; for ``signal`` the relative cuts of what GRPO learns from
+    (completion length, generations, prompts per step; half a cut of a vision-language model's pixels, of those the
+    largest image, ``image_pixels``, got).
 
     >>> from oomguard.vocab.knobs import TRL_DEFAULTS
     >>> user = TRL_DEFAULTS.replace(max_completion_length=256, num_generations=8, per_device_train_batch_size=8)
@@ -73,33 +64,13 @@ def class_distance(user: Knobs, k: Knobs, world_size: int = 1, image_pixels: int
     ...     per_device_train_batch_size=2, gradient_accumulation_steps=4))["speed"]
     True
     """
-    def cut(u: Any, v: Any) -> float:
-        return max(0.0, 1.0 - float(v) / float(u)) if u and v else 0.0
-
-    def new(knob: str) -> bool:
-        return bool(getattr(k, knob)) and not getattr(user, knob)
-
-    _, _, spg_u = user.geometry(world_size)
-    _, _, spg_k = k.geometry(world_size)
-    stage_u, stage_k = user.zero_stage or 0, k.zero_stage or 0
-    zero = {2: SPEED_COST["zero2"], 3: SPEED_COST["zero3"]}
-    speed = (SPEED_COST["micro_halving"] * max(0.0, math.log2(spg_k / max(1, spg_u)))
-             + (SPEED_COST["checkpointing"] if new("gradient_checkpointing") else 0.0)
-             + max(0.0, zero.get(stage_k, 0.0) - zero.get(stage_u, 0.0))
-             + sum(SPEED_COST[n] for n in ("offload_optimizer", "offload_params", "fsdp_offload",
-                                                  "offload_during_generation") if new(n))
-             + (SPEED_COST["buffers"] if any(new(n) for n in DS_SIZE_KNOBS) else 0.0)
-             + (SPEED_COST["zero3_gather"] if k.ds3_gather_for_generation is False
-                and user.ds3_gather_for_generation is not False else 0.0)
-             + cut(user.vllm_gpu_memory_utilization, k.vllm_gpu_memory_utilization)
-             + SPEED_COST["paged_cache_halving"] * max(0.0, math.log2((user.cb_max_memory_percent or 0.5)
-                                                                      / (k.cb_max_memory_percent or 0.5))))
     out = dict.fromkeys(COST_CLASSES, 0.0)
-    out["signal"] = round(cut(user.max_completion_length, k.max_completion_length)
-                          + cut(user.num_generations or 8, k.num_generations or 8)
-                          + cut(user.prompts_per_step(world_size), k.prompts_per_step(world_size))
-                          + pixel_cut(user.max_pixels, k.max_pixels, image_pixels), 9)
-    out["speed"] = round(speed, 9)
+    for cls, attr in WEIGHED.items():
+        costs = {name: (c, getattr(user, name), getattr(k, name))
+                 for name, info in TABLE.items() if (c := getattr(info, attr)) is not None}
+        costs |= {f"remedy {name}": (c, c.of(user, world_size), c.of(k, world_size))
+                  for name, r in REGISTRY.items() if (c := getattr(r, attr)) is not None and c.of is not None}
+        out[cls] = round(total(costs, image_pixels), 9)
     return out
 
 

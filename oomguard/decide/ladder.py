@@ -35,6 +35,7 @@ except ImportError:  # Python 3.10: the same parser, published as tomli
 from ..strategies import COST_CLASSES, LADDER_DIR, Context, Remedy, cost_rank, make_remedy
 from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs
+from .extends import PLACES, Entry, place
 
 # How the memory model chooses a config from a ladder: by what the changes cost the experiment, or the ladder's order.
 CHOOSE_BY = ("cost", "order")
@@ -221,35 +222,47 @@ def available_ladders() -> dict[str, Path]:
     return {p.stem: p for p in sorted(LADDER_DIR.glob("*.toml"))}
 
 
-def load_ladder(name_or_path: str | Path) -> Ladder:
-    """A shipped ladder by name (``default``, ``quality-first``, ...) or a ladder TOML file by path."""
-    text = str(name_or_path)
-    shipped = available_ladders()
-    if text in shipped:
-        path = shipped[text]
-    else:
-        path = Path(text).expanduser()
-        if not path.exists():
-            raise LadderError(f"no ladder named {text!r}: use one of {', '.join(shipped)} or a path to a .toml file")
-        if path.is_dir():
-            raise LadderError(f"{path}: is a directory; give a ladder .toml file")
+def load_ladder(name_or_path: str | Path, *, chain: tuple[Path, ...] = ()) -> Ladder:
+    """A shipped ladder by name (``default``, ``quality-first``, ...) or a ladder TOML file by path. ``chain``: the
+    files that extend this one, being read (a ladder that extends itself, through others or not, is an error)."""
+    path = _ladder_path(name_or_path)
+    if path.resolve() in chain:
+        files = " -> ".join(p.name for p in (*chain, path.resolve()))
+        raise LadderError(f"{chain[0]}: extends itself ({files})")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise LadderError(f"{path}: cannot read it ({e.__class__.__name__}: {e})") from None
     except tomllib.TOMLDecodeError as e:
         raise LadderError(f"{path}: not valid TOML ({e})") from None
-    return ladder_from_dict(data, path=path)
+    return ladder_from_dict(data, path=path, chain=chain)
 
 
-# The keys a ladder file may have at its top level; anything else is a mistake worth one line (a misspelt
-# ``choose_bye`` would otherwise be ignored, and the ladder chosen by another rule than the one written).
+def _ladder_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    """The file of a shipped ladder's name, or of a path (relative to ``relative_to``, the folder of the ladder that
+    extends it, when given)."""
+    text = str(name_or_path)
+    shipped = available_ladders()
+    if text in shipped:
+        return shipped[text]
+    path = Path(text).expanduser()
+    if relative_to is not None and not path.is_absolute():
+        path = relative_to / path
+    if not path.exists():
+        raise LadderError(f"no ladder named {text!r}: use one of {', '.join(shipped)} or a path to a .toml file")
+    if path.is_dir():
+        raise LadderError(f"{path}: is a directory; give a ladder .toml file")
+    return path
+
+
 # How many passes a graded rung of cost class speed (or none) may take in a climb by cost: enough to halve a
 # micro-batch or a generation round from 64 rows down to one.
 SPEED_PASSES = 7
 
 
-LADDER_KEYS = ("name", "description", "choose_by", "max_passes", "rung", "host_rung")
+# The keys a ladder file may have at its top level; anything else is a mistake worth one line (a misspelt
+# ``choose_bye`` would otherwise be ignored, and the ladder chosen by another rule than the one written).
+LADDER_KEYS = ("name", "description", "extends", "remove", "choose_by", "max_passes", "rung", "host_rung")
 
 
 def _unknown(key: str, known: Sequence[str]) -> str:
@@ -260,10 +273,13 @@ def _unknown(key: str, known: Sequence[str]) -> str:
     return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else f"; it takes {', '.join(known)}")
 
 
-def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None) -> Ladder:
+def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None, chain: tuple[Path, ...] = ()) -> Ladder:
     """A Ladder from a ladder file's content, checked against the schema: the top-level keys (``LADDER_KEYS``), their
-    types, and each rung's remedy and typed parameters (``oomguard.strategies.params``). Every problem is a
-    LadderError of one line.
+    types, and each rung's remedy, typed parameters (``oomguard.strategies.params``) and place (``after``,
+    ``before``). A ladder that ``extends`` another is the base's rungs with this one's removed, moved and added
+    (``oomguard.decide.extends``); it takes the base's ``choose_by`` and ``max_passes`` unless it gives its own. Every
+    problem is a LadderError of one line; a rung whose cost within its class is not declared (oomguard's own bug,
+    ``Remedy.undeclared_cost``) a LadderBug.
 
     >>> ladder_from_dict({"choose_bye": "order", "rung": [{"remedy": "lora"}]})
     Traceback (most recent call last):
@@ -273,41 +289,78 @@ def ladder_from_dict(data: Mapping[str, Any], *, path: Path | None = None) -> La
     Traceback (most recent call last):
       ...
     oomguard.decide.ladder.LadderError: rung #1: remedy 'lora': r must be an integer between 1 and 4096 (the LoRA rank), not -4
+    >>> mine = ladder_from_dict({"extends": "default", "remove": ["bf16_load"], "rung": [{"remedy": "lora", "r": 8,
+    ...                          "before": "micro_batch"}]})
+    >>> [r.name for r in mine.rungs][:5], mine.rungs[3].p["r"], mine.choose_by
+    (['expandable_segments', 'empty_cache', 'eval_batch', 'lora', 'micro_batch'], 8, 'cost')
     """
     where = f"{path}: " if path else ""
     for key in data:
         if key not in LADDER_KEYS:
             raise LadderError(f"{where}{_unknown(key, LADDER_KEYS)}")
-    for key in ("name", "description"):
+    for key in ("name", "description", "extends"):
         if key in data and not isinstance(data[key], str):
             raise LadderError(f"{where}{key} must be a string, not {data[key]!r}")
+    remove = data.get("remove", [])
+    if not isinstance(remove, list) or not all(isinstance(n, str) for n in remove):
+        raise LadderError(f"{where}remove must be a list of rung names, not {remove!r}")
+    base = None
+    if "extends" in data:
+        here = (path.resolve(),) if path else ()
+        try:
+            base_path = _ladder_path(data["extends"], path.parent if path else None)
+        except LadderError as e:
+            raise LadderError(f"{where}extends: {e}") from None
+        base = load_ladder(base_path, chain=(*chain, *here))
+    elif remove:
+        raise LadderError(f"{where}remove takes rungs out of the ladder this one extends, and it extends none "
+                          "(extends = \"default\", say)")
+    if base is not None:
+        gone = [n for n in remove if n not in {r.name for r in (*base.rungs, *base.host_rungs)}]
+        if gone:
+            raise LadderError(f"{where}remove names {', '.join(gone)}, which {base.name} does not have")
 
     def rungs(key: str) -> tuple[Remedy, ...]:
-        out = []
+        entries = []
         items = data.get(key, [])
         if not isinstance(items, list):
             raise LadderError(f"{where}[[{key}]] must be an array of tables")
         for i, item in enumerate(items, 1):
             if not isinstance(item, dict) or "remedy" not in item:
                 raise LadderError(f"{where}{key} #{i} needs a `remedy = \"name\"` line")
-            params = {k: v for k, v in item.items() if k != "remedy"}
+            places = {k: item[k] for k in PLACES if k in item}
+            if len(places) > 1 or not all(isinstance(v, str) for v in places.values()):
+                raise LadderError(f"{where}{key} #{i}: give one rung name, after = \"name\" or before = \"name\", "
+                                  f"not {places!r}")
+            params = {k: v for k, v in item.items() if k != "remedy" and k not in PLACES}
             try:
-                out.append(make_remedy(str(item["remedy"]), **params))
+                remedy = make_remedy(str(item["remedy"]), **params)
             except (KeyError, ValueError) as e:
                 raise LadderError(f"{where}{key} #{i}: {e.args[0] if e.args else e}") from None
-        return tuple(out)
+            if remedy.name in remove:
+                raise LadderError(f"{where}{key} #{i}: {remedy.name} is listed and removed")
+            entries.append(Entry(remedy, places.get("after"), places.get("before"), bool(params)))
+        names = [e.item.name for e in entries]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise LadderError(f"{where}remedy listed twice: {', '.join(sorted(dup))} (graded rungs step again on "
+                              "their own)")
+        try:
+            out = tuple(place(getattr(base, f"{key}s", ()), entries, remove))
+        except ValueError as e:
+            raise LadderError(f"{where}{key} {e}") from None
+        for r in out:
+            if (bug := r.undeclared_cost()) is not None:
+                raise LadderBug(bug)
+        return out
 
     main = rungs("rung")
     if not main:
         raise LadderError(f"{where}a ladder needs at least one [[rung]]")
-    names = [r.name for r in main]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise LadderError(f"{where}remedy listed twice: {', '.join(sorted(dup))} (graded rungs step again on their own)")
-    passes = data.get("max_passes", 3)
+    passes = data.get("max_passes", base.max_passes if base else 3)
     if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
         raise LadderError(f"{where}max_passes must be a positive integer, not {passes!r}")
-    choose_by = data.get("choose_by", "cost")
+    choose_by = data.get("choose_by", base.choose_by if base else "cost")
     if choose_by not in CHOOSE_BY:
         raise LadderError(f"{where}choose_by must be one of {', '.join(repr(c) for c in CHOOSE_BY)}, not {choose_by!r}")
     name = str(data.get("name") or (path.stem if path else "custom"))

@@ -29,11 +29,12 @@ from . import (  # noqa: F401
     sequences,
     vllm,
 )
-from .base import COST_CLASSES, REGISTRY, Advice, Context, Remedy, cost_rank
+from .base import COST_CLASSES, REGISTRY, WEIGHED, Advice, Context, Remedy, cost_rank
 
 LADDER_DIR = Path(__file__).resolve().parent
 
-__all__ = ["COST_CLASSES", "LADDER_DIR", "REGISTRY", "Advice", "Context", "Remedy", "cost_rank", "make_remedy"]
+__all__ = ["COST_CLASSES", "LADDER_DIR", "REGISTRY", "WEIGHED", "Advice", "Context", "Remedy", "cost_rank",
+           "make_remedy"]
 
 
 def make_remedy(name: str, **params: object) -> Remedy:

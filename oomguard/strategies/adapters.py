@@ -18,7 +18,6 @@ class Lora(Remedy):
     resume = "new-run"
     changes = ("lora_r", "lora_alpha", "lora_target_modules")
     helps_optimizer = True
-    requires = ("peft",)
     params = lora_params()
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:

@@ -7,7 +7,9 @@ A remedy answers four questions, each a method:
 - ``apply(ctx)``: the new Knobs. Pure: no I/O, no torch.
 - ``advise(diagnosis)``: for ``oomguard analyze``, a reason and, where the figures allow, the bytes it frees.
 
-Class attributes state what a remedy costs the experiment (``cost``, one of :data:`COST_CLASSES`, cheapest first)
+Class attributes state what a remedy costs the experiment (``cost``, one of :data:`COST_CLASSES`, cheapest first;
+within the classes the choice weighs, speed and signal, how much: declared on the knobs it writes, or on the remedy
+where what it moves is read from several knobs, ``speed_cost``/``signal_cost``, see :meth:`Remedy.undeclared_cost`)
 and whether a checkpoint can continue after it (``resume``: ``continue``, ``continue-drift`` with a warning that the
 data position drifts, or ``new-run`` from the checkpoint's weights).
 
@@ -29,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from oomguard.vocab.diagnosis import LEAK_KINDS, OVERFLOW_FACTOR, Diagnosis
+from oomguard.vocab.knobcost import Cost
 from oomguard.vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from oomguard.vocab.knobtable import TABLE
 
 from .params import Param
 
@@ -39,6 +43,9 @@ REGISTRY: dict[str, type[Remedy]] = {}
 COST_CLASSES = ("none", "speed", "precision", "capacity", "signal")
 # The older, coarser words for the same (``Remedy.trades``): what reports and ladders listed before cost classes.
 _TRADES = {"none": "nothing", "speed": "speed"}
+# The classes whose changes the choice weighs by how far they go (``decide/cheapest.py``), and the attribute that
+# declares it, on a knob's entry (``KnobInfo``) or on the remedy.
+WEIGHED = {"speed": "speed_cost", "signal": "signal_cost"}
 
 
 def cost_rank(cost: str) -> int:
@@ -100,7 +107,18 @@ class Remedy:
     helps_optimizer: ClassVar[bool] = False  # reduces persistent state (weights, grads, optimizer states)
     sizes_buffers: ClassVar[bool] = False  # sizes a framework's own buffers (DeepSpeed's buckets)
     params: ClassVar[Mapping[str, Param]] = {}  # what a ladder file may set, typed (oomguard.strategies.params)
-    requires: ClassVar[tuple[str, ...]] = ()  # packages the training environment must import for this remedy
+    # packages the training environment must import for this remedy: unless the class says, those of the knobs it
+    # writes (the knob table's ``package``)
+    requires: ClassVar[tuple[str, ...]] = ()
+    # what the rung costs within its class where that is read from several knobs rather than from each knob it writes
+    # (``Cost.of``): the micro-steps per generation round of a micro-batch split, say
+    speed_cost: ClassVar[Cost | None] = None
+    signal_cost: ClassVar[Cost | None] = None
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "requires" not in cls.__dict__:
+            cls.requires = tuple(dict.fromkeys(TABLE[k].package for k in cls.changes if k in TABLE and TABLE[k].package))
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.params)
@@ -162,6 +180,30 @@ class Remedy:
             return "the OOM came while loading the model, before any training memory exists"
         if d.phase == "optimizer" and not self.helps_optimizer:
             return "the OOM came in the optimizer step, whose state does not depend on this knob"
+        return None
+
+    @classmethod
+    def undeclared_cost(cls) -> str | None:
+        """Why what this rung costs within its class is not declared, or None. A rung of a class the choice weighs
+        (``speed``, ``signal``) declares it on itself (``speed_cost``), or on every knob it writes (the knob table's
+        ``speed_cost``), 0 included where it costs nothing: a cost left out would count as 0 and make the rung look
+        free. Checked when a ladder is loaded.
+
+        >>> from oomguard.strategies import make_remedy
+        >>> make_remedy("checkpointing").undeclared_cost() is None
+        True
+        >>> class Faster(Remedy):
+        ...     name, cost, changes = "faster", "speed", ("torch_empty_cache_steps",)
+        >>> Faster.undeclared_cost()
+        'rung faster (cost class speed) declares no speed_cost for torch_empty_cache_steps: declare it in the knob table (speed_cost=, 0 where it costs nothing) or on the remedy'
+        """
+        attr = WEIGHED.get(cls.cost)
+        if attr is None or getattr(cls, attr) is not None:
+            return None
+        missing = [k for k in cls.changes if k not in cls.follows and getattr(TABLE[k], attr) is None]
+        if not cls.changes or missing:
+            return (f"rung {cls.name} (cost class {cls.cost}) declares no {attr} for {', '.join(missing) or 'itself'}: "
+                    f"declare it in the knob table ({attr}=, 0 where it costs nothing) or on the remedy")
         return None
 
     def foreign(self, ctx: Context) -> str | None:

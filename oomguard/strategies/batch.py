@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomguard.vocab.diagnosis import Diagnosis
+from oomguard.vocab.knobcost import cut, doubling
 from oomguard.vocab.knobs import Knobs
 
 from .base import Advice, Context, Remedy, halve_request, register
@@ -21,6 +22,28 @@ from .params import Param
 # the whole generation batch (dapo, cispo, vespo), each divided by the accumulation steps. ``bnpo`` divides each
 # micro-batch by its own token count, so a split weighs tokens differently.
 SPLIT_INVARIANT_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo"})
+
+
+def micro_steps_per_round(k: Knobs, world_size: int = 1) -> float:
+    """The micro-steps one generation round serves (TRL's resolved ``steps_per_generation``): what a micro-batch split
+    doubles, each micro-step reading the weights again.
+
+    >>> micro_steps_per_round(Knobs(per_device_train_batch_size=4, gradient_accumulation_steps=8))
+    8
+    """
+    return k.geometry(world_size)[2]
+
+
+def rounds_per_step(k: Knobs, world_size: int = 1) -> float:
+    """Generation rounds per optimizer step: the accumulation steps over the micro-steps a round serves (below 1
+    where one round serves several steps). What ``generation_rounds`` doubles: decoding reads every weight once per
+    token, however many rows a round has, so two rounds of half the rows take about twice as long.
+
+    >>> rounds_per_step(Knobs(gradient_accumulation_steps=8, steps_per_generation=2))
+    4.0
+    """
+    _, ga, spg = k.geometry(world_size)
+    return ga / spg
 
 
 def split_caveat(loss_type: str | None) -> str:
@@ -71,6 +94,10 @@ class FewerGenerations(Remedy):
                "gradient_accumulation_steps")
     shrinks_shapes = True
     params = {"min_generations": Param(2, int, low=2, text="the fewest completions per prompt it goes down to")}
+
+    # what GRPO learns from, read from several knobs: the prompts per optimizer step (the group's cut is
+    # num_generations' own cost, in the knob table)
+    signal_cost = cut(1.0, of=Knobs.prompts_per_step, what="of the prompts per optimizer step")
 
     ROWS_ONLY = "fewer_prompts_per_step"
     ROWS_ONLY_NOTE = ("fewer prompts per optimizer step (num_generations kept): each step averages over fewer "
@@ -218,6 +245,8 @@ class MicroBatch(Remedy):
     follows = ("steps_per_generation", "generation_batch_size")  # the rows generated per round stay
     shrinks_shapes = True
     params = {"min_batch": Param(1, int, low=1, text="the smallest per_device_train_batch_size it goes down to")}
+    speed_cost = doubling(0.05, of=micro_steps_per_round, what="micro-steps per generation round: the weights read "
+                                                                "again in each, in a step that generation dominates")
 
     def with_values(self, knobs: Knobs, values: Mapping[str, Any], world_size: int = 1) -> Knobs:
         """The micro-batch and accumulation steps of ``values``, with the rows generated per round of ``knobs``
@@ -326,6 +355,10 @@ class GenerationRounds(Remedy):
     graded = True
     changes = ("steps_per_generation", "generation_batch_size")
     shrinks_shapes = True
+    # memory/steptime.py's roofline: the first halving of the rows per round adds 75% to 95% of a step on 1B-3B models
+    speed_cost = doubling(0.8, of=rounds_per_step, what="generation rounds per optimizer step: decoding reads every "
+                                                        "weight once per token whatever the rows, and generation is "
+                                                        "most of a step")
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         """>>> from oomguard.vocab.knobs import TRL_DEFAULTS

@@ -49,7 +49,6 @@ class DeepSpeedBuffers(Remedy):
     trade_note = "smaller communication buckets: more, smaller collectives per step"
     resume = "continue"  # bucket sizes are not part of a checkpoint
     changes = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
-    requires = ("deepspeed",)
     sizes_buffers = True
     helps_optimizer = True  # ZeRO-3 keeps its bucket all the step
 
@@ -79,7 +78,6 @@ class Zero2(_Sharding):
     summary = "DeepSpeed ZeRO stage 2: shard optimizer state and gradients across ranks."
     trade_note = "more communication per step"
     changes = ("zero_stage", "reduce_bucket_size")
-    requires = ("deepspeed",)
     sizes_buffers = True
 
     def blocked(self, ctx: Context) -> str | None:
@@ -100,7 +98,6 @@ class Zero3(_Sharding):
     summary = "DeepSpeed ZeRO stage 3: shard the parameters too."
     trade_note = "parameters are gathered for every forward and generation: slower, more communication"
     changes = ("zero_stage", "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
-    requires = ("deepspeed",)
     helps_at_load = True
     sizes_buffers = True
 
@@ -152,7 +149,6 @@ class OffloadOptimizer(_Sharding):
     summary = "Keep the optimizer state in host RAM (DeepSpeed ZeRO offload_optimizer)."
     trade_note = "the optimizer step runs on the CPU; needs host RAM of about 12 bytes per parameter"
     changes = ("offload_optimizer", "zero_stage")
-    requires = ("deepspeed",)
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("offload_optimizer"):
@@ -171,7 +167,6 @@ class OffloadParams(_Sharding):
     summary = "Keep the parameters in host RAM between uses (DeepSpeed ZeRO-3 offload_param)."
     trade_note = "every layer is fetched from host RAM: much slower"
     changes = ("offload_params",)
-    requires = ("deepspeed",)
     helps_at_load = True
 
     def blocked(self, ctx: Context) -> str | None:

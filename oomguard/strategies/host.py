@@ -55,6 +55,7 @@ class NoCpuOffload(Remedy):
     cost = "none"
     trade_note = "the offloaded state goes back to the GPU, which must then hold it"
     changes = ("offload_optimizer", "offload_params", "fsdp_offload")
+    requires = ()  # turning an offload off needs no package
     addresses = "host"
 
     def blocked(self, ctx: Context) -> str | None:

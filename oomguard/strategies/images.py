@@ -130,16 +130,3 @@ class SmallerImages(Remedy):
                                  "every prompt and every generation.",
                       halve_request(d) if d.phase in ("generation", "scoring", "forward", "backward") else None)
 
-
-def pixel_cut(user: int | None, knobs: int | None, image_pixels: int | None = None) -> float:
-    """How far the budget moved, for the cost of a choice: of the pixels the largest image got (the user's budget, or
-    the image where it is smaller), and half as much as the same share of completion tokens (a user of a
-    vision-language model gives up resolution before reasoning).
-
-    >>> pixel_cut(1003520, 501760), pixel_cut(12845056, 1036800, image_pixels=1080 * 1920)
-    (0.25, 0.25)
-    """
-    if not user or not knobs:
-        return 0.0
-    had = min(user, image_pixels) if image_pixels else user
-    return 0.5 * max(0.0, 1.0 - float(knobs) / float(had))

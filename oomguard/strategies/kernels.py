@@ -27,7 +27,6 @@ class LigerKernel(Remedy):
     resume = "continue"
     changes = ("use_liger_kernel",)
     shrinks_shapes = True
-    requires = ("liger_kernel",)
 
     def foreign(self, ctx: Context) -> str | None:
         head = ctx.facts.trl_head

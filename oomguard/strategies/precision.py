@@ -186,7 +186,7 @@ class Optimizer8bit(Remedy):
     resume = "new-run"
     changes = ("optim",)
     helps_optimizer = True
-    requires = ("bitsandbytes",)
+    requires = ("bitsandbytes",)  # the 8-bit optimizer it picks (optim itself needs no package)
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
         return f"8-bit optimizer states ({final.optim})"
@@ -218,7 +218,6 @@ class Load4bit(Remedy):
     changes = ("load_in_4bit", "lora_r", "dtype")
     helps_at_load = True
     helps_optimizer = True
-    requires = ("bitsandbytes", "peft")
     params = lora_params()
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:

@@ -2,12 +2,16 @@
 
 Each field of :class:`KnobFields` (the fields of ``Knobs``) is declared with :func:`knob`, which carries its facts as
 the field's metadata: its meaning, TRL 1.16's default, the construction points through which it reaches the training
-process, whether ``GRPOConfig`` has a field of the same name, and the values it takes. Its type is the field's own
-annotation (``typing.get_type_hints``). Everything else is derived from this one table: ``TRL_DEFAULTS``, ``REACH``,
-the type and range checks of ``Knobs.validate``, ``check_values`` and ``parse_knob``, ``CONFIG_KNOBS`` (the knobs
-the training process reads from and sets on ``GRPOConfig`` by name), ``oomguard knobs`` and its reference page. How
-a stack around TRL spells a knob is the stack's own table (``oomguard.vocab.stacks``). Adding a knob is one field here
-(and the remedy that changes it).
+process, whether ``GRPOConfig`` has a field of the same name (or which fields and trainer arguments take it), the
+values it takes, the optional package it needs, and what moving it from the user's value costs (``speed_cost``,
+``signal_cost``: ``oomguard.vocab.knobcost``). Its type is the field's own annotation (``typing.get_type_hints``).
+Everything else is derived from this one table: ``TRL_DEFAULTS``, ``REACH``, the type and range checks of
+``Knobs.validate``, ``check_values`` and ``parse_knob``, ``CONFIG_KNOBS`` (the knobs the training process reads from
+and sets on ``GRPOConfig`` by name), ``OPTIONAL_PACKAGES``, what the installed TRL lacks (``child/trlcompat.py``), the
+choice's costs (``decide/cheapest.py``), ``oomguard knobs`` and its reference page. How a stack around TRL spells a
+knob is the stack's own table (``oomguard.vocab.stacks``). Adding a knob is one field here; a knob with a rung adds the
+remedy, the memory model's term and its place in the default ladder (``docs/contributing/layout.md``, "Adding a knob
+with a rung").
 
 >>> TABLE["max_completion_length"].trl, TABLE["max_completion_length"].reaches, TABLE["lora_r"].kind
 (512, ('config',), <class 'int'>)
@@ -23,6 +27,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, NoneType
 from typing import Any
+
+from .knobcost import Cost, cut, halving, off, on, stages
 
 # Optimizer names that transformers 5.x accepts and what they are (training_args.py OptimizerNames).
 EIGHT_BIT_OPTIMIZERS = {
@@ -59,7 +65,13 @@ class KnobInfo:
     ``also`` (words taken besides the type's values: ``"auto"``, ``"all-linear"``); ``known`` is a catalogue checked
     only where a value is read from outside (a lock, ``KNOB=VALUE``), with ``unknown`` the sentence that refuses a
     name not in it (a newer library may know more names than the catalogue). ``takes`` says in words what it takes
-    where the type does not (DeepSpeed's sizes), ``note`` why its range is what it is."""
+    where the type does not (DeepSpeed's sizes), ``note`` why its range is what it is.
+
+    How it reaches TRL where not as a ``GRPOConfig`` field of its own name: ``trl_fields`` (the GRPOConfig fields
+    that take it, any one: a TRL with none of them lacks it), ``trainer_args`` (what of ``GRPOTrainer.__init__``, or
+    GRPOConfig, takes a knob that reaches the trainer); ``package`` the optional package its values need in the
+    training environment. ``speed_cost`` and ``signal_cost``: what moving it from the user's value costs within that
+    cost class (:mod:`oomguard.vocab.knobcost`), declared for every knob a rung of that class writes."""
 
     meaning: str
     trl: Any = None  # TRL 1.16's default (GRPOConfig's, TrainingArguments', or how TRL loads a model from a string)
@@ -76,6 +88,11 @@ class KnobInfo:
     note: str = ""
     unit: str = ""  # "elements": one of DeepSpeed's buffer sizes (DS_SIZE_KNOBS)
     stack_only: bool = False  # no TRL release takes it, only a stack around TRL (STACK_ONLY)
+    trl_fields: tuple[str, ...] = ()
+    trainer_args: tuple[str, ...] = ()
+    package: str = ""
+    speed_cost: Cost | None = None
+    signal_cost: Cost | None = None
     name: str = ""
     kind: type = object
     hint: Any = None
@@ -181,14 +198,23 @@ def _grpo(meaning: str, **facts: Any) -> Any:
 
 
 def _ds(meaning: str, **facts: Any) -> Any:
-    """A knob in the DeepSpeed config oomguard generates for GRPOConfig."""
-    return knob(meaning, reaches="config", **facts)
+    """A knob in the DeepSpeed config oomguard generates for GRPOConfig (its ``deepspeed`` field)."""
+    return knob(meaning, reaches="config", trl_fields=("deepspeed",), package="deepspeed", **facts)
+
+
+# DeepSpeed's buffers sized to the model: more, smaller collectives; one change however many sizes are set
+_BUFFERS = on(0.01, group="deepspeed_buffers", what="more, smaller collectives, once for all of DeepSpeed's sizes")
 
 
 def _ds_size(meaning: str) -> Any:
     """One of DeepSpeed's buffer sizes: elements, or "auto" (transformers sizes it from the model's hidden size);
     unset: the config leaves it to DeepSpeed's default."""
-    return _ds(meaning, minimum=0, also=("auto",), takes='a number of elements or "auto"', unit="elements")
+    return _ds(meaning, minimum=0, also=("auto",), takes='a number of elements or "auto"', unit="elements",
+               speed_cost=_BUFFERS)
+
+
+_OFFLOAD = "every step goes through host memory"
+_PEFT = {"trainer_args": ("peft_config",), "package": "peft"}
 
 
 _POSITIVE = {"minimum": 1}
@@ -210,11 +236,14 @@ class KnobFields:
         "PyTorch allocator: cached blocks larger than this are never split, so they stay whole", reaches="env",
         above=20, note="PyTorch's minimum")
     torch_empty_cache_steps: int | None = _grpo("empty the device cache every N steps", **_POSITIVE)
-    max_completion_length: int | None = _grpo("longest completion generated, in tokens", trl=512, **_POSITIVE)
+    max_completion_length: int | None = _grpo("longest completion generated, in tokens", trl=512, **_POSITIVE,
+                                              signal_cost=cut(1.0, what="of the completion length"))
     max_prompt_tokens: int | None = knob(
         "prompts longer than this many tokens leave the dataset (oomguard's own; TRL 1.16 has none)",
-        reaches="trainer", **_POSITIVE)
-    num_generations: int | None = _grpo("completions generated per prompt (the GRPO group)", trl=8, minimum=2)
+        reaches="trainer", trainer_args=("train_dataset",), **_POSITIVE,
+        signal_cost=on(0.05, what="set at the prompts' 95th percentile: at most a twentieth of them leave"))
+    num_generations: int | None = _grpo("completions generated per prompt (the GRPO group)", trl=8, minimum=2,
+                                        signal_cost=cut(1.0, unset=8, what="of the generations per prompt"))
     per_device_train_batch_size: int | None = _grpo("completions per device in one micro-step", trl=8, **_POSITIVE)
     gradient_accumulation_steps: int | None = _grpo("micro-steps per optimizer step", trl=1, **_POSITIVE)
     steps_per_generation: int | None = _grpo("micro-steps served by one generation round", **_POSITIVE)
@@ -227,7 +256,8 @@ class KnobFields:
                                       allowed=EVAL_STRATEGIES)
     gradient_checkpointing: bool | None = knob(
         "recompute activations in the backward instead of keeping them (transformers 5: activation_checkpointing)",
-        trl=True, reaches="config")
+        trl=True, reaches="config", trl_fields=("activation_checkpointing", "gradient_checkpointing"),  # 5.23's name
+        speed_cost=on(0.10, what="a third more training compute, in a step that generation dominates"))
     optim: str | None = _grpo(
         "the optimizer, one of transformers' OptimizerNames (e.g. adamw_torch_fused, adamw_bnb_8bit)",
         trl="adamw_torch_fused", known=OPTIMIZER_NAMES,
@@ -240,47 +270,67 @@ class KnobFields:
                               trl=True)
     fp16: bool | None = _grpo("fp16 mixed precision (autocast)", trl=False)
     lora_r: int | None = knob("LoRA rank; 0 trains every weight (LoRA is injected as peft_config)", trl=0,
-                              reaches="trainer", minimum=0)
-    lora_alpha: int | None = knob("LoRA scaling alpha", reaches="trainer", **_POSITIVE)
+                              reaches="trainer", minimum=0, **_PEFT)
+    lora_alpha: int | None = knob("LoRA scaling alpha", reaches="trainer", **_POSITIVE, **_PEFT)
     lora_target_modules: tuple[str, ...] | str | None = knob(
         "the modules LoRA adapts: names (q_proj,v_proj) or all-linear", reaches="trainer", also=("all-linear",),
-        takes='a list of module names or "all-linear"')
+        takes='a list of module names or "all-linear"', **_PEFT)
+    # TRL 1.10 on takes a BitsAndBytesConfig as the trainer's quantization_config, before through model_init_kwargs
     load_in_4bit: bool | None = knob("load the base model in NF4 4-bit (QLoRA); needs LoRA", trl=False,
-                                     reaches=("trainer", "model"))
+                                     reaches=("trainer", "model"), package="bitsandbytes",
+                                     trainer_args=("quantization_config", "model_init_kwargs"))
     max_pixels: int | None = knob(
         "a vision-language model's pixel budget per image: the image processor resizes each image to at most this "
         "many pixels, and fewer pixels are fewer image tokens (Qwen2-VL/2.5-VL's max_pixels, the image processor's "
         "size longest_edge; Gemma 3's 896x896 image times 1 + its pan-and-scan crops); unset: the processor's own",
-        reaches="trainer", minimum=1)
+        reaches="trainer", minimum=1,
+        signal_cost=cut(0.5, capped=True, what="of the pixels the largest image got: half, as a user gives up "
+                                               "resolution before reasoning"))
     beta: float | None = _grpo("KL coefficient; above 0 a reference model is kept in memory", trl=0.0, minimum=0)
     use_vllm: bool | None = _grpo("generate with vLLM", trl=False)
     vllm_mode: str | None = _grpo("vLLM in the training process (colocate) or a separate server", trl="colocate",
                                   allowed=VLLM_MODES)
-    vllm_gpu_memory_utilization: float | None = _grpo("the share of the GPU vLLM reserves in colocate mode", trl=0.3,
-                                                      above=0, maximum=1)
-    vllm_enable_sleep_mode: bool | None = _grpo("vLLM gives its memory back between generation rounds", trl=False)
-    vllm_max_model_length: int | None = _grpo("vLLM's context length, which sizes its KV cache", **_POSITIVE)
+    vllm_gpu_memory_utilization: float | None = _grpo(
+        "the share of the GPU vLLM reserves in colocate mode", trl=0.3, above=0, maximum=1,
+        speed_cost=cut(1.0, what="of vLLM's reservation: a smaller KV cache batches fewer sequences at once"))
+    vllm_enable_sleep_mode: bool | None = _grpo(
+        "vLLM gives its memory back between generation rounds", trl=False,
+        speed_cost=on(0.05, what="vLLM's weights reloaded for each generation round: a few percent of a step"))
+    vllm_max_model_length: int | None = _grpo(
+        "vLLM's context length, which sizes its KV cache", **_POSITIVE,
+        speed_cost=Cost("free", what="never below the run's longest sequence: nothing generated changes"))
     use_transformers_continuous_batching: bool | None = _grpo(
         "generate with transformers' continuous batching and its paged cache (TRL 0.29: use_transformers_paged); "
-        "read, never changed", trl=False)
+        "read, never changed", trl=False, trl_fields=("use_transformers_continuous_batching", "use_transformers_paged"))
     cb_max_memory_percent: float | None = knob(
         "continuous batching: the share of the device memory free when generation starts that transformers' paged "
         "cache takes (transformers_continuous_batching_config's max_memory_percent, TRL 1.10 on); a smaller share "
-        "generates fewer sequences at once", trl=0.5, reaches="config", above=0, maximum=1)
+        "generates fewer sequences at once", trl=0.5, reaches="config", above=0, maximum=1,
+        trl_fields=("transformers_continuous_batching_config",),  # TRL 1.10 on
+        speed_cost=halving(0.05, unset=0.5, what="fewer sequences at once: more forward passes in a round"))
     cb_max_batch_tokens: int | None = knob(
         "continuous batching: the most tokens one forward of a generation round computes (transformers_continuous_"
         "batching_config's max_batch_tokens; unset: transformers' 8192); read, never changed", reaches="config",
-        **_POSITIVE)
+        trl_fields=("transformers_continuous_batching_config",), **_POSITIVE)
     offload_during_generation: bool | None = knob(
         "the trainer's weights and optimizer state wait in host RAM while a colocated vLLM generates (ms-swift's "
-        "--offload_model --offload_optimizer; TRL has no such option)", trl=False, reaches="config", stack_only=True)
-    dataloader_num_workers: int | None = _grpo("data-loading worker processes (host RAM)", trl=0, minimum=0)
+        "--offload_model --offload_optimizer; TRL has no such option)", trl=False, reaches="config", stack_only=True,
+        speed_cost=on(0.3, what="the weights and optimizer state moved out and back once a step"))
+    # GRPO's batches are prompts: loading them costs no measurable time in a step that generates and trains
+    dataloader_num_workers: int | None = _grpo("data-loading worker processes (host RAM)", trl=0, minimum=0,
+                                               speed_cost=Cost("free", what="the batches are prompts"))
     dataloader_prefetch_factor: int | None = _grpo("batches each data-loading worker prepares ahead (host RAM)",
+                                                   speed_cost=Cost("free", what="the batches are prompts"),
                                                    **_POSITIVE)
-    zero_stage: int | None = _ds("DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config",
-                                 allowed=(0, 1, 2, 3))
-    offload_optimizer: bool | None = _ds("DeepSpeed: keep the optimizer state in host RAM", trl=False)
-    offload_params: bool | None = _ds("DeepSpeed: keep the parameters in host RAM", trl=False)
+    zero_stage: int | None = _ds(
+        "DeepSpeed ZeRO stage 0-3, through a generated DeepSpeed config", allowed=(0, 1, 2, 3),
+        speed_cost=stages({2: 0.05, 3: 0.30}, unset=0, what="ZeRO-2: a reduce-scatter and an all-gather, about "
+                                                           "DDP's all-reduce; ZeRO-3: parameters gathered in every "
+                                                           "forward and generation step"))
+    offload_optimizer: bool | None = _ds("DeepSpeed: keep the optimizer state in host RAM", trl=False,
+                                         speed_cost=on(0.5, what=_OFFLOAD))
+    offload_params: bool | None = _ds("DeepSpeed: keep the parameters in host RAM", trl=False,
+                                      speed_cost=on(1.0, what=_OFFLOAD))
     reduce_bucket_size: int | str | None = _ds_size(
         "DeepSpeed: elements per gradient reduce bucket, or auto (hidden_size²); unset: DeepSpeed's 500,000,000 on "
         "every rank")
@@ -292,10 +342,15 @@ class KnobFields:
         "DeepSpeed: overlap gradient reduction with the backward (ZeRO-1/2: two reduce buckets)")
     ds3_gather_for_generation: bool | None = _grpo(
         "ZeRO-3: gather the whole model on every rank to generate (True, TRL's default) or gather it layer by layer "
-        "(False: slower generation; DeepSpeed's prefetch still holds part of the model)", trl=True)
+        "(False: slower generation; DeepSpeed's prefetch still holds part of the model)", trl=True,
+        speed_cost=off(0.3, what="each decode step gathers every layer again"))
     use_liger_kernel: bool | None = _grpo(
-        "TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the [batch, completion, vocab] logits", trl=False)
-    fsdp_offload: bool | None = knob("FSDP: offload parameters and gradients to the CPU", trl=False, reaches="config")
+        "TRL 0.29 to 1.14: Liger's chunked GRPO loss instead of the [batch, completion, vocab] logits", trl=False,
+        package="liger_kernel",
+        speed_cost=on(0.01, what="the LM head and loss in chunks, at most about half again their own time, and they "
+                                 "are a tenth of the training passes in a step that generation dominates"))
+    fsdp_offload: bool | None = knob("FSDP: offload parameters and gradients to the CPU", trl=False, reaches="config",
+                                     trl_fields=("fsdp",), speed_cost=on(1.0, what=_OFFLOAD))
     checkpoint_every: int | None = knob(
         "oomguard's own checkpoint cadence: a checkpoint every N steps besides the script's own saves, so that a "
         "restart after a late OOM loses at most N steps (a leak's restarts, --checkpoint-every); an adaptation in the "
@@ -344,6 +399,9 @@ DS_SIZE_KNOBS: tuple[str, ...] = tuple(n for n, i in TABLE.items() if i.unit == 
 # Knobs that only a front-end around TRL takes (ms-swift's offload while vLLM generates): every TRL release lacks them,
 # and a stack adapter that takes them leaves them out of what it reports it lacks (child/stacks/swift.py).
 STACK_ONLY: frozenset[str] = frozenset(n for n, i in TABLE.items() if i.stack_only)
+# the optional packages some knobs need (LoRA: peft; 4-bit: bitsandbytes; ZeRO: deepspeed; Liger's loss:
+# liger_kernel), checked in the training environment (child/patching.py) without importing them
+OPTIONAL_PACKAGES: tuple[str, ...] = tuple(dict.fromkeys(i.package for i in TABLE.values() if i.package))
 # one line per knob, for `oomguard knobs` and the reference page
 KNOB_MEANINGS: Mapping[str, str] = MappingProxyType({n: i.meaning for n, i in TABLE.items()})
 # the construction points in words
@@ -365,6 +423,6 @@ def describe() -> list[dict[str, Any]]:
             for name, info in TABLE.items()]
 
 
-__all__ = ["CONFIG_KNOBS", "DS_SIZE_KNOBS", "DTYPES", "EIGHT_BIT_OPTIMIZERS", "EVAL_STRATEGIES", "KNOB_MEANINGS",
-           "KNOB_NAMES", "OPTIMIZER_NAMES", "POINTS", "POINT_WORDS", "REACH", "STACK_ONLY", "TABLE", "VLLM_MODES",
-           "KnobFields", "KnobInfo", "describe", "knob"]
+__all__ = ["CONFIG_KNOBS", "DS_SIZE_KNOBS", "DTYPES", "EIGHT_BIT_OPTIMIZERS", "EVAL_STRATEGIES",
+           "KNOB_MEANINGS", "KNOB_NAMES", "OPTIMIZER_NAMES", "OPTIONAL_PACKAGES", "POINTS", "POINT_WORDS", "REACH",
+           "STACK_ONLY", "TABLE", "VLLM_MODES", "KnobFields", "KnobInfo", "describe", "knob"]

@@ -30,7 +30,7 @@ The terms (bytes; ``b_w`` weight dtype, ``b_res`` residual-stream dtype, ``b_c``
 - **T7 activations** per token per layer, derived from what autograd saves in HF Llama/Qwen2 blocks with SDPA and
   ``repeat_kv`` (``transformers/integrations/sdpa_attention.py``): ``26h + 8i`` bytes in bf16 (research §3 T7),
   ``44h + 16i`` with fp32 activations, ``36h + 8i`` for fp32 master weights under bf16 autocast; see
-  :func:`_activation_bytes_per_token` for the itemised sum. Scaled by ``c_act``. With gradient checkpointing only the
+  :func:`activation_bytes_per_token` for the itemised sum. Scaled by ``c_act``. With gradient checkpointing only the
   layer inputs ``L·B·T·h·b_res`` are kept, plus one layer recomputed in backward. A layer in backward holds about the
   larger of its saved activations and its new gradients (autograd frees the one as it allocates the other), not
   their sum: counting both over-predicted a wide one-layer model by 31% (``tests/test_estimate.py``).

@@ -6,10 +6,11 @@ blocks (:class:`MoeSpec`), DeepSeek's latent attention (:class:`MlaSpec`) and a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # MXFP4 (gpt-oss checkpoints; transformers' Mxfp4 quantizer keeps it on a GPU with triton kernels): 4-bit values and one
 # 8-bit (E8M0) scale per block of 32, for the experts' gate_up_proj and down_proj only.
@@ -143,7 +144,7 @@ class VisionSpec:
     @property
     def params(self) -> int:
         """Parameters of the tower and projector."""
-        return sum(_numel(s) for _n, s, _lin in self.tensors())
+        return sum(math.prod(s) for _n, s, _lin in self.tensors())
 
     def linears(self) -> list[tuple[str, int, int]]:
         """Its nn.Linear layers ``(name, in, out)`` (what PEFT's all-linear and bitsandbytes reach), repeated blocks
@@ -154,10 +155,3 @@ class VisionSpec:
     def patches_per_image(self) -> int:
         """SigLIP: patches its encoder runs over per image (``(image_size / patch)²``, whatever the image)."""
         return (self.image_size // self.patch) ** 2 if self.kind == "siglip" else 0
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

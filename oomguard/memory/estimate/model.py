@@ -10,6 +10,7 @@ with PEFT 0.21's ``get_peft_model`` on tiny models of each family).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,6 @@ from .arch import (
     MlaSpec,
     MoeSpec,
     VisionSpec,
-    _numel,
 )
 
 __all__ = [
@@ -173,7 +173,7 @@ class ModelSpec:
         """Every expert's weights and biases, over all MoE layers (the 3-D parameters)."""
         if self.moe is None:
             return 0
-        return self.moe_layers * sum(_numel(s) for _n, s in self.moe.expert_tensors(self.hidden_size))
+        return self.moe_layers * sum(math.prod(s) for _n, s in self.moe.expert_tensors(self.hidden_size))
 
     def small_params_per_layer(self) -> int:
         """Biases, norm weights and other small tensors of one layer (kept in 16-bit under 4-bit loading)."""
@@ -214,7 +214,7 @@ class ModelSpec:
         m = self.moe
         assert m is not None
         h = self.hidden_size
-        out = [_numel(s) for _n, s in m.expert_tensors(h)]
+        out = [math.prod(s) for _n, s in m.expert_tensors(h)]
         out.append(m.num_experts * h)
         if m.router_bias:
             out.append(m.num_experts)
@@ -265,7 +265,7 @@ class ModelSpec:
         if m is None:
             return self.params
         idle = self.moe_layers * (m.num_experts - m.top_k) * sum(
-            _numel(s) for _n, s in m.expert_tensors(self.hidden_size)) // m.num_experts
+            math.prod(s) for _n, s in m.expert_tensors(self.hidden_size)) // m.num_experts
         return self.params - idle
 
     def param_tensors(self) -> list[int]:
@@ -276,7 +276,7 @@ class ModelSpec:
             out += self.layer_tensors(moe=True) * self.moe_layers
         out.append(self.hidden_size)
         if self.vision is not None:
-            out += [_numel(s) for _n, s, _lin in self.vision.tensors()]
+            out += [math.prod(s) for _n, s, _lin in self.vision.tensors()]
         return out
 
     def largest_layer_params(self) -> int:

@@ -11,13 +11,23 @@ from typing import Any
 from ...vocab.knobs import Knobs
 from ...vocab.sizes import MiB, format_size
 from ...vocab.trlrange import HEADS
-from .arch import _DTYPE_BYTES, EstimateError
+from .arch import DTYPE_BYTES, EstimateError
 from .coefficients import Coefficients
 from .model import ModelSpec
 from .paged import paged_cache
-from .phases import _PHASE_TERMS, EVAL_PHASE, PHASES, _evaluation
-from .step import _activations, _casts, _dtype_name, _filled, _geometry, _persistent, _regime, _sharded, _Step
-from .terms import _weight_bytes
+from .phases import EVAL_PHASE, PHASE_TERMS, PHASES, evaluation_terms
+from .step import (
+    Step,
+    activations_of,
+    casts_of,
+    dtype_name,
+    geometry_of,
+    persistent_of,
+    regime_of,
+    sharded,
+    with_trl_defaults,
+)
+from .terms import weight_bytes
 from .unmodelled import from_model
 from .unmodelled import unmodelled as _unmodelled
 from .vision import Images, prompt_image_tokens
@@ -65,7 +75,7 @@ class Estimate:
         return f"peak {format_size(self.peak_bytes)} in {self.dominant_phase} ({parts})"
 
 
-def _vllm(s: _Step, capacity: int | None, notes: list[str]) -> VllmMemory | None:
+def _vllm(s: Step, capacity: int | None, notes: list[str]) -> VllmMemory | None:
     """T9b: a colocated vLLM's reservation, ``vllm_gpu_memory_utilization × capacity`` (``estimate.vllm``)."""
     k = s.k
     v = vllm_memory(s.spec, k, capacity, prefill_tokens=s.geo.B_gen * s.geo.P)
@@ -82,7 +92,7 @@ def _vllm(s: _Step, capacity: int | None, notes: list[str]) -> VllmMemory | None
     return v
 
 
-def _paged(s: _Step, capacity: int | None, ctx: int, phases: dict[str, int], notes: list[str]) -> dict[str, int]:
+def _paged(s: Step, capacity: int | None, ctx: int, phases: dict[str, int], notes: list[str]) -> dict[str, int]:
     """transformers' continuous batching: the paged cache each generating phase allocates, a share of what the device
     has free when the round starts (``estimate.paged``); nothing without it, or under vLLM (which TRL uses first)."""
     k = s.k
@@ -98,7 +108,7 @@ def _paged(s: _Step, capacity: int | None, ctx: int, phases: dict[str, int], not
             for ph in ("generation", EVAL_PHASE) if ph in phases}
 
 
-def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def _composition(s: Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Each phase's allocated bytes by breakdown key: the persistent state plus what the phase adds (unscaled)."""
     p = s.p
     # cuBLAS workspaces come from the caching allocator, one per (handle, stream), and handles are per thread: the
@@ -121,7 +131,7 @@ def _composition(s: _Step, phase_parts: dict[str, dict[str, int]]) -> dict[str, 
     return comp
 
 
-def _assemble(s: _Step, comp: dict[str, dict[str, int]], capacity: int | None,
+def _assemble(s: Step, comp: dict[str, dict[str, int]], capacity: int | None,
               reported: tuple[str, ...] = ()) -> Estimate:
     """Scale each phase, add T9 vLLM, T10 context and T11 fragmentation, and pick the dominant phase. The breakdown
     is that phase's composition, so that it sums to the peak."""
@@ -204,21 +214,21 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     ('forward_backward', True, True)
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
-    k = _filled(knobs)
-    g = _regime(spec, k, simulated, keeps_dtype_4bit, lora_target_parameters)
+    k = with_trl_defaults(knobs)
+    g = regime_of(spec, k, simulated, keeps_dtype_4bit, lora_target_parameters)
     if keep_mxfp4 and not g.lora:
         raise EstimateError("keep_mxfp4: MXFP4 experts cannot train; a full fine-tune dequantises them (LoRA only)")
-    geo = _geometry(k, world_size, prompt_tokens, prompt_image_tokens(spec, images))
+    geo = geometry_of(k, world_size, prompt_tokens, prompt_image_tokens(spec, images))
     gc = bool(k.gradient_checkpointing)
-    p = _sharded(_persistent(spec, k, g, freeze_vision, keep_mxfp4), spec, k, g, world_size)
+    p = sharded(persistent_of(spec, k, g, freeze_vision, keep_mxfp4), spec, k, g, world_size)
     if head not in (None, *HEADS):
         raise EstimateError(f"head must be one of {', '.join(HEADS)}, not {head!r}")
-    s = _Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=_casts(spec, g, gc, p.gather),
-              acts=_activations(spec, g, geo, co, gc, images, freeze_vision), context=context,
+    s = Step(spec=spec, k=k, co=co, g=g, geo=geo, p=p, casts=casts_of(spec, g, gc, p.gather),
+              acts=activations_of(spec, g, geo, co, gc, images, freeze_vision), context=context,
               lm_head=head or "fused", images=images, freeze_vision=freeze_vision)
-    parts = {ph: terms(s) for ph, terms in _PHASE_TERMS.items()}
+    parts = {ph: terms(s) for ph, terms in PHASE_TERMS.items()}
     if k.evaluates():
-        parts[EVAL_PHASE] = _evaluation(s)
+        parts[EVAL_PHASE] = evaluation_terms(s)
     return _assemble(s, _composition(s, parts), capacity, tuple(unmodelled))
 
 
@@ -238,10 +248,10 @@ def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | No
     True
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
-    k = _filled(knobs)
-    b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
+    k = with_trl_defaults(knobs)
+    b_w = DTYPE_BYTES[dtype_name(k, spec, keeps_dtype_4bit)]
     ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
-    return ctx + _weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit), keep_mxfp4=keep_mxfp4)
+    return ctx + weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit), keep_mxfp4=keep_mxfp4)
 
 
 def describe(e: Estimate) -> str:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .step import _activations, _Step
-from .terms import _kv_cache_bytes, _nograd_bytes_per_token
+from .step import Step, activations_of
+from .terms import kv_cache_bytes, nograd_bytes_per_token
 
 PHASES = ("generation", "scoring", "forward_backward", "optimizer")
 EVAL_PHASE = "evaluation"
 
 
-def _generation(s: _Step) -> dict[str, int]:
+def _generation(s: Step) -> dict[str, int]:
     """HF ``generate`` (GC is off while generating, trl/models/utils.py:136-154): T9's KV cache and the larger of
     the prefill and the decode-step transients; nothing with vLLM, whose memory is outside torch's allocator, nor with
     transformers' continuous batching, whose paged cache is sized from the free memory (``peak._paged``)."""
@@ -24,9 +24,9 @@ def _generation(s: _Step) -> dict[str, int]:
     else:
         B_gen, P, V, L = geo.B_gen, geo.P, spec.vocab_size, spec.num_layers
         b_k, b_v = max(g.b_c, g.b_res), g.b_c  # RoPE with fp32 cos/sin promotes k to fp32 under autocast from fp32
-        kv_cache = _kv_cache_bytes(spec, B_gen, geo.T, b_k, b_v)
-        kv_prefill = _kv_cache_bytes(spec, B_gen, P, b_k, b_v)
-        prefill = (B_gen * P * _nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
+        kv_cache = kv_cache_bytes(spec, B_gen, geo.T, b_k, b_v)
+        kv_prefill = kv_cache_bytes(spec, B_gen, P, b_k, b_v)
+        prefill = (B_gen * P * nograd_bytes_per_token(spec, g) + B_gen * P * P + kv_prefill
                    + B_gen * V * (g.b_c + 8) + _vision_nograd(s, B_gen))
         decode = kv_cache + kv_cache // max(1, L) + 16 * B_gen * V + B_gen * (spec.hidden_size * 8 + V * g.b_c)
         gen_transient = max(prefill, decode) - kv_cache  # kv_cache itself is reported apart
@@ -37,7 +37,7 @@ def _generation(s: _Step) -> dict[str, int]:
             "activations": geo.B_gen * geo.T * 16 + _pixels(s)}
 
 
-def _vision_nograd(s: _Step, rows: int) -> int:
+def _vision_nograd(s: Step, rows: int) -> int:
     """The vision tower run without grad over ``rows`` prompts' images (generate's prefill, scoring): the pixel
     values cast to the weights' dtype, the residual stream and one block's transient (its q, k, v in fp32 for the
     rotary embedding, or its MLP), and the merged image features handed to the decoder."""
@@ -53,7 +53,7 @@ def _vision_nograd(s: _Step, rows: int) -> int:
     return n * (2 * v.hidden * s.g.b_res + 4 * v.hidden + block) + tokens * v.out_hidden * s.g.b_res
 
 
-def _pixels(s: _Step) -> int:
+def _pixels(s: Step) -> int:
     """The generation batch's pixel values as the processor returned them (``_tokenize_prompts``), alive through
     generation and scoring beside the copy the buffered batch keeps."""
     v, images = s.spec.vision, s.images
@@ -64,7 +64,7 @@ def _pixels(s: _Step) -> int:
     return s.geo.B_gen * pixel_bytes(v, images)
 
 
-def _scoring(s: _Step) -> dict[str, int]:
+def _scoring(s: Step) -> dict[str, int]:
     """Old log-probs (GA not a multiple of steps_per_generation, or vLLM importance sampling) and/or reference
     log-probs (beta > 0): no grad, in chunks of per_device_train_batch_size (grpo_trainer.py:2642-2737). Without
     either, only the buffered batch."""
@@ -76,17 +76,17 @@ def _scoring(s: _Step) -> dict[str, int]:
     return out
 
 
-def _nograd_forward(s: _Step) -> dict[str, int]:
+def _nograd_forward(s: Step) -> dict[str, int]:
     """A forward without gradients over the micro-batch (log-probs for scoring, evaluation's loss): its transient
     activations, the mask, two residual copies and the head's forward."""
     geo, a = s.geo, s.acts
-    score_act = (int(geo.tokens * _nograd_bytes_per_token(s.spec, s.g)) + a.mask
+    score_act = (int(geo.tokens * nograd_bytes_per_token(s.spec, s.g)) + a.mask
                  + geo.tokens * s.spec.hidden_size * s.g.b_res * 2 + _vision_nograd(s, geo.B))
     return {"weights": s.casts.nograd + s.casts.transient_w + s.casts.experts, "activations": a.batch_buf + score_act,
             "logits": s.head()["forward"]}
 
 
-def _forward_backward(s: _Step) -> dict[str, int]:
+def _forward_backward(s: Step) -> dict[str, int]:
     """One micro-batch's forward and backward: the largest of five moments (the end of the forward, the head's
     backward, the last layer's backward, the first layer's, the embedding's)."""
     spec, g, a, c, gc = s.spec, s.g, s.acts, s.casts, bool(s.k.gradient_checkpointing)
@@ -143,19 +143,19 @@ def _forward_backward(s: _Step) -> dict[str, int]:
     return max(cands.values(), key=lambda cand: sum(cand.values()))
 
 
-def _optimizer_step(s: _Step) -> dict[str, int]:
+def _optimizer_step(s: Step) -> dict[str, int]:
     """``optimizer.step()``: every gradient, the step's temporaries and the buffered batch."""
     return {"gradients": s.p.grads, "optimizer": s.p.opt_transient, "activations": s.acts.batch_buf}
 
 
-def _evaluation(s: _Step) -> dict[str, int]:
+def evaluation_terms(s: Step) -> dict[str, int]:
     """One evaluation pass (``Trainer.evaluate``, GRPO's ``prediction_step``): ``per_device_eval_batch_size`` rows
     generated at once, then scored and their loss computed without gradients, in one batch (no buffering, no
     accumulation: grpo_trainer.py ``_prepare_inputs``). It runs between optimizer steps, after ``zero_grad`` has freed
     the gradients, with the optimizer state in place: the larger of its generation and its no-grad forward."""
     B_e = s.k.eval_geometry()[0]
     geo = replace(s.geo, B=B_e, ga=1, spg=1)
-    e = replace(s, geo=geo, acts=_activations(s.spec, s.g, geo, s.co, bool(s.k.gradient_checkpointing),
+    e = replace(s, geo=geo, acts=activations_of(s.spec, s.g, geo, s.co, bool(s.k.gradient_checkpointing),
                                              s.images, s.freeze_vision))
     gen, fwd = _generation(e), _nograd_forward(e)
     # The layers' transients are gone by the time the head runs over the last hidden states: the pass holds the
@@ -167,5 +167,5 @@ def _evaluation(s: _Step) -> dict[str, int]:
     return out
 
 
-_PHASE_TERMS = {"generation": _generation, "scoring": _scoring, "forward_backward": _forward_backward,
+PHASE_TERMS = {"generation": _generation, "scoring": _scoring, "forward_backward": _forward_backward,
                 "optimizer": _optimizer_step}

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from .arch import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, MlaSpec, MoeSpec, VisionSpec
+from .arch import DTYPE_ALIASES, DTYPE_BYTES, EstimateError, MlaSpec, MoeSpec, VisionSpec
 
 Spec = TypeVar("Spec")  # model.ModelSpec, which passes itself (it imports this module)
 
@@ -148,14 +148,14 @@ def spec_from_config(cls: Callable[..., Spec], top: Mapping[str, Any], *, source
     if tie is None:  # PretrainedConfig defaults to True; Llama-family configs to False
         tie = model_type not in UNTIED_BY_DEFAULT
     dtype = d.get("dtype") or d.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype")
-    dtype = _DTYPE_ALIASES.get(str(dtype), str(dtype)) if dtype else None
+    dtype = DTYPE_ALIASES.get(str(dtype), str(dtype)) if dtype else None
     window, sliding = _sliding(d, model_type, L, source)
     mla = _mla(d, source)
     return cls(
         vocab_size=vals["vocab_size"], hidden_size=h, num_layers=L, num_heads=a,
         num_kv_heads=vals["num_key_value_heads"], head_dim=hd, intermediate_size=vals["intermediate_size"],
         tie_word_embeddings=bool(tie), qkv_bias=qkv_bias and mla is None, model_type=model_type,
-        checkpoint_dtype=dtype if dtype in _DTYPE_BYTES else None,
+        checkpoint_dtype=dtype if dtype in DTYPE_BYTES else None,
         o_bias=attention_bias and model_type not in NO_O_BIAS,
         mlp_bias=bool(d.get("mlp_bias", False)), qk_norm=model_type in QK_NORM,
         max_positions=_positive(d.get("max_position_embeddings")),

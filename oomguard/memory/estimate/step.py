@@ -1,8 +1,8 @@
 """One GRPO step, read from the knobs: the regime (byte widths and switches), the batch geometry, the persistent
 state (sharded across ranks where ZeRO or FSDP shard it), the autocast copies and the activations, gathered in the
-``_Step`` that every phase function reads.
+``Step`` that every phase function reads.
 
-estimate() (``peak``) reads the knobs into a _Step (the regime, the batch geometry, the persistent state and the terms
+estimate() (``peak``) reads the knobs into a Step (the regime, the batch geometry, the persistent state and the terms
 several phases share); each phase function (``phases``) returns what that phase adds on top of the persistent state,
 by breakdown key; ``peak._composition()`` adds the persistent state and ``peak._assemble()`` turns the phases into the
 Estimate.
@@ -10,23 +10,24 @@ Estimate.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ...vocab.distributed import buffer_elements
 from ...vocab.knobs import TRL_DEFAULTS, Knobs
-from .arch import _DTYPE_ALIASES, _DTYPE_BYTES, EstimateError, _numel
+from .arch import DTYPE_ALIASES, DTYPE_BYTES, EstimateError
 from .coefficients import Coefficients
 from .model import ModelSpec, lora_targets
 from .terms import (
-    _activation_bytes_per_token,
-    _head_bytes,
-    _logits_bytes,
-    _moe_bytes_per_token,
-    _optimizer_bytes,
-    _Regime,
-    _rowchunk_bytes,
-    _weight_bytes,
+    Regime,
+    activation_bytes_per_token,
+    head_bytes,
+    logits_bytes,
+    moe_bytes_per_token,
+    optimizer_bytes,
     optimizer_order,
+    rowchunk_bytes,
+    weight_bytes,
 )
 from .vision import Images, merger_bytes_per_patch, pixel_bytes, vision_bytes_per_patch, vision_patches
 from .zero3 import prefetched_live
@@ -36,17 +37,17 @@ DEFAULT_PROMPT_TOKENS = 256
 ZERO3_SUB_GROUP = 1_000_000_000
 
 
-def _filled(knobs: Knobs) -> Knobs:
+def with_trl_defaults(knobs: Knobs) -> Knobs:
     return TRL_DEFAULTS.merged(knobs)
 
 
-def _dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) -> str:
+def dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) -> str:
     d = knobs.dtype or "float32"
-    d = _DTYPE_ALIASES.get(d, d)
+    d = DTYPE_ALIASES.get(d, d)
     if d == "auto":  # transformers 5.x from_pretrained dtype="auto": the checkpoint's dtype
         d = spec.checkpoint_dtype or "bfloat16"
-    if d not in _DTYPE_BYTES:
-        raise EstimateError(f"dtype must be one of {', '.join(_DTYPE_BYTES)} or auto, not {knobs.dtype!r}")
+    if d not in DTYPE_BYTES:
+        raise EstimateError(f"dtype must be one of {', '.join(DTYPE_BYTES)} or auto, not {knobs.dtype!r}")
     if knobs.load_in_4bit and d == "float32" and not keeps_dtype_4bit:
         # oomguard's 4-bit load forces a 16-bit dtype (child/patches.py, from_pretrained patch); a loader that keeps
         # the dtype asked (Unsloth's FastLanguageModel, RunFacts.load_takes_4bit) leaves its other modules in float32
@@ -54,11 +55,11 @@ def _dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) -
     return d
 
 
-def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False,
-            target_parameters: tuple[str, ...] | None = None) -> _Regime:
+def regime_of(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False,
+            target_parameters: tuple[str, ...] | None = None) -> Regime:
     """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error.
     ``target_parameters``: PEFT's ``target_parameters`` (expert parameters named by the user)."""
-    b_w = _DTYPE_BYTES[_dtype_name(k, spec, keeps_dtype_4bit)]
+    b_w = DTYPE_BYTES[dtype_name(k, spec, keeps_dtype_4bit)]
     quant4 = bool(k.load_in_4bit)
     r = int(k.lora_r or 0)
     lora = r > 0
@@ -72,7 +73,7 @@ def _regime(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool =
     rows = tuple(lora_targets(spec, r, k.lora_target_modules, target_parameters)) if lora else ()
     names = {t.name for t in rows if t.where in ("attention", "mlp", "moe") and t.kind == "linear"}
     names |= {"experts" for t in rows if t.where == "experts"} | {"vision" for t in rows if t.where == "vision"}
-    return _Regime(b_w=b_w, b_res=b_w, b_c=2 if autocast else b_w, autocast=autocast,
+    return Regime(b_w=b_w, b_res=b_w, b_c=2 if autocast else b_w, autocast=autocast,
                    autocast_cast=autocast and b_w == 4, simulated=simulated, quant4=quant4, lora=lora, r=r,
                    targets=frozenset(names), b_a=2 if quant4 else 4, lora_targets=rows)
 
@@ -100,7 +101,7 @@ class _Geometry:
         return self.B * self.T
 
 
-def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None, image_tokens: int = 0) -> _Geometry:
+def geometry_of(k: Knobs, world_size: int, prompt_tokens: int | None, image_tokens: int = 0) -> _Geometry:
     """The batch geometry as TRL resolves it; P defaults to ``max_prompt_tokens`` or 256 and never exceeds it, then
     the images' tokens are added (``image_tokens`` per prompt)."""
     B, ga, spg = k.geometry(world_size)
@@ -115,7 +116,7 @@ def _geometry(k: Knobs, world_size: int, prompt_tokens: int | None, image_tokens
 
 @dataclass(frozen=True)
 class _Persistent:
-    """T1-T5: what lives on the device across the step (per device once :func:`_sharded`), and the counts."""
+    """T1-T5: what lives on the device across the step (per device once :func:`sharded`), and the counts."""
 
     weights: int
     reference: int
@@ -136,7 +137,7 @@ class _Persistent:
     notes: tuple[str, ...]
 
 
-def _trainable(spec: ModelSpec, g: _Regime, freeze_vision: bool = False) -> tuple[int, list[int], int]:
+def _trainable(spec: ModelSpec, g: Regime, freeze_vision: bool = False) -> tuple[int, list[int], int]:
     """T3: (trainable parameters, element counts of the trainable tensors, their bytes per element). A full
     fine-tune trains every parameter, the vision tower's too unless the script froze it (``freeze_vision``)."""
     if not g.lora:
@@ -149,17 +150,17 @@ def _trainable(spec: ModelSpec, g: _Regime, freeze_vision: bool = False) -> tupl
     return sum(t.params for t in g.lora_targets), tensors, g.b_a
 
 
-def _persistent(spec: ModelSpec, k: Knobs, g: _Regime, freeze_vision: bool = False,
+def persistent_of(spec: ModelSpec, k: Knobs, g: Regime, freeze_vision: bool = False,
                 keep_mxfp4: bool = False) -> _Persistent:
     """T1 weights, T2 reference, T4 gradients and T5 optimizer on one device, before any sharding."""
     trainable, train_tensors, b_t = _trainable(spec, g, freeze_vision)
     n_lora = trainable if g.lora else 0
     n_emb = 0 if g.lora else 1  # param_tensors() lists embed_tokens first (an untied lm_head is an nn.Linear)
-    opt_state, opt_transient, note = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
+    opt_state, opt_transient, note = optimizer_bytes(str(k.optim or "adamw_torch_fused"), train_tensors, b_t,
                                                       g.simulated, embeddings=n_emb,
                                                       order=None if g.lora else optimizer_order(spec, freeze_vision))
     return _Persistent(
-        weights=_weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a,
+        weights=weight_bytes(spec, g.b_w, load_in_4bit=g.quant4, lora_params=n_lora, b_adapter=g.b_a,
                               keep_mxfp4=keep_mxfp4),
         reference=spec.params * g.b_w if float(k.beta or 0.0) > 0 and not g.lora else 0,
         grads=trainable * b_t, opt_state=opt_state, opt_transient=opt_transient, gather=0, gen_gather=0, buckets=0,
@@ -168,7 +169,7 @@ def _persistent(spec: ModelSpec, k: Knobs, g: _Regime, freeze_vision: bool = Fal
         total_params=spec.params + n_lora, notes=(note,) if note else ())
 
 
-def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: int) -> _Persistent:
+def sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: Regime, world_size: int) -> _Persistent:
     """DeepSpeed ZeRO stages and CPU offload: each stage divides one more term by the number of devices; offloaded
     parameters leave one gathered layer on the device.
 
@@ -197,7 +198,7 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
     notes = list(p.notes)
     if zs >= 1:
         flat = -(-p.trainable // n_dev)  # the rank's share of the flat parameter groups
-        opt_state, opt_transient, _ = _optimizer_bytes(str(k.optim or "adamw_torch_fused"), [flat], 4, g.simulated)
+        opt_state, opt_transient, _ = optimizer_bytes(str(k.optim or "adamw_torch_fused"), [flat], 4, g.simulated)
         opt_state += 4 * flat  # the fp32 master partition
         # the gradients flattened into fp32 for the step: ZeRO-1/2's single_grad_partition; ZeRO-3's
         # _prepare_fp32_grad_for_sub_group, one optimizer sub-group at a time (measured: the deep model's SGD step,
@@ -251,7 +252,7 @@ def _sharded(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, world_size: 
                    notes=tuple(notes))
 
 
-def _ds_buffers(p: _Persistent, spec: ModelSpec, k: Knobs, g: _Regime, zs: int) -> tuple[int, int, int]:
+def _ds_buffers(p: _Persistent, spec: ModelSpec, k: Knobs, g: Regime, zs: int) -> tuple[int, int, int]:
     """DeepSpeed's buffers under ZeRO stage ``zs``: (ZeRO-1/2's reduce bucket bytes, during a backward; ZeRO-3's
     reduce bucket bytes, kept; ZeRO-3's persistent parameter elements, kept whole on every rank)."""
     if not zs:
@@ -281,7 +282,7 @@ class _Casts:
     experts: int = 0  # one MoE layer's adapted experts, materialised by PEFT while the layer runs (no-grad passes)
 
 
-def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
+def casts_of(spec: ModelSpec, g: Regime, gc: bool, gather: int) -> _Casts:
     """T6: the bf16 copies of fp32 master weights under autocast.
 
     torch keeps a bf16 cast in the autocast cache only for an fp32 leaf that requires grad
@@ -310,14 +311,14 @@ def _casts(spec: ModelSpec, g: _Regime, gc: bool, gather: int) -> _Casts:
                   transient_w=dequant + gather, experts=_expert_copy(spec, g))
 
 
-def _expert_copy(spec: ModelSpec, g: _Regime) -> int:
+def _expert_copy(spec: ModelSpec, g: Regime) -> int:
     """LoRA on experts (PEFT's ``ParamWrapper``): while a MoE block runs, PEFT registers a parametrization that
     returns ``W + scale·B·A`` (``torch.baddbmm``, ``_LoraFactorsProxy``, in the weight's dtype) for each adapted
     3-D parameter, a full-size copy of that layer's adapted experts, which the grouped matmul keeps for backward."""
     if spec.moe is None:
         return 0
     shapes = dict(spec.moe.expert_tensors(spec.hidden_size))
-    return sum(_numel(shapes[t.name]) * g.b_w for t in g.lora_targets if t.where == "experts")
+    return sum(math.prod(shapes[t.name]) * g.b_w for t in g.lora_targets if t.where == "experts")
 
 
 @dataclass(frozen=True)
@@ -335,7 +336,7 @@ class _Activations:
     vision_stored: int = 0  # the vision tower's part of ``stored`` (alive until the backward reaches the tower)
 
 
-def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, gc: bool,
+def activations_of(spec: ModelSpec, g: Regime, geo: _Geometry, co: Coefficients, gc: bool,
                  images: Images | None = None, freeze_vision: bool = False) -> _Activations:
     """T7 for one micro-batch, with checkpointing keeping only the layer inputs ``L·B·T·h·b_res``.
 
@@ -345,11 +346,11 @@ def _activations(spec: ModelSpec, g: _Regime, geo: _Geometry, co: Coefficients, 
     images (:func:`.vision.vision_bytes_per_patch`)."""
     h, L, tokens = spec.hidden_size, spec.num_layers, geo.tokens
     per_layer = _attention_matrix(spec, g, geo)
-    A_dense = int(tokens * (co.c_act * _activation_bytes_per_token(spec, g))) + per_layer if spec.dense_layers else 0
+    A_dense = int(tokens * (co.c_act * activation_bytes_per_token(spec, g))) + per_layer if spec.dense_layers else 0
     A_moe = 0
     if spec.moe is not None:
-        whole = _activation_bytes_per_token(spec, g, moe=True)
-        block = _moe_bytes_per_token(spec, g, _no_consumers)  # itemised exactly (measured): not scaled by c_act
+        whole = activation_bytes_per_token(spec, g, moe=True)
+        block = moe_bytes_per_token(spec, g, _no_consumers)  # itemised exactly (measured): not scaled by c_act
         A_moe = int(tokens * (co.c_act * (whole - block) + block)) + per_layer
         A_moe += _expert_copy(spec, g)
     A = max(A_dense, A_moe)
@@ -386,7 +387,7 @@ def _no_consumers(width: int, modules: tuple[str, ...], b_x: int) -> int:
     return 0
 
 
-def _attention_matrix(spec: ModelSpec, g: _Regime, geo: _Geometry) -> int:
+def _attention_matrix(spec: ModelSpec, g: Regime, geo: _Geometry) -> int:
     """The attention probabilities one layer keeps for backward, ``[B, heads, T, T]``, where attention materialises
     them: eager attention (gpt-oss has no SDPA path; its sink logit makes ``T + 1`` columns), or SDPA's math kernel,
     which torch picks on the CPU when the keys' head size differs from the values' (DeepSeek's latent attention:
@@ -408,13 +409,13 @@ def _mlp_width(spec: ModelSpec) -> int:
 
 
 @dataclass(frozen=True)
-class _Step:
+class Step:
     """Everything the phase functions read."""
 
     spec: ModelSpec
     k: Knobs
     co: Coefficients
-    g: _Regime
+    g: Regime
     geo: _Geometry
     p: _Persistent
     casts: _Casts
@@ -431,19 +432,19 @@ class _Step:
         over the completion positions."""
         geo, g = self.geo, self.g
         if self.lm_head == "rowchunk":
-            return _rowchunk_bytes(self.spec, geo.B * geo.C, geo.B * (geo.T - 1), b_c=g.b_c, b_res=g.b_res,
+            return rowchunk_bytes(self.spec, geo.B * geo.C, geo.B * (geo.T - 1), b_c=g.b_c, b_res=g.b_res,
                                    b_w=g.b_w, head_trains=not g.lora)
         if self.lm_head == "logits" and self.k.use_liger_kernel:
             # Liger's LigerFusedLinearGRPOLoss (liger-kernel 0.8: sequence x vocabulary chunks, fp32 running
             # statistics, the hidden rows' and the weight's gradients computed chunk by chunk): bounded like TRL 1.15's
             # head on a GPU, over the completion positions. Not measured here: Liger needs Triton on a GPU.
-            return _head_bytes(self.spec, geo.B * geo.C, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
+            return head_bytes(self.spec, geo.B * geo.C, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
                                fallback=False, k_logits=self.co.k_logits)
         if self.lm_head == "logits":
-            return _logits_bytes(self.spec, geo.B, geo.C, b_c=g.b_c, b_w=g.b_w, head_trains=not g.lora,
+            return logits_bytes(self.spec, geo.B, geo.C, b_c=g.b_c, b_w=g.b_w, head_trains=not g.lora,
                                  autocast=g.autocast, k_full=self.co.k_full_logits)
         N = geo.B * (geo.T - 1) if g.simulated else geo.B * geo.C
-        return _head_bytes(self.spec, N, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
+        return head_bytes(self.spec, N, b_c=g.b_c, b_res=g.b_res, b_w=g.b_w, head_trains=not g.lora,
                            fallback=g.simulated, k_logits=self.co.k_logits)
 
     @property

@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .arch import _numel
 from .model import MXFP4_BYTES_PER_PARAM, ModelSpec
 
 # bitsandbytes NF4 with double quantisation: 4 bits + an 8-bit absmax per 64 weights + an fp32 absmax per 256 absmax
@@ -28,8 +27,8 @@ BNB_PAGED_MIN_SIZE = 100_000
 
 
 @dataclass(frozen=True)
-class _Regime:
-    """Byte widths and switches that follow from the knobs (see :func:`_regime`)."""
+class Regime:
+    """Byte widths and switches that follow from the knobs (see :func:`regime_of`)."""
 
     b_w: int  # stored weight dtype (non-quantised tensors)
     b_res: int  # residual stream / norms / hidden states
@@ -45,7 +44,7 @@ class _Regime:
     lora_targets: tuple[Any, ...] = ()  # model.LoraTarget rows: what PEFT adapts, where, at which rank
 
 
-def _activation_bytes_per_token(spec: ModelSpec, g: _Regime, moe: bool = False) -> int:
+def activation_bytes_per_token(spec: ModelSpec, g: Regime, moe: bool = False) -> int:
     """Bytes autograd keeps per token for one decoder layer (T7), itemised from what each op saves; ``moe``: a layer
     with the mixture-of-experts block in place of the dense MLP.
 
@@ -60,7 +59,7 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime, moe: bool = False) 
       the transposed output copy when it trains or is adapted. DeepSeek's latent attention: also the latent's norm
       and ``kv_b_proj``'s input.
     - SwiGLU MLP: gate, silu(gate), up, and their product (saved by ``down_proj`` when it trains or is adapted).
-      A MoE block instead: see :func:`_moe_bytes_per_token`.
+      A MoE block instead: see :func:`moe_bytes_per_token`.
     - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module.
 
     bf16 full fine-tune with ``heads·head_dim = h``: ``16h + 4h + 10h + 8i = 26h + 8i`` (research §3 T7).
@@ -91,7 +90,7 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime, moe: bool = False) 
     readers = tuple(n for n in attn if n not in ("o_proj", "q_b_proj", "kv_b_proj"))
     total += consumers_of(h, readers, b_res)
     if moe:
-        total += _moe_bytes_per_token(spec, g, consumers_of)
+        total += moe_bytes_per_token(spec, g, consumers_of)
     else:
         mlp = tuple(spec.mlp_linears())
         total += consumers_of(h, mlp[:-1], b_res)
@@ -115,7 +114,7 @@ def _activation_bytes_per_token(spec: ModelSpec, g: _Regime, moe: bool = False) 
     return total
 
 
-def _moe_bytes_per_token(spec: ModelSpec, g: _Regime, consumers_of: Any) -> int:
+def moe_bytes_per_token(spec: ModelSpec, g: Regime, consumers_of: Any) -> int:
     """Bytes a MoE block saves per token in training (transformers 5.24's ``grouped_mm_experts_forward``, the default
     experts implementation on CPU and GPU alike): the router's logits and fp32 probabilities; each token goes to
     ``top_k`` experts, so ``top_k`` rows of the sorted input (saved by the grouped matmul when the experts train), the
@@ -138,7 +137,7 @@ def _moe_bytes_per_token(spec: ModelSpec, g: _Regime, consumers_of: Any) -> int:
     return total
 
 
-def _nograd_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
+def nograd_bytes_per_token(spec: ModelSpec, g: Regime) -> int:
     """Live bytes per token inside one decoder layer run without grad (prefill, scoring): the residual and its
     successor, the fp32 norm temporary, then the larger of attention (q, k, v, repeated k/v, output) and the MLP
     (silu(gate), up, product; a MoE block's ``top_k`` rows of input, gate_up output and product)."""
@@ -151,7 +150,7 @@ def _nograd_bytes_per_token(spec: ModelSpec, g: _Regime) -> int:
     return 2 * g.b_res * h + 4 * h + max(attn, mlp)
 
 
-def _weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora_params: int = 0,
+def weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora_params: int = 0,
                   b_adapter: int = 4, keep_mxfp4: bool = False) -> int:
     """T1: the stored weights. Under 4-bit NF4 with double quantisation each Linear weight but the LM head's costs
     ``NF4_BYTES_PER_PARAM`` and the embeddings, an untied ``lm_head``, norms, biases and the experts' 3-D parameters
@@ -171,7 +170,7 @@ def _weight_bytes(spec: ModelSpec, b_w: int, *, load_in_4bit: bool = False, lora
     return base + lora_params * b_adapter
 
 
-def _kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: int = 2) -> int:
+def kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: int = 2) -> int:
     """T9: HF ``generate``'s DynamicCache after ``tokens`` positions: ``L·n_kv·d·tokens·rows·(b_k + b_v)``
     (``2·L·n_kv·d·(P+C)·B_gen·b_kv`` of research §3 when ``b_k = b_v``); sliding-window layers keep at most the window,
     DeepSeek's latent attention the compressed latent (:meth:`ModelSpec.kv_elements`)."""
@@ -179,7 +178,7 @@ def _kv_cache_bytes(spec: ModelSpec, rows: int, tokens: int, b_k: int = 2, b_v: 
     return rows * (k * b_k + v * b_v)
 
 
-def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head_trains: bool,
+def head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head_trains: bool,
                 fallback: bool, k_logits: float) -> dict[str, int]:
     """T8: TRL 1.16's chunked LM head over ``N`` scored positions (``trl/kernels/chunked_logprob.py``).
 
@@ -212,7 +211,7 @@ def _head_bytes(spec: ModelSpec, N: int, *, b_c: int, b_res: int, b_w: int, head
             "grad_weight": grad_weight}
 
 
-def _rowchunk_bytes(spec: ModelSpec, N: int, rows_total: int, *, b_c: int, b_res: int, b_w: int,
+def rowchunk_bytes(spec: ModelSpec, N: int, rows_total: int, *, b_c: int, b_res: int, b_w: int,
                     head_trains: bool) -> dict[str, int]:
     """T8 under Unsloth's CPU backend, which routes TRL's fused head to ``cpu_chunked_log_probs``
     (``unsloth_zoo/cpu/ops.py``) over the ``N`` completion positions TRL labels (``hidden_states[mask]``, a copy).
@@ -251,7 +250,7 @@ def _rowchunk_bytes(spec: ModelSpec, N: int, rows_total: int, *, b_c: int, b_res
             "mm_buf": 0, "grad_weight": 0}
 
 
-def _logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_trains: bool, autocast: bool,
+def logits_bytes(spec: ModelSpec, B: int, C: int, *, b_c: int, b_w: int, head_trains: bool, autocast: bool,
                   k_full: float) -> dict[str, int]:
     """T8 for TRL 0.29 to 1.14, which materialise the logits (``_get_per_token_logps_and_entropies``, TRL 1.10
     ``grpo_trainer.py``; ``selective_log_softmax``, ``trainer/utils.py:480-525``).
@@ -297,7 +296,7 @@ def optimizer_order(spec: ModelSpec, freeze_vision: bool = False) -> list[int]:
     decay += (attn + lin(spec.mlp_linears())) * spec.dense_layers
     m = spec.moe
     if m is not None:
-        experts = [_numel(s) for n, s in m.expert_tensors(spec.hidden_size) if "bias" not in n]
+        experts = [math.prod(s) for n, s in m.expert_tensors(spec.hidden_size) if "bias" not in n]
         decay += (attn + experts + [m.num_experts * spec.hidden_size] + lin(spec.moe_linears())) * spec.moe_layers
     rest = list(spec.param_tensors())
     vision = spec.vision.tensors() if spec.vision is not None else []
@@ -306,8 +305,8 @@ def optimizer_order(spec: ModelSpec, freeze_vision: bool = False) -> list[int]:
         rest.remove(t)
     if not freeze_vision:
         small = [n for n, _s, _l in vision if "bias" in n or "norm" in n or n == "ln_q"]
-        decay += [_numel(s) for n, s, _l in vision if n not in small]
-        rest += [_numel(s) for n, s, _l in vision if n in small]
+        decay += [math.prod(s) for n, s, _l in vision if n not in small]
+        rest += [math.prod(s) for n, s, _l in vision if n in small]
     return decay + rest
 
 
@@ -327,7 +326,7 @@ def single_tensor_transient(order: list[int]) -> int:
     return out
 
 
-def _optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
+def optimizer_bytes(optim: str, tensors: list[int], b_param: int, simulated: bool,
                      embeddings: int = 0, order: list[int] | None = None) -> tuple[int, int, str | None]:
     """T5: (state bytes, transient bytes of one step, note) for the trainable tensors (element counts).
 

@@ -22,19 +22,13 @@ its module runs unless it is used again later in the forward (the tied embedding
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 
 from .model import ModelSpec
 
 # DeepSpeed 0.19's default for stage3_max_live_parameters (the config's key is not read: oomguard does not set it)
 MAX_LIVE_PARAMETERS = 1_000_000_000
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _trace(spec: ModelSpec, lora: tuple[str, ...], r: int, b_w: int, b_a: int) -> list[list[tuple[str, int, int]]]:
@@ -74,7 +68,7 @@ def _trace(spec: ModelSpec, lora: tuple[str, ...], r: int, b_w: int, b_a: int) -
             assert spec.moe is not None
             m = spec.moe
             calls += [[(f"{layer}.router", m.num_experts * h, b_w)]]
-            calls += [[(f"{layer}.experts.{n}", _numel(shape), b_w) for n, shape in m.expert_tensors(h)]]
+            calls += [[(f"{layer}.experts.{n}", math.prod(shape), b_w) for n, shape in m.expert_tensors(h)]]
             mlp = list(spec.moe_linears())
         else:
             mlp = list(spec.mlp_linears())

@@ -9,14 +9,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .patterns import _F, _W, SIZE, _Head, _size, _words
+from .patterns import CASELESS, GAP, SIZE, Head, size_of, words
 
 # Ray: "... pid=548, memory used=12.18GB) was running was 21.91GB / 33.28GB (0.658192), which exceeds the memory usage
 # threshold of 0.65." (Ray writes decimal GB.)
-_P_RAY_NODE = re.compile(r"was" + _W + SIZE + _W + r"/" + _W + SIZE + _W + r"\(" + _W + r"[\d.]+" + _W + r"\)", _F)
-_P_RAY_THRESHOLD = re.compile(_words("memory usage threshold of") + _W + r"(\d+(?:\.\d+)?)", _F)
-_P_RAY_TASK = re.compile(r"\bpid" + _W + r"=" + _W + r"(\d+)" + _W + r"," + _W + r"(?:actual" + _W + r")?"
-                         + _words("memory used") + _W + r"=" + _W + SIZE, _F)
+_P_RAY_NODE = re.compile(r"was" + GAP + SIZE + GAP + r"/" + GAP + SIZE + GAP + r"\(" + GAP + r"[\d.]+" + GAP + r"\)", CASELESS)
+_P_RAY_THRESHOLD = re.compile(words("memory usage threshold of") + GAP + r"(\d+(?:\.\d+)?)", CASELESS)
+_P_RAY_TASK = re.compile(r"\bpid" + GAP + r"=" + GAP + r"(\d+)" + GAP + r"," + GAP + r"(?:actual" + GAP + r")?"
+                         + words("memory used") + GAP + r"=" + GAP + SIZE, CASELESS)
 
 
 def _ray_figures(core: str, text: str) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def _ray_figures(core: str, text: str) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     m = _P_RAY_NODE.search(core)
     if m:
-        used, total = _size(m.group(1), m.group(2)), _size(m.group(3), m.group(4))
+        used, total = size_of(m.group(1), m.group(2)), size_of(m.group(3), m.group(4))
         kw["capacity"] = total
         if used is not None and total is not None:
             kw["free"] = max(0, total - used)
@@ -34,15 +34,15 @@ def _ray_figures(core: str, text: str) -> dict[str, Any]:
     m = _P_RAY_TASK.search(core)
     if m:
         kw["pid"] = int(m.group(1))
-        kw["process"] = _size(m.group(2), m.group(3))
+        kw["process"] = size_of(m.group(2), m.group(3))
     return kw
 
 
 # Slurm's reports of a step's OOM kill.
-SLURM: tuple[_Head, ...] = (
-    _Head("slurm", re.compile(r"Detected" + _W + r"\d+" + _W + r"oom[-_]kill" + _W + r"event", re.IGNORECASE),
+SLURM: tuple[Head, ...] = (
+    Head("slurm", re.compile(r"Detected" + GAP + r"\d+" + GAP + r"oom[-_]kill" + GAP + r"event", re.IGNORECASE),
           backend="host"),
-    _Head("slurm", re.compile(_words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
+    Head("slurm", re.compile(words("killed by the cgroup out-of-memory handler"), re.IGNORECASE), backend="host"),
 )
 
 # The raylet's summary of the workers its memory monitor killed, printed to the driver (node_manager.cc, the same
@@ -50,9 +50,9 @@ SLURM: tuple[_Head, ...] = (
 # crashed due to other reasons at node (ID: ..., IP: 172.31.183.172) over the last time period." The count must be
 # on the line and above 0: a summary of crashes alone ("0 Workers ... (OOM), 1 Workers crashed") is not an OOM, nor
 # documentation that quotes the words without one.
-_RAYLET_COUNT = re.compile(r"^\s*[1-9]\d*" + _W + r"Workers", _F)
-_RAYLET_FIGURES = re.compile(r"^\s*(\d+)" + _W + r"Workers" + r"(?:.*?\bIP" + _W + ":" + _W + r"([\d.:a-fA-F]+))?",
-                             _F | re.DOTALL)
+_RAYLET_COUNT = re.compile(r"^\s*[1-9]\d*" + GAP + r"Workers", CASELESS)
+_RAYLET_FIGURES = re.compile(r"^\s*(\d+)" + GAP + r"Workers" + r"(?:.*?\bIP" + GAP + ":" + GAP + r"([\d.:a-fA-F]+))?",
+                             CASELESS | re.DOTALL)
 
 
 def _raylet_figures(core: str, text: str) -> dict[str, Any]:
@@ -67,24 +67,24 @@ def _raylet_figures(core: str, text: str) -> dict[str, Any]:
 
 
 # Ray's memory monitor.
-RAY: tuple[_Head, ...] = (
-    _Head(
+RAY: tuple[Head, ...] = (
+    Head(
         "ray",
-        re.compile(r"(?:(?<![\w.])\d+" + _W + r")?Workers" + _W + r"\(" + _W + r"tasks" + _W + "/" + _W + r"actors"
-                   + _W + r"\)" + _W + _words("killed due to memory pressure"), _F),
+        re.compile(r"(?:(?<![\w.])\d+" + GAP + r")?Workers" + GAP + r"\(" + GAP + r"tasks" + GAP + "/" + GAP + r"actors"
+                   + GAP + r"\)" + GAP + words("killed due to memory pressure"), CASELESS),
         backend="host",
-        complete=re.compile(_words("over the last time period"), _F),
+        complete=re.compile(words("over the last time period"), CASELESS),
         requires=_RAYLET_COUNT,
         figures=_raylet_figures,
     ),
     # Ray's memory monitor kills workers when the node's RAM passes its threshold: "Task was killed due to the node
     # running low on memory." (Ray <= 2.54), "N worker(s) were killed due to ..." (2.55+).
-    _Head(
+    Head(
         "ray",
-        re.compile(r"(?:\b(?:Task|Actor)" + _W + r"was|worker\(s\)" + _W + r"were)" + _W
-                   + _words("killed due to the node running low on memory")),
+        re.compile(r"(?:\b(?:Task|Actor)" + GAP + r"was|worker\(s\)" + GAP + r"were)" + GAP
+                   + words("killed due to the node running low on memory")),
         backend="host",
-        complete=re.compile(_words("memory usage threshold of") + _W + r"\d", re.IGNORECASE),
+        complete=re.compile(words("memory usage threshold of") + GAP + r"\d", re.IGNORECASE),
         figures=_ray_figures,
     ),
 )

@@ -11,9 +11,9 @@ import re
 from collections.abc import Iterator
 
 from . import allocators, cluster, host, runtimes, vllm
-from .patterns import _Head, _words
+from .patterns import Head, words
 
-_HEADS: tuple[_Head, ...] = (
+HEADS: tuple[Head, ...] = (
     *allocators.CACHING, *vllm.CUMEM, *runtimes.RUNTIME, *allocators.ASYNC, *runtimes.CODES, *vllm.ENGINE,
     *host.KILLER, *cluster.SLURM, *host.SHELL, *cluster.RAY, *host.PYTHON,
 )
@@ -21,25 +21,25 @@ _HEADS: tuple[_Head, ...] = (
 # Configuration clashes that libraries report in out-of-memory words. Unsloth's standby loader used to re-raise the
 # expandable-segments assertion as ``MemoryError("... ran out of memory ...")``; no memory ran out, and no remedy that
 # saves memory would help. A message that carries one of these phrases is never an OOM.
-_VETO = re.compile(
-    _words("Standby mode is not supported with expandable segments") + r"|"
-    + _words("Expandable segments are not compatible with memory pool"),
+VETO = re.compile(
+    words("Standby mode is not supported with expandable segments") + r"|"
+    + words("Expandable segments are not compatible with memory pool"),
     re.IGNORECASE,
 )
 
 
-def _recognitions(stripped: str) -> Iterator[tuple[_Head, re.Match[str]]]:
-    for head in _HEADS:
+def recognitions(stripped: str) -> Iterator[tuple[Head, re.Match[str]]]:
+    for head in HEADS:
         m = head.pattern.search(stripped)
         if m:
             yield head, m
 
 
-def _recognise(stripped: str) -> tuple[_Head, re.Match[str]] | None:
-    return next(_recognitions(stripped), None)
+def recognise(stripped: str) -> tuple[Head, re.Match[str]] | None:
+    return next(recognitions(stripped), None)
 
 
-def _backend_for(head: _Head, m: re.Match[str]) -> str:
+def backend_for(head: Head, m: re.Match[str]) -> str:
     if head.backend:
         return head.backend
     groups = m.groupdict()
@@ -52,7 +52,7 @@ def _backend_for(head: _Head, m: re.Match[str]) -> str:
     return "cuda"
 
 
-def _pid_of(m: re.Match[str]) -> int | None:
+def pid_of(m: re.Match[str]) -> int | None:
     pid = m.groupdict().get("pid")
     return int(pid) if pid else None
 
@@ -62,7 +62,7 @@ def _pid_of(m: re.Match[str]) -> int | None:
 # back to Python; the context around the literal is checked in C by lookbehinds. Every head above contains one of
 # these phrases (with single spaces); str and bytes use the very same test, so streaming a file and scanning a string
 # always find the same messages.
-_CHEAP_REGEXES = (
+CHEAP_REGEXES = (
     re.compile(rb"memory(?:error|allocation| ?utilization|(?<=of memory)|(?<=ofmemory)|(?<=of-memory)|(?<=of_memory)"
                rb"|(?<=allocate memory)|(?<=enough memory)|(?<=device_memory)|(?<=low on memory))"),
     re.compile(rb"cache(?: ?blocks|(?<=kv cache)|(?<=kvcache))"),
@@ -72,8 +72,8 @@ _CHEAP_REGEXES = (
 
 
 def _cheap_match(folded: bytes) -> bool:
-    return any(rx.search(folded) for rx in _CHEAP_REGEXES)
+    return any(rx.search(folded) for rx in CHEAP_REGEXES)
 
 
-def _might_be_oom(s: str) -> bool:
+def might_be_oom(s: str) -> bool:
     return _cheap_match(s.encode("utf-8", errors="replace").lower())

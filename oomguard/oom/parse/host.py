@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .patterns import _F, _W, SIZE, _first, _Head, _words
+from .patterns import CASELESS, GAP, SIZE, Head, first_size, words
 
-_P_RSS = re.compile(r"anon-rss:" + _W + r"(\d[\d,]*)" + _W + r"kB", _F)
-_P_NP_REQ = re.compile(_words("Unable to allocate") + _W + SIZE, _F)
+_P_RSS = re.compile(r"anon-rss:" + GAP + r"(\d[\d,]*)" + GAP + r"kB", CASELESS)
+_P_NP_REQ = re.compile(words("Unable to allocate") + GAP + SIZE, CASELESS)
 
 
 def _rss_figures(core: str, text: str) -> dict[str, Any]:
@@ -25,28 +25,28 @@ def _rss_figures(core: str, text: str) -> dict[str, Any]:
 def _python_figures(core: str, text: str) -> dict[str, Any]:
     """numpy's request ("Unable to allocate 8.00 GiB")."""
     kw: dict[str, Any] = {}
-    kw["requested"] = _first(_P_NP_REQ, text)
+    kw["requested"] = first_size(_P_NP_REQ, text)
     return kw
 
 
 # The kernel's OOM killer.
-KILLER: tuple[_Head, ...] = (
-    _Head(
+KILLER: tuple[Head, ...] = (
+    Head(
         "oom-killer",
-        re.compile(r"(?:Memory" + _W + r"cgroup" + _W + r")?" + _words("out of memory:") + _W + r"Kill(?:ed)?" + _W
-                   + r"process" + _W + r"(?P<pid>\d+)", re.IGNORECASE),
+        re.compile(r"(?:Memory" + GAP + r"cgroup" + GAP + r")?" + words("out of memory:") + GAP + r"Kill(?:ed)?" + GAP
+                   + r"process" + GAP + r"(?P<pid>\d+)", re.IGNORECASE),
         backend="host",
         figures=_rss_figures,
     ),
 )
 
 # A shell reporting its child killed.
-SHELL: tuple[_Head, ...] = (
-    _Head("shell", re.compile(r"\bline\s+\d+:\s+(?P<pid>\d+)\s+Killed\s+\S"), backend="host", figures=_rss_figures),
+SHELL: tuple[Head, ...] = (
+    Head("shell", re.compile(r"\bline\s+\d+:\s+(?P<pid>\d+)\s+Killed\s+\S"), backend="host", figures=_rss_figures),
 )
 
 # Python's MemoryError, tried last: any other head on the same line is the better finding.
-PYTHON: tuple[_Head, ...] = (
-    _Head("python", re.compile(r"^(?:[\w.]+\.)?(?:_Array)?MemoryError(?::|\s*$)"), backend="host",
+PYTHON: tuple[Head, ...] = (
+    Head("python", re.compile(r"^(?:[\w.]+\.)?(?:_Array)?MemoryError(?::|\s*$)"), backend="host",
           figures=_python_figures),
 )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 from ...vocab.oomreport import Frame
-from .heads import _recognise
-from .patterns import _Head
+from .heads import recognise
+from .patterns import Head
 
 # Prefixes that loggers, launchers and notebooks put on every line.
 _PREFIX = re.compile(
@@ -40,9 +40,9 @@ _NEW_RECORD = re.compile(
     r"(?:[\w.]+\.)?\w*(?:Error|Exception|Warning|Interrupt|Exit)\b:|\{|\[\s*\d|#|[=_*~-]{4,})"
 )
 
-_MAX_CONTINUATION = 14
-_ELLIPSIS = ("...", "\u2026")  # a log or summary line cut to the terminal width
-_MAX_FRAMES_LOOKBACK = 400
+MAX_CONTINUATION = 14
+ELLIPSIS = ("...", "\u2026")  # a log or summary line cut to the terminal width
+MAX_FRAMES_LOOKBACK = 400
 _MAX_FRAME_GAP = 16  # lines without a frame (source, carets, IPython context) before the frames are given up
 _SOURCE_LOOKBACK = 6  # a frame this close above a quoted head means the head is the frame's source line
 
@@ -84,7 +84,7 @@ def rank_of(line: str) -> int | None:
     return int(next(g for g in m.groups() if g is not None))
 
 
-def _visible(line: str) -> str:
+def visible(line: str) -> str:
     """What a terminal shows of a line: trailing CR/LF dropped, and only the text after the last carriage return
     (progress bars redraw themselves with ``\\r``)."""
     line = line.rstrip("\r\n")
@@ -93,10 +93,10 @@ def _visible(line: str) -> str:
     return line
 
 
-def _split(text: str) -> list[str]:
+def split_lines(text: str) -> list[str]:
     """Lines as editors and ``grep -n`` count them: split on ``\\n`` only (``\\r\\n`` included), ``\\r`` redraws kept
     within their line."""
-    return [_visible(line) for line in text.split("\n")]
+    return [visible(line) for line in text.split("\n")]
 
 
 def _frame_of(stripped: str) -> Frame | None:
@@ -111,11 +111,11 @@ def _frame_of(stripped: str) -> Frame | None:
     return None
 
 
-def _same_rank(a: int | None, b: int | None) -> bool:
+def same_rank(a: int | None, b: int | None) -> bool:
     return a is None or b is None or a == b
 
 
-def _frames_before(lines: list[str], index: int, rank: int | None) -> tuple[Frame, ...]:
+def frames_before(lines: list[str], index: int, rank: int | None) -> tuple[Frame, ...]:
     """The traceback frames above line ``index`` (outermost first), read back to the ``Traceback`` header.
 
     Lines of other ranks are skipped. Only a traceback that ends right above the message counts: once more than
@@ -124,7 +124,7 @@ def _frames_before(lines: list[str], index: int, rank: int | None) -> tuple[Fram
     """
     frames: list[Frame] = []
     gap = 0
-    lo = max(0, index - _MAX_FRAMES_LOOKBACK)
+    lo = max(0, index - MAX_FRAMES_LOOKBACK)
     for j in range(index - 1, lo - 1, -1):
         raw = lines[j]
         if rank is not None and rank_of(raw) not in (rank, None):
@@ -171,7 +171,7 @@ def _inside_literal(code: str) -> bool:
     return bool(quote)
 
 
-def _is_source_line(lines: list[str], index: int, stripped: str, m: re.Match[str], rank: int | None) -> bool:
+def is_source_line(lines: list[str], index: int, stripped: str, m: re.Match[str], rank: int | None) -> bool:
     """True when the head sits inside a string literal of a traceback's source line, such as
     ``raise ValueError("No available memory for the cache blocks. "`` under its ``File "...", line N`` frame.
     The real message follows a few lines down."""
@@ -189,7 +189,7 @@ def _is_source_line(lines: list[str], index: int, stripped: str, m: re.Match[str
     return False
 
 
-def _assemble(lines: list[str], index: int, head: _Head, rank: int | None) -> tuple[str, list[int]]:
+def assemble(lines: list[str], index: int, head: Head, rank: int | None) -> tuple[str, list[int]]:
     """Join the head line with continuation lines until the message is complete.
 
     Returns the text and the indices of the continuation lines used. Only lines of the head's rank continue it;
@@ -200,14 +200,14 @@ def _assemble(lines: list[str], index: int, head: _Head, rank: int | None) -> tu
     if head.complete is None:
         return text, used
     j = index + 1
-    while (not head.complete.search(text) and not text.rstrip().endswith(_ELLIPSIS) and j < len(lines)
-           and j - index <= _MAX_CONTINUATION):
+    while (not head.complete.search(text) and not text.rstrip().endswith(ELLIPSIS) and j < len(lines)
+           and j - index <= MAX_CONTINUATION):
         raw = lines[j]
         j += 1
         if rank_of(raw) != rank:
             continue
         nxt = strip_prefix(raw)
-        if not nxt.strip() or _NEW_RECORD.match(nxt.lstrip()) or _recognise(nxt):
+        if not nxt.strip() or _NEW_RECORD.match(nxt.lstrip()) or recognise(nxt):
             break
         text = text + nxt if not text.endswith((" ", "\t")) else text + nxt.lstrip()
         used.append(j - 1)
@@ -217,7 +217,7 @@ def _assemble(lines: list[str], index: int, head: _Head, rank: int | None) -> tu
 _FOLLOW_LINES = 4  # blank lines and NCCL INFO lines may sit between a NCCL WARN and the size it could not allocate
 
 
-def _with_follow(lines: list[str], index: int, follow: re.Pattern[str], rank: int | None, text: str) -> str:
+def with_follow(lines: list[str], index: int, follow: re.Pattern[str], rank: int | None, text: str) -> str:
     """``text`` with the part of a nearby line that ``follow`` matches appended (NCCL's "Failed to CUDA calloc N
     bytes" after its "Cuda failure 'out of memory'")."""
     for j in range(index + 1, min(len(lines), index + 1 + _FOLLOW_LINES)):

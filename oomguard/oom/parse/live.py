@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...vocab.oomreport import OOMReport
-from .heads import _VETO, _might_be_oom
+from .heads import VETO, might_be_oom
 from .scan import parse_oom
 
 _OOM_TYPE_NAMES = {"OutOfMemoryError", "MemoryError", "_ArrayMemoryError"}
@@ -79,11 +79,11 @@ def _exception_text(exc: BaseException) -> str | None:
 
 def _exception_is_oom(exc: BaseException) -> bool:
     text = _exception_text(exc)
-    if text and _VETO.search(text):
+    if text and VETO.search(text):
         return False
     if any(cls.__name__ in _OOM_TYPE_NAMES for cls in type(exc).__mro__):
         return True
-    if not text or not _might_be_oom(text):
+    if not text or not might_be_oom(text):
         return False
     return parse_oom(text) is not None
 

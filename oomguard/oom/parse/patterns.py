@@ -16,27 +16,27 @@ from ...vocab.sizes import parse_size
 # NVML reports 2^64-1 bytes when a value is not available; anything this large is not a measurement.
 _NVML_GARBAGE = 2**60
 
-# Patterns. `_W` is "optional whitespace", used between every word so that hard-wrapped text still matches.
+# Patterns. `GAP` is "optional whitespace", used between every word so that hard-wrapped text still matches.
 # Continuation lines are joined without a separator (a wrap can fall inside a number), so a word-wrap that dropped
 # its blank glues words together ("GiBof which", "GPU 0has"): no pattern may rely on a word boundary after a unit or
 # a number.
 
-_W = r"\s*"
-_NUM = r"(\d[\d,]*(?:\.\d+)?)"
-_UNIT = r"(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)"
-SIZE = _NUM + _W + _UNIT
+GAP = r"\s*"
+NUM = r"(\d[\d,]*(?:\.\d+)?)"
+UNIT = r"(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)"
+SIZE = NUM + GAP + UNIT
 
 # The CUDA allocator refuses any request of 2^60 bytes or more up front: "Tried to allocate more than 1EB memory."
-_ONE_EB = 2**60
-_F = re.IGNORECASE
+ONE_EB = 2**60
+CASELESS = re.IGNORECASE
 
 
-def _words(text: str) -> str:
+def words(text: str) -> str:
     """'out of memory' -> r'out\\s*of\\s*memory'."""
-    return _W.join(re.escape(w) for w in text.split())
+    return GAP.join(re.escape(w) for w in text.split())
 
 
-def _size(num: str, unit: str, *, binary_si: bool = False) -> int | None:
+def size_of(num: str, unit: str, *, binary_si: bool = False) -> int | None:
     try:
         value = parse_size(num.replace(",", "") + unit, si_is_binary=binary_si)
     except ValueError:
@@ -44,17 +44,17 @@ def _size(num: str, unit: str, *, binary_si: bool = False) -> int | None:
     return None if value >= _NVML_GARBAGE else value
 
 
-def _first(p: re.Pattern[str], text: str, *, binary_si: bool = False) -> int | None:
+def first_size(p: re.Pattern[str], text: str, *, binary_si: bool = False) -> int | None:
     m = p.search(text)
-    return _size(m.group(1), m.group(2), binary_si=binary_si) if m else None
+    return size_of(m.group(1), m.group(2), binary_si=binary_si) if m else None
 
 
-def _either(*values: int | None) -> int | None:
+def either(*values: int | None) -> int | None:
     return next((v for v in values if v is not None), None)
 
 
 @dataclass(frozen=True)
-class _Head:
+class Head:
     """A recogniser: the regex that starts a message, its origin, and how to tell the message is complete."""
 
     origin: str
@@ -67,7 +67,7 @@ class _Head:
     follow: re.Pattern[str] | None = None
     # A first report of a failure whose proper message follows: THC printed "THCudaCheck FAIL" before raising the
     # RuntimeError that carries the traceback. When the same origin and backend are recognised within
-    # _MAX_CONTINUATION lines, the later message is the finding.
+    # MAX_CONTINUATION lines, the later message is the finding.
     precursor: bool = False
     # Reads the figures into OOMReport fields: (the message from the head on, the whole joined text) -> values.
     figures: Callable[[str, str], dict[str, Any]] | None = None

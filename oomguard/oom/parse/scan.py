@@ -12,26 +12,26 @@ from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
 from ...vocab.oomreport import Frame, OOMReport
-from .heads import _CHEAP_REGEXES, _VETO, _backend_for, _might_be_oom, _pid_of, _recognitions
+from .heads import CHEAP_REGEXES, VETO, backend_for, might_be_oom, pid_of, recognitions
 from .lines import (
-    _ELLIPSIS,
-    _MAX_CONTINUATION,
-    _MAX_FRAMES_LOOKBACK,
-    _assemble,
-    _frames_before,
-    _is_source_line,
-    _same_rank,
-    _split,
-    _visible,
-    _with_follow,
+    ELLIPSIS,
+    MAX_CONTINUATION,
+    MAX_FRAMES_LOOKBACK,
+    assemble,
+    frames_before,
+    is_source_line,
     rank_of,
+    same_rank,
+    split_lines,
     strip_prefix,
+    visible,
     vllm_process_of,
+    with_follow,
 )
-from .patterns import _Head
+from .patterns import Head
 
 
-def _parse_figures(report: OOMReport, core: str, head: _Head) -> OOMReport:
+def _parse_figures(report: OOMReport, core: str, head: Head) -> OOMReport:
     """Read the figures with the head's reader. ``core`` is the message from its head on (log text before the head is
     not looked at); ``report.message`` is the whole joined text, which a few vLLM wordings need (their figures precede
     the head)."""
@@ -49,7 +49,7 @@ def parse_oom(text: str) -> OOMReport | None:
     ...           "capacty of 14.75 GiB of which 11.06 MiB is free.").capacity  # the 2.1-era typo
     15837691904
     """
-    hits = list(scan_lines(_split(text)))
+    hits = list(scan_lines(split_lines(text)))
     return hits[0].report if hits else None
 
 
@@ -67,18 +67,18 @@ class Hit:
 _HOST_KILLS = ("oom-killer", "shell", "slurm")
 
 
-def _followed_by_same(lines: list[str], index: int, head: _Head, backend: str, rank: int | None) -> bool:
-    """Whether a message of the same origin and backend starts within the next _MAX_CONTINUATION lines (the limit
+def _followed_by_same(lines: list[str], index: int, head: Head, backend: str, rank: int | None) -> bool:
+    """Whether a message of the same origin and backend starts within the next MAX_CONTINUATION lines (the limit
     keeps streaming and whole-text scanning in agreement: a streamed chunk always holds that many lines more)."""
-    for j in range(index + 1, min(len(lines), index + 1 + _MAX_CONTINUATION)):
+    for j in range(index + 1, min(len(lines), index + 1 + MAX_CONTINUATION)):
         raw = lines[j]
         if rank_of(raw) not in (rank, None):
             continue
         s = strip_prefix(raw)
-        if not _might_be_oom(s):
+        if not might_be_oom(s):
             continue
-        for h, m in _recognitions(s):
-            if h is not head and h.origin == head.origin and _backend_for(h, m) == backend:
+        for h, m in recognitions(s):
+            if h is not head and h.origin == head.origin and backend_for(h, m) == backend:
                 return True
     return False
 
@@ -88,7 +88,7 @@ def _same_message(a: str, b: str) -> bool:
     if a == b:
         return True
     short, long_ = (a, b) if len(a) <= len(b) else (b, a)
-    if not short.endswith(_ELLIPSIS):
+    if not short.endswith(ELLIPSIS):
         return False
     short = short.rstrip(".\u2026").rstrip()
     return len(short) >= 40 and long_.startswith(short)
@@ -116,7 +116,7 @@ class _Scanner:
         entries = [e for e in self.recent.get(key, []) if line_no - e[0] <= window]
         repeat = False
         for k, (_, r, c) in enumerate(entries):
-            if _same_rank(r, rank) and (key[0] != "allocator" or _same_message(c, core)):
+            if same_rank(r, rank) and (key[0] != "allocator" or _same_message(c, core)):
                 entries[k] = (line_no, r if r is not None else rank, c if len(c) >= len(core) else core)
                 repeat = True
                 break
@@ -132,7 +132,7 @@ class _Scanner:
                 continue
             raw = lines[i]
             stripped = strip_prefix(raw)
-            if not _might_be_oom(stripped):
+            if not might_be_oom(stripped):
                 continue
             hit = self._hit(lines, i, line_no, raw, stripped)
             if hit is not None:
@@ -140,32 +140,32 @@ class _Scanner:
 
     def _hit(self, lines: list[str], i: int, line_no: int, raw: str, stripped: str) -> Hit | None:
         rank = rank_of(raw)
-        for head, m in _recognitions(stripped):
-            if _is_source_line(lines, i, stripped, m, rank):
+        for head, m in recognitions(stripped):
+            if is_source_line(lines, i, stripped, m, rank):
                 return None
-            text, used = _assemble(lines, i, head, rank)
+            text, used = assemble(lines, i, head, rank)
             if head.follow is not None:
-                text = _with_follow(lines, i, head.follow, rank, text)
+                text = with_follow(lines, i, head.follow, rank, text)
             core = text[m.start():]
             if head.requires is not None and not head.requires.search(core):
                 continue
-            if _VETO.search(text):
+            if VETO.search(text):
                 return None
-            backend = _backend_for(head, m)
+            backend = backend_for(head, m)
             if head.precursor and _followed_by_same(lines, i, head, backend, rank):
                 return None
             first = line_no - i
             self.consumed.update(first + j for j in used)
             message = " ".join(text.split())
             report = _parse_figures(
-                OOMReport(backend=backend, origin=head.origin, message=message, pid=_pid_of(m)), core, head
+                OOMReport(backend=backend, origin=head.origin, message=message, pid=pid_of(m)), core, head
             )
             if head.origin in _HOST_KILLS:
                 if self._is_host_kill_repeat(head.origin, report.pid, line_no, rank):
                     return None
             elif self._is_repeat((head.origin, report.backend, None), line_no, rank, " ".join(core.split())):
                 return None
-            return Hit(line_no, report, _frames_before(lines, i, rank), rank, vllm_process_of(raw))
+            return Hit(line_no, report, frames_before(lines, i, rank), rank, vllm_process_of(raw))
         return None
 
     def _is_host_kill_repeat(self, origin: str, pid: int | None, line_no: int, rank: int | None) -> bool:
@@ -175,7 +175,7 @@ class _Scanner:
         again within the window is the same kill. Kills of two different processes stay two findings."""
         events = [e for e in self.kills if line_no - e[0] <= self._WINDOW]
         for e in events:
-            if not _same_rank(e[1], rank):
+            if not same_rank(e[1], rank):
                 continue
             pids, slurm = e[2], e[3]
             same = (origin == "slurm" or (pid is not None and pid in pids) or (slurm and not pids))
@@ -199,7 +199,7 @@ def scan_lines(lines: Iterable[str], *, first_line: int = 1) -> Iterator[Hit]:
     ...                              "Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 7.9 GiB"])]
     [2]
     """
-    lines = [_visible(line) for line in lines]
+    lines = [visible(line) for line in lines]
     yield from _Scanner().scan(lines, first_line, 0, len(lines))
 
 
@@ -227,7 +227,7 @@ def scan_stream(stream: BinaryIO, *, chunk_size: int = 8 << 20, max_bytes: int |
     scanner = _Scanner()
     chunk_size = max(1, chunk_size)
     # a candidate can sit in the last lines of the carry, and still sees the full frame look-back above it
-    keep_lines = _MAX_FRAMES_LOOKBACK + _MAX_CONTINUATION + 2
+    keep_lines = MAX_FRAMES_LOOKBACK + MAX_CONTINUATION + 2
     carry = b""
     carry_first = 1  # line number of carry's first line
     pending = 1  # first line number not yet scanned
@@ -251,13 +251,13 @@ def scan_stream(stream: BinaryIO, *, chunk_size: int = 8 << 20, max_bytes: int |
             return  # end of an empty stream
         newlines = buf.count(b"\n", 0, cut)
         n_lines = newlines + (0 if buf[cut - 1] == 10 else 1)
-        limit = n_lines if eof else max(0, n_lines - (_MAX_CONTINUATION + 1))
+        limit = n_lines if eof else max(0, n_lines - (MAX_CONTINUATION + 1))
         candidates = [
             i for i in _candidate_lines(buf, cut)
             if i < limit and carry_first + i >= pending and carry_first + i not in scanner.consumed
         ]
         if candidates:
-            lines = _split(buf[:cut].decode("utf-8", errors="replace"))
+            lines = split_lines(buf[:cut].decode("utf-8", errors="replace"))
             for i in candidates:
                 yield from scanner.scan(lines, carry_first, i, i + 1)
                 pending = max(pending, carry_first + i + 1)
@@ -274,7 +274,7 @@ def _candidate_lines(buf: bytes, end: int | None = None) -> list[int]:
     """Sorted indices of the lines of ``buf[:end]`` that pass the cheap test."""
     end = len(buf) if end is None else end
     folded = buf.lower()  # ASCII only: byte offsets unchanged
-    starts = sorted({buf.rfind(b"\n", 0, m.start()) + 1 for rx in _CHEAP_REGEXES for m in rx.finditer(folded, 0, end)})
+    starts = sorted({buf.rfind(b"\n", 0, m.start()) + 1 for rx in CHEAP_REGEXES for m in rx.finditer(folded, 0, end)})
     out: list[int] = []
     prev_pos, prev_idx = 0, 0
     for st in starts:
