@@ -39,6 +39,8 @@ from .climb import UNDO_BY_DEFAULT, Climb, Decision
 from .judge import Judge
 from .ladder import MULTI_GPU, distributed_reason_of, load_ladder
 from .minimize import Minimizer
+from .proofs import Proofs
+from .repeat import Repeat
 
 # The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
@@ -113,6 +115,7 @@ class Conductor:
         # a leak the trace showed over enough steps, or a young one a restart reproduced (got further, grew again)
         self.leak_confirmed = False
         self.checkpoint_every: int | None = None  # the checkpoint cadence a leak's restarts need
+        self.proofs = Proofs()  # a prediction the run proved wrong (the model is unsure from then on), the OOMs
 
     # -- the start and the budget ------------------------------------------------------------------------------
     def first(self) -> Next:
@@ -126,9 +129,13 @@ class Conductor:
         sure of its config (``Judge.sure``): not after a real OOM in this run (the model was wrong here), nor with
         --always-probe or --minimize, nor while a change of what is trained or learned is in force (a probe is what
         can show it is not needed)."""
-        if self.judge is None or self.policy.always_probe or self.policy.minimize:
+        if self.judge is None or self.policy.always_probe or self.policy.minimize or self.proofs.unsure:
             return False
         return self.climb.probe_may_be_skipped()
+
+    def stops(self) -> bool:
+        """Whether the pre-flight stops what is sure not to fit: not under --no-preflight, a replay, a model proven wrong."""
+        return self.policy.preflight and not self.policy.replay and not self.proofs.unsure
 
     def spent(self) -> bool:
         """--max-attempts (undo trials are extra work the user asked for: they do not count; a leak's restarts do, so
@@ -216,6 +223,9 @@ class Conductor:
         est = judge.predict(c.facts, knobs)
         if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
             attempt.predicted_bytes = est.peak_bytes if est else None
+        if est is not None and self.proofs.learn(est, attempt, diag, simulated=judge.simulated,
+                                                 head=judge.head_for(c.facts)) and not self.policy.replay:
+            self.probe_steps = max(self.probe_steps, 2)  # proven wrong: probes first, even under --no-probe
         if attempt.outcome == Outcome.OK and attempt.step is not None and attempt.step < 2:
             return
         if diag is not None and diag.kind in LEAK_KINDS:  # the code's leak ran out, not the config
@@ -232,8 +242,16 @@ class Conductor:
     def after(self, attempt: Attempt, diag: Diagnosis | None, *, read_fields: frozenset[str] | None = None) -> Next:
         """The next attempt after ``attempt`` ended (``record``-ed already), or ``Next(None)``. ``read_fields``: the
         knobs that reach the code, where the front-end knows them (a guarded call); else what the command passed
-        through."""
+        through. What the attempt proved of the model's prediction is said first."""
+        nxt = self._after(attempt, diag, read_fields)
+        nxt.said[:0] = [Said(line=f"  {line}") for line in self.proofs.said()]
+        return nxt
+
+    def _after(self, attempt: Attempt, diag: Diagnosis | None, read_fields: frozenset[str] | None) -> Next:
         c, p = self.climb, self.policy
+        repeat = None if p.replay else self.proofs.repeat(attempt, diag, c.effective()[1], c.facts.world_size)
+        if repeat is not None and repeat.fixed:
+            return self._fixed(attempt, repeat)
         if attempt.outcome == Outcome.INTERRUPTED:
             return Next(None)
         if attempt.outcome != Outcome.FAILED:
@@ -266,6 +284,12 @@ class Conductor:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
         self.last_diag = diag
+        if repeat is not None:  # the rungs since the OOM it repeats changed nothing of what failed
+            c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], repeat.took_back())
+            attempt.note = repeat.took_back()
+            nxt = self.choose(attempt, diag, read_fields=read_fields)
+            nxt.said.insert(0, Said(line=f"  {attempt.note}"))
+            return nxt
         return self.choose(attempt, diag, read_fields=read_fields)
 
     def choose(self, attempt: Attempt | None, diag: Diagnosis | None, *,
@@ -281,11 +305,18 @@ class Conductor:
         peak = judge.peak(c.facts) if judge is not None else None
         relax = judge.fits(c.facts, judge.relax_margin) if judge is not None else None
         plausible = judge.plausible(c.facts, self.doubt()) if judge is not None and self.probe_steps > 0 else None
+        # what the pre-flight would let run: predicted over the device by no more than its margin
+        launchable = (judge.plausible(c.facts, self.stop_margin()[0]) if judge is not None and self.policy.preflight
+                      and not self.policy.replay else None)
         decision = c.choose_next(diag, read_fields, subject=self.subject, fits=fits, peak=peak, relax_fits=relax,
-                                 plausible=plausible)
+                                 plausible=plausible, launchable=launchable, unsure=self.proofs.unsure)
         if attempt is not None:
             attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
         if decision.exhausted is not None:
+            if (why := dict(decision.exhausted.skipped).get("predicted")) is not None and attempt is not None:
+                margin, source = self.stop_margin()  # a config the pre-flight would stop again is not launched
+                attempt.note = f"{why}: none launched, the pre-flight stops beyond {100 * margin:.1f}% over ({source})"
+                return Next(None).line(f"  {attempt.note}")
             return Next(None, said=[Said(decision=decision)])
         if attempt is not None:
             attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
@@ -312,6 +343,16 @@ class Conductor:
         if self.judge is None:
             return None
         return min(self.judge.doubt, self.stop_margin()[0]) if self.policy.preflight else self.judge.doubt
+
+    def _fixed(self, attempt: Attempt, repeat: Repeat) -> Next:
+        """A fixed allocation (``decide/repeat.py``): the rungs that did not change it go, and the climb ends on it."""
+        c = self.climb
+        c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], repeat.took_back())
+        est = self.judge.predict(c.facts, c.effective()[0]) if self.judge is not None else None
+        why = repeat.fixed_line(est.peak_alloc_bytes if est is not None else None)
+        c.give_up("fixed-allocation", why)
+        attempt.note = why
+        return Next(None).line(f"  {repeat.took_back()}").line(f"  {why}")
 
     def stop_margin(self) -> tuple[float, str]:
         """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""

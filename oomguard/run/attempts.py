@@ -316,7 +316,7 @@ class Launcher:
     def _preflight(self) -> PreflightPlan | None:
         """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
         judge, policy = self.conductor.judge, self.conductor.policy
-        if judge is None or not policy.preflight or policy.replay:
+        if judge is None or not self.conductor.stops():
             return None
         margin, source = self.conductor.stop_margin()
         # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
