@@ -161,6 +161,10 @@ def test_a_stable_run_far_above_its_prediction_says_so():
     assert nxt.kind is None and a.miss is not None and a.miss["factor"] > 6
     assert "the config held, but predictions of this run are not to be trusted" in lines(nxt)
     assert a.miss["term"] == "generation buffers"  # the model's dominant phase: where the peak is
+    from oomguard.run.verdict import conclude
+
+    status, _code, message = conclude(a, con.climb)
+    assert status == "stable" and "its peak was 7.00x the memory model's prediction" in message
 
 
 def test_a_peak_within_the_models_error_is_no_miss():

@@ -50,6 +50,9 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
                                                + _leak_said(leaks[-1], held))
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         status, message = "stable", _stable_message(climb, replay)
+        if last.miss:  # the config held, but far from what the memory model said of it (decide/miss.py)
+            message += (f"; its peak was {last.miss['factor']:.2f}x the memory model's prediction, beyond twice its "
+                        "measured error (the attempt's miss in the report)")
         if last.exit_code:  # the training processes all finished; a launcher's own code is passed through untouched
             message += (f"; every training process finished, but the command exited with code {last.exit_code}, "
                         "passed through")
