@@ -92,7 +92,7 @@ def test_a_fixed_allocation_the_model_does_not_know_ends_the_climb_and_spends_no
     assert first.miss is not None and first.miss["at_least"] and first.miss["factor"] > 2
     assert "the memory model was wrong here" in lines(nxt) and "unsure" in lines(nxt)
     assert nxt.kind is AttemptKind.PROBE and not nxt.deferred  # unsure: probed first
-    assert not con.stops()  # the model proven wrong stops nothing on its word: a probe measures
+    assert con.proofs.unsure  # the pre-flight stops nothing on its word (run/attempts.py): a probe measures
     second, nxt = launch(con, AttemptKind.PROBE, Outcome.OOM, text)
     assert nxt.kind is None and con.climb.exhausted is not None
     reason, why = con.climb.exhausted.skipped[0]
@@ -150,7 +150,7 @@ def test_a_proven_wrong_model_tries_a_speed_change_before_any_trade_on_its_word(
     classes = {r.remedy.cost for r in con.climb.applied}
     assert classes and classes <= {"none", "speed"}, con.climb.remedies_in_force()
     assert (k.dtype, k.lora_r, k.optim, k.num_generations) == ("bfloat16", 0, TRL_DEFAULTS.optim, 8)
-    assert nxt.kind is AttemptKind.PROBE and not nxt.deferred and not con.stops()
+    assert nxt.kind is AttemptKind.PROBE and not nxt.deferred and con.proofs.unsure
 
 
 def test_a_stable_run_far_above_its_prediction_says_so():
@@ -170,7 +170,7 @@ def test_a_stable_run_far_above_its_prediction_says_so():
 def test_a_peak_within_the_models_error_is_no_miss():
     con = conductor(80 * GiB)
     a, nxt = launch(con, AttemptKind.RUN, Outcome.OK, step=5, peak_bytes=int(predicted(con) * 1.05))
-    assert a.miss is None and not con.proofs.unsure and not lines(nxt) and con.stops()
+    assert a.miss is None and not con.proofs.unsure and not lines(nxt)
 
 
 def test_after_a_preflight_stop_the_next_config_takes_every_rung_the_model_credits_at_once():

@@ -133,10 +133,6 @@ class Conductor:
             return False
         return self.climb.probe_may_be_skipped()
 
-    def stops(self) -> bool:
-        """Whether the pre-flight stops what is sure not to fit: not under --no-preflight, a replay, a model proven wrong."""
-        return self.policy.preflight and not self.policy.replay and not self.proofs.unsure
-
     def spent(self) -> bool:
         """--max-attempts (undo trials are extra work the user asked for: they do not count; a leak's restarts do, so
         that a run can never loop) or --max-time."""
@@ -251,7 +247,7 @@ class Conductor:
         c, p = self.climb, self.policy
         repeat = None if p.replay else self.proofs.repeat(attempt, diag, c.effective()[1], c.facts.world_size)
         if repeat is not None and repeat.fixed:
-            return self._fixed(attempt, repeat)
+            return self._repeated(attempt, diag, repeat, read_fields)
         if attempt.outcome == Outcome.INTERRUPTED:
             return Next(None)
         if attempt.outcome != Outcome.FAILED:
@@ -284,12 +280,8 @@ class Conductor:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
         self.last_diag = diag
-        if repeat is not None:  # the rungs since the OOM it repeats changed nothing of what failed
-            c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], repeat.took_back())
-            attempt.note = repeat.took_back()
-            nxt = self.choose(attempt, diag, read_fields=read_fields)
-            nxt.said.insert(0, Said(line=f"  {attempt.note}"))
-            return nxt
+        if repeat is not None:
+            return self._repeated(attempt, diag, repeat, read_fields)
         return self.choose(attempt, diag, read_fields=read_fields)
 
     def choose(self, attempt: Attempt | None, diag: Diagnosis | None, *,
@@ -344,15 +336,20 @@ class Conductor:
             return None
         return min(self.judge.doubt, self.stop_margin()[0]) if self.policy.preflight else self.judge.doubt
 
-    def _fixed(self, attempt: Attempt, repeat: Repeat) -> Next:
-        """A fixed allocation (``decide/repeat.py``): the rungs that did not change it go, and the climb ends on it."""
-        c = self.climb
-        c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], repeat.took_back())
-        est = self.judge.predict(c.facts, c.effective()[0]) if self.judge is not None else None
-        why = repeat.fixed_line(est.peak_alloc_bytes if est is not None else None)
-        c.give_up("fixed-allocation", why)
-        attempt.note = why
-        return Next(None).line(f"  {repeat.took_back()}").line(f"  {why}")
+    def _repeated(self, attempt: Attempt, diag: Diagnosis | None, repeat: Repeat,
+                  read_fields: frozenset[str] | None) -> Next:
+        """An OOM as the last (``decide/repeat.py``): the rungs between them go; a fixed allocation ends the climb."""
+        c, attempt.note = self.climb, repeat.took_back()
+        c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], attempt.note)
+        if not repeat.fixed:
+            nxt = self.choose(attempt, diag, read_fields=read_fields)
+        else:
+            est = self.judge.predict(c.facts, c.effective()[0]) if self.judge is not None else None
+            attempt.note = repeat.fixed_line(est.peak_alloc_bytes if est is not None else None)
+            c.give_up("fixed-allocation", attempt.note)
+            nxt = Next(None).line(f"  {attempt.note}")
+        nxt.said.insert(0, Said(line=f"  {repeat.took_back()}"))
+        return nxt
 
     def stop_margin(self) -> tuple[float, str]:
         """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
@@ -454,20 +451,8 @@ class Conductor:
         return nxt
 
     def explain(self, ch: Choice) -> list[str]:
-        """One line per rung dropped and per graded knob relaxed by the choice, with the prediction behind it."""
-        cap = format_size(self.capacity) if self.capacity else "the device"
-        lines = []
-        if ch.dropped:
-            peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
-            them = "it" if len(ch.dropped) == 1 else "them"
-            why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
-            if self.judge is not None and Judge.load_only(self.climb.facts):
-                why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
-                       "once GRPOTrainer is built")
-            lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
-        for knob, climbed, chosen in ch.relaxed:
-            lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
-        return lines
+        """What the choice dropped and relaxed, with the prediction behind it (``Choice.lines``)."""
+        return ch.lines(self.capacity, load_only=self.judge is not None and Judge.load_only(self.climb.facts))
 
 
 def resumed_step(resume: dict[str, Any] | None) -> int:

@@ -316,7 +316,8 @@ class Launcher:
     def _preflight(self) -> PreflightPlan | None:
         """What the training process needs to stop a config the model is sure cannot fit (child/preflight.py)."""
         judge, policy = self.conductor.judge, self.conductor.policy
-        if judge is None or not self.conductor.stops():
+        # a model this run proved wrong stops nothing on its word: a probe measures instead (decide/miss.py)
+        if judge is None or not policy.preflight or policy.replay or self.conductor.proofs.unsure:
             return None
         margin, source = self.conductor.stop_margin()
         # one margin per LM head and for a TRL newer than tested: the training process takes the one of the TRL it
