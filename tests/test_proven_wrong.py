@@ -224,3 +224,21 @@ def test_a_fixed_allocation_at_each_generation_ends_the_run_with_its_diagnosis(t
     live = first["oom"]["live_bytes"]
     assert live["source"] == "tally" and live["parameters"] > 0 and live["optimizer"] == 0  # before the first step
     assert "the memory model was wrong here" in out.stderr and "took back" in out.stderr
+
+
+def test_under_a_stack_no_measurement_covers_a_stop_is_followed_by_what_the_preflight_lets_run():
+    """ms-swift at 44 MiB made three pre-flight stops in a row, climbing allocator settings one at a time. Under a
+    stack whose memory no measurement covers the pre-flight stops only beyond 3 times the device; the config after a
+    stop is one it lets run, chosen at once, never an allocator setting that leaves the prediction where it was."""
+    big = conductor(80 * GiB)
+    steps, _ = big.climb.ladder.climb_by_cost(Context(knobs=big.climb.start(), facts=FACTS), lambda _k: False)
+    least = big.judge.predict(FACTS, replay(big.climb.start(), [Rung(s.remedy) for s in steps], FACTS)[0]).peak_bytes
+    con = conductor(int(least / 1.5))  # nothing the ladder reaches fits; the script's config is far beyond 3x
+    assert big.judge.predict(FACTS, big.climb.effective()[0]).peak_bytes > 3 * con.capacity
+    assert con.take_trl("1.16.0", "fused", stack_untested="ms-swift")
+    assert abs(con.stop_margin()[0] - 2.02) < 1e-9
+    _, nxt = launch(con, AttemptKind.PROBE, Outcome.PREDICTED)
+    assert nxt.kind is AttemptKind.PROBE
+    in_force = con.climb.remedies_in_force()
+    assert {r.remedy.cost for r in con.climb.applied} - {"none"}, in_force  # more than the allocator's settings
+    assert con.judge.plausible(con.climb.facts, con.stop_margin()[0])(con.climb.effective()[0])
