@@ -275,7 +275,7 @@ class Climb:
         choice = None
         if fits is not None and pruned:
             choice = self._choose(start, fits, peak, relax_fits)
-        ran_out = None
+        found = None  # where nothing is predicted to fit: what the pre-flight lets run (or an unsure model's trial)
         if choice is None:
             ceiling = replay(start, self.climbed, self.facts)[0]
             used = Counter(r.name for r in self.climbed)
@@ -286,9 +286,11 @@ class Climb:
                 if ran_out is not None and launchable is None:
                     steps = steps[:1]
                 elif ran_out is not None:
-                    ended = self._none_launchable(start, steps, diag, launchable, unsure, peak)
-                    if ended is not None:
-                        return ended
+                    ceiling_rungs = [*self.climbed, *(Rung(s.remedy, diag) for s in steps)]
+                    found = (self._launchable(start, ceiling_rungs, launchable, peak)
+                             or self._cheap_ceiling(start, ceiling_rungs, unsure))
+                    if found is None:
+                        return self._none_launchable(start, ceiling_rungs, steps, peak)
             if not steps:
                 step = self.ladder.next(ctx)
                 if isinstance(step, Exhausted):
@@ -298,10 +300,9 @@ class Climb:
             for s in steps:
                 for n, why in s.skipped:
                     skipped.setdefault(n, why)
-            self.climbed += [Rung(s.remedy, diag) for s in steps]
+            self.climbed = ceiling_rungs if found is not None else self.climbed + [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
-            if choice is None and ran_out is not None and launchable is not None:
-                choice = self._launchable(start, launchable, peak) or self._cheap_ceiling(start, self.climbed, unsure)
+            choice = choice or found
         trial = self._cheaper_trial(start, choice, plausible, peak, unsure) if choice is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
@@ -345,25 +346,18 @@ class Climb:
             return None
         return Choice(rungs=tuple(cheap), knobs=knobs)
 
-    def _launchable(self, start: Knobs, launchable: Callable[[Knobs], bool],
+    def _launchable(self, start: Knobs, ceiling: list[Rung], launchable: Callable[[Knobs], bool],
                     peak: Callable[[Knobs], int | None] | None) -> Choice | None:
-        """Where nothing is predicted to fit: the cheapest config below the ceiling that the pre-flight would let run
+        """Where nothing is predicted to fit: the cheapest config below ``ceiling`` that the pre-flight would let run
         (predicted over the device by no more than the model's error), its probe to tell."""
-        return cheapest(start, self.climbed, lambda k: k in self.verified or launchable(k), order=self._order(),
+        return cheapest(start, ceiling, lambda k: k in self.verified or launchable(k), order=self._order(),
                         facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
 
-    def _none_launchable(self, start: Knobs, steps: list[Step], diag: Diagnosis | None,
-                         launchable: Callable[[Knobs], bool], unsure: bool,
-                         peak: Callable[[Knobs], int | None] | None) -> Decision | None:
-        """The end of a climb whose every config the pre-flight would stop (``Exhausted`` of reason ``predicted``,
-        naming the least of them), or None where one would run, or the model is unsure (its trial goes first)."""
-        ceiling = [*self.climbed, *(Rung(s.remedy, diag) for s in steps)]
-        top = replay(start, ceiling, self.facts)[0]
-        found = cheapest(start, ceiling, lambda k: k in self.verified or launchable(k), order=self._order(),
-                         facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
-        if found is not None or self._cheap_ceiling(start, ceiling, unsure) is not None:
-            return None
-        least = peak(top) if peak is not None else None
+    def _none_launchable(self, start: Knobs, ceiling: list[Rung], steps: list[Step],
+                         peak: Callable[[Knobs], int | None] | None) -> Decision:
+        """The end of a climb whose every config the pre-flight would stop: ``Exhausted`` of reason ``predicted``,
+        naming the least of them (everything the ladder reaches)."""
+        least = peak(replay(start, ceiling, self.facts)[0]) if peak is not None else None
         names = ", ".join(dict.fromkeys(r.name for r in ceiling)) or "nothing"
         why = (f"every config the ladder reaches is predicted over the device, beyond the error the pre-flight allows: "
                f"the least, with {names}, " + (f"needs {format_size(least)}" if least else "does not fit"))
