@@ -292,6 +292,11 @@ ATTEMPT_KEYS = {
                       "up to ([one launch when the model is sure](../concepts/preflight-and-probes.md))",
     "trace": "only when the training process sent one: its main process's memory per step (thinned), `[{step, kept, "
              "peak, reserved, host_rss, prompt_tokens, completion_tokens}]` ([late OOMs](../how-to/late-ooms.md))",
+    "miss": "only where its measured peak was far from the memory model's prediction (beyond twice the model's "
+            "measured error): `predicted_bytes`, `measured_bytes` (`at_least` after an OOM: what was live plus the "
+            "request), `factor`, the `term` that missed most (`state`, `activations` or `generation buffers`) with "
+            "`term_predicted_bytes` and `term_measured_bytes`, and the `phase` "
+            "([a model proven wrong](../concepts/preflight-and-probes.md#a-model-proven-wrong-is-unsure))",
     "trend": "only after an OOM the trace explains: its `verdicts` (`kind`: `leak`, `host-leak`, `fragmentation-growth` or "
              "`long-sample`, with their numbers and `evidence`, the sentence the terminal printed), `used`, `skipped`",
 }
@@ -327,7 +332,7 @@ def report_fields(_: str | None = None) -> str:
 def attempt_fields(_: str | None = None) -> str:
     from oomguard.vocab.records import Attempt
 
-    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0, trace=[{}], trend={}).to_dict()), ATTEMPT_KEYS,
+    return _keys_table(list(Attempt(1, {}, [], "ok", 0, 1.0, trace=[{}], trend={}, miss={}).to_dict()), ATTEMPT_KEYS,
                        "attempt")
 
 

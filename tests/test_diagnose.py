@@ -375,3 +375,54 @@ def test_the_raylet_summary_is_parsed_once_into_report_fields():
                                                    "memory monitor on node 10.0.0.9: the node's RAM")
     (verl,) = scan_text((OOM_FIXTURES / "host_ray_raylet_wrapped_verl_notes.txt").read_text(encoding="utf-8"))
     assert (verl.report.workers_killed, verl.report.node) == (5, None)
+
+
+# -- what was live at the OOM decides what it is short of (issue 46, point 5) -------------------------------------
+
+from oomguard.oom.recommend import ranked  # noqa: E402
+from oomguard.run.classify import live_at_oom  # noqa: E402
+from oomguard.vocab.diagnosis import Live  # noqa: E402
+from oomguard.vocab.events import MemSampled  # noqa: E402
+from oomguard.vocab.records import CrashRecord  # noqa: E402
+
+# a small device, as issue 46 saw it: a 16 MiB request, 305 MiB live, of which the long-lived state was 5.2 MiB
+SMALL = dict(requested=16 * MiB, capacity=341 * MiB, free=2 * MiB, allocated=305 * MiB, reserved_unallocated=4 * MiB)
+STEP_LIVE = Live(parameters=3 * MiB, gradients=1 * MiB, optimizer=int(1.2 * MiB), other=int(299.8 * MiB))
+
+
+def test_a_small_request_while_the_steps_activations_fill_memory_is_a_shortfall_of_activations():
+    d = diagnose(report(**SMALL), phase="backward", live=STEP_LIVE)
+    assert (d.kind, d.facts.short_of) == ("shortfall", "activations")
+    said = " ".join(d.evidence)
+    assert "the step's shapes are what to shrink" in said and "long-lived state is what to shrink" not in said
+    assert "optimizer state 1.20 MiB" in said
+    # analyze ranks the step's shapes before the long-lived state
+    names = [a.name for a in ranked(d)]
+    assert names.index("micro_batch") < names.index("optimizer_8bit"), names
+    without = diagnose(report(**SMALL), phase="backward")  # no tally: the request's size decides, as before
+    assert without.kind == "small-allocations" and without.facts.short_of is None
+
+
+def test_in_generation_the_step_is_short_of_generation_buffers():
+    d = diagnose(report(**SMALL), phase="generation", live=STEP_LIVE)
+    assert (d.kind, d.facts.short_of) == ("shortfall", "generation buffers")
+    assert "what generation holds at once is what to shrink" in " ".join(d.evidence)
+
+
+def test_a_small_request_while_the_long_lived_state_fills_memory_stays_small_allocations():
+    state = Live(parameters=100 * MiB, gradients=100 * MiB, optimizer=90 * MiB, other=15 * MiB)
+    d = diagnose(report(**SMALL), phase="backward", live=state)
+    assert (d.kind, d.facts.short_of) == ("small-allocations", "long-lived state")
+    assert "the long-lived state held 290.00 MiB of the 305.00 MiB live" in d.evidence[0]
+    assert ranked(d)[0].name in ("optimizer_8bit", "lora", "bf16_load")
+
+
+def test_the_crash_records_tally_is_read_back_and_the_trace_stands_in_without_it(tmp_path):
+    rec = CrashRecord("x", "torch.OutOfMemoryError", report(**SMALL), pid=7,
+                      live={"parameters": 3 * MiB, "gradients": MiB, "optimizer": MiB, "other": 300 * MiB})
+    rec.write(tmp_path / "crash.json")
+    back = CrashRecord.read(tmp_path / "crash.json")
+    assert live_at_oom(back, []) == Live(3 * MiB, MiB, MiB, 300 * MiB, "tally")
+    older = CrashRecord("x", "torch.OutOfMemoryError", report(**SMALL), pid=7)  # a record without a tally
+    assert live_at_oom(older, [MemSampled(step=3, kept=5 * MiB, pid=7)]) == Live(5 * MiB, 0, 0, 300 * MiB, "trace")
+    assert live_at_oom(older, []) is None

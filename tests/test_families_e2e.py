@@ -107,3 +107,18 @@ def test_a_vision_language_model_gives_up_resolution_before_completions(tmp_path
     assert final["knobs"]["max_pixels"] < 448 * 448 and final["peak_bytes"] < 0.8 * peak
     assert "changed: fewer image tokens: images of at most" in out.stderr
     assert {"4 generations per prompt", "32-token completions"} <= set(rep["experiment"]["kept"])
+
+
+def test_a_vlm_at_a_budget_its_images_cannot_fit_gets_its_answer_without_a_chain_of_stops(tmp_path, family_model):
+    """Issue 46: 448 x 448 images on a 30 MiB device. The pre-flight stops the script's config; every config the
+    ladder reaches (4-bit, LoRA, the images at the rung's floor, fewer generations, shorter completions) is predicted
+    beyond what the pre-flight lets run, so none is launched: the answer after one launch (at most two), where the
+    climb used to make 8, every one a pre-flight stop, one rung at a time."""
+    out, rep = grpo(tmp_path, family_model("vlm"), "vlm", "30MiB", "--image-size", "448", "--max-pixels",
+                    str(448 * 448))
+    attempts = rep["attempts"]
+    assert len(attempts) <= 2 and attempts[0]["outcome"] == "predicted", [(a["kind"], a["outcome"]) for a in attempts]
+    assert not any(a["outcome"] == "oom" for a in attempts)
+    assert rep["status"] == "exhausted", (rep["message"], out.stderr[-3000:])
+    assert rep["message"].startswith("every config the ladder reaches is predicted over the device"), rep["message"]
+    assert "smaller_images" in rep["message"] and "still ran out of memory" not in rep["message"]

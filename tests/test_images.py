@@ -80,6 +80,22 @@ def test_smaller_images_applies_only_to_a_vision_language_run_with_images():
     assert r.apply(Context(knobs=TRL_DEFAULTS.replace(max_pixels=80 * 784), facts=VLM)).max_pixels == 64 * 784
 
 
+def test_a_budget_above_images_at_or_below_the_rungs_floor_is_not_climbed():
+    """Issue 46: Qwen2.5-VL's processor budget (12,845,056 pixels) above 224 x 224 images: the rung's floor (64 image
+    tokens, 224 x 224) cannot change them, so the climb passes it over, saying why, and climbs on to what can help."""
+    small = VLM.replace(image_height=224, image_width=224)
+    k = TRL_DEFAULTS.replace(max_pixels=12_845_056, num_generations=8)
+    ladder = load_ladder("default").only(["smaller_images", "fewer_generations"])
+    step = ladder.next(Context(knobs=k, facts=small))
+    assert step.remedy.name == "fewer_generations"
+    assert dict(step.skipped)["smaller_images"] == (
+        "the largest image (224 x 224, 50,176 pixels) is at or below the rung's floor (50,176 pixels: the ladder's "
+        "min_pixels): no budget it may set changes any image")
+    # an image above the floor is shrunk, to the floor at most
+    big = VLM.replace(image_height=448, image_width=448)
+    assert ladder.next(Context(knobs=k, facts=big)).knobs.max_pixels == 100_352
+
+
 def test_the_cost_line_says_what_resolution_costs():
     r = make_remedy("smaller_images")
     user, final = TRL_DEFAULTS.replace(max_pixels=1_003_520), TRL_DEFAULTS.replace(max_pixels=501_760)

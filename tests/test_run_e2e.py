@@ -181,6 +181,12 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     kinds = [(a["kind"], a["outcome"]) for a in rep["attempts"]]
     assert kinds == [("probe", "oom"), ("probe", "ok"), ("run", "ok")], kinds
     assert rep["status"] == "stable"
+    # what was live at the OOM, as the training process counted it: the long prompts' step, not the weights and the
+    # optimizer's state, ran out (issue 46: the diagnosis comes from what is live, not from the request's size)
+    oom = rep["attempts"][0]["oom"]
+    live = oom["live_bytes"]
+    assert live["source"] == "tally" and live["parameters"] > 0 and live["optimizer"] > 0, live
+    assert (oom["kind"], oom["short_of"]) == ("shortfall", "activations"), oom["evidence"]
     assert rep["attempts"][0]["climbed"] == "shorter_sequences"
     assert "max_prompt_tokens" in {r["knob"] for r in rep["diff"]}
     assert "dropped 2 of 66 prompts" in out.stderr

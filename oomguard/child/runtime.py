@@ -281,6 +281,7 @@ class Runtime:
         from ..oom.parse import oom_in_chain, report_from_exception
         from ..vocab.oomreport import Frame
         from ..vocab.records import CrashRecord
+        from . import live
 
         with self._lock:
             if self.crashed or not self.plan.crash_dir:
@@ -319,6 +320,7 @@ class Runtime:
             model_config=self.model_config,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            live=live.of_trainer(self.trainer),
         )
         name = f"crash-rank{rank()}.json" if rank() is not None else f"crash-{os.getpid()}.json"
         path = Path(self.plan.crash_dir) / name

@@ -200,6 +200,12 @@ class SimulatedDevice:
                     out[site] = (b + entry[2], n + 1)
         return out
 
+    def held(self, storage: Any) -> int:
+        """The bytes this device counts for ``storage`` (0 where it counts none: a storage made before it started, or
+        freed)."""
+        entry = self._live.get(id(storage))
+        return entry[2] if entry is not None and entry[0]() is storage else 0
+
     # -- facts -------------------------------------------------------------------------------------------------
     @property
     def peak(self) -> int:

@@ -36,6 +36,7 @@ from typing import Any
 from ..strategies import Context, Remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts
+from ..vocab.sizes import format_size
 
 # How much each kind of trade costs the user, cheapest last: quality changes what is learned.
 TRADE_COST = ("quality", "speed", "host", "nothing")
@@ -93,6 +94,23 @@ class Choice:
     dropped: tuple[str, ...] = ()
     relaxed: tuple[tuple[str, Any, Any], ...] = ()  # (knob, climbed value, chosen value)
     explain: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def lines(self, capacity: int | None, load_only: bool = False) -> list[str]:
+        """One line per rung dropped and per graded knob relaxed, with the prediction behind it (``load_only``: only
+        the load could be judged, before GRPOTrainer was built)."""
+        cap = format_size(capacity) if capacity else "the device"
+        lines = []
+        if self.dropped:
+            peak = next(iter(self.explain.values()), {}).get("predicted_bytes_without")
+            them = "it" if len(self.dropped) == 1 else "them"
+            why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
+            if load_only:
+                why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
+                       "once GRPOTrainer is built")
+            lines.append(f"  not needed: {', '.join(self.dropped)} ({why})")
+        for knob, climbed, chosen in self.relaxed:
+            lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the report: each dropped rung with the predicted peak without it, each relaxed knob."""

@@ -25,6 +25,7 @@ from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
 from ..vocab.records import Attempt, RunReport, now_iso
+from ..vocab.sizes import format_size
 from ..vocab.stacks import said_by_knob
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
@@ -36,6 +37,8 @@ from .ladder import Exhausted, Ladder, Step
 UNDO_BY_DEFAULT = ("capacity", "signal")
 # How the diff and the report name a change oomguard made so that a command runs where it is launched, not for memory.
 ADAPTATION = "adaptation"
+# The cost classes a model the run proved wrong tries before any other (``choose_next``'s ``unsure``).
+FREE_OR_SPEED = ("none", "speed")
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,8 @@ class Climb:
                     subject: str = "the command", fits: Callable[[Knobs], bool] | None = None,
                     peak: Callable[[Knobs], int | None] | None = None,
                     relax_fits: Callable[[Knobs], bool] | None = None,
-                    plausible: Callable[[Knobs], bool] | None = None) -> Decision:
+                    plausible: Callable[[Knobs], bool] | None = None,
+                    launchable: Callable[[Knobs], bool] | None = None, unsure: bool = False) -> Decision:
         """After an out-of-memory attempt (the last one recorded): the config for the next one.
 
         Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
@@ -255,7 +259,14 @@ class Climb:
         Never a costlier class on a guess: where the choice changes what is trained or learned (cost class capacity or
         signal) and a config of the cheaper rungs climbed is ``plausible`` (predicted within the model's error of the
         device), that config is put in force first, as a trial (``Decision.trial``) a probe settles: if it does not
-        fit, ``settle_rechoice`` puts the choice back, to be probed in turn.
+        fit, ``settle_rechoice`` puts the choice back, to be probed in turn. Where the run proved the model wrong
+        (``unsure``), the trial is the strongest config of the rungs that cost nothing or only speed, where the choice
+        costs precision or more and that config has not run: the model's word is no longer enough to rule it out.
+
+        Where nothing the ladder reaches is predicted to fit: with ``launchable`` (what the pre-flight would let run),
+        the cheapest config it lets run below everything the ladder reaches, chosen together, never a chain of stops
+        one rung at a time; none: the climb ends (``Exhausted`` of reason ``predicted``), no config launched that the
+        pre-flight would stop again. Without it, one rung, as a ladder always climbed.
         """
         before = self.effective()[0]
         start = self.start()
@@ -265,6 +276,7 @@ class Climb:
         choice = None
         if fits is not None and pruned:
             choice = self._choose(start, fits, peak, relax_fits)
+        found = None  # where nothing is predicted to fit: what the pre-flight lets run (or an unsure model's trial)
         if choice is None:
             ceiling = replay(start, self.climbed, self.facts)[0]
             used = Counter(r.name for r in self.climbed)
@@ -272,8 +284,14 @@ class Climb:
                           subject=subject, refused=self.refused)
             if fits is not None:
                 steps, ran_out = self._climb(ctx, fits, relax_fits)
-                if ran_out is not None:
+                if ran_out is not None and launchable is None:
                     steps = steps[:1]
+                elif ran_out is not None:
+                    ceiling_rungs = [*self.climbed, *(Rung(s.remedy, diag) for s in steps)]
+                    found = (self._launchable(start, ceiling_rungs, launchable, peak)
+                             or self._cheap_ceiling(start, ceiling_rungs, unsure))
+                    if found is None:
+                        return self._none_launchable(start, ceiling_rungs, steps, peak)
             if not steps:
                 step = self.ladder.next(ctx)
                 if isinstance(step, Exhausted):
@@ -283,9 +301,10 @@ class Climb:
             for s in steps:
                 for n, why in s.skipped:
                     skipped.setdefault(n, why)
-            self.climbed += [Rung(s.remedy, diag) for s in steps]
+            self.climbed = ceiling_rungs if found is not None else self.climbed + [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
-        trial = self._cheaper_trial(start, choice, plausible, peak) if choice is not None else None
+            choice = choice or found
+        trial = self._cheaper_trial(start, choice, plausible, peak, unsure) if choice is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
         if trial is not None:
@@ -298,10 +317,16 @@ class Climb:
                         trial=trial is not None)
 
     def _cheaper_trial(self, start: Knobs, choice: Choice, plausible: Callable[[Knobs], bool] | None,
-                       peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+                       peak: Callable[[Knobs], int | None] | None, unsure: bool = False) -> Choice | None:
         """The config of the climbed rungs that cost only speed or precision that the model puts within its error of
         the device, where ``choice`` changes what is trained or learned; None when there is none (or nothing to
-        trade)."""
+        trade). Where the model is ``unsure``: the rungs that cost nothing or only speed, at their strongest, where
+        ``choice`` costs precision or more and that config has not been tried."""
+        if unsure:
+            if not {r.remedy.cost for r in choice.rungs} - set(FREE_OR_SPEED):
+                return None
+            cheap = self._cheap_ceiling(start, self.climbed, unsure)
+            return cheap if cheap is not None and cheap.knobs != choice.knobs else None
         if plausible is None or not {r.remedy.cost for r in choice.rungs} & set(UNDO_BY_DEFAULT):
             return None
         cheaper = [r for r in self.climbed if r.remedy.cost not in UNDO_BY_DEFAULT]
@@ -310,6 +335,36 @@ class Climb:
         found = cheapest(start, cheaper, lambda k: plausible(k) and k not in self.verified, order=self._order(),
                          facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
         return found if found is not None and found.knobs != choice.knobs else None
+
+    def _cheap_ceiling(self, start: Knobs, rungs: list[Rung], unsure: bool) -> Choice | None:
+        """Where the model is ``unsure``: the rungs of ``rungs`` that cost nothing or only speed, at their strongest,
+        where that config has not run; None otherwise."""
+        cheap = [r for r in rungs if r.remedy.cost in FREE_OR_SPEED]
+        if not unsure or not cheap:
+            return None
+        knobs = replay(start, cheap, self.facts)[0]
+        if knobs in self.failed or knobs in self.verified:
+            return None
+        return Choice(rungs=tuple(cheap), knobs=knobs)
+
+    def _launchable(self, start: Knobs, ceiling: list[Rung], launchable: Callable[[Knobs], bool],
+                    peak: Callable[[Knobs], int | None] | None) -> Choice | None:
+        """Where nothing is predicted to fit: the cheapest config below ``ceiling`` that the pre-flight would let run
+        (predicted over the device by no more than the model's error), its probe to tell."""
+        return cheapest(start, ceiling, lambda k: k in self.verified or launchable(k), order=self._order(),
+                        facts=self.facts, avoid=self.failed, user=self.original(), peak=peak)
+
+    def _none_launchable(self, start: Knobs, ceiling: list[Rung], steps: list[Step],
+                         peak: Callable[[Knobs], int | None] | None) -> Decision:
+        """The end of a climb whose every config the pre-flight would stop: ``Exhausted`` of reason ``predicted``,
+        naming the least of them (everything the ladder reaches)."""
+        least = peak(replay(start, ceiling, self.facts)[0]) if peak is not None else None
+        names = ", ".join(dict.fromkeys(r.name for r in ceiling)) or "nothing"
+        why = (f"every config the ladder reaches is predicted over the device, beyond the error the pre-flight allows: "
+               f"the least, with {names}, " + (f"needs {format_size(least)}" if least else "does not fit"))
+        skipped = [(n, w) for s in steps for n, w in s.skipped]
+        self.exhausted = Exhausted((("predicted", why), *skipped))
+        return Decision(exhausted=self.exhausted, skipped=dict(self.exhausted.skipped))
 
     def rechoose(self, fits: Callable[[Knobs], bool], peak: Callable[[Knobs], int | None] | None = None,
                  relax_fits: Callable[[Knobs], bool] | None = None) -> Choice | None:

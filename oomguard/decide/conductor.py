@@ -40,6 +40,8 @@ from .climb import UNDO_BY_DEFAULT, Climb, Decision
 from .judge import Judge
 from .ladder import MULTI_GPU, distributed_reason_of, load_ladder
 from .minimize import Minimizer
+from .proofs import Proofs
+from .repeat import Repeat
 
 # The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
@@ -115,6 +117,7 @@ class Conductor:
         # a leak the trace showed over enough steps, or a young one a restart reproduced (got further, grew again)
         self.leak_confirmed = False
         self.checkpoint_every: int | None = None  # the checkpoint cadence a leak's restarts need
+        self.proofs = Proofs()  # a prediction the run proved wrong (the model is unsure from then on), the OOMs
 
     # -- the start and the budget ------------------------------------------------------------------------------
     def first(self) -> Next:
@@ -128,7 +131,7 @@ class Conductor:
         sure of its config (``Judge.sure``): not after a real OOM in this run (the model was wrong here), nor with
         --always-probe or --minimize, nor while a change of what is trained or learned is in force (a probe is what
         can show it is not needed)."""
-        if self.judge is None or self.policy.always_probe or self.policy.minimize:
+        if self.judge is None or self.policy.always_probe or self.policy.minimize or self.proofs.unsure:
             return False
         return self.climb.probe_may_be_skipped()
 
@@ -136,11 +139,13 @@ class Conductor:
         """What the plan of the attempt ``nxt`` carries for the training process to judge its config with (the one
         verdict, ``memory.estimate.verdict``): the Judge as it stands (``judge``, with --preflight-margin where
         given; None without a model), whether the pre-flight stops a config the verdict is ``stop`` on
-        (``preflight``: not under --no-preflight nor for a replayed lock), and whether a probe becomes the real run
+        (``preflight``: not under --no-preflight, for a replayed lock, nor once this run proved the model wrong:
+        a probe measures instead, ``decide/miss.py``), and whether a probe becomes the real run
         where the model is sure (``unless_sure``)."""
         judge = self.judge
         return {"judge": judge.judge_spec(self.policy.preflight_margin) if judge is not None else None,
-                "preflight": judge is not None and self.policy.preflight and not self.policy.replay,
+                "preflight": (judge is not None and self.policy.preflight and not self.policy.replay
+                              and not self.proofs.unsure),
                 "unless_sure": nxt.kind == AttemptKind.PROBE and nxt.deferred and judge is not None}
 
     def starts(self, v: FitVerdict | None) -> str:
@@ -253,6 +258,9 @@ class Conductor:
         est = judge.predict(c.facts, knobs)
         if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
             attempt.predicted_bytes = est.peak_bytes if est else None
+        if est is not None and self.proofs.learn(est, attempt, diag, simulated=judge.simulated,
+                                                 head=judge.head_for(c.facts)) and not self.policy.replay:
+            self.probe_steps = max(self.probe_steps, 2)  # proven wrong: probes first, even under --no-probe
         if attempt.outcome == Outcome.OK and attempt.step is not None and attempt.step < 2:
             return
         if diag is not None and diag.kind in LEAK_KINDS:  # the code's leak ran out, not the config
@@ -269,8 +277,16 @@ class Conductor:
     def after(self, attempt: Attempt, diag: Diagnosis | None, *, read_fields: frozenset[str] | None = None) -> Next:
         """The next attempt after ``attempt`` ended (``record``-ed already), or ``Next(None)``. ``read_fields``: the
         knobs that reach the code, where the front-end knows them (a guarded call); else what the command passed
-        through."""
+        through. What the attempt proved of the model's prediction is said first."""
+        nxt = self._after(attempt, diag, read_fields)
+        nxt.said[:0] = [Said(line=f"  {line}") for line in self.proofs.said()]
+        return nxt
+
+    def _after(self, attempt: Attempt, diag: Diagnosis | None, read_fields: frozenset[str] | None) -> Next:
         c, p = self.climb, self.policy
+        repeat = None if p.replay else self.proofs.repeat(attempt, diag, c.effective()[1], c.facts.world_size)
+        if repeat is not None and repeat.fixed:
+            return self._repeated(attempt, diag, repeat, read_fields)
         if attempt.outcome == Outcome.INTERRUPTED:
             return Next(None)
         if attempt.outcome != Outcome.FAILED:
@@ -303,6 +319,8 @@ class Conductor:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
         self.last_diag = diag
+        if repeat is not None:
+            return self._repeated(attempt, diag, repeat, read_fields)
         return self.choose(attempt, diag, read_fields=read_fields)
 
     def choose(self, attempt: Attempt | None, diag: Diagnosis | None, *,
@@ -318,11 +336,18 @@ class Conductor:
         peak = judge.peak(c.facts) if judge is not None else None
         relax = judge.fits(c.facts, judge.relax_margin) if judge is not None else None
         plausible = judge.plausible(c.facts, self.doubt()) if judge is not None and self.probe_steps > 0 else None
+        # what the pre-flight would let run: predicted over the device by no more than its margin
+        launchable = (judge.plausible(c.facts, self.stop_margin()[0]) if judge is not None and self.policy.preflight
+                      and not self.policy.replay else None)
         decision = c.choose_next(diag, read_fields, subject=self.subject, fits=fits, peak=peak, relax_fits=relax,
-                                 plausible=plausible)
+                                 plausible=plausible, launchable=launchable, unsure=self.proofs.unsure)
         if attempt is not None:
             attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
         if decision.exhausted is not None:
+            if (why := dict(decision.exhausted.skipped).get("predicted")) is not None and attempt is not None:
+                margin, source = self.stop_margin()  # a config the pre-flight would stop again is not launched
+                attempt.note = f"{why}: none launched, the pre-flight stops beyond {100 * margin:.1f}% over ({source})"
+                return Next(None).line(f"  {attempt.note}")
             return Next(None, said=[Said(decision=decision)])
         if attempt is not None:
             attempt.choice = decision.choice.to_dict() if decision.choice is not None else None
@@ -349,6 +374,21 @@ class Conductor:
         if self.judge is None:
             return None
         return min(self.judge.doubt, self.stop_margin()[0]) if self.policy.preflight else self.judge.doubt
+
+    def _repeated(self, attempt: Attempt, diag: Diagnosis | None, repeat: Repeat,
+                  read_fields: frozenset[str] | None) -> Next:
+        """An OOM as the last (``decide/repeat.py``): the rungs between them go; a fixed allocation ends the climb."""
+        c, attempt.note = self.climb, repeat.took_back()
+        c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], attempt.note)
+        if not repeat.fixed:
+            nxt = self.choose(attempt, diag, read_fields=read_fields)
+        else:
+            est = self.judge.predict(c.facts, c.effective()[0]) if self.judge is not None else None
+            attempt.note = repeat.fixed_line(est.peak_alloc_bytes if est is not None else None)
+            c.give_up("fixed-allocation", attempt.note)
+            nxt = Next(None).line(f"  {attempt.note}")
+        nxt.said.insert(0, Said(line=f"  {repeat.took_back()}"))
+        return nxt
 
     def stop_margin(self) -> tuple[float, str]:
         """The pre-flight's margin: --preflight-margin, else the memory model's measured error."""
@@ -450,20 +490,8 @@ class Conductor:
         return nxt
 
     def explain(self, ch: Choice) -> list[str]:
-        """One line per rung dropped and per graded knob relaxed by the choice, with the prediction behind it."""
-        cap = format_size(self.capacity) if self.capacity else "the device"
-        lines = []
-        if ch.dropped:
-            peak = next(iter(ch.explain.values()), {}).get("predicted_bytes_without")
-            them = "it" if len(ch.dropped) == 1 else "them"
-            why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
-            if self.judge is not None and Judge.load_only(self.climb.facts):
-                why = (f"loading the model without {them} is predicted to fit {cap}; the training step is judged "
-                       "once GRPOTrainer is built")
-            lines.append(f"  not needed: {', '.join(ch.dropped)} ({why})")
-        for knob, climbed, chosen in ch.relaxed:
-            lines.append(f"  relaxed {knob}: {climbed} → {chosen}, the value closest to yours predicted to fit")
-        return lines
+        """What the choice dropped and relaxed, with the prediction behind it (``Choice.lines``)."""
+        return ch.lines(self.capacity, load_only=self.judge is not None and Judge.load_only(self.climb.facts))
 
 
 def resumed_step(resume: dict[str, Any] | None) -> int:

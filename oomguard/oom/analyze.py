@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..vocab.diagnosis import Diagnosis
+from ..vocab.diagnosis import Diagnosis, Live
 from ..vocab.distributed import deepspeed_buckets
 from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
@@ -90,6 +90,10 @@ def finding(source: str, line: int | None, report: OOMReport, d: Diagnosis, *, r
                        ("kv_cache_tokens", report.kv_cache_tokens)):
         if value is not None:
             out[key] = value
+    if d.facts.live is not None:  # what was live at the OOM by what holds it, and what that makes it short of
+        out["live_bytes"] = d.facts.live.to_dict()
+        if d.facts.short_of:
+            out["short_of"] = d.facts.short_of
     if extra:
         out.update(extra)
     return out
@@ -109,7 +113,8 @@ def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1, d: D
     beside the record), remedies pasted against the knobs it ran with."""
     report = _reparsed(rec.message, rec.report)
     if d is None:
-        d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config))
+        d = diagnose(report, rec.frames, phase=rec.phase, buffers=deepspeed_buckets(rec.knobs, rec.model_config),
+                     live=Live.of(rec.live))
     return finding(source, line, report, d, rank=rec.rank, frames=rec.frames, knobs=rec.knobs,
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
 

@@ -26,7 +26,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..vocab.diagnosis import FRAGMENTATION_HEADROOM, OVERFLOW_FACTOR, Diagnosis, Facts, Room, Verdict
+from ..vocab.diagnosis import (
+    FRAGMENTATION_HEADROOM,
+    OVERFLOW_FACTOR,
+    STATE_SHARE,
+    Diagnosis,
+    Facts,
+    Live,
+    Room,
+    Verdict,
+)
 from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.sizes import MiB
 from .evidence import OUTSIDE_ALLOCATOR, sentences
@@ -45,7 +54,7 @@ _OVERFLOWED = 2**50  # a petabyte: no device holds it, whatever the message says
 
 def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
              buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
-             engine: str | None = None, trend: Trend | None = None) -> Diagnosis:
+             engine: str | None = None, trend: Trend | None = None, live: Live | None = None) -> Diagnosis:
     """Classify an OOM and explain it with the figures it gives: :func:`verdict`, written by
     :func:`oomguard.oom.evidence.sentences`.
 
@@ -58,7 +67,10 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     engine process the message came from (a vLLM server, or an engine in a process of its own); ``trend``, what the
     run's memory trace says of the OOM (``oom.trend.at_oom``): a leak is the kind ``leak`` (``host-leak`` for the
     host), whatever the figures said, fragmentation that grew makes a shortfall ``fragmentation``, and a long sample
-    at the step that ran out is said beside the figures' kind.
+    at the step that ran out is said beside the figures' kind. ``live``: what was live at the OOM by what holds it
+    (:class:`~oomguard.vocab.diagnosis.Live`, the crash record's tally): a shortfall's kind and what it is short of
+    (the long-lived state, the step's activations, generation's buffers) come from it, not from the request's size
+    alone (``_with_live``).
 
     >>> d = diagnose(OOMReport("cuda", "allocator", "x", requested=2_000_000_000, capacity=1 << 30, free=1 << 29),
     ...              buffers={"DeepSpeed's gradient reduce bucket": 2_000_000_000})
@@ -68,14 +80,14 @@ def diagnose(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | No
     'The OOM-kill counter rose.'
     """
     v = verdict(report, frames, phase=phase, buffers=buffers, reason=reason, host_signs=host_signs, engine=engine,
-                trend=trend)
+                trend=trend, live=live)
     return Diagnosis(kind=v.kind, phase=v.phase, evidence=sentences(v), report=v.report, frame=v.frame,
                      buffer=v.buffer, facts=v.facts)
 
 
 def verdict(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | None = None,
             buffers: Mapping[str, int] | None = None, reason: str | None = None, host_signs: Sequence[str] = (),
-            engine: str | None = None, trend: Trend | None = None) -> Verdict:
+            engine: str | None = None, trend: Trend | None = None, live: Live | None = None) -> Verdict:
     """The decisions of :func:`diagnose` (same arguments), as values: the figures' verdict, then the phase, vLLM's
     own start-up (its reservation, whatever the figures said) and the framework buffer the request is.
 
@@ -98,7 +110,33 @@ def verdict(report: OOMReport, frames: Iterable[Frame] = (), *, phase: str | Non
                     frame=started, facts=replace(v.facts, vllm_startup=VLLM_STARTUP[started.name]))
     if v.kind not in ("host-ram", "vllm-reservation"):
         v = replace(v, buffer=_framework_buffer(v.report, frames, buffers or {}))
+    if live is not None and live.total > 0:
+        v = _with_live(v, live)
     return _with_trend(v, trend) if trend is not None else v
+
+
+def _with_live(v: Verdict, live: Live) -> Verdict:
+    """What was live at the OOM decides what a shortfall is short of, and whether it is small allocations: where the
+    long-lived state (parameters, gradients, optimizer state) held at least STATE_SHARE of what the step needed (what
+    was live, plus the failing request), that state; else the step's activations, or generation's buffers (its KV
+    cache, logits) in generation. A small request is ``small-allocations`` only in the first case: the allocator's
+    small blocks fill up with whatever is live.
+
+    >>> from oomguard.vocab.oomreport import OOMReport
+    >>> r = OOMReport("cuda", "allocator", "x", requested=16 << 20, capacity=341 << 20, free=2 << 20,
+    ...               allocated=305 << 20)
+    >>> v = _with_live(_classify(r), Live(parameters=3 << 20, gradients=1 << 20, optimizer=1 << 20, other=300 << 20))
+    >>> v.kind, v.facts.short_of, v.facts.by_figures
+    ('shortfall', 'activations', 'shortfall')
+    """
+    facts = replace(v.facts, live=live)
+    if v.kind not in ("shortfall", "small-allocations"):
+        return replace(v, facts=facts)
+    if live.state >= STATE_SHARE * (live.total + (v.report.requested or 0)):
+        kind, short = v.kind, "long-lived state"
+    else:
+        kind, short = "shortfall", "generation buffers" if v.phase == "generation" else "activations"
+    return replace(v, kind=kind, facts=replace(facts, short_of=short, by_figures=kind))
 
 
 # Kinds a leak on the device does not override: one request larger than the whole device, the host, the runtime's own

@@ -96,8 +96,10 @@ def _headline(v: Verdict) -> str:
         return "The message gives no figures to work with."
     assert req is not None
     if v.kind == "small-allocations":
+        held = (f" (the long-lived state held {_f(f.live.state)} of the {_f(f.live.total)} live)"
+                if f.live is not None and f.short_of else "")
         return (f"The failing request was only {_f(req)}, one of the allocator's small blocks: memory filled up with "
-                "many allocations rather than one large tensor, so the long-lived state is what to shrink.")
+                f"many allocations rather than one large tensor, so the long-lived state is what to shrink{held}.")
     if f.own_cap:
         return _own_cap_sentence(r, f)
     if r.free is not None and r.free >= req:
@@ -113,7 +115,7 @@ def _headline(v: Verdict) -> str:
 def _details(r: OOMReport, f: Facts) -> list[str]:
     """The sentences after the verdict's own: the standing facts of the device and the process, then the notes."""
     kind = f.by_figures
-    out = []
+    out = [_live_sentence(f, r.requested)] if f.live is not None and f.short_of else []
     if kind == "fragmentation" and f.room is not None:
         out.append(_room_sentence(r, f.room, fits=True))
     if kind == "small-allocations" and f.own_cap:
@@ -145,6 +147,36 @@ def _details(r: OOMReport, f: Facts) -> list[str]:
         out.append(f"Only {_f(r.reserved_unallocated)} was reserved but unallocated, so fragmentation is not the "
                    "cause.")
     return out
+
+
+# What to shrink where a shortfall is short of each (``Facts.short_of``).
+_SHRINK = {"long-lived state": "the long-lived state is what to shrink (LoRA, an 8-bit optimizer, 16-bit weights)",
+           "activations": "the step's shapes are what to shrink (rows per micro-batch, sequence length), not the "
+                          "long-lived state",
+           "generation buffers": "what generation holds at once is what to shrink (rows generated at once, completion "
+                                 "length), not the long-lived state"}
+
+
+def _live_sentence(f: Facts, requested: int | None) -> str:
+    """What the step needed at the OOM (what was live, and the failing request), by what holds it, and what that
+    makes the thing to shrink.
+
+    >>> from oomguard.vocab.diagnosis import Live
+    >>> _live_sentence(Facts(live=Live(3 << 20, 2 << 20, 2 << 20, 300 << 20), short_of="activations"), 16 << 20)
+    "Of the 307.00 MiB live at the OOM and the 16.00 MiB requested, the long-lived state held 7.00 MiB (parameters 3.00 MiB, gradients 2.00 MiB, optimizer state 2.00 MiB) and the step's activations and buffers 316.00 MiB: the step's shapes are what to shrink (rows per micro-batch, sequence length), not the long-lived state."
+    """
+    live = f.live
+    assert live is not None and f.short_of is not None
+    rest = "generation's buffers and activations" if f.short_of == "generation buffers" else \
+        "the step's activations and buffers"
+    if live.source == "trace":
+        parts = " (what the step before kept, from the memory trace)"
+    else:
+        parts = (f" (parameters {_f(live.parameters)}, gradients {_f(live.gradients)}, optimizer state "
+                 f"{_f(live.optimizer)})")
+    asked = f" and the {_f(requested)} requested" if requested else ""
+    return (f"Of the {_f(live.total)} live at the OOM{asked}, the long-lived state held {_f(live.state)}{parts} and "
+            f"{rest} {_f(live.other + (requested or 0))}: {_SHRINK[f.short_of]}.")
 
 
 def _impossible_sentence(r: OOMReport, overflowed: bool, *, load: bool) -> str:

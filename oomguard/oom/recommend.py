@@ -163,7 +163,7 @@ def _tiers(d: Diagnosis) -> list[list[Advice]]:
     first += [REGISTRY[n]().advise(d) for n in names]
 
     phase_tiers = [list(t) for t in _BY_PHASE.get(d.phase, _BY_PHASE["unknown"])]
-    if d.kind == "small-allocations" or _state_bound(d):
+    if _state_bound(d) or (d.kind == "small-allocations" and d.facts.short_of is None):
         # Memory filled with many small blocks, or the failing request is a sliver of what is live: the long-lived
         # state (weights, gradients, optimizer moments) is what to shrink, before the shapes.
         flat = [n for t in phase_tiers for n in t]
@@ -186,6 +186,10 @@ STATE_BOUND = 0.02  # a request below this share of the live tensors: the state,
 
 
 def _state_bound(d: Diagnosis) -> bool:
+    """Whether the long-lived state is what filled memory: what was live says so where the training process counted
+    it (``Facts.short_of``); else a request that is a sliver of what is live."""
+    if d.facts.short_of is not None:
+        return d.facts.short_of == "long-lived state"
     r = d.report
     return (d.kind == "shortfall" and d.phase != "load" and bool(r.requested) and bool(r.allocated)
             and r.requested < STATE_BOUND * r.allocated)

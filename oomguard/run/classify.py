@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..vocab.diagnosis import Diagnosis
+from ..vocab.diagnosis import Diagnosis, Live
 from ..vocab.events import (
     CheckpointSaved,
     ChildEvent,
@@ -237,7 +237,8 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
 
         trend = late_trend(events, crash.pid, host_limit, crash.step, crash.prompt_tokens, crash.completion_tokens)
         d = diagnose(crash.report, crash.frames, phase=crash.phase,
-                     buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend)
+                     buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend,
+                     live=live_at_oom(crash, events))
         attempt.outcome = Outcome.OOM
         attempt.exit_code = EXIT_OOM  # the training process's own code, whatever a launcher made of it
         attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
@@ -316,6 +317,24 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
     return attempt, None
 
 
+def live_at_oom(crash: CrashRecord, events: Sequence[ChildEvent]) -> Live | None:
+    """What was live at the OOM by what holds it: the training process's tally (``CrashRecord.live``), else what the
+    step before kept as the long-lived state (its memory trace) against what PyTorch had allocated.
+
+    >>> from oomguard.vocab.oomreport import OOMReport
+    >>> crash = CrashRecord("x", "OutOfMemoryError", OOMReport("cuda", "allocator", "x", allocated=300), pid=7)
+    >>> live_at_oom(crash, [MemSampled(step=1, kept=100, pid=7)])
+    Live(parameters=100, gradients=0, optimizer=0, other=200, source='trace')
+    """
+    live = Live.of(crash.live)
+    if live is not None or crash.report is None or not crash.report.allocated:
+        return live
+    kept = [e.kept for e in main_trace(events, crash.pid) if e.kept]
+    if not kept:
+        return None
+    return Live(parameters=kept[-1], other=max(0, crash.report.allocated - kept[-1]), source="trace")
+
+
 def main_trace(events: Sequence[ChildEvent], pid: int | None = None) -> list[MemSampled]:
     """The ``mem`` events of process ``pid`` (None: the process with the most samples, an attempt's main one).
 
@@ -347,7 +366,7 @@ def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | 
                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, dataset_prompt_max=dataset)
 
 
-__all__ = ["Ranks", "classify", "crash_record", "late_trend", "main_trace"]
+__all__ = ["Ranks", "classify", "crash_record", "late_trend", "live_at_oom", "main_trace"]
 
 
 def saving(events: Iterable[ChildEvent]) -> bool:

@@ -18,6 +18,10 @@ from ..vocab.protocol import EXIT_LOCK_UNMET
 from ..vocab.records import Attempt, AttemptKind, Outcome
 from .command import EXIT_EXHAUSTED, EXIT_LEAKED
 
+# The reasons a climb gives for ending that are its own diagnosis, said as the run's message (decide/repeat.py, the
+# climb's ``predicted``).
+ENDS = ("fixed-allocation", "predicted")
+
 
 def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, replay: Lock | None = None,
              reached: bool = True, max_attempts: int = 8, max_time: float | None = None,
@@ -37,12 +41,18 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     if climb.exhausted is not None and climb.exhausted.skipped[:1] and climb.exhausted.skipped[0][0] == "leak":
         return "leaked", EXIT_LEAKED, f"the run leaks memory and stopped: {climb.exhausted.skipped[0][1]}. " + \
             _leak_said(last, held)
+    if climb.exhausted is not None and climb.exhausted.skipped[:1] and climb.exhausted.skipped[0][0] in ENDS:
+        # the climb ended on a diagnosis of its own: a fixed allocation, or every config predicted to be stopped
+        return "exhausted", EXIT_EXHAUSTED, climb.exhausted.skipped[0][1]
     if leaks and last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         return "leaked", last.exit_code or 0, (f"finished every step after {len(leaks)} restart(s) from its "
                                                "checkpoints with the same config (no knob changed for the leak): "
                                                + _leak_said(leaks[-1], held))
     if last.outcome == Outcome.OK and last.kind == AttemptKind.RUN:
         status, message = "stable", _stable_message(climb, replay)
+        if last.miss:  # the config held, but far from what the memory model said of it (decide/miss.py)
+            message += (f"; its peak was {last.miss['factor']:.2f}x the memory model's prediction, beyond twice its "
+                        "measured error (the attempt's miss in the report)")
         if last.exit_code:  # the training processes all finished; a launcher's own code is passed through untouched
             message += (f"; every training process finished, but the command exited with code {last.exit_code}, "
                         "passed through")

@@ -51,6 +51,9 @@ class SmallerImages(Remedy):
         >>> gemma = RunFacts(images_per_prompt=1, pixel_budget_floor=896 * 896, image_processor="Gemma3ImageProcessor")
         >>> SmallerImages().blocked(Context(knobs=TRL_DEFAULTS.replace(max_pixels=896 * 896), facts=gemma))
         'max_pixels is at its floor (802,816 pixels: what Gemma3ImageProcessor takes at least)'
+        >>> qwen = RunFacts(images_per_prompt=1, pixel_budget_floor=3136, image_height=200, image_width=224)
+        >>> SmallerImages().blocked(Context(knobs=TRL_DEFAULTS.replace(max_pixels=12845056), facts=qwen))
+        "the largest image (200 x 224, 44,800 pixels) is at or below the rung's floor (50,176 pixels: the ladder's min_pixels): no budget it may set changes any image"
         """
         f = ctx.facts
         if f.pixel_budget_floor is None:
@@ -62,6 +65,11 @@ class SmallerImages(Remedy):
         if self._effective(ctx) <= floor:
             why = (f"what {f.image_processor or 'the image processor'} takes at least"
                    if floor == f.pixel_budget_floor else "the ladder's min_pixels")
+            if f.image_height and f.image_width and f.image_height * f.image_width < int(ctx.knobs.max_pixels):
+                # the budget is above the largest image: the images are what they are, and the floor is above them
+                return (f"the largest image ({f.image_height} x {f.image_width}, {f.image_height * f.image_width:,} "
+                        f"pixels) is at or below the rung's floor ({floor:,} pixels: {why}): no budget it may set "
+                        "changes any image")
             return f"max_pixels is at its floor ({floor:,} pixels: {why})"
         return None
 

@@ -72,6 +72,51 @@ class Room:
 
 
 @dataclass(frozen=True)
+class Live:
+    """What was live on the device at the OOM, by what holds it: the long-lived state (the model's ``parameters``,
+    their ``gradients``, the ``optimizer``'s state) and the rest (``other``: the step's activations, generation's
+    buffers). ``source``: ``tally`` (the training process counted each, ``CrashRecord.live``) or ``trace`` (what the
+    step before kept, from the memory trace: the state as one figure, ``parameters``, the parts unknown).
+
+    >>> live = Live.of({"parameters": 3 << 20, "gradients": 1 << 20, "optimizer": 1 << 20, "other": 300 << 20})
+    >>> live.state >> 20, live.total >> 20, Live.of({"other": 5}) is None
+    (5, 305, True)
+    """
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    other: int = 0
+    source: str = "tally"
+
+    @classmethod
+    def of(cls, d: Any, source: str = "tally") -> Live | None:
+        """From a crash record's ``live`` (``{parameters, gradients, optimizer, other}``); None without its figures."""
+        if not isinstance(d, dict) or not all(isinstance(d.get(k), int) for k in ("parameters", "other")):
+            return None
+        return cls(int(d["parameters"]), int(d.get("gradients") or 0), int(d.get("optimizer") or 0), int(d["other"]),
+                   source)
+
+    @property
+    def state(self) -> int:
+        """The long-lived state: parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.other
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "other": self.other, "source": self.source}
+
+
+# What a shortfall is short of, from what was live (``Facts.short_of``): the long-lived state held at least this share.
+STATE_SHARE = 0.5
+SHORT_OF = ("long-lived state", "activations", "generation buffers")
+
+
+@dataclass(frozen=True)
 class Facts:
     """What a diagnosis rests on beside the report's figures: each decision of the diagnosis, as a value.
 
@@ -85,6 +130,8 @@ class Facts:
     cache": the kind is then ``vllm-reservation`` whatever the figures said). What the caller saw: ``reason`` (the
     training process's reason for stopping before vLLM started), ``host_signs`` (the supervisor's signs of the
     kernel's OOM killer, one clause each) and ``engine`` (vLLM's own engine process, where the OOM happened there).
+    What the training process counted: ``live`` (:class:`Live`), and from it ``short_of``: what a shortfall (or
+    small allocations) is short of, the long-lived state, the step's activations or generation's buffers.
     """
 
     by_figures: str | None = None
@@ -103,6 +150,8 @@ class Facts:
     late: tuple[str, ...] = ()  # what the run's memory trace said of the OOM (``oom.trend.at_oom``), one sentence each
     # the kind is a leak that too few steps foretold (``Leak.young``): a restart must confirm it, else ``by_figures``
     young_leak: bool = False
+    live: Live | None = None  # what was live at the OOM, by what holds it (the training process's tally, or the trace)
+    short_of: str | None = None  # what a shortfall is short of (one of SHORT_OF), decided from ``live``
 
 
 @dataclass(frozen=True)
@@ -148,4 +197,5 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "phase": self.phase, "evidence": list(self.evidence),
-                **({"buffer": self.buffer} if self.buffer else {})}
+                **({"buffer": self.buffer} if self.buffer else {}),
+                **({"short_of": self.facts.short_of} if self.facts.short_of else {})}

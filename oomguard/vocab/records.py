@@ -44,7 +44,9 @@ class CrashRecord:
     knobs), ``observed`` (what the script itself set), ``peak_bytes``, ``rank``/``world_size``, ``pid``, ``host``,
     ``device``, ``attempt``, ``model_config`` (the model's config.json as a dict, for the memory model), ``created``,
     ``traceback`` (the full formatted traceback, chained exceptions included: the terminal shows only its last frames),
-    ``prompt_tokens``/``completion_tokens`` (the widths of the batch the step that ran out trained on, where known).
+    ``prompt_tokens``/``completion_tokens`` (the widths of the batch the step that ran out trained on, where known),
+    ``live`` (the bytes live on the device at the OOM by what holds them: ``parameters``, ``gradients``,
+    ``optimizer``, ``other``).
     """
 
     message: str
@@ -69,6 +71,9 @@ class CrashRecord:
     # the longest prompt and completion of the batch the step that ran out trained on, where the trainer held it
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # the bytes live on the device at the OOM by what holds them: parameters, gradients, optimizer (its state), other
+    # (the step's activations, generation's buffers, the rest: child/live.py)
+    live: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # "created" second, as records have always been written: a reader's line numbers point past it
@@ -102,6 +107,7 @@ class CrashRecord:
                 traceback=d.get("traceback") if isinstance(d.get("traceback"), str) else None,
                 prompt_tokens=d.get("prompt_tokens") if isinstance(d.get("prompt_tokens"), int) else None,
                 completion_tokens=d.get("completion_tokens") if isinstance(d.get("completion_tokens"), int) else None,
+                live=d.get("live") if isinstance(d.get("live"), dict) else None,
             )
         except (TypeError, ValueError, KeyError) as e:
             raise RecordError(f"{source}: malformed crash record ({e})") from None
@@ -175,6 +181,8 @@ class Attempt:
     # the memory trace of its main process, one sample per step (thinned): step, kept, peak, reserved, host_rss
     trace: list[dict[str, Any]] = field(default_factory=list, metadata={"omit": True})
     trend: dict[str, Any] | None = field(default=None, metadata={"omit": True})  # what the trace said of its OOM
+    # its measured peak far from the memory model's prediction (decide/miss.py): by how much, and which term missed
+    miss: dict[str, Any] | None = field(default=None, metadata={"omit": True})
 
     def to_dict(self) -> dict[str, Any]:
         return to_fields(self)

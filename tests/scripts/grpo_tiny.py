@@ -10,6 +10,8 @@ already in force or at their floors. Flags a test needs beyond GRPO itself:
   --kill-self-at-step N  SIGKILL itself at step N; with --oom-kill-counter PATH after counting it in a cgroup's
                       memory.events, as the kernel's OOM killer would
   --leak-mib N        add a reward function that keeps N MiB of tensors a step in a module-level list
+  --fixed-mib N       allocate a tensor of N MiB at the start of every generation (freed at its end), whatever the
+                      config: an allocation no term of the memory model counts, as a framework's own cache
   --host-leak-mib N   add a reward function that grows a host-memory cache by N MiB a step
                       (tests/scripts/leaky_rewards.py), as a reward function that logs into a list does
   --mem-trace PATH    (without oomguard run) write the training process's memory watch events (oomguard/child/
@@ -42,6 +44,22 @@ def deepspeed_config(arg: str | None) -> dict | str | None:
         zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
     return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
+
+
+def fixed_at_generation(torch, mib: float) -> None:
+    """Every ``generate`` first allocates ``mib`` MiB (kept until it returns), whatever the batch: a fixed allocation."""
+    from transformers import GenerationMixin
+
+    generate = GenerationMixin.generate
+
+    def with_buffer(self, *args, **kwargs):
+        buffer = torch.empty(int(mib * 2**20), dtype=torch.uint8)
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            del buffer
+
+    GenerationMixin.generate = with_buffer
 
 
 def mem_trace_callback(path: str, model, base):
@@ -108,6 +126,7 @@ def main() -> None:
                    help="with --kill-self-at-step: first count the kill in this cgroup memory.events file, as the "
                         "kernel's OOM killer does")
     p.add_argument("--leak-mib", type=float, default=0.0)
+    p.add_argument("--fixed-mib", type=float, default=0.0)
     p.add_argument("--host-leak-mib", type=float, default=0.0)
     p.add_argument("--mem-trace", default=None)
     p.add_argument("--simulate-mib", type=int, default=512)
@@ -139,6 +158,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    if a.fixed_mib:
+        fixed_at_generation(torch, a.fixed_mib)
     torch.manual_seed(0)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     rows = []
