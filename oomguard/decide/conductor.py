@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..memory.estimate import PROBE, FitVerdict, launch_as
@@ -42,6 +41,7 @@ from .ladder import MULTI_GPU, distributed_reason_of, load_ladder
 from .minimize import Minimizer
 from .proofs import Proofs
 from .repeat import Repeat
+from .said import Next, Said, say
 
 # The real run can allocate a little more than its probe (the last step's logging, the final save, evaluation, which
 # the probe leaves out): 0.7% was measured on a TRL-docs client. A probe's peak counts this much higher when the
@@ -65,32 +65,6 @@ class Policy:
     ladder_auto: bool = False  # --ladder not given: a run the training process reports distributed takes multi-gpu
     device: bool = True  # a device could run out of memory (an accelerator, a simulated or named size)
     leak_restart: bool = True  # after an OOM the memory trace shows is a leak: resume with the same config
-
-
-@dataclass(frozen=True)
-class Said:
-    """One thing to tell the user, in order: a ``line``, or the climb's ``decision`` (``exhausted`` when there was
-    nothing left), shown as the front-end shows decisions."""
-
-    line: str | None = None
-    decision: Decision | None = None
-
-
-@dataclass
-class Next:
-    """What comes next: an attempt of ``kind`` (None: the run is done), a probe ``deferred`` until the training
-    process finds the model sure of its config (then it is the real run), an undo trial ``without`` one rung, and
-    what to tell the user first."""
-
-    kind: AttemptKind | None
-    deferred: bool = False
-    without: str | None = None
-    said: list[Said] = field(default_factory=list)
-    checkpoint_every: int | None = None  # save a checkpoint every this many steps (a leak's restarts)
-
-    def line(self, text: str) -> Next:
-        self.said.append(Said(line=text))
-        return self
 
 
 class Conductor:
@@ -510,15 +484,6 @@ def ladder_line(why: str) -> str:
     """The line that says which ladder oomguard picked by itself, and why."""
     return (f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's buffers, ZeRO "
             "stages, offload) come before any trade of quality; --ladder NAME picks another")
-
-
-def say(nxt: Next, line: Callable[[str], None], decision: Callable[[Decision], None]) -> None:
-    """Tell the user what ``nxt`` says, in order, through a front-end's two ways of saying things."""
-    for s in nxt.said:
-        if s.decision is not None:
-            decision(s.decision)
-        elif s.line is not None:
-            line(s.line)
 
 
 __all__ = ["PROBE_TAIL", "Conductor", "Next", "Policy", "Said", "ladder_line", "resumed_step", "say"]
