@@ -24,6 +24,7 @@ from typing import Any
 from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from ..vocab.knobtable import TABLE
 from ..vocab.records import Attempt, RunReport, now_iso
 from ..vocab.stacks import said_by_knob
 from .cheapest import CostPreference, cheapest
@@ -89,12 +90,41 @@ class Climb:
     started: float = field(default_factory=time.time)
     started_iso: str = field(default_factory=now_iso)
 
+    # the knobs the command has reported its own value of (None included: TRL's default applies), and the construction
+    # points at which it reported them (``config``, ``trainer``); None where nothing is launched (the guard, plan)
+    seen: set[str] = field(default_factory=set)
+    points: set[str] | None = None
+
     # -- knobs -------------------------------------------------------------------------------------------------
-    def observe(self, values: dict[str, Any]) -> None:
-        """Record what the code set; the first report of each knob wins."""
+    def observe(self, values: dict[str, Any], point: str | None = None) -> None:
+        """Record what the code set; the first report of each knob wins. ``point``: the construction point that
+        reported them (a launched command's; ``unobserved`` follows them)."""
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+        self.seen.update(values)
+        if point is not None:
+            self.points = {*(self.points or ()), point}
+
+    def unobserved(self) -> list[str]:
+        """The knobs whose value the command has not said yet: no report of it, and no construction point through
+        which it reaches passed (a notebook's load stopped before its GRPOConfig exists). ``original()`` can only take
+        TRL's defaults for them; the report says they are not known. Empty for a climb without a launched command.
+
+        >>> from oomguard.decide.ladder import load_ladder
+        >>> c = Climb(load_ladder("default"))
+        >>> c.observe({"dtype": "bfloat16", "load_in_4bit": False}, point="facts")
+        >>> "num_generations" in c.unobserved(), "lora_r" in c.unobserved(), "dtype" in c.unobserved()
+        (True, True, False)
+        >>> c.observe({"num_generations": 4}, point="config")
+        >>> "num_generations" in c.unobserved(), "lora_r" in c.unobserved()
+        (False, True)
+        """
+        if self.points is None:
+            return []
+        known = self.seen | set(self.base.to_dict(only_set=True)) | set(self.env_knobs)
+        return [k for k, info in TABLE.items() if k not in known and (reach := set(info.reaches) - {"env"})
+                and not reach & self.points]
 
     def resolve(self, values: dict[str, Any]) -> None:
         """Values the user's stack resolved after the script set them: they replace the observed ones (what the
@@ -102,6 +132,7 @@ class Climb:
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed[k] = tuple(v) if isinstance(v, list) else v
+        self.seen.update(values)
 
     def original(self) -> Knobs:
         """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
@@ -411,7 +442,11 @@ class Climb:
         last = self.attempts[-1] if self.attempts else None
         if last is not None:
             final = Knobs.from_dict(last.knobs)
-        rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
+        # what the command never said is not claimed as TRL's default: null, and named
+        unseen = self.unobserved()
+        rows = [{**r.to_dict(), "remedy": who.get(r.knob), **({"from": None, "unobserved": True}
+                                                               if r.knob in unseen else {})}
+                for r in original.diff(final)]
         changes = {r["knob"]: r["to"] for r in rows}
         # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one; a spelling of
         # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force; a config the
@@ -425,7 +460,8 @@ class Climb:
             if action and action != r["remedy"]:
                 r["action"] = action
         return RunReport(
-            status=status, attempts=self.attempts, original=original.to_dict(),
+            status=status, attempts=self.attempts, original={**original.to_dict(), **dict.fromkeys(unseen)},
+            unobserved=unseen,
             stable=final.to_dict() if status == "stable" else None, diff=rows, ladder=self.ladder.name,
             message=message, exit_code=exit_code, started=self.started_iso, finished=now_iso(),
             facts=self.facts.to_dict(), **extra,

@@ -403,9 +403,14 @@ class Conductor:
         self.leaks.clear()
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
-        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""
+        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects, a 4-bit load a front-end's loader
+        cannot make): take back the rungs just put in force that set the overrides in force where it broke (all of
+        them where the training process named none of theirs), go on."""
         why = f"applying it failed in {err.get('where')}: {err.get('error')}"
-        names, self.newly = self.newly, []
+        broke = set(err.get("overrides") or ())
+        changes = {r.name: set(r.remedy.changes) for r in self.climb.applied}
+        names = [n for n in self.newly if changes.get(n, set()) & broke] or self.newly
+        self.newly = []
         self.climb.take_back(names, why)
         attempt.note = f"oomguard's overrides broke the launch, not the script: took back {', '.join(names)}"
         nxt = self.choose(attempt, self.last_diag)
