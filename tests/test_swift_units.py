@@ -193,3 +193,28 @@ def test_an_error_of_the_load_under_oomguard_s_dtype_is_oomguard_s(tmp_path):
             patches.remove()
         failed = [(e.where, e.overrides) for e in read_events(where / "events.jsonl") if isinstance(e, OverrideFailed)]
         assert failed == ([("from_pretrained", blamed)] if blamed else [])
+
+
+def test_a_load_is_judged_as_the_simulated_device_places_its_weights():
+    """Issue 49's wider Qwen2 (12.7M parameters) in float32, swift's load of a float32 checkpoint: 47.4 MiB of weights
+    hold 52 MiB of the simulated device, in whole 20 MiB segments for its 1-10 MiB matrices, as the CUDA caching
+    allocator places them. The pre-flight judges that, so a load that cannot fit half the run's peak (49 MiB) is
+    stopped before it loads rather than running out while it loads."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from oomguard.child.load import device_tensors
+    from oomguard.child.simulate import SimulatedDevice
+    from oomguard.memory.estimate import load_bytes
+
+    cfg = Qwen2Config(vocab_size=722, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    spec = ModelSpec.from_config(cfg.to_dict())
+    for dtype in (torch.float32, torch.bfloat16):
+        dev = SimulatedDevice(64 * GiB)
+        dev.adopt(device_tensors(model.to(dtype)))
+        assert load_bytes(spec, TRL_DEFAULTS.replace(dtype=str(dtype).split(".")[1]), simulated=True) == \
+            dev.model.reserved
+    assert 47 * MiB < 4 * spec.params < 48 * MiB and dev.model.reserved == 26 * MiB

@@ -1,6 +1,8 @@
 """Unsloth without Unsloth: its CPU LM head in the memory model (against rows measured under Unsloth), the trainer
-patch following a class bound to ``trl.GRPOTrainer``, the loader's knobs, and the values a stack resolves after the
-script set them. (The end-to-end runs in Unsloth's own environment are tests/test_unsloth.py.)"""
+patch following a class bound to ``trl.GRPOTrainer``, the loader's knobs, the values a stack resolves after the
+script set them, the notebook's own loader and LoRA read where it passes them (a stand-in ``FastLanguageModel``), and
+a loader error under oomguard's override taken back. (The end-to-end runs in Unsloth's own environment are
+tests/test_unsloth.py.)"""
 
 from __future__ import annotations
 
