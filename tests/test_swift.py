@@ -149,7 +149,7 @@ def test_a_wider_model_at_half_its_peak_keeps_what_swift_trains_with(wide_half):
     original = report["original"]
     mine = {"num_generations": 4, "max_completion_length": 32, "per_device_train_batch_size": 4, "lora_r": 8,
             "lora_alpha": 32, "lora_target_modules": "all-linear", "dtype": "float32", "load_in_4bit": False}
-    assert {k: original[k] for k in mine} == mine and not report.get("unobserved"), wide_half["stderr"]
+    assert {k: original[k] for k in mine} == mine and not report.get("unseen"), wide_half["stderr"]
     assert wide_half["measured"]["original"] == original
     first = report["attempts"][0]
     assert first["outcome"] == "predicted" and "stopped before loading" in first["note"], wide_half["stderr"]

@@ -162,8 +162,8 @@ def test_swift_s_flags_are_known_before_its_load_and_only_what_it_never_reached_
     report = con.climb.report("exhausted", "", 1)
     lora = {"lora_r": 8, "lora_alpha": 32, "lora_target_modules": "all-linear", "load_in_4bit": False,
             "dtype": "float32"}
-    assert {k: report.original[k] for k in lora} == lora and not set(lora) & set(report.unobserved)
-    assert report.original["num_generations"] is None and "num_generations" in report.unobserved
+    assert {k: report.original[k] for k in lora} == lora and not set(lora) & set(report.unseen)
+    assert report.original["num_generations"] is None and "num_generations" in report.unseen
 
 
 def test_an_error_of_the_load_under_oomguard_s_dtype_is_oomguard_s(tmp_path):

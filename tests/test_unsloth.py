@@ -122,7 +122,7 @@ def test_a_wider_model_at_half_its_peak_keeps_what_the_notebook_set(wide_half):
     mine = {"num_generations": 8, "max_completion_length": 64, "per_device_train_batch_size": 8, "lora_r": 8,
             "lora_alpha": 8, "lora_target_modules": sorted(PROJECTIONS), "gradient_checkpointing": True,
             "load_in_4bit": False, "dtype": "bfloat16" if wide_half["bf16"] else "float32"}
-    assert {k: original[k] for k in mine} == mine and not report.get("unobserved"), wide_half["stderr"]
+    assert {k: original[k] for k in mine} == mine and not report.get("unseen"), wide_half["stderr"]
     assert wide_half["measured"]["original"] == original
     assert all(a["knobs"]["lora_r"] == 8 for a in report["attempts"]), [a["knobs"] for a in report["attempts"]]
     assert report["status"] != "failed", wide_half["stderr"]

@@ -281,14 +281,14 @@ def test_a_load_stopped_inside_unsloth_s_loader_keeps_what_the_notebook_set_and_
     report = con.climb.report("exhausted", "", 1)
     assert (report.original["load_in_4bit"], report.original["dtype"]) == (False, "bfloat16")
     unseen = {"lora_r", "num_generations", "max_completion_length", "per_device_train_batch_size"}
-    assert {k: report.original[k] for k in unseen} == dict.fromkeys(unseen) and unseen <= set(report.unobserved)
-    assert "load_in_4bit" not in report.unobserved and "dtype" not in report.unobserved
+    assert {k: report.original[k] for k in unseen} == dict.fromkeys(unseen) and unseen <= set(report.unseen)
+    assert "load_in_4bit" not in report.unseen and "dtype" not in report.unseen
     # a later attempt that gets further fills them in, and the report no longer calls them unknown
     con.climb.observe({"num_generations": 4, "max_completion_length": 32, "per_device_train_batch_size": 4},
                       point="config")
     con.climb.observe({"lora_r": 8}, point="trainer")
     report = con.climb.report("stable", "", 0)
-    assert (report.original["num_generations"], report.original["lora_r"]) == (4, 8) and not report.unobserved
+    assert (report.original["num_generations"], report.original["lora_r"]) == (4, 8) and not report.unseen
 
 
 def test_the_notebook_s_lora_is_observed_at_get_peft_model_and_never_replaced(tmp_path):

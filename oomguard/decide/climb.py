@@ -98,7 +98,7 @@ class Climb:
     # -- knobs -------------------------------------------------------------------------------------------------
     def observe(self, values: dict[str, Any], point: str | None = None) -> None:
         """Record what the code set; the first report of each knob wins. ``point``: the construction point that
-        reported them (a launched command's; ``unobserved`` follows them)."""
+        reported them (a launched command's; ``unseen`` follows them)."""
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
@@ -106,7 +106,7 @@ class Climb:
         if point is not None:
             self.points = {*(self.points or ()), point}
 
-    def unobserved(self) -> list[str]:
+    def unseen(self) -> list[str]:
         """The knobs whose value the command has not said yet: no report of it, and no construction point through
         which it reaches passed (a notebook's load stopped before its GRPOConfig exists). ``original()`` can only take
         TRL's defaults for them; the report says they are not known. Empty for a climb without a launched command.
@@ -114,10 +114,10 @@ class Climb:
         >>> from oomguard.decide.ladder import load_ladder
         >>> c = Climb(load_ladder("default"))
         >>> c.observe({"dtype": "bfloat16", "load_in_4bit": False}, point="facts")
-        >>> "num_generations" in c.unobserved(), "lora_r" in c.unobserved(), "dtype" in c.unobserved()
+        >>> "num_generations" in c.unseen(), "lora_r" in c.unseen(), "dtype" in c.unseen()
         (True, True, False)
         >>> c.observe({"num_generations": 4}, point="config")
-        >>> "num_generations" in c.unobserved(), "lora_r" in c.unobserved()
+        >>> "num_generations" in c.unseen(), "lora_r" in c.unseen()
         (False, True)
         """
         if self.points is None:
@@ -443,8 +443,8 @@ class Climb:
         if last is not None:
             final = Knobs.from_dict(last.knobs)
         # what the command never said is not claimed as TRL's default: null, and named
-        unseen = self.unobserved()
-        rows = [{**r.to_dict(), "remedy": who.get(r.knob), **({"from": None, "unobserved": True}
+        unseen = self.unseen()
+        rows = [{**r.to_dict(), "remedy": who.get(r.knob), **({"from": None, "unseen": True}
                                                                if r.knob in unseen else {})}
                 for r in original.diff(final)]
         changes = {r["knob"]: r["to"] for r in rows}
@@ -461,7 +461,7 @@ class Climb:
                 r["action"] = action
         return RunReport(
             status=status, attempts=self.attempts, original={**original.to_dict(), **dict.fromkeys(unseen)},
-            unobserved=unseen,
+            unseen=unseen,
             stable=final.to_dict() if status == "stable" else None, diff=rows, ladder=self.ladder.name,
             message=message, exit_code=exit_code, started=self.started_iso, finished=now_iso(),
             facts=self.facts.to_dict(), **extra,

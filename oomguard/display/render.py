@@ -109,7 +109,7 @@ def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What 
     for c in ("knob", "original", "stable" if stable else "last tried", "remedy"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["knob"], NOT_SEEN if r.get("unobserved") else _v(r["from"], r["knob"]), _v(r["to"]),
+        t.add_row(r["knob"], NOT_SEEN if r.get("unseen") else _v(r["from"], r["knob"]), _v(r["to"]),
                   r.get("action") or r.get("remedy") or "")
     out.print(t)
 

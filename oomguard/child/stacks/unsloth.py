@@ -4,14 +4,19 @@ own LoRA set-up and, depending on the device, its own LM head or its own trainer
 A notebook loads and adapts the model before any GRPOConfig exists, so this adapter patches Unsloth's loader, in the
 training process (unsloth 2026.x, CPU backend and GPU path alike):
 
-- ``FastLanguageModel.from_pretrained`` (and ``FastModel``'s): the loader's knobs. Recorded as oomguard's once the
-  model is loaded (``load_in_4bit`` from the model itself: Unsloth's CPU backend falls back to 16-bit where
-  bitsandbytes cannot run; ``fast_inference`` as a colocated vLLM with ``gpu_memory_utilization`` and
-  ``max_seq_length``), and set where Unsloth reads them: ``load_in_4bit`` (never with ``full_finetuning``),
-  ``dtype``, ``gpu_memory_utilization`` and ``max_seq_length`` for its vLLM, ``max_lora_rank`` raised to a LoRA rank
-  oomguard sets.
-- ``FastLanguageModel.get_peft_model``: ``use_gradient_checkpointing`` set from oomguard's checkpointing knob. The
-  rank, targets and checkpointing it applies are read from the model the trainer receives (``patches``).
+- ``FastLanguageModel.from_pretrained`` (and ``FastModel``'s): the loader's knobs. The notebook's own are read from
+  its arguments and said before anything loads (``load_in_4bit`` as asked, ``dtype`` where it names one,
+  ``fast_inference`` as a colocated vLLM with ``gpu_memory_utilization`` and ``max_seq_length``), so a pre-flight
+  stop of the load keeps them; once loaded, what Unsloth built instead (its CPU backend falls back to 16-bit where
+  bitsandbytes cannot run; ``dtype=None`` is the device's) is what the command runs (:func:`loaded`). oomguard's are
+  set where Unsloth reads them: ``load_in_4bit`` (never with ``full_finetuning``), ``dtype``,
+  ``gpu_memory_utilization`` and ``max_seq_length`` for its vLLM, ``max_lora_rank`` raised to a LoRA rank oomguard
+  sets; an error the loader raises while one of them is in force is oomguard's (``patching.overrides_reported``: the
+  rung is taken back). Where the loader cannot load 4-bit weights here, the adapter says so when Unsloth is imported
+  (:func:`cannot_load_4bit`), and the 4-bit rung is not offered.
+- ``FastLanguageModel.get_peft_model``: the notebook's LoRA (rank, alpha, targets) and checkpointing read where it
+  passes them, and never replaced (a LoRA rung applies to a full fine-tune only); ``use_gradient_checkpointing`` set
+  from oomguard's checkpointing knob.
 - The trainer: the GRPOTrainer patch follows whatever class ``trl.GRPOTrainer`` names (``trainer.watch_rebinding``):
   on a GPU Unsloth binds a class it generates into ``unsloth_compiled_cache/``, a rewritten copy of TRL's.
 - :func:`facts`, asked once the trainer is built: the LM head the memory model must count. On Unsloth's CPU backend
