@@ -403,14 +403,11 @@ class Conductor:
         self.leaks.clear()
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
-        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects, a 4-bit load a front-end's loader
-        cannot make): take back the rungs just put in force that set the overrides in force where it broke (all of
-        them where the training process named none of theirs), go on."""
-        why = f"applying it failed in {err.get('where')}: {err.get('error')}"
-        broke = set(err.get("overrides") or ())
-        changes = {r.name: set(r.remedy.changes) for r in self.climb.applied}
-        names = [n for n in self.newly if changes.get(n, set()) & broke] or self.newly
-        self.newly = []
+        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects, a 4-bit load a loader cannot make):
+        take back the rungs just put in force that set the overrides named where it broke (else all of them), go on."""
+        why, broke = f"applying it failed in {err.get('where')}: {err.get('error')}", set(err.get("overrides") or ())
+        names = [r.name for r in self.climb.applied if r.name in self.newly and broke & set(r.remedy.changes)]
+        names, self.newly = list(dict.fromkeys(names)) or self.newly, []
         self.climb.take_back(names, why)
         attempt.note = f"oomguard's overrides broke the launch, not the script: took back {', '.join(names)}"
         nxt = self.choose(attempt, self.last_diag)
