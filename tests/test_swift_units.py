@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from oomguard.child.runtime import Runtime
 from oomguard.child.stacks import swift
 from oomguard.memory.estimate import ModelSpec, estimate
 from oomguard.strategies import Context, make_remedy
-from oomguard.vocab.events import ConfigGenerated, read_events
+from oomguard.vocab.events import ConfigGenerated, OverrideFailed, read_events
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.protocol import Plan
 from oomguard.vocab.stacks import flags
@@ -128,3 +130,91 @@ def test_the_offload_takes_the_trainer_s_state_out_of_the_generation_phase_only(
     plain = TRL_DEFAULTS.replace(num_generations=4, max_completion_length=32, per_device_train_batch_size=4)
     assert (estimate(TINY, plain.replace(offload_during_generation=True), prompt_tokens=20, simulated=True).phases
             == estimate(TINY, plain, prompt_tokens=20, simulated=True).phases)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What swift takes, observed before anything loads; its loader's errors under oomguard's overrides (issue 49)
+
+
+def test_swift_s_flags_are_known_before_its_load_and_only_what_it_never_reached_is_unknown(tmp_path):
+    """``swift rlhf`` reads its LoRA, quantisation and dtype flags into RLHFArguments before it loads the model: a
+    pre-flight stop of the load leaves the report with swift's own LoRA (r=8, alpha 32, all-linear), not TRL's
+    full fine-tune; what swift never reached is not claimed as TRL's default."""
+    from oomguard.child import patches
+    from oomguard.decide.climb import Climb
+    from oomguard.decide.conductor import Conductor, Policy
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.run.learning import take_events
+
+    class RLHFArguments(SimpleNamespace):
+        def __post_init__(self):
+            pass
+
+    rt = Runtime(Plan(attempt=1, events=str(tmp_path / "events.jsonl"), crash_dir=str(tmp_path)))
+    swift.patch_arguments(rt, SimpleNamespace(RLHFArguments=RLHFArguments))
+    try:
+        RLHFArguments(**vars(swift_args(torch_dtype="float32", padding_free=False))).__post_init__()
+    finally:
+        patches.remove()
+    rt.end("predicted")  # the pre-flight stopped the load
+    con = Conductor(Climb(load_ladder("default")), None, Policy(), launched=True)
+    take_events(con, read_events(tmp_path / "events.jsonl"), sized_by_nvml=False, say=print, warn=print)
+    report = con.climb.report("exhausted", "", 1)
+    lora = {"lora_r": 8, "lora_alpha": 32, "lora_target_modules": "all-linear", "load_in_4bit": False,
+            "dtype": "float32"}
+    assert {k: report.original[k] for k in lora} == lora and not set(lora) & set(report.unseen)
+    assert report.original["num_generations"] is None and "num_generations" in report.unseen
+
+
+def test_an_error_of_the_load_under_oomguard_s_dtype_is_oomguard_s(tmp_path):
+    """swift (and a script's own ``from_pretrained``) loads through transformers' ``from_pretrained``, where oomguard
+    sets the dtype and 4-bit load: an error raised there while one of them is in force is reported as oomguard's
+    override (so the rung is taken back), and one raised without them is the script's."""
+    from oomguard.child import patches
+    from oomguard.child.load import patch_from_pretrained
+
+    class PreTrainedModel:
+        @classmethod
+        def from_pretrained(cls, name, **kwargs):
+            raise ValueError(f"{kwargs.get('dtype')} is refused by this model")
+
+    class TinyForCausalLM(PreTrainedModel):
+        pass
+
+    for overrides, blamed in (({"dtype": "bfloat16", "num_generations": 4}, ("dtype",)), ({"num_generations": 4}, None)):
+        where = tmp_path / str(bool(blamed))
+        where.mkdir()
+        rt = Runtime(Plan(attempt=2, overrides=overrides, events=str(where / "events.jsonl"), crash_dir=str(where)))
+        patch_from_pretrained(rt, SimpleNamespace(PreTrainedModel=PreTrainedModel))
+        try:
+            with pytest.raises(ValueError):
+                TinyForCausalLM.from_pretrained(str(where / "no-model"))
+        finally:
+            patches.remove()
+        failed = [(e.where, e.overrides) for e in read_events(where / "events.jsonl") if isinstance(e, OverrideFailed)]
+        assert failed == ([("from_pretrained", blamed)] if blamed else [])
+
+
+def test_a_load_is_judged_as_the_simulated_device_places_its_weights():
+    """Issue 49's wider Qwen2 (12.7M parameters) in float32, swift's load of a float32 checkpoint: 47.4 MiB of weights
+    hold 52 MiB of the simulated device, in whole 20 MiB segments for its 1-10 MiB matrices, as the CUDA caching
+    allocator places them. The pre-flight judges that, so a load that cannot fit half the run's peak (49 MiB) is
+    stopped before it loads rather than running out while it loads."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from oomguard.child.load import device_tensors
+    from oomguard.child.simulate import SimulatedDevice
+    from oomguard.memory.estimate import load_bytes
+
+    cfg = Qwen2Config(vocab_size=722, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    spec = ModelSpec.from_config(cfg.to_dict())
+    for dtype in (torch.float32, torch.bfloat16):
+        dev = SimulatedDevice(64 * GiB)
+        dev.adopt(device_tensors(model.to(dtype)))
+        assert load_bytes(spec, TRL_DEFAULTS.replace(dtype=str(dtype).split(".")[1]), simulated=True) == \
+            dev.model.reserved
+    assert 47 * MiB < 4 * spec.params < 48 * MiB and dev.model.reserved == 26 * MiB

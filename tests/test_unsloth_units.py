@@ -1,6 +1,8 @@
 """Unsloth without Unsloth: its CPU LM head in the memory model (against rows measured under Unsloth), the trainer
-patch following a class bound to ``trl.GRPOTrainer``, the loader's knobs, and the values a stack resolves after the
-script set them. (The end-to-end runs in Unsloth's own environment are tests/test_unsloth.py.)"""
+patch following a class bound to ``trl.GRPOTrainer``, the loader's knobs, the values a stack resolves after the
+script set them, the notebook's own loader and LoRA read where it passes them (a stand-in ``FastLanguageModel``), and
+a loader error under oomguard's override taken back. (The end-to-end runs in Unsloth's own environment are
+tests/test_unsloth.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 from hypothesis import given, settings
@@ -24,6 +27,7 @@ from oomguard.strategies import Context, make_remedy
 from oomguard.vocab.events import parse_event
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.protocol import Plan
+from oomguard.vocab.stacks.unsloth import LOADER
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = json.loads((ROOT / "tests" / "fixtures" / "stacks" / "cpu-rows-unsloth.json").read_text())
@@ -224,3 +228,183 @@ def test_a_4bit_notebook_on_a_gpu_is_predicted_with_the_dtype_unsloth_loaded_it_
     as_fp32 = estimate(QWEN, knobs.replace(dtype="float32"), prompt_tokens=32, keeps_dtype_4bit=True)
     assert seen == {"load_in_4bit": True, "dtype": "bfloat16"}
     assert gpu.breakdown["weights"] < as_fp32.breakdown["weights"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The notebook's own config, observed where Unsloth takes it (issue 49)
+
+
+def _notebook_loader(rt: Runtime, *, fail: BaseException | None = None):
+    """A stand-in for Unsloth's ``FastLanguageModel``, with its signature's defaults, patched as ``import unsloth``
+    patches it. Its loader stands in for the load ``from_pretrained`` does inside it: the load patch observes the
+    dtype Unsloth passes on (its default for the device), then ``fail`` is raised where given (a pre-flight stop, an
+    error of the loader's own)."""
+
+    class FastLanguageModel:
+        given: ClassVar[dict] = {}
+
+        @staticmethod
+        def from_pretrained(model_name="unsloth/Llama-3.2-1B-Instruct", max_seq_length=2048, dtype=None,
+                            load_in_4bit=True, load_in_8bit=False, load_in_16bit=False, full_finetuning=False,
+                            fast_inference=False, gpu_memory_utilization=0.5, max_lora_rank=64, **kwargs):
+            FastLanguageModel.given = dict(locals())
+            if rt.loader is None or rt.overrides.dtype is None:
+                rt.observe({"dtype": "bfloat16"})  # what child/load.py observes, as Unsloth resolved dtype=None
+            if fail is not None:
+                if isinstance(fail, SystemExit):  # the pre-flight's stop: the process ends itself
+                    rt.end("predicted")
+                raise fail
+            return SimpleNamespace(is_loaded_in_4bit=bool(load_in_4bit), dtype=None), "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, r=16, target_modules=("q_proj", "v_proj"), lora_alpha=16, lora_dropout=0.0,
+                           use_gradient_checkpointing="unsloth", random_state=3407, **kwargs):
+            FastLanguageModel.given = dict(locals())
+            return model
+
+    unsloth.patch_unsloth(rt, SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    return FastLanguageModel
+
+
+def _events_runtime(tmp_path: Path, **overrides) -> Runtime:
+    return Runtime(Plan(attempt=1, overrides=overrides, events=str(tmp_path / "events.jsonl"),
+                        crash_dir=str(tmp_path)))
+
+
+def test_a_load_stopped_inside_unsloth_s_loader_keeps_what_the_notebook_set_and_claims_nothing_else(tmp_path):
+    """Issue 49: the pre-flight stopped the notebook's load, and the report's ``original`` said TRL's defaults for
+    what the notebook sets later (LoRA r=0, 8 generations, 512 tokens, 8 rows). The loader's own arguments are read
+    before it loads, and what the notebook never reached is reported as not seen, not as TRL's defaults."""
+    from oomguard.decide.conductor import Conductor, Policy
+    from oomguard.run.learning import take_events
+    from oomguard.vocab.events import read_events
+
+    rt = _events_runtime(tmp_path)
+    loader = _notebook_loader(rt, fail=SystemExit(75))
+    try:
+        with pytest.raises(SystemExit):
+            loader.from_pretrained("model", max_seq_length=256, load_in_4bit=False, fast_inference=False)
+    finally:
+        patches.remove()
+    con = Conductor(Climb(load_ladder("default")), None, Policy(), launched=True)
+    take_events(con, read_events(tmp_path / "events.jsonl"), sized_by_nvml=False, say=print, warn=print)
+    report = con.climb.report("exhausted", "", 1)
+    assert (report.original["load_in_4bit"], report.original["dtype"]) == (False, "bfloat16")
+    unseen = {"lora_r", "num_generations", "max_completion_length", "per_device_train_batch_size"}
+    assert {k: report.original[k] for k in unseen} == dict.fromkeys(unseen) and unseen <= set(report.unseen)
+    assert "load_in_4bit" not in report.unseen and "dtype" not in report.unseen
+    # a later attempt that gets further fills them in, and the report no longer calls them unknown
+    con.climb.observe({"num_generations": 4, "max_completion_length": 32, "per_device_train_batch_size": 4},
+                      point="config")
+    con.climb.observe({"lora_r": 8}, point="trainer")
+    report = con.climb.report("stable", "", 0)
+    assert (report.original["num_generations"], report.original["lora_r"]) == (4, 8) and not report.unseen
+
+
+def test_the_notebook_s_lora_is_observed_at_get_peft_model_and_never_replaced(tmp_path):
+    """A rung chose LoRA r=16 while the notebook's LoRA was not known yet (its load was stopped before get_peft_model):
+    the notebook's r=8 is what get_peft_model gets, what the process reports it runs, and what the supervisor hears."""
+    from oomguard.vocab.events import CodeSeen, read_events
+
+    rt = _events_runtime(tmp_path, lora_r=16, lora_alpha=32, lora_target_modules="all-linear")
+    loader = _notebook_loader(rt)
+    try:
+        model, _tok = loader.from_pretrained("model", load_in_4bit=False)
+        loader.get_peft_model(model, r=8, lora_alpha=8, target_modules=["v_proj", "q_proj"])
+    finally:
+        patches.remove()
+    assert (loader.given["r"], loader.given["lora_alpha"]) == (8, 8)  # untouched
+    mine = {"lora_r": 8, "lora_alpha": 8, "lora_target_modules": ("q_proj", "v_proj")}
+    assert {k: rt.observed[k] for k in mine} == mine and rt.observed["gradient_checkpointing"] is True
+    ran = rt.ran()  # what the process says it runs (child/ran.py)
+    assert (ran.lora_r, ran.lora_alpha, ran.lora_target_modules) == (8, 8, ("q_proj", "v_proj"))
+    said = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, CodeSeen) and "lora_r" in e.observed]
+    assert said and said[0].observed["lora_r"] == 8
+
+
+def test_a_4bit_rung_adds_no_lora_before_the_notebook_s_own_could_be_seen():
+    """A LoRA rung applies only to a full fine-tune: before the notebook reached its trainer, Unsloth's loader is
+    preparing the model for the LoRA the notebook adds after it, so the 4-bit rung adds none; once the trainer shows
+    a full fine-tune it does, and the notebook's own rank is never replaced."""
+    rung = make_remedy("load_4bit")
+    before = RunFacts(load_takes_4bit=True)
+    after = before.replace(model_source="from_pretrained")
+    assert rung.apply(Context(knobs=TRL_DEFAULTS, facts=before)).lora_r == 0
+    assert rung.apply(Context(knobs=TRL_DEFAULTS, facts=after)).lora_r == 16
+    assert rung.apply(Context(knobs=TRL_DEFAULTS.replace(lora_r=8), facts=after)).lora_r == 8
+    assert rung.describe_change(TRL_DEFAULTS, TRL_DEFAULTS.replace(load_in_4bit=True)) == "a 4-bit base model"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A rung that breaks the loader is taken back (issue 49)
+
+
+def test_an_error_of_unsloth_s_loader_under_oomguard_s_4bit_load_is_oomguard_s(tmp_path):
+    """The 4-bit load oomguard asked of Unsloth's loader failed inside it: reported as an error of oomguard's
+    override (named by the knob the loader took), so the supervisor takes the rung back instead of passing the
+    failure through as the notebook's. An override the loader does not take is not blamed."""
+    from oomguard.vocab.events import OverrideFailed, read_events
+
+    err = ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+    for overrides, blamed in (({"load_in_4bit": True, "per_device_train_batch_size": 1}, ("load_in_4bit",)),
+                              ({"per_device_train_batch_size": 1}, None)):
+        events = tmp_path / f"{bool(blamed)}"
+        events.mkdir()
+        rt = _events_runtime(events, **overrides)
+        loader = _notebook_loader(rt, fail=err)
+        try:
+            with pytest.raises(ValueError):
+                loader.from_pretrained("model", load_in_4bit=False)
+        finally:
+            patches.remove()
+        failed = [e for e in read_events(events / "events.jsonl") if isinstance(e, OverrideFailed)]
+        if blamed is None:
+            assert failed == []
+        else:
+            assert [(e.where, e.overrides) for e in failed] == [(f"Unsloth's {LOADER}", blamed)]
+            assert loader.given["load_in_4bit"] is True and loader.given["full_finetuning"] is False
+        assert rt.loader is None
+
+
+def test_where_unsloth_cannot_load_4bit_weights_the_rung_is_not_offered(monkeypatch):
+    """On a machine without CUDA, Unsloth's CPU backend loads 16-bit weights where bitsandbytes' CPU 4-bit does not run
+    (its own check): the adapter says so when Unsloth is imported, and the 4-bit rung is not offered there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    works = SimpleNamespace(cpu_bnb_4bit_supported=lambda: True)
+    for name, mod in (("unsloth_zoo", SimpleNamespace()), ("unsloth_zoo.cpu", SimpleNamespace()),
+                      ("unsloth_zoo.cpu.runtime", works)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert unsloth.cannot_load_4bit() is None and "cannot_load_4bit" not in unsloth.loader_facts()
+    works.cpu_bnb_4bit_supported = lambda: False
+    why = unsloth.cannot_load_4bit()
+    assert why and unsloth.loader_facts()["cannot_load_4bit"] == why
+    facts = RunFacts(load_takes_4bit=True, cannot_load_4bit=why)
+    assert make_remedy("load_4bit").blocked(Context(knobs=TRL_DEFAULTS, facts=facts)) == why
+
+
+def test_only_the_rung_that_set_what_broke_the_loader_is_taken_back_and_a_run_left_with_none_is_exhausted():
+    """The loader named the override it could not take (load_in_4bit): the 4-bit rung is taken back, the micro-batch
+    split chosen with it stays. Where nothing is left to climb, the run ends exhausted, not as the script's failure
+    passed through."""
+    from oomguard.decide.choose import Rung
+    from oomguard.decide.conductor import Conductor, Policy
+    from oomguard.run.verdict import conclude
+    from oomguard.vocab.records import Attempt, AttemptKind, Outcome
+
+    climb = Climb(load_ladder("default"))
+    climb.climbed = climb.applied = [Rung(make_remedy("micro_batch")), Rung(make_remedy("load_4bit"))]
+    con = Conductor(climb, None, Policy(), launched=True)
+    con.newly = ["micro_batch", "load_4bit"]
+    broke = Attempt(index=2, knobs=climb.effective()[0].to_dict(), remedies=[], outcome=Outcome.FAILED, exit_code=1,
+                    seconds=1.0, kind=AttemptKind.PROBE,
+                    override_error={"where": f"Unsloth's {LOADER}", "error": "ValueError: no",
+                                    "overrides": ["load_in_4bit"]})
+    con.record(broke, None)
+    con.after(broke, None)
+    assert "load_4bit" in climb.refused and "micro_batch" not in climb.refused
+    assert "micro_batch" in climb.remedies_in_force() and "load_4bit" not in climb.remedies_in_force()
+    climb.give_up("ladder", "no rung left that can help")
+    status, _code, message = conclude(broke, climb)
+    assert status == "exhausted" and "took back load_4bit" in message and "passed through" not in message

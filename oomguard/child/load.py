@@ -10,8 +10,10 @@ import sys
 from typing import Any
 
 from ..vocab.events import ModelSeen, WeightsFrom
-from .patching import dtype_name, plain, set_attr
+from .patching import dtype_name, overrides_reported, plain, set_attr
 from .runtime import Runtime
+
+LOAD_KNOBS = ("dtype", "load_in_4bit")  # what oomguard sets in from_pretrained's arguments
 
 
 def bnb_config(torch: Any, rt: Runtime) -> Any:
@@ -143,8 +145,10 @@ def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) 
     in4 = bool(getattr(q, "load_in_4bit", False) or (isinstance(q, dict) and q.get("load_in_4bit")))
     # What the script loads when oomguard changes nothing (``kwargs`` holds oomguard's overrides already): the dtype
     # it asked for, else the checkpoint's own. Observed whatever the overrides, so that a replayed lock's dtype is
-    # never taken for the user's.
-    rt.observe({"dtype": dtype_name(requested) if requested not in (None, "auto") else declared})
+    # never taken for the user's; but a front-end's loader (``rt.loader``) hands on oomguard's dtype as its own, and
+    # its adapter observes the notebook's.
+    if rt.loader is None or rt.overrides.dtype is None:
+        rt.observe({"dtype": dtype_name(requested) if requested not in (None, "auto") else declared})
     try:
         knobs = rt.knobs().replace(dtype=dtype, load_in_4bit=in4)
     except (TypeError, ValueError):
@@ -220,7 +224,11 @@ def patch_from_pretrained(rt: Runtime, module: Any) -> None:
                 kwargs["dtype"] = half_dtype(torch, rt)
         _before_load(rt, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs, requested)
         _zero3_comm()
-        model = orig(cls, *args, **kwargs)
+        # an error of the loader's while oomguard's dtype or 4-bit load is in force is reported as theirs, so the
+        # supervisor takes the rung back instead of passing the failure through as the script's (inside a front-end's
+        # loader, its adapter reports it, under the front-end's name)
+        with overrides_reported(rt, "from_pretrained", () if rt.loader else LOAD_KNOBS):
+            model = orig(cls, *args, **kwargs)
         # What the script asked for; with "auto" (the default) that is the checkpoint's dtype, known once loaded
         # without an override (the first attempt always loads without one).
         if requested not in (None, "auto"):

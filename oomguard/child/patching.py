@@ -11,7 +11,7 @@ import errno
 import importlib.util
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -93,19 +93,23 @@ def network_error(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def overrides_reported(rt: Runtime, where: str) -> Iterator[None]:
+def overrides_reported(rt: Runtime, where: str, knobs: Collection[str] | None = None) -> Iterator[None]:
     """An error raised while oomguard's overrides are applied is reported (event ``override_error``) before it
     propagates: the supervisor then takes back the rung that set them instead of passing the failure through. An
-    OOM is the climb's, and a network error (:func:`network_error`) is the machine's: neither is reported."""
+    OOM is the climb's, and a network error (:func:`network_error`) is the machine's: neither is reported.
+    ``knobs``: the overrides this point applies (a front-end's loader takes its dtype and 4-bit load): reported only
+    where one of them is in force, and named as the ones that broke it (None: every override in force)."""
     try:
         yield
     except Exception as e:
-        if rt.overrides.to_dict(only_set=True) and not rt.crashed and not network_error(e):
+        ours = sorted(k for k in rt.overrides.to_dict(only_set=True) if knobs is None or k in knobs)
+        if ours and not rt.crashed and not network_error(e) and not getattr(e, "_oomguard_reported", False):
             from ..oom.parse import is_oom
 
             if not is_oom(e):
-                rt.emit(OverrideFailed(where=where, error=f"{type(e).__name__}: {e}"[:2000],
-                        overrides=sorted(rt.overrides.to_dict(only_set=True))))
+                rt.emit(OverrideFailed(where=where, error=f"{type(e).__name__}: {e}"[:2000], overrides=ours))
+                with contextlib.suppress(AttributeError, TypeError):
+                    e._oomguard_reported = True  # type: ignore[attr-defined]  # once, by the innermost point
         raise
 
 def evaluates(cfg: Any) -> bool:

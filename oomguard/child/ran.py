@@ -35,6 +35,7 @@ IN_TRAINER = "it was changed while GRPOTrainer was built (by TRL, transformers o
 BEFORE_TRAIN = "it was set on the trainer's arguments after GRPOTrainer was built, before train()"
 OWN_LORA = ("the script gives GRPOTrainer a LoRA config of its own (peft_config, or a model PEFT already wraps), "
             "which oomguard does not replace")
+OWN_PEFT = "the script adds its own LoRA (a front-end's get_peft_model), which oomguard does not replace"
 OWN_MODEL = "the script builds its model without from_pretrained, where oomguard sets the load's dtype"
 MODEL_CHECKPOINTING = "the model has gradient checkpointing on before GRPOTrainer is built, which keeps it on"
 
@@ -110,4 +111,4 @@ def _stop(rt: Runtime, missed: Unmet) -> None:
 
 
 __all__ = ["BEFORE_TRAIN", "BEFORE_TRAINER", "BY_CONFIG", "IN_TRAINER", "MODEL_CHECKPOINTING", "OWN_LORA", "OWN_MODEL",
-           "config_built", "mark", "notice", "report", "values"]
+           "OWN_PEFT", "config_built", "mark", "notice", "report", "values"]

@@ -43,10 +43,14 @@ class Runtime:
         self._facts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._events_warned = False
+        self._observed_said: dict[str, Any] = {}  # the observed values some event has reported
         self.ended: str | None = None  # how this process ended, once its `end` event is written
         self.after_first_step: list[Any] = []  # called once, when the first optimizer step has ended
         self.exit_code: int | None = None  # what the script passed to sys.exit, if it did
         self.stack_facts: list[Any] = []  # a stack adapter's facts(trainer), asked once the trainer is built
+        # a front-end's loader running now (Unsloth's from_pretrained): it passes oomguard's dtype on to transformers,
+        # so the dtype from_pretrained is given is the front-end adapter's to observe, not the load patch's
+        self.loader: str | None = None
         self._adapted: dict[str, Any] = {}  # knobs oomguard changed to let the command run here (``adapt``)
         self.unobserved: list[str] = []  # what oomguard could not observe of this run (``cannot_observe``)
         # the longest prompts measured before GRPOTrainer was built, checked against the trainer's own construction
@@ -148,6 +152,7 @@ class Runtime:
             if ev.point in ("config", "trainer"):
                 self.reached.add(ev.point)
             self._facts.update(ev.facts)
+            self._observed_said.update(ev.observed)
         elif isinstance(ev, ModelSeen):
             self.reached.add("model")
         elif isinstance(ev, DatasetSeen):
@@ -184,6 +189,9 @@ class Runtime:
             if self.ended is not None:
                 return
             self.ended = how
+        unsaid = {k: v for k, v in self.observed.items() if k not in self._observed_said}
+        if unsaid:  # what the script set as far as it got (a load stopped or out of memory before its config exists)
+            self.emit(CodeSeen(point="facts", observed=unsaid))
         self.emit(ProcessEnded(how=how, reached=tuple(sorted(self.reached)), **data))
 
     def at_exit(self) -> None:

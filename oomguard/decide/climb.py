@@ -24,13 +24,14 @@ from typing import Any
 from ..strategies import REGISTRY, Context, make_remedy
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import TRL_DEFAULTS, Knobs, RunFacts
+from ..vocab.knobtable import TABLE
 from ..vocab.records import Attempt, RunReport, now_iso
 from ..vocab.sizes import format_size
-from ..vocab.stacks import said_by_knob
 from .cheapest import CostPreference, cheapest
 from .choose import Choice, Preference, Rung, choose, replay
 from .experiment import Change, Experiment, summarise
 from .ladder import Exhausted, Ladder, Step
+from .runreport import climb_report
 
 # The cost classes whose changes a default run probes without, when the model cannot rule out that they are not needed:
 # what is trained and what GRPO learns from. A speed or precision change stays unless --minimize proves it.
@@ -92,12 +93,41 @@ class Climb:
     started: float = field(default_factory=time.time)
     started_iso: str = field(default_factory=now_iso)
 
+    # the knobs the command has reported its own value of (None included: TRL's default applies), and the construction
+    # points at which it reported them (``config``, ``trainer``); None where nothing is launched (the guard, plan)
+    seen: set[str] = field(default_factory=set)
+    points: set[str] | None = None
+
     # -- knobs -------------------------------------------------------------------------------------------------
-    def observe(self, values: dict[str, Any]) -> None:
-        """Record what the code set; the first report of each knob wins."""
+    def observe(self, values: dict[str, Any], point: str | None = None) -> None:
+        """Record what the code set; the first report of each knob wins. ``point``: the construction point that
+        reported them (a launched command's; ``unseen`` follows them)."""
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed.setdefault(k, tuple(v) if isinstance(v, list) else v)
+        self.seen.update(values)
+        if point is not None:
+            self.points = {*(self.points or ()), point}
+
+    def unseen(self) -> list[str]:
+        """The knobs whose value the command has not said yet: no report of it, and no construction point through
+        which it reaches passed (a notebook's load stopped before its GRPOConfig exists). ``original()`` can only take
+        TRL's defaults for them; the report says they are not known. Empty for a climb without a launched command.
+
+        >>> from oomguard.decide.ladder import load_ladder
+        >>> c = Climb(load_ladder("default"))
+        >>> c.observe({"dtype": "bfloat16", "load_in_4bit": False}, point="facts")
+        >>> "num_generations" in c.unseen(), "lora_r" in c.unseen(), "dtype" in c.unseen()
+        (True, True, False)
+        >>> c.observe({"num_generations": 4}, point="config")
+        >>> "num_generations" in c.unseen(), "lora_r" in c.unseen()
+        (False, True)
+        """
+        if self.points is None:
+            return []
+        known = self.seen | set(self.base.to_dict(only_set=True)) | set(self.env_knobs)
+        return [k for k, info in TABLE.items() if k not in known and (reach := set(info.reaches) - {"env"})
+                and not reach & self.points]
 
     def resolve(self, values: dict[str, Any]) -> None:
         """Values the user's stack resolved after the script set them: they replace the observed ones (what the
@@ -105,6 +135,7 @@ class Climb:
         for k, v in values.items():
             if k in TRL_DEFAULTS.to_dict() and v is not None:
                 self.observed[k] = tuple(v) if isinstance(v, list) else v
+        self.seen.update(values)
 
     def original(self) -> Knobs:
         """The user's own config: TRL defaults, the allocator settings in the environment, then the code's values."""
@@ -192,9 +223,10 @@ class Climb:
         """The rungs in force, each named by what it really changes (``Remedy.name_for``): a fewer_generations rung
         that kept the user's num_generations reads ``fewer_prompts_per_step``."""
         knobs, who = self.effective(without)
-        return [self._action(name, self.overrides(knobs), who) for name in self.remedies_in_force(without)]
+        return [self.action(name, self.overrides(knobs), who) for name in self.remedies_in_force(without)]
 
-    def _action(self, name: str, changes: dict[str, Any], who: dict[str, str]) -> str:
+    def action(self, name: str, changes: dict[str, Any], who: dict[str, str]) -> str:
+        """Rung ``name`` named by what it changed of ``changes`` (``who`` set each knob)."""
         remedy = next((r.remedy for r in self.applied if r.name == name), None)
         mine = {k: v for k, v in changes.items() if who.get(k) == name}
         return remedy.name_for(mine) if remedy is not None else name
@@ -462,27 +494,5 @@ class Climb:
 
     # -- the end -----------------------------------------------------------------------------------------------
     def report(self, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:
-        original = self.original()
-        final, who = self.effective()
-        last = self.attempts[-1] if self.attempts else None
-        if last is not None:
-            final = Knobs.from_dict(last.knobs)
-        rows = [{**r.to_dict(), "remedy": who.get(r.knob)} for r in original.diff(final)]
-        changes = {r["knob"]: r["to"] for r in rows}
-        # a front-end's own flag for the change (``swift rlhf --lora_rank 16``), where it has one; a spelling of
-        # several knobs (swift's ``--deepspeed zero3_offload``) once, read from all the knobs in force; a config the
-        # last attempt generated where the front-end has no word (``--deepspeed PATH``) by its path
-        said = said_by_knob(self.facts.stack, changes, among=final, files=last.files() if last is not None else None)
-        for r in rows:
-            if r["knob"] in said:
-                r["flag"] = said[r["knob"]]
-        for r in rows:  # what the rung did, where that is narrower than its name
-            action = self._action(r["remedy"], changes, who) if r["remedy"] else None
-            if action and action != r["remedy"]:
-                r["action"] = action
-        return RunReport(
-            status=status, attempts=self.attempts, original=original.to_dict(),
-            stable=final.to_dict() if status == "stable" else None, diff=rows, ladder=self.ladder.name,
-            message=message, exit_code=exit_code, started=self.started_iso, finished=now_iso(),
-            facts=self.facts.to_dict(), **extra,
-        )
+        """The run's report as the climb ends it (``decide.runreport``)."""
+        return climb_report(self, status, message, exit_code, **extra)

@@ -454,9 +454,11 @@ class Conductor:
         self.leaks.clear()
 
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
-        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects): take the rung back, go on."""
-        why = f"applying it failed in {err.get('where')}: {err.get('error')}"
-        names, self.newly = self.newly, []
+        """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects, a 4-bit load a loader cannot make):
+        take back the rungs just put in force that set the overrides named where it broke (else all of them), go on."""
+        why, broke = f"applying it failed in {err.get('where')}: {err.get('error')}", set(err.get("overrides") or ())
+        names = [r.name for r in self.climb.applied if r.name in self.newly and broke & set(r.remedy.changes)]
+        names, self.newly = list(dict.fromkeys(names)) or self.newly, []
         self.climb.take_back(names, why)
         attempt.note = f"oomguard's overrides broke the launch, not the script: took back {', '.join(names)}"
         nxt = self.choose(attempt, self.last_diag)

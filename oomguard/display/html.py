@@ -215,7 +215,8 @@ def _diff_table(rows: Sequence[dict[str, Any]], stable: bool = True) -> str:
     """The diff as a table; where nothing was stable its third column is the last config tried, and says so."""
     if not rows:
         return '<p class="muted">Nothing was changed.</p>'
-    body = "".join(f"<tr><td><code>{_e(r['knob'])}</code></td><td>{_e(r.get('from'))}</td><td>{_e(r.get('to'))}</td>"
+    body = "".join(f"<tr><td><code>{_e(r['knob'])}</code></td>"
+                   f"<td>{_e('not seen yet' if r.get('unseen') else r.get('from'))}</td><td>{_e(r.get('to'))}</td>"
                    f"<td>{_e(r.get('action') or r.get('remedy'))}</td></tr>" for r in rows)
     to = "stable" if stable else "last tried"
     return f"<table id=\"diff\"><tr><th>knob</th><th>original</th><th>{to}</th><th>remedy</th></tr>{body}</table>"

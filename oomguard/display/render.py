@@ -109,8 +109,13 @@ def diff_table(out: Console, rows: Sequence[dict[str, Any]], title: str = "What 
     for c in ("knob", "original", "stable" if stable else "last tried", "remedy"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["knob"], _v(r["from"], r["knob"]), _v(r["to"]), r.get("action") or r.get("remedy") or "")
+        t.add_row(r["knob"], NOT_SEEN if r.get("unseen") else _v(r["from"], r["knob"]), _v(r["to"]),
+                  r.get("action") or r.get("remedy") or "")
     out.print(t)
+
+
+# the original value of a knob the command never said (it stopped before the point that sets it)
+NOT_SEEN = "not seen yet"
 
 
 def _v(v: Any, knob: str = "") -> str:

@@ -193,7 +193,7 @@ class Launcher:
         self._said_later(events, plan.overrides)
         broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
         if attempt.outcome == Outcome.FAILED and broke is not None:
-            attempt.override_error = {"where": broke.where, "error": broke.error}
+            attempt.override_error = {"where": broke.where, "error": broke.error, "overrides": list(broke.overrides)}
         self.conductor.record(attempt, diag)
         return attempt, diag
 

@@ -49,7 +49,7 @@ def take_events(conductor: Conductor, events: Sequence[ChildEvent], *, sized_by_
     for ev in events:
         if isinstance(ev, CodeSeen):
             reached.add(ev.point)
-            c.observe(ev.observed)
+            c.observe(ev.observed, point=ev.point)
             c.resolve(ev.resolved)
             facts = facts.replace(**_known_facts(ev.facts, warn))
             if ev.world_size:

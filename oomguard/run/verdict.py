@@ -62,6 +62,9 @@ def conclude(last: Attempt | None, climb: Climb, *, signum: int | None = None, r
     if last.outcome == Outcome.OK or (last.outcome != Outcome.FAILED and climb.verified and climb.exhausted is None):
         return "exhausted", EXIT_EXHAUSTED, (f"a config fits (its probe passed), but the budget ({budget}) ran out "
                                              "before the run (no lock written): raise it to train")
+    if last.outcome == Outcome.FAILED and last.override_error is not None and climb.exhausted is not None:
+        # oomguard's own override broke it, and taking that rung back left none that can help: not the script's failure
+        return "exhausted", EXIT_EXHAUSTED, f"the ladder is used up: no rung left that can help ({last.note})"
     if last.outcome == Outcome.FAILED and last.unmet:  # a replay stopped before training: the lock is not what runs
         return "failed", EXIT_LOCK_UNMET, last.note or "the training process does not run the lock's config"
     if last.outcome == Outcome.FAILED:

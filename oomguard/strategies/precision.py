@@ -221,12 +221,14 @@ class Load4bit(Remedy):
     params = lora_params()
 
     def describe_change(self, user: Knobs, final: Knobs, world_size: int = 1) -> str:
-        lora = "" if user.lora_r else f" and LoRA r={final.lora_r} instead of a full fine-tune"
+        lora = "" if user.lora_r or not final.lora_r else f" and LoRA r={final.lora_r} instead of a full fine-tune"
         return f"a 4-bit base model{lora}"
 
     def blocked(self, ctx: Context) -> str | None:
         if ctx.value("load_in_4bit"):
             return "already in force"
+        if ctx.facts.cannot_load_4bit:
+            return ctx.facts.cannot_load_4bit
         if ctx.value("use_vllm") and ctx.value("vllm_mode") == "colocate" and ctx.facts.vllm_platform == "cpu":
             return "vLLM's CPU build has no bitsandbytes quantisation, which TRL asks of vLLM for a 4-bit model"
         if ctx.facts.model_source == "instance":
@@ -237,7 +239,11 @@ class Load4bit(Remedy):
 
     def apply(self, ctx: Context) -> Knobs:
         changes: dict[str, object] = {"load_in_4bit": True}
-        if not ctx.value("lora_r"):
+        # LoRA comes with it only for a full fine-tune: never over the script's own LoRA, nor, where the script's
+        # loader prepares the model for a LoRA it adds after it (Unsloth's), before that LoRA could be seen (the run
+        # stopped before its trainer was built)
+        unseen = ctx.facts.load_takes_4bit and ctx.facts.model_source is None
+        if not ctx.value("lora_r") and not unseen:
             changes.update(lora_r=int(self.p["r"]), lora_alpha=int(self.p["alpha"]),
                            lora_target_modules=self.p["target_modules"])
         if ctx.value("dtype") == "float32":

@@ -52,6 +52,10 @@ class RunFacts:
     # the script's own loader takes load_in_4bit and prepares the model for the LoRA it adds after (Unsloth's
     # FastLanguageModel): a 4-bit load reaches a script that passes its own PEFT model
     load_takes_4bit: bool = False
+    # why the script's loader loads no 4-bit weights on this machine (Unsloth's CPU backend where bitsandbytes' CPU
+    # 4-bit does not run: it loads 16-bit weights instead), reported when the stack is imported: the 4-bit rung is not
+    # offered; None: it can, or nothing says otherwise
+    cannot_load_4bit: str | None = None
     # the training process computes on a CUDA device with Triton importable: GPU kernels such as Liger's can run
     # (None: not known; False on the CPU and on the simulated device)
     gpu_kernels: bool | None = None

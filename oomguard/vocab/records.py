@@ -198,7 +198,7 @@ class RunReport:
 
     status: str  # stable | leaked | exhausted | failed | interrupted
     attempts: list[Attempt]
-    original: dict[str, Any]
+    original: dict[str, Any]  # the command's own values; null where it never said one (``unseen``)
     stable: dict[str, Any] | None
     diff: list[dict[str, Any]]
     command: list[str] = field(default_factory=list)
@@ -218,6 +218,9 @@ class RunReport:
     # one line each: what the user should know that is not an OOM (a config whose weights cannot move, a patch of
     # oomguard's that failed)
     warnings: list[str] = field(default_factory=list, metadata={"omit": True})
+    # the knobs whose value the command never said (it stopped before the construction point that sets them: a load
+    # stopped before GRPOConfig exists): null in ``original``, not TRL's defaults
+    unseen: list[str] = field(default_factory=list, metadata={"omit": True})
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": REPORT_SCHEMA, **to_fields(self)}

@@ -9,7 +9,8 @@ MLP (~16M parameters), so weights, gradients and AdamW state are ~95% of its pea
 weights-heavy scenario, where the optimizer and LoRA rungs matter and shorter sequences barely do; ``deep`` is 16
 thin layers (~11M parameters), where ZeRO-3's whole-model gather for generation is what a rank runs out of; ``long`` is
 ``tiny`` with a 64k context window, as released models have (tests/test_vllm.py: vLLM holds one sequence of it);
-``kv`` is 16 layers of hidden 128 without GQA, whose generation batch is what runs out.
+``kv`` is 16 layers of hidden 128 without GQA, whose generation batch is what runs out; ``qwen_wide`` a Qwen2 of hidden
+512 whose ms-swift and Unsloth GRPO peaks are tens of MiB.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a Qwen2 with ChatML specials, as ms-swift's `qwen` template writes prompts, and a vocabulary padded to 16k as
     # released models pad theirs: its logits, not its weights, make its GRPO peak (tests/test_swift.py)
     "qwen": {"arch": "qwen2", "padded_vocab": 16384},
+    # a Qwen2 twice as wide (hidden 512, a 1536 MLP) with its own small vocabulary: 12.7M parameters, so ms-swift's and
+    # Unsloth's GRPO peaks on it are 60 to 100 MiB, and half of one is a budget of tens of MiB (issue 49), not the few
+    # MiB above the weights where the allocator's blocks decide (tests/test_swift.py, tests/test_unsloth.py)
+    "qwen_wide": {"arch": "qwen2", "hidden": 512, "intermediate": 1536},
     # many layers of few parameters without GQA: its KV cache per token is large against its weights, so the rows it
     # generates at once, not its training micro-batch, make its GRPO peak (tests/test_generation_rounds.py)
     "kv": {"hidden": 128, "layers": 16, "intermediate": 256, "heads": 4, "kv_heads": 4},

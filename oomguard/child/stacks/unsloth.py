@@ -4,14 +4,19 @@ own LoRA set-up and, depending on the device, its own LM head or its own trainer
 A notebook loads and adapts the model before any GRPOConfig exists, so this adapter patches Unsloth's loader, in the
 training process (unsloth 2026.x, CPU backend and GPU path alike):
 
-- ``FastLanguageModel.from_pretrained`` (and ``FastModel``'s): the loader's knobs. Recorded as oomguard's once the
-  model is loaded (``load_in_4bit`` from the model itself: Unsloth's CPU backend falls back to 16-bit where
-  bitsandbytes cannot run; ``fast_inference`` as a colocated vLLM with ``gpu_memory_utilization`` and
-  ``max_seq_length``), and set where Unsloth reads them: ``load_in_4bit`` (never with ``full_finetuning``),
-  ``dtype``, ``gpu_memory_utilization`` and ``max_seq_length`` for its vLLM, ``max_lora_rank`` raised to a LoRA rank
-  oomguard sets.
-- ``FastLanguageModel.get_peft_model``: ``use_gradient_checkpointing`` set from oomguard's checkpointing knob. The
-  rank, targets and checkpointing it applies are read from the model the trainer receives (``patches``).
+- ``FastLanguageModel.from_pretrained`` (and ``FastModel``'s): the loader's knobs. The notebook's own are read from
+  its arguments and said before anything loads (``load_in_4bit`` as asked, ``dtype`` where it names one,
+  ``fast_inference`` as a colocated vLLM with ``gpu_memory_utilization`` and ``max_seq_length``), so a pre-flight
+  stop of the load keeps them; once loaded, what Unsloth built instead (its CPU backend falls back to 16-bit where
+  bitsandbytes cannot run; ``dtype=None`` is the device's) is what the command runs (:func:`loaded`). oomguard's are
+  set where Unsloth reads them: ``load_in_4bit`` (never with ``full_finetuning``), ``dtype``,
+  ``gpu_memory_utilization`` and ``max_seq_length`` for its vLLM, ``max_lora_rank`` raised to a LoRA rank oomguard
+  sets; an error the loader raises while one of them is in force is oomguard's (``patching.overrides_reported``: the
+  rung is taken back). Where the loader cannot load 4-bit weights here, the adapter says so when Unsloth is imported
+  (:func:`cannot_load_4bit`), and the 4-bit rung is not offered.
+- ``FastLanguageModel.get_peft_model``: the notebook's LoRA (rank, alpha, targets) and checkpointing read where it
+  passes them, and never replaced (a LoRA rung applies to a full fine-tune only); ``use_gradient_checkpointing`` set
+  from oomguard's checkpointing knob.
 - The trainer: the GRPOTrainer patch follows whatever class ``trl.GRPOTrainer`` names (``trainer.watch_rebinding``):
   on a GPU Unsloth binds a class it generates into ``unsloth_compiled_cache/``, a rewritten copy of TRL's.
 - :func:`facts`, asked once the trainer is built: the LM head the memory model must count. On Unsloth's CPU backend
@@ -33,11 +38,17 @@ from typing import Any
 from ...vocab.events import CodeSeen
 from ...vocab.stacks.spelling import Code
 from ...vocab.stacks.unsloth import GENERATED_TRAINER, LOADER, PEFT, UNSLOTH
+from .. import ran
 from ..runtime import Runtime
 
 STACK = "unsloth"
 # reported as soon as Unsloth is imported: its loader quantises and prepares a model for the LoRA added after it
 LOADER_FACTS = {"stack": STACK, "load_takes_4bit": True}
+CPU_NO_4BIT = ("Unsloth's CPU backend loads 16-bit weights instead, as bitsandbytes' 4-bit does not run on this CPU "
+               "(Unsloth's own check)")
+# who changed a value oomguard set (child/ran.py): the loader, and the notebook's own LoRA
+FELL_BACK = "Unsloth's loader loaded 16-bit weights instead of the 4-bit load asked of it"
+LORA_KNOBS = ("lora_r", "lora_alpha", "lora_target_modules")
 # the modules whose import loads this adapter's patches (the bootstrap reads these tables)
 TRIGGERS = {"unsloth": "patch_unsloth"}
 SIMULATED_TRIGGERS: dict[str, str] = {}
@@ -48,17 +59,29 @@ LOADERS = ("FastLanguageModel", "FastModel", "FastTextModel")
 
 
 def observed_loader(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """oomguard's knobs in the arguments of ``from_pretrained`` (defaults filled): a colocated vLLM when
-    ``fast_inference``. ``load_in_4bit`` and ``dtype`` are read from the loaded model instead (:func:`observed_model`).
+    """The notebook's own knobs in the arguments of ``from_pretrained`` (defaults filled): the 4-bit load it asks for,
+    its dtype where it names one, and a colocated vLLM when ``fast_inference``. Read before anything loads, so that a
+    pre-flight stop of the load keeps them.
 
-    >>> observed_loader({"fast_inference": True, "gpu_memory_utilization": 0.6, "max_seq_length": 1024})
-    {'use_vllm': True, 'vllm_mode': 'colocate', 'vllm_gpu_memory_utilization': 0.6, 'vllm_max_model_length': 1024}
-    >>> observed_loader({"fast_inference": False, "max_seq_length": 1024})
-    {}
+    >>> observed_loader({"load_in_4bit": False, "dtype": None, "fast_inference": True, "gpu_memory_utilization": 0.6,
+    ...                  "max_seq_length": 1024})
+    {'use_vllm': True, 'vllm_mode': 'colocate', 'load_in_4bit': False, 'vllm_gpu_memory_utilization': 0.6, \
+'vllm_max_model_length': 1024}
+    >>> observed_loader({"load_in_4bit": True, "dtype": "torch.bfloat16", "fast_inference": False, "max_seq_length": 1024})
+    {'load_in_4bit': True, 'dtype': 'bfloat16'}
     """
-    if not kwargs.get("fast_inference"):
-        return {}
-    return {"use_vllm": True, "vllm_mode": "colocate", **UNSLOTH.observe(kwargs, point=LOADER)}
+    vllm = {"use_vllm": True, "vllm_mode": "colocate"} if kwargs.get("fast_inference") else {}
+    return {**vllm, **UNSLOTH.observe(kwargs, point=LOADER)}
+
+
+def observed_peft(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The notebook's own LoRA and checkpointing in the arguments of ``get_peft_model`` (defaults filled).
+
+    >>> observed_peft({"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"],
+    ...                "use_gradient_checkpointing": "unsloth"})
+    {'gradient_checkpointing': True, 'lora_r': 8, 'lora_alpha': 16, 'lora_target_modules': ('q_proj', 'v_proj')}
+    """
+    return UNSLOTH.observe(kwargs, point=PEFT)
 
 
 def observed_model(model: Any) -> dict[str, Any]:
@@ -79,19 +102,45 @@ def observed_model(model: Any) -> dict[str, Any]:
     return out
 
 
-def apply_loader(rt: Runtime, kwargs: dict[str, Any]) -> None:
+def loaded(rt: Runtime, asked: dict[str, Any], model: Any) -> None:
+    """After the loader returned: what it built where the notebook left it to the loader (dtype=None), and what it
+    built instead of what the notebook asked (a 4-bit load Unsloth's CPU backend falls back from), as the values the
+    command runs (``Runtime.resolve``); a 4-bit load oomguard set that the loader did not make, as a value the process
+    runs instead (``child/ran.py``). Neither where oomguard set the knob: the model then says oomguard's, not the
+    notebook's."""
+    built = observed_model(model)
+    ov = rt.overrides
+    if ov.dtype is None and not ov.load_in_4bit and "dtype" in built:
+        rt.observe({"dtype": built["dtype"]})
+    if asked.get("load_in_4bit") and not built["load_in_4bit"]:
+        rt.resolve({"load_in_4bit": False})
+    if ov.load_in_4bit and not built["load_in_4bit"]:
+        rt.runs_instead({"load_in_4bit": False}, FELL_BACK)
+
+
+def apply_loader(rt: Runtime, kwargs: dict[str, Any]) -> list[str]:
     """oomguard's knobs, set in ``from_pretrained``'s arguments where Unsloth reads them (the notebook's spelling,
     ``oomguard/vocab/stacks/unsloth.py``): the 4-bit load (never with a full fine-tune), the dtype, and with
-    ``fast_inference`` its vLLM's share of the GPU and context, with LoRA slots that hold the rank oomguard trains."""
+    ``fast_inference`` its vLLM's share of the GPU and context, with LoRA slots that hold the rank oomguard trains.
+    Returns the knobs it set (those an error of the loader's is taken for: ``patching.overrides_reported``)."""
     ov = rt.overrides
-    _resolve(kwargs, UNSLOTH.apply(ov, kwargs, point=LOADER))
+    done = UNSLOTH.apply(ov, kwargs, point=LOADER)
+    _resolve(kwargs, done)
     if kwargs.get("fast_inference") and ov.lora_r and int(kwargs.get("max_lora_rank") or 0) < int(ov.lora_r):
         kwargs["max_lora_rank"] = int(ov.lora_r)  # vLLM's LoRA slots must hold the rank oomguard trains
+        done["max_lora_rank"] = ov.lora_r
+    return _knobs_of(done)
 
 
 def apply_peft(rt: Runtime, kwargs: dict[str, Any]) -> None:
     """oomguard's checkpointing knob, set in ``get_peft_model``'s arguments (``use_gradient_checkpointing``)."""
     _resolve(kwargs, UNSLOTH.apply(rt.overrides, kwargs, point=PEFT))
+
+
+def _knobs_of(args: dict[str, Any]) -> list[str]:
+    """The knobs whose spellings set ``args`` (``max_lora_rank`` is the LoRA rank's: vLLM's slots for it)."""
+    out = {k for s in UNSLOTH.spellings if s.point == LOADER and set(s.args) & set(args) for k in s.knobs}
+    return sorted(out | ({"lora_r"} if "max_lora_rank" in args else set()))
 
 
 def _resolve(kwargs: dict[str, Any], done: dict[str, Any]) -> None:
@@ -108,7 +157,7 @@ def patch_unsloth(rt: Runtime, module: Any) -> None:
     from ..patching import set_attr
 
     rt.stack_facts.append(facts)
-    rt.emit(CodeSeen(point="facts", facts=dict(LOADER_FACTS)))
+    rt.emit(CodeSeen(point="facts", facts=loader_facts()))
     seen: set[int] = set()
     for name in LOADERS:
         cls = getattr(module, name, None)
@@ -126,14 +175,22 @@ def _from_pretrained(rt: Runtime, orig: Any) -> Any:
 
     @functools.wraps(orig)
     def from_pretrained(*args: Any, **kwargs: Any) -> Any:
-        full = _with_defaults(sig, args, kwargs)
-        rt.observe(observed_loader(full))
-        apply_loader(rt, kwargs)
-        out = orig(*args, **kwargs)
-        model = out[0] if isinstance(out, tuple) else out
-        if rt.overrides.load_in_4bit is None and rt.overrides.dtype is None:
-            rt.observe(observed_model(model))
-        rt.emit(CodeSeen(point="facts", facts=dict(LOADER_FACTS), observed=dict(rt.observed)))
+        from ..patching import overrides_reported
+
+        asked = observed_loader(_with_defaults(sig, args, kwargs))
+        rt.observe(asked)
+        applied = apply_loader(rt, kwargs)
+        # said before anything loads: a pre-flight stop of the load (or an OOM in it) keeps the notebook's own values
+        rt.emit(CodeSeen(point="facts", facts=loader_facts(), observed=dict(rt.observed)))
+        rt.loader = LOADER
+        try:
+            with overrides_reported(rt, f"Unsloth's {LOADER}", applied):
+                out = orig(*args, **kwargs)
+        finally:
+            rt.loader = None
+        loaded(rt, asked, out[0] if isinstance(out, tuple) else out)
+        rt.emit(CodeSeen(point="facts", facts=loader_facts(), observed=dict(rt.observed), resolved=dict(rt.resolved)))
+        ran.report(rt)  # a replayed lock's 4-bit load the loader did not make stops here
         return out
 
     from_pretrained._oomguard = True  # type: ignore[attr-defined]
@@ -141,10 +198,18 @@ def _from_pretrained(rt: Runtime, orig: Any) -> Any:
 
 
 def _get_peft_model(rt: Runtime, orig: Any) -> Any:
+    sig = _signature(orig)
+
     @functools.wraps(orig)
     def get_peft_model(*args: Any, **kwargs: Any) -> Any:
+        own = observed_peft(_with_defaults(sig, args, kwargs))
+        rt.observe(own)
         apply_peft(rt, kwargs)
-        return orig(*args, **kwargs)
+        # the notebook's own LoRA trains, never oomguard's (whose rung applies to a full fine-tune only)
+        rt.runs_instead({k: v for k, v in own.items() if k in LORA_KNOBS}, ran.OWN_PEFT)
+        out = orig(*args, **kwargs)
+        rt.emit(CodeSeen(point="facts", observed=dict(rt.observed)))
+        return out
 
     get_peft_model._oomguard = True  # type: ignore[attr-defined]
     return get_peft_model
@@ -171,6 +236,31 @@ def _with_defaults(sig: inspect.Signature | None, args: tuple[Any, ...], kwargs:
     return out
 
 
+def loader_facts() -> dict[str, Any]:
+    """What the loader itself tells the memory model and the ladder, known as soon as Unsloth is imported: it quantises
+    and prepares a model for the LoRA added after it (``load_takes_4bit``), and where it cannot load 4-bit weights on
+    this machine, why (``cannot_load_4bit``: the 4-bit rung is then not offered)."""
+    why = cannot_load_4bit()
+    return {**LOADER_FACTS, **({"cannot_load_4bit": why} if why else {})}
+
+
+def cannot_load_4bit() -> str | None:
+    """Why Unsloth's loader loads no 4-bit weights here, or None: on a machine without CUDA its CPU backend loads 16-bit
+    weights instead where bitsandbytes' CPU 4-bit does not run (Unsloth's own check, a 4-bit layer's forward and
+    backward; ``UNSLOTH_CPU_LOAD_IN_4BIT=0`` turns it off)."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_available():
+        return None
+    try:
+        from unsloth_zoo.cpu.runtime import cpu_bnb_4bit_supported
+
+        if cpu_bnb_4bit_supported():
+            return None
+    except Exception:  # another Unsloth: nothing known either way
+        return None
+    return CPU_NO_4BIT
+
+
 def generated(trainer: Any) -> bool:
     """The trainer is a class Unsloth generated (``UnslothGRPOTrainer``), not TRL's GRPOTrainer or a subclass."""
     return not any(c.__module__.startswith("trl.") and c.__name__ == "GRPOTrainer" for c in type(trainer).__mro__)
@@ -186,7 +276,7 @@ def cpu_head() -> bool:
 def facts(trainer: Any = None) -> dict[str, Any]:
     """What Unsloth changes that the memory model must know, once the trainer is built (``trainer``; None: the
     process's routing alone)."""
-    out: dict[str, Any] = dict(LOADER_FACTS)
+    out: dict[str, Any] = loader_facts()
     if trainer is not None and generated(trainer):
         out["stack_untested"] = GENERATED_TRAINER
     elif cpu_head() and _on_cpu(trainer):
@@ -204,5 +294,5 @@ def _on_cpu(trainer: Any) -> bool:
         return True
 
 
-__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "apply_peft", "facts", "observed_loader",
-           "patch_unsloth"]
+__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "apply_peft", "cannot_load_4bit", "facts",
+           "loaded", "loader_facts", "observed_loader", "observed_peft", "patch_unsloth"]

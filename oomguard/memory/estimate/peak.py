@@ -236,14 +236,17 @@ def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | No
                simulated: bool = False, context: int | None = None, keeps_dtype_4bit: bool = False,
                keep_mxfp4: bool = False) -> int:
     """Device bytes once ``from_pretrained`` has placed the weights: the context outside the allocator plus the
-    stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists.
+    stored weights in the load's dtype (NF4 projections under a 4-bit load), before any training memory exists; on the
+    simulated device, as its caching allocator reserves them (:func:`placed_bytes`: whole segments, rounded blocks).
 
     Every phase of the step holds at least this, so it is the floor a pre-flight can judge before anything loads,
     from the checkpoint's config alone. (LoRA adapters are created after the load and are not counted.)
 
     >>> tiny = ModelSpec(2048, 256, 4, 8, 2, 32, 1024, True)
-    >>> load_bytes(tiny, Knobs(dtype="float32"), simulated=True) == 4 * tiny.params
+    >>> load_bytes(tiny, Knobs(dtype="float32")) - int(Coefficients().m_ctx) == 4 * tiny.params
     True
+    >>> load_bytes(tiny, Knobs(dtype="float32"), simulated=True) // MiB  # 16.5 MiB of weights in 20 MiB segments
+    36
     >>> load_bytes(tiny, Knobs(dtype="float32", load_in_4bit=True, lora_r=8), simulated=True) < 2 * tiny.params
     True
     """
@@ -251,7 +254,28 @@ def load_bytes(spec: ModelSpec, knobs: Knobs, *, coefficients: Coefficients | No
     k = with_trl_defaults(knobs)
     b_w = DTYPE_BYTES[dtype_name(k, spec, keeps_dtype_4bit)]
     ctx = context if context is not None else 0 if simulated else int(co.m_ctx)
-    return ctx + weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit), keep_mxfp4=keep_mxfp4)
+    weights = weight_bytes(spec, b_w, load_in_4bit=bool(k.load_in_4bit), keep_mxfp4=keep_mxfp4)
+    if simulated and not k.load_in_4bit and not keep_mxfp4:
+        # the simulated device places each weight as the caching allocator does: a model of tens of MiB holds whole
+        # 20 MiB segments and 2 MiB blocks it only partly fills
+        weights = max(weights, placed_bytes([n * b_w for n in spec.param_tensors()],
+                                            expandable=bool(k.expandable_segments)))
+    return ctx + weights
+
+
+def placed_bytes(sizes: list[int], expandable: bool = False) -> int:
+    """What the CUDA caching allocator (``memory.allocmodel``) reserves to place tensors of ``sizes`` bytes one after
+    another, none freed: a load's weights as the device holds them.
+
+    >>> placed_bytes([3 * MiB] * 6) // MiB, placed_bytes([3 * MiB] * 7) // MiB   # 20 MiB segments for 1-10 MiB
+    (20, 40)
+    """
+    from ..allocmodel import AllocatorModel
+
+    m = AllocatorModel(1 << 62, expandable=expandable)
+    for n in sizes:
+        m.malloc(n)
+    return m.reserved
 
 
 def describe(e: Estimate) -> str:

@@ -33,6 +33,25 @@ def _four_bit(a: Any) -> dict[str, Any]:
                                  and not arg(a, "load_in_8bit") and not arg(a, "load_in_16bit"))}
 
 
+def _dtype(a: Any) -> dict[str, Any]:
+    """The dtype the notebook asks for; None and "auto" leave it to the loader (read on the model it loads).
+
+    >>> _dtype({"dtype": "torch.bfloat16"}), _dtype({"dtype": None}), _dtype({"dtype": "auto"})
+    ({'dtype': 'bfloat16'}, {}, {})
+    """
+    d = arg(a, "dtype")
+    name = str(d).replace("torch.", "") if d is not None else None
+    return {"dtype": name} if name not in (None, "auto") else {}
+
+
+def _targets(a: Any) -> dict[str, Any]:
+    """The modules the notebook's LoRA adapts: a name (``all-linear``), or the names sorted, as PEFT keeps them."""
+    tm = arg(a, "target_modules")
+    if isinstance(tm, str):
+        return {"lora_target_modules": tm}
+    return {"lora_target_modules": tuple(sorted(map(str, tm)))} if tm else {}
+
+
 def _number(name: str, knob: str, kind: type) -> Any:
     def read(a: Any) -> dict[str, Any]:
         v = arg(a, name)
@@ -43,32 +62,31 @@ def _number(name: str, knob: str, kind: type) -> Any:
 
 
 _OWN = (
-    # load_in_4bit and dtype are observed on the model the loader built (Unsloth's CPU backend falls back to 16-bit)
+    # the loader's own arguments, read where the notebook passes them (before anything loads: a pre-flight stop of the
+    # load keeps them); what the loader then builds instead (Unsloth's CPU backend falls back to 16-bit where
+    # bitsandbytes' 4-bit does not run, dtype=None is the device's 16-bit dtype) is read on the model it returns
     Spelling(("load_in_4bit",), ("load_in_4bit", "load_in_8bit", "load_in_16bit", "full_finetuning"),
              lambda v: {"load_in_4bit": True, "load_in_8bit": False, "load_in_16bit": False, "full_finetuning": False}
-             if v else {"load_in_4bit": False}, _four_bit, LOADER, sets=lambda ov: bool(ov.load_in_4bit),
-             observed=False),  # only ever turned on, and never with a full fine-tune
-    Spelling(("dtype",), ("dtype",), lambda v: {"dtype": Code(f"torch.{v}")},
-             lambda a: {"dtype": str(arg(a, "dtype")).replace("torch.", "")} if arg(a, "dtype") is not None else {},
-             LOADER, sets=lambda ov: ov.dtype not in (None, "auto"), drops=("torch_dtype",), observed=False),
+             if v else {"load_in_4bit": False}, _four_bit, LOADER,
+             sets=lambda ov: bool(ov.load_in_4bit)),  # only ever turned on, and never with a full fine-tune
+    Spelling(("dtype",), ("dtype",), lambda v: {"dtype": Code(f"torch.{v}")}, _dtype, LOADER,
+             sets=lambda ov: ov.dtype not in (None, "auto"), drops=("torch_dtype",)),
     Spelling(("vllm_gpu_memory_utilization",), ("gpu_memory_utilization",),
              lambda v: {"gpu_memory_utilization": float(v)},
              _number("gpu_memory_utilization", "vllm_gpu_memory_utilization", float), LOADER, needs=_VLLM),
     Spelling(("vllm_max_model_length",), ("max_seq_length",), lambda v: {"max_seq_length": int(v)},
              _number("max_seq_length", "vllm_max_model_length", int), LOADER, needs=_VLLM),
-    # get_peft_model: the rank, targets and checkpointing it applies are observed on the model the trainer receives
+    # get_peft_model: the notebook's own LoRA and checkpointing, read where it adds them; oomguard never sets the
+    # rank, alpha or targets there (a LoRA rung applies only to a full fine-tune: the script's LoRA is never replaced)
     Spelling(("gradient_checkpointing",), ("use_gradient_checkpointing",),
              lambda v: {"use_gradient_checkpointing": "unsloth" if v else False},
-             lambda a: {"gradient_checkpointing": bool(arg(a, "use_gradient_checkpointing", "unsloth"))}, PEFT,
-             observed=False),
+             lambda a: {"gradient_checkpointing": bool(arg(a, "use_gradient_checkpointing", "unsloth"))}, PEFT),
     Spelling(("lora_r",), ("r",), lambda v: {"r": int(v)} if v else {}, lambda a: {"lora_r": int(arg(a, "r") or 0)},
-             PEFT, sets=never, observed=False, otherwise=f"no {PEFT} (a full fine-tune)"),
+             PEFT, sets=never, otherwise=f"no {PEFT} (a full fine-tune)"),
     Spelling(("lora_alpha",), ("lora_alpha",), lambda v: {"lora_alpha": int(v)},
-             _number("lora_alpha", "lora_alpha", int), PEFT, sets=never, observed=False),
+             _number("lora_alpha", "lora_alpha", int), PEFT, sets=never),
     Spelling(("lora_target_modules",), ("target_modules",),
-             lambda v: {"target_modules": v if isinstance(v, str) else list(v)},
-             lambda a: {"lora_target_modules": tm if isinstance(tm := arg(a, "target_modules"), str) else tuple(tm)}
-             if arg(a, "target_modules") is not None else {}, PEFT, sets=never, observed=False),
+             lambda v: {"target_modules": v if isinstance(v, str) else list(v)}, _targets, PEFT, sets=never),
 )
 
 
