@@ -11,17 +11,30 @@ where it has one. What the command never said is not claimed as TRL's default: i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs
-from ..vocab.records import RunReport, now_iso
+from ..vocab.records import Attempt, RunReport, now_iso
 from ..vocab.stacks import said_by_knob
-
-if TYPE_CHECKING:
-    from .climb import Climb
+from .ladder import Ladder
 
 
-def climb_report(climb: Climb, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:
+class Ended(Protocol):
+    """What the report reads of a climb (``decide.climb.Climb``)."""
+
+    attempts: list[Attempt]
+    facts: RunFacts
+    started_iso: str
+    ladder: Ladder
+
+    def original(self) -> Knobs: ...
+    def effective(self, without: str | None = None) -> tuple[Knobs, dict[str, str]]: ...
+    def unseen(self) -> list[str]: ...
+    def action(self, name: str, changes: dict[str, Any], who: dict[str, str]) -> str: ...
+
+
+def climb_report(climb: Ended, status: str, message: str, exit_code: int | None, **extra: Any) -> RunReport:
     """``climb``'s report, ending with ``status`` (``stable``, ``exhausted``...), ``message`` and ``exit_code``."""
     original = climb.original()
     final, who = climb.effective()
