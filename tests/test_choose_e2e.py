@@ -62,8 +62,8 @@ def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_neede
     nothing, so it is not worth a launch to undo (--minimize would). Under TRL 0.29-1.14 (materialised logits,
     less memory on the CPU) LoRA alone is chosen, after a probe of the 8-bit optimizer, within the model's wider doubt
     there, runs out (tests/compat.sh runs it there: `core`). Slow: the default run's test above takes the
-    default ladder through the same stop and choice, and test_run_e2e.py's rung tests climb the fastest ladder's
-    rungs."""
+    default ladder through the same stop and choice, and test_run_e2e.py climbs the fastest ladder's rungs (each
+    rung's changes replayed and trained with)."""
     out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64", extra=("--ladder", "fastest"))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])

@@ -57,6 +57,28 @@ def test_oom_seen_only_in_stderr_is_an_oom(tmp_path):
     assert out.returncode == 75 and rep["status"] == "exhausted"
 
 
+def test_the_users_own_expandable_segments_off_is_kept_and_the_cache_rung_reaches_the_next_attempt(tmp_path):
+    """The user runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, and the command runs out of memory to
+    fragmentation: oomguard keeps the user's setting, says so, climbs empty_cache instead, and the next attempt's
+    allocator settings add its large-block limit (1/32 of the 8 GiB device) to the user's own."""
+    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of "
+           "8.00 GiB of which 100.00 MiB is free. Of the allocated memory 6.00 GiB is allocated by PyTorch, and 1.50 GiB "
+           "is reserved by PyTorch but unallocated.")
+    once = tmp_path / "ran-out"
+    code = (f"import os, pathlib, sys\nmarker = pathlib.Path({str(once)!r})\n"
+            f"if not marker.exists():\n    marker.touch(); sys.stderr.write({msg!r} + '\\n'); sys.exit(1)\n"
+            "print('allocator:', os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n")
+    out, rep = run_oomguard(tmp_path, "--ladder", "fastest", "--", sys.executable, "-c", code,
+                            env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
+    first = rep["attempts"][0]
+    assert (first["outcome"], first["oom"]["kind"], first["climbed"]) == ("oom", "fragmentation", "empty_cache")
+    assert "oomguard keeps it" in {s["remedy"]: s["reason"] for s in first["skipped"]}["expandable_segments"]
+    assert "allocator: expandable_segments:False,max_split_size_mb:256\n" in out.stdout
+    assert {r["knob"]: (r["to"], r["remedy"]) for r in rep["diff"]} == {
+        "torch_empty_cache_steps": (1, "empty_cache"), "max_split_size_mb": (256, "empty_cache")}
+
+
 def test_command_not_found_is_one_line(tmp_path):
     out, _ = run_oomguard(tmp_path, "--", "no-such-trainer-cmd")
     assert out.returncode == 127
