@@ -43,7 +43,7 @@ def test_plain_loop_recovers_and_really_releases_memory():
     assert {row["knob"] for row in r.diff} <= {"per_device_train_batch_size", "gradient_accumulation_steps",
                                                 "num_generations", "optim", "gradient_checkpointing"}
     first = r.attempts[0].oom
-    assert first["backend"] == "cuda" and first["phase"] in ("forward", "backward", "optimizer")
+    assert first["backend"] == "cuda" and first["phase"] == "forward"
     from oomguard.child import simulate
 
     assert simulate.device() is None  # the rehearsal device stops with the call

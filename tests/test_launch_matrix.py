@@ -214,7 +214,9 @@ def _oom_scoring(c: Cell) -> None:
 
 def _host_ram(c: Cell) -> None:
     assert c.first["outcome"] == "oom" and c.first["oom"]["kind"] == "host-ram", c.why()
-    assert c.first["climbed"] in (None, *HOST_RUNGS)  # a host rung if one applies, never a GPU one
+    # never a GPU rung; and no host rung applies to these runs (no dataloader workers, nothing offloaded to the CPU):
+    # a host rung climbed after a kill is tests/test_launchers_resume.py's (fewer_workers)
+    assert c.first["climbed"] is None and {s["remedy"] for s in c.first["skipped"]} >= set(HOST_RUNGS), c.why()
 
 
 def _error(c: Cell) -> None:
