@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,30 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def wait_until(ready: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
+    """``ready()``'s first true value, polled every ``every`` seconds; an AssertionError naming ``what`` once
+    ``timeout`` seconds have passed without one. How a test waits for another process: for what it waits for, never
+    for a guessed length of time (a sleep that is enough on an idle machine is not on a loaded one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = ready()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(every)
+
+
+def still_alive(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Those of ``pids`` still alive once ``timeout`` seconds have passed (polled: a killed process may take a moment
+    to die; at once when all are gone)."""
+    try:
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout, "gone")
+    except AssertionError:
+        pass
+    return [p for p in pids if pid_alive(p)]
 
 
 def model_from_env(chosen: str | None, fallback: Callable[[], str]) -> str:

@@ -266,7 +266,7 @@ def test_the_cost_key_orders_classes_before_counts(a: str, b: str) -> None:
         cheap_names = [n for n in ORDER if cost_rank(make_remedy(n).cost) <= cost_rank(rb.cost)]
         many = CostPreference.of([Rung(make_remedy(n)) for n in {*cheap_names, a}], ORDER, USER)
         assert many.key(cheap_names, USER) < many.key([a], USER)
-    assert COST_CLASSES.index(ra.cost) >= 0 and pref.key([], USER) <= pref.key([a], USER)
+    assert ra.cost in COST_CLASSES and pref.key([], USER) <= pref.key([a], USER)
 
 
 def test_when_a_chosen_config_runs_out_of_memory_the_next_choice_is_made_below_the_same_ceiling():

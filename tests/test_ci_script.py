@@ -1,8 +1,11 @@
-"""tests/ci.sh, the test command's stages, run for real over stand-in stages that record what they are asked.
+"""CI's scripts run for real over stand-ins that record what they are asked: .ci/run, tests/ci.sh (the test command's
+stages) and tests/compat.sh (the oldest TRL's).
 
-What CI relies on: every environment is built (in the background, while the main suite runs), each one's tests run
-only once it is built, a failed build or a failed suite fails CI with the build's log, nothing of the background build
-outlives CI, and CI=1 reaches the tests (a test that needs Chromium then fails instead of skipping).
+What CI relies on: a clean clone is set up as the README says and then runs the stages, every environment is built
+(in the background, while the main suite runs), each one's tests run only once it is built, a failed build or a failed
+suite fails CI with the build's log, nothing of the background build outlives CI, CI=1 reaches the tests (a test that
+needs Chromium then fails instead of skipping), and the oldest TRL's `core` tests run on the TRL and transformers that
+installing oomguard keeps.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("compat", "vllm", "swift", "unsloth")
@@ -48,6 +52,19 @@ def run_ci(tmp: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
     return out, [" ".join(c.split()[:-1]) for c in calls]
 
 
+def build_left(tmp: Path) -> list[str]:
+    """The stand-in builds (``sleep 30``) of this sandbox still running."""
+    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True).stdout.split()
+    return [p for p in left if str(tmp) in Path(f"/proc/{p}/cwd").resolve().as_posix()]
+
+
+def assert_the_build_was_stopped(tmp: Path) -> None:
+    """Nothing of the 30 s build outlives CI (polled: a killed process may take a moment to die, 10 s at most), and it
+    never finished: it wrote no exit status (a CI that waited for it would have found one)."""
+    wait_until(lambda: not build_left(tmp), 10, "the background build still runs")
+    assert not list((tmp / ".ci-logs").glob("*.rc"))
+
+
 def test_every_environment_is_built_and_its_tests_run_after_the_main_suite(tmp_path):
     out, calls = run_ci(sandbox(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -78,14 +95,9 @@ def test_a_failed_build_fails_ci_with_its_log_and_runs_no_later_stage(tmp_path):
 
 def test_a_failed_main_suite_fails_ci_and_stops_the_background_build(tmp_path):
     tmp = sandbox(tmp_path, fail_suite=True, slow_setup=30)
-    t = time.monotonic()
     out, calls = run_ci(tmp)
     assert out.returncode == 1 and not any(c.endswith("--test") for c in calls)
-    assert time.monotonic() - t < 20  # the 30 s build was stopped, not waited for
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True).stdout.split()
-    mine = [p for p in left if str(tmp) in Path(f"/proc/{p}/cwd").resolve().as_posix()] if left else []
-    assert not mine
+    assert_the_build_was_stopped(tmp)
 
 
 def test_a_main_suite_that_fails_before_the_build_has_its_own_session_still_stops_it(tmp_path):
@@ -96,15 +108,87 @@ def test_a_main_suite_that_fails_before_the_build_has_its_own_session_still_stop
     late.write_text(f"#!{sys.executable}\nimport os, sys, time\ntime.sleep(0.5)\n"
                     f"os.execv({shutil.which('setsid')!r}, ['setsid', *sys.argv[1:]])\n")
     late.chmod(0o755)
-    t = time.monotonic()
     out, calls = run_ci(tmp)
     assert out.returncode == 1 and "python -m pytest -q -m slow or not slow CI=1" in calls
-    assert time.monotonic() - t < 20  # the 30 s build was stopped, not waited for
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in left if str(tmp) in Path(f"/proc/{p}/cwd").resolve().as_posix()]
+    assert_the_build_was_stopped(tmp)
 
 
 @pytest.mark.parametrize("script", ["ci", "compat", "vllm", "swift", "unsloth"])
 def test_the_stage_scripts_are_valid_shell(script):
     assert subprocess.run(["bash", "-n", str(ROOT / "tests" / f"{script}.sh")]).returncode == 0
+
+
+def stand_in(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+
+
+def compat_sandbox(tmp: Path, trl_after_install: str = "0.29.1") -> tuple[dict[str, str], Path]:
+    """An environment for tests/compat.sh whose python records what it is asked: pip reports TRL 0.29.1 and
+    transformers 5.3.0, and ``trl_after_install`` once oomguard is installed."""
+    calls = tmp / "calls"
+    stand_in(tmp / "venv" / "bin" / "python",
+             f'echo "$*" >> {calls}\n'
+             f'if [ "$1 $2 $3" = "-m pip list" ]; then\n'
+             f'  if grep -q -- "-e .\\[all\\]" {calls}; then echo "trl=={trl_after_install}"; else echo "trl==0.29.1"; fi\n'
+             f'  echo "transformers==5.3.0"\nfi')
+    env = {**os.environ, "OOMGUARD_COMPAT_VENV": str(tmp / "venv")}
+    return env, calls
+
+
+def test_compat_runs_the_core_tests_under_the_oldest_trl_kept_by_installing_oomguard(tmp_path):
+    """tests/compat.sh, run for real over a stand-in environment: TRL 0.29.1 and transformers 5.3.0 installed, then
+    oomguard, then the `core` tests without DeepSpeed, and once DeepSpeed is installed, its own `core` tests."""
+    env, calls = compat_sandbox(tmp_path)
+    out = subprocess.run(["bash", str(ROOT / "tests" / "compat.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    asked = calls.read_text().splitlines()
+    first = lambda prefix: next(i for i, c in enumerate(asked) if c.startswith(prefix))  # noqa: E731
+    assert first("-m pip install -q trl==0.29.1 transformers==5.3.0") < first("-m pip install -q -e .[all]")
+    assert first("-m pip install -q -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
+    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-build-isolation --find-links") \
+        < first("-m pytest -q -m core tests/test_deepspeed.py")
+    assert "compat: transformers==5.3.0 trl==0.29.1 kept by pip install -e ." in out.stdout
+
+
+def test_compat_fails_when_installing_oomguard_changes_the_environments_trl(tmp_path):
+    env, calls = compat_sandbox(tmp_path, trl_after_install="1.16.0")
+    out = subprocess.run(["bash", str(ROOT / "tests" / "compat.sh"), "--setup"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1
+    assert ("installing oomguard changed the environment's TRL or transformers: transformers==5.3.0 trl==0.29.1 -> "
+            "transformers==5.3.0 trl==1.16.0") in out.stderr
+    assert "-m pytest" not in calls.read_text()  # no test ran
+
+
+def ci_clone(tmp: Path, fail: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """.ci/run in a stand-in clone: python3 makes a venv whose pip records what it installs (and fails on ``fail``),
+    chromium is there, and tests/ci.sh records that it ran."""
+    calls = tmp / "calls"
+    shutil.copytree(ROOT / ".ci", tmp / ".ci")
+    stand_in(tmp / "tests" / "ci.sh", f'echo "tests/ci.sh $*" >> {calls}')
+    stand_in(tmp / "pip", f'echo "pip $*" >> {calls}\n' + (f'case "$*" in *{fail}*) exit 1 ;; esac' if fail else ""))
+    stand_in(tmp / "bin" / "python3",
+             f'echo "python3 $*" >> {calls}\n'
+             f'mkdir -p "$3/bin" && cp {tmp / "pip"} "$3/bin/pip"\n'
+             'echo "export PATH=\\"$(cd "$3/bin" && pwd):\\$PATH\\"" > "$3/bin/activate"')
+    stand_in(tmp / "bin" / "chromium", "exit 0")
+    env = {**os.environ, "PATH": f"{tmp / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run(["bash", str(tmp / ".ci" / "run")], cwd=tmp, env=env, capture_output=True, text=True,
+                         timeout=60)
+    return out, calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_ci_sets_up_a_clean_clone_as_the_readme_says_then_runs_the_stages(tmp_path):
+    out, calls = ci_clone(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert calls == ["python3 -m venv .venv", "pip install -q torch==2.13.0",
+                     "pip install -q --no-build-isolation deepspeed==0.19.8 einops", "pip install -q -e .[test]",
+                     "tests/ci.sh "]
+
+
+def test_ci_stops_at_a_set_up_step_that_fails(tmp_path):
+    out, calls = ci_clone(tmp_path, fail="deepspeed")
+    assert out.returncode != 0 and calls[-1].startswith("pip install -q --no-build-isolation deepspeed")

@@ -152,7 +152,9 @@ def test_the_per_rank_prediction_under_zero_matches_what_each_rank_measured(row)
     partition, the gradients it gathers per partition and flattens again for the step are what the model once missed
     (ZeRO-2 on the wide model: 175 MiB predicted, 288 measured); ZeRO-3's flat gradient partition, kept in every
     phase, and the gradients it flattens into fp32 for the step (the deep model's SGD run: 14% under before)."""
-    assert _zero_row(row).peak_alloc_bytes == pytest.approx(max(row["peaks"]), rel=0.05)
+    # docs/limitations.md: within 5%, and the stage-only rows within 0.6% (held to 1%)
+    bound = 0.01 if row["name"].endswith("-stage") else 0.05
+    assert _zero_row(row).peak_alloc_bytes == pytest.approx(max(row["peaks"]), rel=bound)
 
 
 @pytest.mark.parametrize("row", [r for r in ZERO_ROWS if r["stage"] == 3], ids=lambda r: r["name"])
@@ -162,7 +164,7 @@ def test_the_zero3_generation_phase_matches_what_each_rank_measured_with_and_wit
     DeepSpeed's prefetcher holds at once (half of the deep model, all of the one-layer wide one, one submodule's
     with the prefetch off)."""
     measured = max(p["generation"] for p in row["phases"])
-    assert _zero_row(row).phases["generation"] == pytest.approx(measured, rel=0.03)
+    assert _zero_row(row).phases["generation"] == pytest.approx(measured, rel=0.02)  # docs/limitations.md: 1.8%
 
 
 # -- ZeRO-3 and generation -------------------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ def rows() -> list:
     return [(row_config(r), r) for r in load_rows(FIXTURES / "calibration.jsonl").values()]
 
 
+# Each bound is the figure docs/concepts/memory-model.md gives ("Fitted to a real H100"), rounded up to the next half
+# point: a regression past it fails here before the docs are wrong.
+
+
 def abs_stats(values: list[float]) -> tuple[float, float]:
     a = [abs(v) for v in values]
     return statistics.median(a), max(a)
@@ -53,7 +57,7 @@ def test_fixture_holds_all_rows():
 def test_allocated_peak_on_every_row():
     errs = errors(rows(), Coefficients(), 80 * 2**30)["alloc"]
     median, worst = abs_stats(errs)
-    assert median <= 3.0 and worst <= 8.0, [round(e, 1) for e in errs]
+    assert median <= 1.0 and worst <= 5.0, [round(e, 1) for e in errs]  # documented: 0.8% / 4.7%
 
 
 def test_reserved_and_device_peak_on_every_row():
@@ -61,7 +65,7 @@ def test_reserved_and_device_peak_on_every_row():
     errs = errors(rows(), co, 80 * 2**30)
     # reserved: the device prediction without the context
     median, worst = abs_stats(errs["reserved"])
-    assert median <= 5.0 and worst <= 10.0, [round(e, 1) for e in errs["reserved"]]
+    assert median <= 2.0 and worst <= 6.5, [round(e, 1) for e in errs["reserved"]]  # documented: 1.9% / 6.4%
     # device use = reserved + this process's context; the rows' own contexts counted other processes
     dev = []
     for c, r in rows():
@@ -69,7 +73,7 @@ def test_reserved_and_device_peak_on_every_row():
         measured = r["peak_reserved"] + CRASH_CONTEXT
         dev.append(100 * (e.peak_bytes - measured) / measured)
     median, worst = abs_stats(dev)
-    assert median <= 5.0 and worst <= 10.0, [round(e, 1) for e in dev]
+    assert median <= 2.0 and worst <= 6.5, [round(e, 1) for e in dev]  # documented: 1.7% / 6.0%
 
 
 def test_fp32_lora_is_not_charged_a_full_bf16_copy():
@@ -112,12 +116,13 @@ def test_run_reports(name, spec, knobs, prompt, attempt):
         # peak (19.13 GiB) is the first step's optimizer phase, which the model predicts to within 1%. The model
         # itself predicts the steady state (state present from step 2 on), which is higher.
         assert attempt["step"] == 1
-        assert e.phases["optimizer"] == pytest.approx(attempt["peak_bytes"], rel=0.01)
+        assert e.phases["optimizer"] == pytest.approx(attempt["peak_bytes"], rel=0.001)  # documented: 0.1%
         assert e.peak_alloc_bytes > attempt["peak_bytes"]
         return
-    assert e.peak_alloc_bytes == pytest.approx(attempt["peak_bytes"], rel=0.03)
+    # documented: within 2% (allocated) and 6% (reserved, always on the safe side)
+    assert e.peak_alloc_bytes == pytest.approx(attempt["peak_bytes"], rel=0.02)
     reserved = e.peak_bytes - Coefficients().m_ctx
-    assert reserved == pytest.approx(attempt["peak_reserved_bytes"], rel=0.08)
+    assert reserved == pytest.approx(attempt["peak_reserved_bytes"], rel=0.06)
     assert reserved >= attempt["peak_reserved_bytes"]  # on these runs the device prediction errs on the safe side
 
 

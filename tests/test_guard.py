@@ -43,7 +43,7 @@ def test_plain_loop_recovers_and_really_releases_memory():
     assert {row["knob"] for row in r.diff} <= {"per_device_train_batch_size", "gradient_accumulation_steps",
                                                 "num_generations", "optim", "gradient_checkpointing"}
     first = r.attempts[0].oom
-    assert first["backend"] == "cuda" and first["phase"] in ("forward", "backward", "optimizer")
+    assert first["backend"] == "cuda" and first["phase"] == "forward"
     from oomguard.child import simulate
 
     assert simulate.device() is None  # the rehearsal device stops with the call
@@ -211,24 +211,28 @@ def test_style_a_grpo_builder_retried_in_process(tiny_model, tmp_path):
     assert trl.GRPOConfig.__post_init__.__module__.startswith("trl")
 
 
-def test_the_guard_stops_at_its_time_budget():
-    """max_time: no new attempt once the budget has passed, however many attempts are left."""
+def test_the_guard_stops_at_its_time_budget(monkeypatch):
+    """max_time: no new attempt once the budget has passed, however many attempts are left. The clock is the test's:
+    the first attempt takes no time, the second two minutes, so exactly two run whatever the machine's load."""
     import time
 
     import oomguard
 
     calls = []
+    real, late = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: real() + late[0])
 
     def slow_oom(knobs):
         calls.append(knobs.per_device_train_batch_size)
-        time.sleep(0.3)
+        if len(calls) == 2:
+            late[0] += 120.0
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 8.00 GiB "
                            "of which 1.00 GiB is free.")
 
-    with pytest.raises(oomguard.OOMGuardExhausted, match=r"\(max_time\)") as e:
-        oomguard.guard(slow_oom, max_attempts=50, max_time=1.0, verbose=False, predict=False)()
-    # the budget, not the ladder, ended it: each attempt takes 0.3 s (more on a loaded machine)
-    assert 1 <= len(calls) <= 4 and e.value.report.status == "exhausted"
-    assert len(e.value.report.attempts) == len(calls)
+    with pytest.raises(oomguard.OOMGuardExhausted, match=r"after 2 attempt\(s\) and 60 s \(max_time\)") as e:
+        oomguard.guard(slow_oom, max_attempts=50, max_time=60, verbose=False, predict=False)()
+    # the budget, not the ladder, ended it
+    assert len(calls) == 2 and e.value.report.status == "exhausted"
+    assert len(e.value.report.attempts) == 2
     with pytest.raises(ValueError, match="max_time"):
         oomguard.guard(slow_oom, max_time=0)

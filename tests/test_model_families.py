@@ -270,12 +270,15 @@ def test_image_tokens_and_the_pixel_budget(tmp_path):
 
 # -- measured rows ----------------------------------------------------------------------------------------------------
 
-# Each fixture: TRL's release, its rows, and the error each row's prediction stays within (over, under) with the median
-# bound. TRL 1.16 with transformers 5.24, which the model follows: 5% and 2%, issue 41's bounds. TRL 0.29.1 with
-# transformers 5.3.0 (the logits LM head, and 5.3's own modeling code: its DeepSeek caches the expanded keys and values,
-# not the latent): within +8% / -7%, the median within 2%; three rows cannot train there (docs/limitations.md).
-FAMILY_ROWS = {"1.16": (ROWS, 0.05, 0.05, ()),
-               "0.29.1": (FIXTURES / "families" / "cpu-rows-trl-0.29.1.json", 0.08, 0.07,
+# Each fixture: TRL's release, its rows, the error each row's prediction stays within (over, under), the bound of the
+# median error, and the rows that cannot train. The bounds are the measured figures the docs give (docs/concepts/
+# memory-model.md, docs/limitations.md, docs/benchmarks.md), rounded up to the next half point: a regression past
+# them fails here before the docs are wrong. TRL 1.16 with transformers 5.24, which the model follows: at worst -2.2%
+# (+0.4% over), median 0.8%: held to 2.5% and 1%. TRL 0.29.1 with transformers 5.3.0 (the logits LM head, and 5.3's own
+# modeling code: its DeepSeek caches the expanded keys and values, not the latent): +7.5% / -6.7%, median 1.6%: held
+# to +7.5% / -7% and 2%; three rows cannot train there.
+FAMILY_ROWS = {"1.16": (ROWS, 0.025, 0.025, 0.01, ()),
+               "0.29.1": (FIXTURES / "families" / "cpu-rows-trl-0.29.1.json", 0.075, 0.07, 0.02,
                           ("moe-mixed-full-c256", "deepseek-lora16", "moe-mixed-nogc-b8"))}
 
 
@@ -284,12 +287,12 @@ def test_measured_rows_of_each_family(release):
     """``python bench/family_calibrate.py --json tests/fixtures/families/cpu-rows.json`` (TRL 1.16, transformers
     5.24, the simulated device), and the same under TRL 0.29.1 in tests/compat.sh's environment (``--json
     tests/fixtures/families/cpu-rows-trl-0.29.1.json``): each prediction within the release's bounds of the measured
-    peak (``FAMILY_ROWS``), the median within 2%; the rows that cannot train under a release are the ones named."""
+    peak (``FAMILY_ROWS``), and the median; the rows that cannot train under a release are the ones named."""
     sys.path.insert(0, str(BENCH))
     from cpu_calibrate import Config
     from family_calibrate import images, knobs
 
-    path, over, under, failing = FAMILY_ROWS[release]
+    path, over, under, median, failing = FAMILY_ROWS[release]
     rows = json.loads(path.read_text())
     assert {r["arch"]["model_type"] for r in rows} >= {"qwen3", "qwen3_moe", "gpt_oss", "gemma3_text",
                                                        "qwen2_5_vl", "deepseek_v3"}
@@ -309,7 +312,7 @@ def test_measured_rows_of_each_family(release):
             assert r["prompt_tokens"] == [est_prompt := text + image_tokens(spec.vision, images(cfg))], est_prompt
         errors[cfg.name] = (est.peak_alloc_bytes - r["peak"]) / r["peak"]
     assert all(-under <= e <= over for e in errors.values()), errors
-    assert statistics.median(abs(e) for e in errors.values()) <= 0.02, errors
+    assert statistics.median(abs(e) for e in errors.values()) <= median, errors
 
 
 # -- plan -------------------------------------------------------------------------------------------------------------

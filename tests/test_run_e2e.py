@@ -1,34 +1,41 @@
-"""End to end, with real TRL on CPU and the simulated device: a first attempt runs out of memory, and one rung of
-the fastest ladder (the design card's order, climbed one rung per OOM) makes the run fit. Every rung of the design
-card is covered at least once; the default ladder's own rungs (the micro-batch split, bf16 weights) and its choice
-by cost are covered in tests/test_choose_e2e.py and tests/test_real_cards.py.
+"""End to end, with real TRL on CPU and the simulated device: a lock replayed, the probe's worst case, the guided
+climb; and every rung of the fastest ladder (the design card's order) reaching the training process and training.
 
-The budgets come from `bench/min_budget.py`, which replays each configuration's allocation trace through the
-allocator model: e.g. `--max-completion-length 64` needs 106 MiB without expandable segments and 100 MiB with them,
-and just below 106 MiB its OOM is a fragmentation one. Each test starts from a config where the earlier rungs cannot
-help (a floor reached, already in force, or a diagnosis they do not address), so the rung under test is the first
-climbed.
+Each rung's changes reach the training process and the run trains with them: one launch applies the changes of a
+whole climb to the top of the fastest ladder, as the lock of that climb (its diff names the rung behind each change),
+and the training process says what it ran (its ``ran`` events: the config, model and trainer it built) and what it
+trained with (tests/scripts/grpo_tiny.py's last line: the optimizer's class, the LoRA rank, 4-bit weights, gradient
+checkpointing, the simulated allocator's settings). Two climbs, because two rungs stand in for others: the allocator's
+empty_cache where the user keeps expandable segments off, and a 4-bit load under the script's own LoRA.
 
-The rung-by-rung tests are `slow` (CI runs them; the default run stays within 5 minutes on two cores, and each of
-these costs two launches of real TRL, about 30 s): which rung a diagnosis climbs is tests/test_ladder.py's, every
-ladder step's overrides in TRL's real GRPOConfig tests/test_grpo_config_validity.py's, and a real OOM parsed,
-diagnosed and climbed end to end is the default run's test_probe_finds_the_worst_case_first_and_saves_nothing and
-tests/test_launchers_resume.py's late OOM.
+Until 2026-11-29 each rung had a test of its own (8 `slow` tests, each two launches of real TRL: a first attempt that
+ran out of memory at a budget from ``bench/min_budget.py``, one rung climbed, a second that fit). What each proved is
+now proven by parts:
+- that a rung's overrides reach the training process and it trains with them, and that the diff names the rung:
+  test_every_rung_of_a_climb_reaches_the_training_process_and_trains below (2 launches instead of 16), with
+  test_a_climb_to_the_top_of_the_fastest_ladder_writes_this_lock (the climb behind each lock, in milliseconds);
+- which rung a diagnosis climbs and why the others are passed over (a floor reached, already in force, no
+  fragmentation, the user's own allocator setting): that test and tests/test_ladder.py;
+- every ladder step's overrides in TRL's real GRPOConfig: tests/test_grpo_config_validity.py; each knob class of a
+  lock reaching TRL's real GRPOTrainer and from_pretrained in-process: tests/test_lock_replay.py;
+- a real OOM read, diagnosed and climbed end to end, per process tree: the default run's
+  test_probe_finds_the_worst_case_first_and_saves_nothing (``python``: shorter sequences after a real OOM) and
+  tests/test_launchers_resume.py's test_torchrun_two_ranks_on_the_simulated_device (torchrun's two ranks: fewer
+  generations); the simulated device's own fragmentation OOM read as fragmentation, whose rung is expandable
+  segments: tests/test_simulate.py; the supervisor keeping the user's ``expandable_segments:False`` and climbing
+  empty_cache instead: tests/test_run_process.py.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from helpers import by_head, env_without_launchers, events_of, grpo_tiny, run_oomguard
-
-pytestmark = pytest.mark.e2e
-
-FLOOR = ["--max-completion-length", "64", "--num-generations", "2", "--per-device-train-batch-size", "2"]
+from helpers import by_head, env_without_launchers, events_of, grpo_tiny, run_oomguard, story
 
 
 def grpo(tmp: Path, model: str, budget: str, *args: str, env: dict | None = None,
@@ -39,86 +46,118 @@ def grpo(tmp: Path, model: str, budget: str, *args: str, env: dict | None = None
     return out, rep
 
 
-def assert_rung_fixed_it(out, rep, rung: str):
-    attempts = rep["attempts"]
-    assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
-    assert out.returncode == 0
-    assert attempts[0]["outcome"] == "oom" and attempts[0]["oom"]["is_oom"]
-    assert [a["climbed"] for a in attempts[:-1]] == [rung], [(a["climbed"], a["skipped"]) for a in attempts]
-    assert attempts[-1]["outcome"] == "ok" and rung in attempts[-1]["remedies"]
-    assert any(row["remedy"] == rung for row in rep["diff"])
-    assert "trained 2 steps" in out.stdout
-    return attempts
+@dataclass(frozen=True)
+class Climbed:
+    """A climb to the top of the fastest ladder: the script's flags (tests/scripts/grpo_tiny.py) and the environment
+    it runs in, the values the script sets that the rungs change (what its training process reports), each change
+    with the rung behind it, the rungs passed over with a word of why, and what the run then trains with."""
+
+    script: tuple[str, ...]
+    observed: dict
+    changes: dict  # knob -> (value, rung)
+    passed_over: dict  # rung -> a word of its reason
+    trained_with: str
+    env: dict = field(default_factory=dict)
 
 
+CLIMBS = {
+    # every rung of the design card, from a script that turns checkpointing off
+    "every-rung": Climbed(
+        script=("--max-completion-length", "128", "--no-gradient-checkpointing"),
+        observed={"max_completion_length": 128, "num_generations": 4, "per_device_train_batch_size": 4,
+                  "gradient_checkpointing": False, "optim": "adamw_torch", "dtype": "float32"},
+        changes={"expandable_segments": (True, "expandable_segments"),
+                 "max_completion_length": (64, "shorter_sequences"),
+                 "num_generations": (2, "fewer_generations"), "per_device_train_batch_size": (2, "fewer_generations"),
+                 "gradient_checkpointing": (True, "checkpointing"), "optim": ("adamw_bnb_8bit", "optimizer_8bit"),
+                 "lora_r": (16, "lora"), "lora_alpha": (32, "lora"), "lora_target_modules": ("all-linear", "lora"),
+                 "load_in_4bit": (True, "load_4bit"), "dtype": ("bfloat16", "load_4bit")},
+        passed_over={"empty_cache": "no fragmentation"},
+        trained_with="trained with optimizer=bitsandbytes.AdamW states_8bit=True lora_r=16 weights_4bit=True "
+                     "gradient_checkpointing=True expandable_segments=True max_split_size_mb=None"),
+    # the user keeps expandable segments off, and the script has its own LoRA and 8-bit Adam, at the floors
+    "users-own-allocator-and-lora": Climbed(
+        script=("--max-completion-length", "64", "--num-generations", "2", "--per-device-train-batch-size", "2",
+                "--optim", "adamw_bnb_8bit", "--lora-r", "8"),
+        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+        observed={"max_completion_length": 64, "num_generations": 2, "per_device_train_batch_size": 2,
+                  "gradient_checkpointing": True, "optim": "adamw_bnb_8bit", "dtype": "float32", "lora_r": 8,
+                  "lora_alpha": 16, "lora_target_modules": "all-linear"},
+        changes={"torch_empty_cache_steps": (1, "empty_cache"), "max_split_size_mb": (21, "empty_cache"),
+                 "load_in_4bit": (True, "load_4bit"), "dtype": ("bfloat16", "load_4bit")},
+        passed_over={"expandable_segments": "oomguard keeps it", "shorter_sequences": "floor",
+                     "fewer_generations": "floor", "checkpointing": "already in force",
+                     "optimizer_8bit": "already in force", "lora": "already in force"},
+        trained_with="trained with optimizer=bitsandbytes.AdamW states_8bit=True lora_r=8 weights_4bit=True "
+                     "gradient_checkpointing=True expandable_segments=False max_split_size_mb=21"),
+}
+
+
+@pytest.mark.parametrize("name", list(CLIMBS))
+def test_a_climb_to_the_top_of_the_fastest_ladder_writes_this_lock(name):
+    """The script's config runs out of memory to fragmentation first, then short of memory until the ladder ends:
+    one rung per OOM, each passed-over rung with its reason, and the diff names the rung behind each change (what
+    the lock replayed below carries)."""
+    from oomguard.decide.climb import Climb
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.oom.diagnose import diagnose
+    from oomguard.vocab import allocconf
+    from oomguard.vocab.facts import RunFacts
+    from oomguard.vocab.oomreport import OOMReport
+    from oomguard.vocab.sizes import MiB
+
+    case = CLIMBS[name]
+    # on the 64 MiB device the lock is replayed on (empty_cache keeps blocks of 1/32 of it whole, 21 MiB at least)
+    frag = diagnose(OOMReport("cuda", "allocator", "x", requested=4 * MiB, capacity=64 * MiB, free=1 * MiB,
+                              reserved_unallocated=8 * MiB))
+    short = diagnose(OOMReport("cuda", "allocator", "x", requested=16 * MiB, capacity=64 * MiB, free=4 * MiB,
+                               reserved_unallocated=0), phase="forward")
+    user = allocconf.user_settings(case.env)
+    climb = Climb(load_ladder("fastest"), env_knobs={"expandable_segments": bool(user.expandable_segments)},
+                  facts=RunFacts(alloc_conf_locked=user.locked_text()))
+    climb.observe(case.observed)
+    climbed, skipped, diag = [], {}, frag
+    while not (d := climb.choose_next(diag)).exhausted:
+        climbed += [s.remedy.name for s in d.steps]
+        skipped.update({n: why for n, why in d.skipped.items() if n not in skipped})
+        diag = short
+    rungs = list(dict.fromkeys(rung for _value, rung in case.changes.values()))
+    assert climbed == rungs, skipped
+    for rung, why in case.passed_over.items():
+        assert why in skipped[rung], (rung, skipped[rung])
+    final = climb.effective()[0]
+    assert climb.overrides(final) == {k: v for k, (v, _rung) in case.changes.items()}
+    diff = climb.report("stable", "", 0).diff
+    assert {r["knob"]: (r["to"], r["remedy"]) for r in diff} == case.changes
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
-def test_expandable_segments(tmp_path, tiny_model):
-    out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64")
-    a = assert_rung_fixed_it(out, rep, "expandable_segments")
-    assert a[0]["oom"]["kind"] == "fragmentation"
-    assert rep["diff"] == [{"knob": "expandable_segments", "from": False, "to": True, "remedy": "expandable_segments"}]
+@pytest.mark.parametrize("name", list(CLIMBS))
+def test_every_rung_of_a_climb_reaches_the_training_process_and_trains(tmp_path, tiny_model, name):
+    """The lock of a climb to the top of the fastest ladder, replayed: the training process runs every change (its
+    ``ran`` events), trains with it (the optimizer, LoRA, 4-bit weights, checkpointing, the allocator's settings),
+    and the report's diff names the rung behind each change. What else the 8 per-rung tests this replaced proved:
+    the module's docstring."""
+    case = CLIMBS[name]
+    lock = tmp_path / "climbed.lock.json"
+    lock.write_text(json.dumps({
+        "schema": "oomguard.lock/1", "overrides": {k: v for k, (v, _rung) in case.changes.items()},
+        "original": case.observed, "stable": {**case.observed, **{k: v for k, (v, _rung) in case.changes.items()}},
+        "diff": [{"knob": k, "from": case.observed.get(k), "to": v, "remedy": rung}
+                 for k, (v, rung) in case.changes.items()]}))
+    out, rep = grpo(tmp_path, tiny_model, "64MiB", *case.script, env=case.env,
+                    extra=("--no-probe", "--config", str(lock)))
+    assert rep["status"] == "stable" and out.returncode == 0, (story(rep), out.stderr[-3000:])
+    assert [a["outcome"] for a in rep["attempts"]] == ["ok"], story(rep)
+    ran = [e for e in events_of(tmp_path, 1) if e["event"] == "ran"][-1]["knobs"]
+    in_config = {k: v for k, (v, _rung) in case.changes.items() if k not in ("expandable_segments",
+                                                                              "max_split_size_mb")}
+    assert {k: ran.get(k) for k in in_config} == in_config  # the allocator's two: the line below
+    assert "trained 2 steps" in out.stdout and case.trained_with in out.stdout, out.stdout[-2000:]
+    assert {r["knob"]: (r["to"], r["remedy"]) for r in rep["diff"]} == case.changes
+    assert {k: rep["original"][k] for k in case.observed} == case.observed  # the script's own, as it set them
     assert "What oomguard changed" in out.stderr
-
-
-@pytest.mark.slow
-def test_empty_cache_when_the_user_keeps_expandable_segments_off(tmp_path, tiny_model):
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    out, rep = grpo(tmp_path, tiny_model, "103MiB", "--max-completion-length", "64", env=env)
-    a = assert_rung_fixed_it(out, rep, "empty_cache")
-    assert a[0]["oom"]["kind"] == "fragmentation"
-    assert "oomguard keeps it" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["expandable_segments"]
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"torch_empty_cache_steps": 1, "max_split_size_mb": 21}
-
-
-@pytest.mark.slow
-def test_shorter_sequences(tmp_path, tiny_model):
-    """Slow: test_probe_finds_the_worst_case_first_and_saves_nothing climbs the same rung on a real OOM."""
-    out, rep = grpo(tmp_path, tiny_model, "118MiB", "--max-completion-length", "128")
-    a = assert_rung_fixed_it(out, rep, "shorter_sequences")
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"max_completion_length": 64}
-    assert a[0]["oom"]["kind"] != "fragmentation"
-
-
-@pytest.mark.slow
-def test_fewer_generations(tmp_path, tiny_model):
-    """The same climb under torchrun is test_torchrun_two_ranks_on_the_simulated_device
-    (tests/test_launchers_resume.py)."""
-    out, rep = grpo(tmp_path, tiny_model, "84MiB", "--max-completion-length", "64")
-    a = assert_rung_fixed_it(out, rep, "fewer_generations")
-    assert "floor" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["shorter_sequences"]
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"num_generations": 2, "per_device_train_batch_size": 2}
-
-
-@pytest.mark.slow
-def test_checkpointing_when_the_script_turned_it_off(tmp_path, tiny_model):
-    out, rep = grpo(tmp_path, tiny_model, "80MiB", *FLOOR, "--no-gradient-checkpointing")
-    assert_rung_fixed_it(out, rep, "checkpointing")
-    assert rep["diff"] == [{"knob": "gradient_checkpointing", "from": False, "to": True, "remedy": "checkpointing"}]
-
-
-@pytest.mark.slow
-def test_optimizer_8bit(tmp_path, tiny_model):
-    out, rep = grpo(tmp_path, tiny_model, "64MiB", *FLOOR)
-    a = assert_rung_fixed_it(out, rep, "optimizer_8bit")
-    assert "checkpointing" in {s["remedy"] for s in a[0]["skipped"]}  # in force by default, or no use in this phase
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
-
-
-@pytest.mark.slow
-def test_lora(tmp_path, tiny_model):
-    out, rep = grpo(tmp_path, tiny_model, "48MiB", *FLOOR, "--optim", "adamw_bnb_8bit")
-    assert_rung_fixed_it(out, rep, "lora")
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"lora_r": 16, "lora_alpha": 32,
-                                                        "lora_target_modules": "all-linear"}
-
-
-@pytest.mark.slow
-def test_load_4bit_with_the_scripts_own_lora(tmp_path, tiny_model):
-    out, rep = grpo(tmp_path, tiny_model, "36MiB", *FLOOR, "--optim", "adamw_bnb_8bit", "--lora-r", "8")
-    a = assert_rung_fixed_it(out, rep, "load_4bit")
-    assert "already in force" in {s["remedy"]: s["reason"] for s in a[0]["skipped"]}["lora"]
-    assert {r["knob"]: r["to"] for r in rep["diff"]} == {"load_in_4bit": True, "dtype": "bfloat16"}
-    assert rep["original"]["lora_r"] == 8  # what the script set, recorded from its peft_config
 
 
 def write_lock(tmp: Path, **overrides) -> Path:
@@ -127,6 +166,7 @@ def write_lock(tmp: Path, **overrides) -> Path:
     return lock
 
 
+@pytest.mark.e2e
 @pytest.mark.core
 def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
     """Every value of the lock is what trains, one that equals TRL's default included: the script accumulates 2
@@ -147,6 +187,7 @@ def test_lock_file_replays_without_climbing(tmp_path, tiny_model):
     assert "saves no checkpoints" in out.stderr and "--checkpoint-every" in out.stderr
 
 
+@pytest.mark.e2e
 def test_a_lock_that_no_longer_fits_is_reported_not_climbed(tmp_path):
     """The supervisor's side of a lock that stopped fitting: one attempt, exit 75, the way out. (The same with real
     TRL is the slow test below; that a lock reaches GRPOConfig is shown by the replay test above.)"""
@@ -158,6 +199,7 @@ def test_a_lock_that_no_longer_fits_is_reported_not_climbed(tmp_path):
     assert rep["attempts"][0]["outcome"] == "oom" and "without --config" in rep["message"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_lock_that_no_longer_fits_a_real_grpo_run_is_reported_not_climbed(tmp_path, tiny_model):
     """Slow: the test above shows the same on the supervisor's side in 3 s, the replay test that a lock reaches
@@ -168,6 +210,7 @@ def test_a_lock_that_no_longer_fits_a_real_grpo_run_is_reported_not_climbed(tmp_
     assert "without --config" in rep["message"]
 
 
+@pytest.mark.e2e
 @pytest.mark.core
 def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model):
     """Two prompts are 8x longer than the rest. The probe trains on exactly those, at full completion length, so the
@@ -198,6 +241,7 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     assert saved == ["checkpoint-1", "checkpoint-2"]  # from the real run only
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_is_needed(tmp_path, tiny_model):
     """At 48 MiB a plain walk needs three OOMs (fewer generations, then 8-bit Adam, then LoRA). The memory model

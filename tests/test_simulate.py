@@ -60,3 +60,40 @@ def test_device_counts_real_tensors_and_raises_real_ooms():
     finally:
         simulate.stop()
     assert simulate.device() is None
+
+
+def test_a_fragmented_simulated_device_runs_out_as_fragmentation_and_expandable_segments_fit_it():
+    """The simulated device's own OOM after fragmentation (eighteen 3 MiB tensors fill its 60 MiB, six in a row are
+    freed, and 18 MiB is asked: 24 MiB is free, in no run that long, since the freed blocks straddle two segments)
+    reads as fragmentation, the fastest ladder's first rung for it is
+    expandable segments, and with them the same tensors fit (what tests/test_run_e2e.py once proved with two launches
+    of real TRL at 103 MiB)."""
+    torch = pytest.importorskip("torch")
+    from oomguard.child import simulate
+    from oomguard.decide.ladder import Step, load_ladder
+    from oomguard.oom.diagnose import diagnose
+    from oomguard.oom.parse import parse_oom
+    from oomguard.strategies import Context
+    from oomguard.vocab.knobs import TRL_DEFAULTS
+
+    def fragment(expandable: bool) -> str | None:
+        simulate.start(60 * MiB, expandable=expandable)
+        try:
+            kept = [torch.zeros(3 * MiB // 4) for _ in range(18)]
+            del kept[1:7]
+            torch.zeros(18 * MiB // 4)
+            return None
+        except torch.OutOfMemoryError as e:
+            return str(e)
+        finally:
+            simulate.stop()
+
+    message = fragment(expandable=False)
+    assert message is not None
+    report = parse_oom(message)
+    assert report is not None and report.reserved_unallocated >= 18 * MiB
+    diag = diagnose(report)
+    assert diag.kind == "fragmentation", diag.evidence
+    step = load_ladder("fastest").next(Context(knobs=TRL_DEFAULTS, diagnosis=diag))
+    assert isinstance(step, Step) and step.remedy.name == "expandable_segments"
+    assert fragment(expandable=True) is None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from oomguard.display.ui import ConsoleReporter
 from oomguard.run.command import EXIT_BUG, EXIT_NOT_EXECUTABLE, UsageError
 from oomguard.run.supervisor import RunOptions, Supervisor
 
-from helpers import pid_alive, run_oomguard
+from helpers import run_oomguard, still_alive, wait_until
 
 # The command of these tests: a training process that starts a helper in a session of its own, deaf to SIGTERM (as
 # torchrun starts its ranks), writes both PIDs to PIDS, and waits; with BAD, it then writes an event no oomguard knows
@@ -37,18 +36,11 @@ time.sleep(600)
 
 
 def _pids(path: Path, timeout: float = 60) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
-def _gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The PIDs still alive once ``timeout`` has passed (polled; they may take a moment to die)."""
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if pid_alive(p)]
+    try:
+        wait_until(path.exists, timeout, f"{path} written")
+    except AssertionError:
+        return []
+    return [int(p) for p in path.read_text().split()]
 
 
 def _kill(pids: list[int]) -> None:
@@ -68,7 +60,7 @@ def test_an_error_of_the_supervisor_mid_attempt_ends_every_process_and_is_one_li
         out, rep = run_oomguard(tmp_path, "--", sys.executable, str(script), str(pids_file), "bad", timeout=120)
         pids = _pids(pids_file, timeout=0)
         assert len(pids) == 2, out.stderr[-3000:]
-        assert _gone(pids) == []  # the training process, and its helper in a session of its own
+        assert still_alive(pids) == []  # the training process, and its helper in a session of its own
         assert out.returncode == EXIT_BUG, out.stderr[-3000:]
         assert "Traceback" not in out.stderr
         said = [line for line in out.stderr.splitlines() if "internal error" in line]
@@ -105,7 +97,7 @@ def test_an_oserror_of_a_tick_is_oomguards_error_not_a_command_that_cannot_execu
     sup.launcher._tick = failing
     try:
         assert sup.run() == EXIT_BUG
-        assert _gone(_pids(pids_file, timeout=0)) == []
+        assert still_alive(_pids(pids_file, timeout=0)) == []
         rep = json.loads((tmp_path / "report.json").read_text())
         assert "PermissionError" in rep["message"] and "not executable" not in rep["message"]
     finally:

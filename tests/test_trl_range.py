@@ -292,20 +292,15 @@ def test_pip_install_keeps_a_trl_and_transformers_inside_the_range():
     except ImportError:  # Python 3.10
         import tomli as tomllib
 
-    text = (ROOT / "pyproject.toml").read_text()
-    reqs = {r.name: r for r in map(Requirement, tomllib.loads(text)["project"]["dependencies"])}
+    reqs = {r.name: r for r in map(Requirement, tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "dependencies"])}
     for version in ("0.29.0", "0.29.1", "1.10.0", "1.16.0", "1.99.0"):
         assert reqs["trl"].specifier.contains(version), version
     assert not reqs["trl"].specifier.contains("0.28.0") and not reqs["trl"].specifier.contains("2.0.0")
     for version in ("5.3.0", "5.24.0", "5.99.0"):
         assert reqs["transformers"].specifier.contains(version), version
     assert not reqs["transformers"].specifier.contains("6.0.0")
-    assert f"trl>={FLOOR},<2" in text
-
-
-def test_compat_script_runs_the_core_tests_under_the_floor():
-    script = (ROOT / "tests" / "compat.sh").read_text()
-    assert '"trl==0.29.1" "transformers==5.3.0"' in script and "-m core" in script
-    # CI runs it among the stages of tests/ci.sh (tests/test_ci_script.py runs that script)
-    assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("bash tests/ci.sh")
-    assert "STACKS=(compat " in (ROOT / "tests" / "ci.sh").read_text()
+    # the lowest TRL pip may install is the floor the training process refuses below (tests/compat.sh runs the core
+    # tests under it: tests/test_ci_script.py runs that script, and tests/ci.sh, which runs it in CI)
+    major, minor = map(int, FLOOR.split("."))
+    assert reqs["trl"].specifier.contains(f"{FLOOR}.0") and not reqs["trl"].specifier.contains(f"{major}.{minor - 1}.99")

@@ -273,6 +273,28 @@ def main() -> None:
     print(f"trained {trainer.state.global_step} steps with per_device_train_batch_size={t.per_device_train_batch_size} "
           f"gradient_accumulation_steps={t.gradient_accumulation_steps} max_completion_length={t.max_completion_length}",
           flush=True)
+    print(trained_with(trainer), flush=True)
+
+
+def trained_with(trainer) -> str:
+    """What the run trained with beyond its arguments, as the objects that trained hold it: the optimizer's class
+    and whether its states are 8-bit, the model's LoRA rank, whether its weights are 4-bit, gradient checkpointing, and the allocator settings of the
+    simulated device (tests/test_run_e2e.py checks that each rung's change reached them)."""
+    from oomguard.child import simulate
+
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    states = [v for state in opt.state.values() for v in state.values() if hasattr(v, "dtype")]
+    model = trainer.model
+    peft = getattr(model, "peft_config", None)
+    dev = simulate.device()
+    split = dev.model.max_split if dev is not None else None
+    return (f"trained with optimizer={type(opt).__module__.split('.')[0]}.{type(opt).__name__} "
+            f"states_8bit={any(str(v.dtype) == 'torch.uint8' for v in states)} "
+            f"lora_r={peft['default'].r if peft else 0} "
+            f"weights_4bit={any(type(p).__name__ == 'Params4bit' for p in model.parameters())} "
+            f"gradient_checkpointing={getattr(model, 'is_gradient_checkpointing', None)} "
+            f"expandable_segments={dev.model.expandable if dev is not None else None} "
+            f"max_split_size_mb={split >> 20 if split else None}")
 
 
 if __name__ == "__main__":
