@@ -188,8 +188,11 @@ def test_plan_says_what_run_does_first():
     # 800 MiB of each card is the CUDA context: the step's 470 MiB is stopped, and a smaller micro-batch is probed
     tight = make_plan(spec, TRL_DEFAULTS, 1100 * MIB)
     assert tight.launches() == {"first": "stop", "then": "probe"} and tight.suggest["per_device_train_batch_size"] == 2
-    # where no prefix of the ladder is predicted to fit, the rung climbed is stopped too, and the climb goes on
-    assert make_plan(spec, TRL_DEFAULTS, 900 * MIB).launches() == {"first": "stop", "then": "stop"}
+    # where no config is predicted within the device, the choice is one the pre-flight lets run (within its stop
+    # margin), probed, never a config the pre-flight would stop again (no chain of stops)
+    tighter = make_plan(spec, TRL_DEFAULTS, 900 * MIB)
+    assert tighter.launches() == {"first": "stop", "then": "probe"}
+    assert tighter.after_verdict.predicted > tighter.capacity and tighter.after_verdict.decision == "probe"
 
 
 def test_the_decision_event_parses():
