@@ -132,7 +132,7 @@ def in_current_terms(values: Mapping[str, Any], version: str) -> tuple[dict[str,
     {'per_device_train_batch_size': 8, 'num_generations': 4}
     """
     r = release(version)
-    out, lines = dict(values), []
+    out, lines = dict(values), list[str]()
     if r is None:
         return out, lines
     if r.version in BATCH_OF_PROMPTS:
