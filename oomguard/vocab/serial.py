@@ -16,9 +16,12 @@ import dataclasses
 import types
 import typing
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
@@ -74,7 +77,7 @@ def read_fields(cls: type[T], data: dict[str, Any]) -> T:
     """An instance of the dataclass ``cls`` from ``data``: each known field coerced to its type, the others left out,
     missing ones at their defaults."""
     known = hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{k: coerce(data[k], known[k]) for k in names if k in data})
 
 
