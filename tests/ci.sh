@@ -8,9 +8,11 @@
 # 1. The other environments (tests/compat.sh: the oldest TRL; tests/vllm.sh, tests/swift.sh, tests/unsloth.sh: each
 #    stack in its own) are built one after another in the background while the main suite runs: building them is
 #    mostly downloading and unpacking, which overlaps with the suite's CPU-bound tests.
-# 2. The main suite, the default run and the `slow` tests in one pytest run (one collection, one build of the tiny
+# 2. mypy over oomguard/ (`python -m mypy`, configured in pyproject.toml: strict where the code is pure), before the
+#    suite so that a type error fails CI in seconds (about 10 s with a cold cache).
+# 3. The main suite, the default run and the `slow` tests in one pytest run (one collection, one build of the tiny
 #    models, no worker idle between the two). `python -m pytest -q` alone is the default run (within 5 minutes).
-# 3. Each environment's tests, once it is built, on two workers.
+# 4. Each environment's tests, once it is built, on two workers.
 #
 # CI=1 is exported, so a test that needs a tool CI must have (Chromium for the HTML reports) fails instead of skipping.
 set -euo pipefail
@@ -42,6 +44,9 @@ stop_builder() {
   done
 }
 trap stop_builder EXIT
+
+python -m mypy
+stamp "mypy passed"
 
 python -m pytest -q -m "slow or not slow"
 stamp "the main suite passed"

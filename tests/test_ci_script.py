@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("compat", "vllm", "swift", "unsloth")
 
 
-def sandbox(tmp: Path, fail_setup: str | None = None, fail_suite: bool = False, slow_setup: float = 0.2) -> Path:
+def sandbox(tmp: Path, fail_setup: str | None = None, fail_suite: bool = False, slow_setup: float = 0.2,
+            fail_mypy: bool = False) -> Path:
     (tmp / "tests").mkdir()
     shutil.copy(ROOT / "tests" / "ci.sh", tmp / "tests" / "ci.sh")
     calls = tmp / "calls"
@@ -38,6 +39,7 @@ def sandbox(tmp: Path, fail_setup: str | None = None, fail_suite: bool = False, 
     bin_dir.mkdir()
     python = bin_dir / "python"
     python.write_text(f'#!/bin/bash\necho "python $* CI=$CI $(date +%s.%N)" >> {calls}\n'
+                      f'if [ "$2" = mypy ]; then {"exit 1" if fail_mypy else "exit 0"}; fi\n'
                       f'{"exit 1" if fail_suite else "exit 0"}\n')
     python.chmod(0o755)
     return tmp
@@ -74,6 +76,16 @@ def test_every_environment_is_built_and_its_tests_run_after_the_main_suite(tmp_p
         assert calls.index("python -m pytest -q -m slow or not slow CI=1") < calls.index(f"{s} --test")
     assert [c for c in calls if c.endswith("--test")] == [f"{s} --test" for s in STACKS]
     assert "the swift environment was built in the background" in out.stdout
+    assert calls.index("python -m mypy CI=1") < calls.index("python -m pytest -q -m slow or not slow CI=1")
+
+
+def test_a_type_error_fails_ci_before_the_suite_and_stops_the_background_build(tmp_path):
+    """mypy over oomguard/ is a stage of its own, run first: an error fails CI in seconds, not after the suite."""
+    tmp = sandbox(tmp_path, fail_mypy=True, slow_setup=30)
+    out, calls = run_ci(tmp)
+    assert out.returncode == 1
+    assert "python -m mypy CI=1" in calls and not any(c.startswith("python -m pytest") for c in calls)
+    assert_the_build_was_stopped(tmp)
 
 
 def test_the_builds_run_while_the_main_suite_runs(tmp_path):
@@ -81,8 +93,9 @@ def test_the_builds_run_while_the_main_suite_runs(tmp_path):
     tmp = sandbox(tmp_path, slow_setup=0.5)
     out, _ = run_ci(tmp)
     assert out.returncode == 0
-    stamps = {" ".join(c.split()[:2]): float(c.split()[-1]) for c in (tmp / "calls").read_text().splitlines()}
-    assert stamps["compat --setup"] < stamps["python -m"] + 0.5
+    calls = (tmp / "calls").read_text().splitlines()
+    at = lambda start: next(float(c.split()[-1]) for c in calls if c.startswith(start))  # noqa: E731
+    assert at("compat --setup") < at("python -m pytest") + 0.5
 
 
 def test_a_failed_build_fails_ci_with_its_log_and_runs_no_later_stage(tmp_path):

@@ -28,8 +28,9 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         # Give the module its real loader back, so nothing keeps the hooks (and what they hold) alive.
-        if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
-            module.__spec__.loader = self.inner
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.inner
         if getattr(module, "__loader__", None) is self:
             module.__loader__ = self.inner
         hooks, self.hooks = self.hooks, []

@@ -280,7 +280,7 @@ def set_pixel_budget(processor: Any, pixels: int) -> bool:
     size = ip.size
     _saves_the_users(ip, ("size",))
     ip.size = dataclasses.replace(size, **{k: new[k] for k in ("longest_edge", "shortest_edge")}) \
-        if dataclasses.is_dataclass(size) else new
+        if dataclasses.is_dataclass(size) and not isinstance(size, type) else new
     return True
 
 

@@ -133,7 +133,7 @@ def _judge_load(rt: Runtime, name: Any, kwargs: dict[str, Any], requested: Any) 
     if not config:
         return
     # a script that imported GRPOTrainer will build one: its knobs (LoRA) reach the next attempt
-    reaches = ["trainer"] if "trl.trainer.grpo_trainer" in sys.modules else []
+    reaches = ("trainer",) if "trl.trainer.grpo_trainer" in sys.modules else ()
     rt.emit(ModelSeen(config=config, params=None, dtype=None, reaches=reaches))
     if not rt.plan.preflight or placed_elsewhere(kwargs, config) or _sharded(rt):
         return

@@ -107,7 +107,7 @@ def overrides_reported(rt: Runtime, where: str, knobs: Collection[str] | None = 
             from ..oom.parse import is_oom
 
             if not is_oom(e):
-                rt.emit(OverrideFailed(where=where, error=f"{type(e).__name__}: {e}"[:2000], overrides=ours))
+                rt.emit(OverrideFailed(where=where, error=f"{type(e).__name__}: {e}"[:2000], overrides=tuple(ours)))
                 with contextlib.suppress(AttributeError, TypeError):
                     e._oomguard_reported = True  # type: ignore[attr-defined]  # once, by the innermost point
         raise

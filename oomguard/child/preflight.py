@@ -160,7 +160,7 @@ def check_load(rt: Runtime, config: dict[str, Any], knobs: Knobs) -> None:
 def _stop(rt: Runtime, v: FitVerdict, what: str, before: str, over: bool = True) -> None:
     cap = v.capacity
     rt.emit(PreflightStop(predicted_bytes=v.predicted, capacity=cap, margin=v.stop_margin, before=before,
-            **({} if over else {"reason": what})))
+                          reason=None if over else what))
     if rank() in (None, 0):  # every rank predicts the same: one line for the job, not one per rank
         why = (f"{what}, {100 * (v.predicted / cap - 1):.0f}% over the {format_size(cap)} device (the stop margin is "
                f"{100 * v.stop_margin:.1f}%, {v.stop_source})" if over else what)

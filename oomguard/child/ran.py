@@ -94,10 +94,11 @@ def report(rt: Runtime) -> None:
     ran = {k: v for k, v in rt.ran().to_dict().items() if k in reach}
     later = {k: where for k, (_v, where) in rt.later.items()}
     missed = unmet(rt.plan.pinned, ran, later)
-    said = {"knobs": ran, "later": later, "resolved": dict(rt.resolved)}
+    resolved = dict(rt.resolved)
+    said = {"knobs": ran, "later": later, "resolved": resolved}
     if said != rt.ran_said or missed:
         rt.ran_said = said
-        rt.emit(Ran(**said, unmet=missed[0].to_dict() if missed else {}))
+        rt.emit(Ran(knobs=ran, later=later, resolved=resolved, unmet=missed[0].to_dict() if missed else {}))
     if missed:
         _stop(rt, missed[0])
 

@@ -264,8 +264,9 @@ class Runtime:
     def device_name(self) -> str:
         from . import simulate
 
-        if simulate.device() is not None:
-            return f"simulated ({format_size(simulate.device().capacity)})"
+        simulated = simulate.device()
+        if simulated is not None:
+            return f"simulated ({format_size(simulated.capacity)})"
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"

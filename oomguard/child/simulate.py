@@ -96,7 +96,7 @@ class SimulatedDevice:
             if request:
                 self._raise_oom(request)
             try:
-                ref = weakref.ref(storage, lambda _r, k=key: self._release(k))
+                ref = weakref.ref(storage, lambda _r: self._release(key))
             except TypeError:
                 self.model.free(block)
                 return
@@ -270,7 +270,8 @@ class SimulatedDevice:
         device = self
         tensor_type = torch.Tensor
         class _Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
                 out = func(*args, **(kwargs or {}))
                 # every output is looked at, views included: a view is where a storage resized outside the
                 # dispatcher (DeepSpeed's ZeRO-3 frees and gathers parameters with UntypedStorage.resize_) is seen

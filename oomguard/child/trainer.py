@@ -40,6 +40,7 @@ def _lora_config(rt: Runtime) -> Any:
     from peft import LoraConfig
 
     k = rt.knobs()
+    assert k.lora_r is not None  # asked for only where a rank is set
     tm = k.lora_target_modules or "all-linear"
     return LoraConfig(r=int(k.lora_r), lora_alpha=int(k.lora_alpha or 2 * k.lora_r),
                       target_modules=list(tm) if isinstance(tm, tuple) else tm, lora_dropout=0.0,
@@ -57,7 +58,7 @@ def watch_rebinding(rt: Runtime, owner: Any, trainer_module: Any) -> None:
     """Patch any class bound to ``owner.GRPOTrainer`` from now on, when it is bound: the script builds whatever
     class that name holds when it runs ``GRPOTrainer(...)``. A module's class may be swapped for a subclass of it
     (Python allows that for modules); the swap is undone by ``remove()``."""
-    cls = type(owner)
+    cls: Any = type(owner)  # a module's class, or a subclass a stack swapped in
     if getattr(cls, "_oomguard_watch", False):
         return
 
@@ -77,7 +78,7 @@ def watch_rebinding(rt: Runtime, owner: Any, trainer_module: Any) -> None:
         return
     UNDO.append(lambda: setattr(owner, "__class__", cls))
 
-def patch_trainer_class(rt: Runtime, cls: type, module: Any) -> None:
+def patch_trainer_class(rt: Runtime, cls: type[Any], module: Any) -> None:
     """Wrap ``cls.__init__`` (its own or inherited) and ``train``: once per class, and not again in a subclass of a
     class already patched (the inherited wrapper runs)."""
     orig_init = cls.__init__

@@ -82,9 +82,13 @@ def read(config_module: Any = None, trainer_module: Any = None) -> TrlFeatures:
     """Read the features of the installed TRL from its modules (``trl.trainer.grpo_config`` and
     ``trl.trainer.grpo_trainer``, imported here when not given)."""
     if config_module is None:
-        import trl.trainer.grpo_config as config_module
+        from trl.trainer import grpo_config
+
+        config_module = grpo_config
     if trainer_module is None:
-        import trl.trainer.grpo_trainer as trainer_module
+        from trl.trainer import grpo_trainer
+
+        trainer_module = grpo_trainer
     cfg_cls = config_module.GRPOConfig
     fields = frozenset(getattr(cfg_cls, "__dataclass_fields__", {}))
     try:  # oomguard's own patch keeps TRL's signature (functools.wraps), which inspect follows

@@ -182,8 +182,8 @@ def cheapest(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool
     if peak is not None and dropped:
         p = peak(knobs)
         explain = {n: {"predicted_bytes_without": p} for n in dropped}
-    relaxed = tuple(r for r in relaxed_all if getattr(knobs, r[0]) == r[2])
-    return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=relaxed, explain=explain)
+    still = tuple(r for r in relaxed_all if getattr(knobs, r[0]) == r[2])
+    return Choice(rungs=tuple(rungs), knobs=knobs, dropped=dropped, relaxed=still, explain=explain)
 
 
 def pick(ladder: Ladder, user: Knobs, facts: RunFacts, fits: Callable[[Knobs], bool], *,

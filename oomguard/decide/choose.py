@@ -66,7 +66,7 @@ def replay(start: Knobs, rungs: Sequence[Rung], facts: RunFacts | None = None) -
     unless that rung only kept it in step (``Remedy.follows``) with what another rung set.
     """
     facts = facts or RunFacts()
-    knobs, who = start, {}
+    knobs, who = start, dict[str, str]()
     used: Counter[str] = Counter()
     for rung in rungs:
         ctx = Context(knobs=knobs, facts=facts, diagnosis=rung.diagnosis, used=dict(used))
@@ -101,7 +101,7 @@ class Choice:
         cap = format_size(capacity) if capacity else "the device"
         lines = []
         if self.dropped:
-            peak = next(iter(self.explain.values()), {}).get("predicted_bytes_without")
+            peak = next((e.get("predicted_bytes_without") for e in self.explain.values()), None)
             them = "it" if len(self.dropped) == 1 else "them"
             why = f"predicted peak without {them} {format_size(peak)} of {cap}" if peak else "predicted to fit"
             if load_only:
@@ -279,8 +279,8 @@ def choose(start: Knobs, climbed: Sequence[Rung], fits: Callable[[Knobs], bool],
     elif ok(knobs_of(names)):
         # Greedy: drop the costliest rungs first (quality before speed, latest-listed first) while it still fits.
         keep = list(names)
-        for n in sorted(names, key=lambda n: (TRADE_COST.index(trades[n]), -position[n])):
-            trial = [m for m in keep if m != n]
+        for name in sorted(names, key=lambda n: (TRADE_COST.index(trades[n]), -position[n])):
+            trial = [m for m in keep if m != name]
             if ok(knobs_of(trial)):
                 keep = trial
         finalists = [keep]

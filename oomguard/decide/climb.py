@@ -318,7 +318,7 @@ class Climb:
                 steps, ran_out = self._climb(ctx, fits, relax_fits)
                 if ran_out is not None and launchable is None:
                     steps = steps[:1]
-                elif ran_out is not None:
+                elif ran_out is not None and launchable is not None:
                     ceiling_rungs = [*self.climbed, *(Rung(s.remedy, diag) for s in steps)]
                     found = (self._launchable(start, ceiling_rungs, launchable, peak)
                              or self._cheap_ceiling(start, ceiling_rungs, unsure))

@@ -6,10 +6,18 @@ config fits the device with the model's measured error as headroom, how far over
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from ..memory.calibration import builtin_description, load_calibration, machine_key, model_key, record_run
+from ..memory.calibration import (
+    Calibration,
+    builtin_description,
+    load_calibration,
+    machine_key,
+    model_key,
+    record_run,
+)
 from ..memory.estimate import (
     Coefficients,
     Doubts,
@@ -36,7 +44,7 @@ from .climb import Climb
 
 def predictor(spec: ModelSpec, capacity: int, *, facts: RunFacts | None = None,
               coefficients: Coefficients | None = None, simulated: bool = False, context: int | None = None,
-              head: str | None = None) -> Any:
+              head: str | None = None) -> Callable[[Knobs], Estimate]:
     """A function Knobs -> Estimate for one model and device (and the installed TRL's LM head, ``head``), with what
     the run feeds the model beyond the knobs read from ``facts`` (its world size, prompt length, images, a loader that
     keeps the dtype under 4-bit: ``memory.estimate.fed``)."""
@@ -96,7 +104,7 @@ class Judge:
         self.warn = warn
         self.fixed_spec = spec  # `oomguard plan`: the model is known before anything runs
         # what earlier probes of the same model on this machine learned: loaded once the model is known
-        self.calibration = None
+        self.calibration: Calibration | None = None
         self.calibrated_for: str | None = None
         self.given = coefficients is not None
         self.coefficients = coefficients or base
@@ -126,10 +134,11 @@ class Judge:
         one plan part the training process decides with; ``stop_margin`` where the user set the pre-flight's."""
         key = (self.capacity, self.context, self.coefficients, id(self.calibration), self.margin, stop_margin)
         if self._spec is None or self._spec[0] != key:
-            spread = self.calibration.device_error() if self.calibration is not None else None
+            cal = self.calibration
+            spread = cal.device_error() if cal is not None else None
             calibrated = None
-            if spread is not None:
-                calibrated = (max(0.0, spread), f"this machine's {self.calibration.runs} recorded runs: up to "
+            if cal is not None and spread is not None:
+                calibrated = (max(0.0, spread), f"this machine's {cal.runs} recorded runs: up to "
                                                 f"{100 * spread:.1f}% over")
             js = judge_spec(self.capacity, simulated=self.simulated, margin=self.margin, context=self.context,
                             coefficients=asdict(self.coefficients), calibrated=calibrated,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 try:
-    import tomllib
+    import tomllib  # type: ignore[import-not-found]  # mypy checks as Python 3.10, which lacks it
 except ImportError:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 

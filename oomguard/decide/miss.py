@@ -94,7 +94,7 @@ class Miss:
 
 def _kept(attempt: Attempt) -> int | None:
     """What the step before kept, once the optimizer's state exists (step 2 on): the long-lived state measured."""
-    kept = [s.get("kept") for s in attempt.trace if isinstance(s, dict) and (s.get("step") or 0) >= 2 and s.get("kept")]
+    kept = [k for s in attempt.trace if isinstance(s, dict) and (s.get("step") or 0) >= 2 and (k := s.get("kept"))]
     return int(kept[-1]) if kept else None
 
 

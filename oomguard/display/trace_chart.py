@@ -42,7 +42,7 @@ def trace_svg(samples: Sequence[Mapping[str, Any]], *, capacity: int | None = No
     end = max(last, oom_step or last)
     if leak is not None and capacity and leak["runs_out_at"] - last <= 3 * max(1, last - first):
         end = max(end, int(leak["runs_out_at"]))
-    values = [s.get(k) for s in pts for k in ("kept", "peak", "reserved") if s.get(k) is not None]
+    values = [v for s in pts for k in ("kept", "peak", "reserved") if (v := s.get(k)) is not None]
     top = max([*values, capacity or 0]) * 1.08 or 1
     left, right, top_pad, bottom = 78, 16, 26, 58
     w, h = width - left - right, height - top_pad - bottom

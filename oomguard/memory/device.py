@@ -25,10 +25,11 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 
-def handle_of(nvml: Any, env: dict[str, str] | None = None, cuda_index: int = 0) -> Any:
+def handle_of(nvml: Any, env: Mapping[str, str] | None = None, cuda_index: int = 0) -> Any:
     """NVML's handle of the device the training process sees as ``cuda:<cuda_index>``, or None when
     CUDA_VISIBLE_DEVICES names nothing NVML has (a stale UUID, an index out of range, an empty list)."""
     env = os.environ if env is None else env
@@ -110,7 +111,7 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def nvml_index(cuda_index: int, env: dict[str, str] | None = None) -> int | None:
+def nvml_index(cuda_index: int, env: Mapping[str, str] | None = None) -> int | None:
     """NVML's number for the device CUDA numbers ``cuda_index`` in this process (through CUDA_VISIBLE_DEVICES);
     None where the variable names devices by UUID or has fewer entries.
 
@@ -321,7 +322,9 @@ class FakeNVML:
         def __init__(self, total: int) -> None:
             self.total, self.used, self.free = total, 0, total
 
-    def __init__(self, cards: list[tuple[str, int, tuple[int, int], str, list[str]]]) -> None:
+    Card = tuple[str, int, tuple[int, int], str, list[str]]
+
+    def __init__(self, cards: list[Card]) -> None:
         self.cards = cards
 
     def nvmlDeviceGetCount(self) -> int:
@@ -330,7 +333,7 @@ class FakeNVML:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
         return str(i)
 
-    def _card(self, h: str) -> Any:
+    def _card(self, h: str) -> Card:
         if h.startswith("MIG-"):
             return next(c for c in self.cards if h in c[4])
         return self.cards[int(h)]

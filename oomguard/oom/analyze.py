@@ -27,7 +27,7 @@ from ..vocab.oomreport import Frame, OOMReport
 from ..vocab.records import CRASH_SCHEMA, REPORT_SCHEMA, CrashRecord, RecordError
 from ..vocab.sizes import GiB, format_size
 from .diagnose import diagnose
-from .parse import Hit, parse_oom, scan_stream
+from .parse import Hit, Readable, parse_oom, scan_stream
 from .recommend import ranked
 from .snapshot import SnapshotError, load_snapshot_bytes, looks_like_pickle, oom_reports, summarize
 from .trace_log import Tee, Trace, TraceReader, traces_from_state, with_capacity
@@ -119,9 +119,9 @@ def finding_from_crash(source: str, rec: CrashRecord, line: int | None = 1, d: D
                    extra={"step": rec.step, "peak_bytes": rec.peak_bytes, "input": "crash-record"})
 
 
-def _reparsed(message: str | None, stored: OOMReport | None) -> OOMReport | None:
+def _reparsed(message: str | None, stored: OOMReport) -> OOMReport:
     fresh = parse_oom(message) if message else None
-    if fresh is None or (stored is not None and fresh.origin != stored.origin):
+    if fresh is None or fresh.origin != stored.origin:
         return stored
     return fresh
 
@@ -237,14 +237,14 @@ def _analyze_file(path: Path, result: AnalyzeResult, max_bytes: int | None, prog
             _text(src, f, size, result, max_bytes, progress)
 
 
-def _text(src: str, f: BinaryIO, size: int, result: AnalyzeResult, max_bytes: int | None, progress: Any,
+def _text(src: str, f: Readable, size: int, result: AnalyzeResult, max_bytes: int | None, progress: Any,
           compressed: bool = False) -> None:
     if size >= BIG_FILE and progress:
         progress(f"{src}: {format_size(size)}{' compressed' if compressed else ''}, scanning…")
     reader = TraceReader(src)
     first = len(result.findings)
     try:
-        for hit in scan_stream(Tee(f, reader), max_bytes=max_bytes):  # type: ignore[arg-type]
+        for hit in scan_stream(Tee(f, reader), max_bytes=max_bytes):
             result.findings.append(finding_from_hit(src, hit))
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         result.notes.append(f"{src}: read failed part-way ({e}); findings before that point are kept")

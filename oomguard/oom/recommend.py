@@ -191,8 +191,9 @@ def _state_bound(d: Diagnosis) -> bool:
     if d.facts.short_of is not None:
         return d.facts.short_of == "long-lived state"
     r = d.report
-    return (d.kind == "shortfall" and d.phase != "load" and bool(r.requested) and bool(r.allocated)
-            and r.requested < STATE_BOUND * r.allocated)
+    if d.kind != "shortfall" or d.phase == "load" or not r.requested or not r.allocated:
+        return False
+    return r.requested < STATE_BOUND * r.allocated
 
 
 def _near_fragmentation(d: Diagnosis) -> Advice | None:

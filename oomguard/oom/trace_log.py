@@ -44,6 +44,7 @@ from typing import Any, BinaryIO
 from ..vocab.events import MemHolders, MemSampled
 from ..vocab.sizes import GiB, KiB, MiB
 from ..vocab.trace import Holder, MemSample
+from .parse.scan import Readable
 
 # metric key -> (field, unit in bytes, or 1 for tokens); "host_used" is the machine's used host memory
 METRIC_KEYS: dict[str, tuple[str, int]] = {
@@ -256,12 +257,12 @@ class TraceReader:
                 self._metrics.add(n, step, figures, "used" if used else "rss")
             return
         step_m = _STEP.search(line)
-        figures: dict[str, int] = {}
+        figures = {}
         for m in _LABELLED.finditer(line):
             name = _field(m.group("label"))
             if name:
-                v = _bytes(m.group(2), m.group(3))
-                figures[name] = max(figures.get(name, v), v) if name == "peak" else v
+                size = _bytes(m.group(2), m.group(3))
+                figures[name] = max(figures.get(name, size), size) if name == "peak" else size
         top = figures.pop("reserved_max", None)
         if top is not None:
             figures.setdefault("reserved", top)
@@ -363,7 +364,7 @@ def traces_from_state(data: dict[str, Any], source: str = "") -> list[Trace]:
 class Tee:
     """A binary stream that hands what it reads to a :class:`TraceReader` as well (one pass over a big log)."""
 
-    def __init__(self, inner: BinaryIO, reader: TraceReader) -> None:
+    def __init__(self, inner: Readable, reader: TraceReader) -> None:
         self.inner, self.reader = inner, reader
 
     def read(self, n: int = -1) -> bytes:

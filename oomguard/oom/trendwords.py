@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..vocab.sizes import format_size
 from ..vocab.trace import Holder
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -92,20 +94,20 @@ class Trend:
     first_step: int | None
     last_step: int | None
 
-    def _one(self, kind: str) -> Any:
-        return next((v for v in self.verdicts if v.kind == kind), None)
+    def _one(self, kind: str, cls: type[V]) -> V | None:
+        return next((v for v in self.verdicts if v.kind == kind and isinstance(v, cls)), None)
 
     @property
     def leak(self) -> Leak | None:
-        return self._one("leak")  # type: ignore[no-any-return]
+        return self._one("leak", Leak)
 
     @property
     def host_leak(self) -> Leak | None:
-        return self._one("host-leak")  # type: ignore[no-any-return]
+        return self._one("host-leak", Leak)
 
     @property
     def fragmentation(self) -> FragmentationGrowth | None:
-        return self._one("fragmentation-growth")  # type: ignore[no-any-return]
+        return self._one("fragmentation-growth", FragmentationGrowth)
 
     @property
     def long_samples(self) -> tuple[LongSample, ...]:

@@ -217,9 +217,9 @@ class Group:
         except GroupError as e:  # the store is gone: the next step says so
             self.failure = str(e)
 
-    def gather(self, index: int, tick: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
+    def gather(self, index: int, tick: Callable[[], object] = lambda: None) -> dict[int, dict[str, Any]]:
         """Leader: how every other node's command ended, waiting for each (a silent node raises GroupError); ``tick``
-        is called at every look."""
+        is called at every look (what it returns is not read)."""
         keys = [self._k("ended", index, i) for i in range(1, self.m.nodes)]
 
         def all_ended() -> dict[int, dict[str, Any]] | None:

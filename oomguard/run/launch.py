@@ -187,8 +187,8 @@ def rendezvous(argv: Sequence[str]) -> tuple[str, int] | None:
         return host.strip("[]"), int(port) if port else 29400
     addr = _value(own, "--master_addr", "--master-addr")
     if addr:
-        port = _value(own, "--master_port", "--master-port")
-        return addr, int(port) if port and port.isdigit() else 29500
+        given = _value(own, "--master_port", "--master-port")
+        return addr, int(given) if given and given.isdigit() else 29500
     return None
 
 

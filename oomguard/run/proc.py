@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import psutil
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from .aside import Aside
 from .hostmem import HostOOMWatch
@@ -146,8 +146,13 @@ def wait_group_gone(pgid: int, timeout: float = GROUP_GONE_TIMEOUT, poll: float 
     >>> wait_group_gone(2**22 + 1, timeout=0), os.getpid() in wait_group_gone(os.getpgrp(), timeout=0.1)
     ([], True)
     """
+    def still_alive(state: RetryCallState) -> list[int]:
+        assert state.outcome is not None  # called once the last try has ended
+        alive: list[int] = state.outcome.result()
+        return alive
+
     alive: list[int] = Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(poll), retry=retry_if_result(bool),
-                                retry_error_callback=lambda state: state.outcome.result())(group_alive, pgid)
+                                retry_error_callback=still_alive)(group_alive, pgid)
     return alive
 
 
@@ -359,7 +364,11 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], interrupts: Interrupts
     # A thread blocks in waitpid, so the end is seen the moment it comes: Popen.wait(timeout) polls with sleeps of
     # up to 50 ms, a delay every attempt would pay.
     ended = threading.Event()
-    threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
+    def reap() -> None:
+        proc.wait()
+        ended.set()
+
+    threading.Thread(target=reap, daemon=True).start()
     try:
         while not ended.wait(TICK):
             tracker.look()

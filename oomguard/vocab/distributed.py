@@ -24,7 +24,7 @@ from typing import Any
 from .knobs import DS_SIZE_KNOBS
 
 # What transformers fills in from the training arguments ("auto"), so a generated config never contradicts them.
-_AUTO = {
+_AUTO: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
@@ -82,9 +82,10 @@ def load_user_deepspeed(value: Any) -> dict[str, Any] | None:
     if isinstance(value, dict):
         return copy.deepcopy(value)
     try:
-        return json.loads(Path(str(value)).read_text(encoding="utf-8"))
+        loaded: dict[str, Any] = json.loads(Path(str(value)).read_text(encoding="utf-8"))  # a config is an object
     except (OSError, ValueError):
         return None
+    return loaded
 
 
 def deepspeed_config(user: dict[str, Any] | None, *, zero_stage: int | None = None,

@@ -416,7 +416,7 @@ EVENTS: dict[str, type[Event]] = {
                               Resumed, WeightsFrom, DeviceMeasured, VLLMMemory, ProcessEnded, OverrideFailed,
                               PatchFailed, MemSampled, MemTrend, MemHolders)}
 EVENTS.update({"config": CodeSeen, "trainer": CodeSeen, "facts": CodeSeen, "step": StepDone, "train_end": StepDone})
-_IMPLIED = {"config": {"point": "config"}, "trainer": {"point": "trainer"}, "facts": {"point": "facts"},
+_IMPLIED: dict[str, dict[str, Any]] = {"config": {"point": "config"}, "trainer": {"point": "trainer"}, "facts": {"point": "facts"},
             "step": {"final": False}, "train_end": {"final": True}}
 
 

@@ -66,7 +66,8 @@ class Cost:
         after = self.unset if after is None else after
         if self.how == "stages":
             table = dict(self.steps)
-            return max(0.0, table.get(after, 0.0) - table.get(before, 0.0))
+            moved: float = table.get(after, 0.0) - table.get(before, 0.0)
+            return max(0.0, moved)
         if not before or not after:
             return 0.0
         if self.how == "cut":

@@ -214,10 +214,10 @@ def _ds_size(meaning: str) -> Any:
 
 
 _OFFLOAD = "every step goes through host memory"
-_PEFT = {"trainer_args": ("peft_config",), "package": "peft"}
+_PEFT: dict[str, Any] = {"trainer_args": ("peft_config",), "package": "peft"}
 
 
-_POSITIVE = {"minimum": 1}
+_POSITIVE: dict[str, Any] = {"minimum": 1}
 
 
 @dataclass(frozen=True)
@@ -374,7 +374,8 @@ def _kind(hint: Any, also: tuple[str, ...]) -> type:
         arms = [a for a in arms if a is not str]
     if len(arms) != 1:
         raise TypeError(f"a knob has one type besides None and its words ({hint})")
-    return typing.get_origin(arms[0]) or arms[0]
+    kind: type = typing.get_origin(arms[0]) or arms[0]
+    return kind
 
 
 def _table() -> dict[str, KnobInfo]:

@@ -26,7 +26,10 @@ from typing import Any
 
 from .files import read_json, write_json_atomic
 from .oomreport import Frame, OOMReport
-from .schema import CRASH_SCHEMA, REPORT_SCHEMA, RecordError, check_schema
+from .schema import CRASH_SCHEMA as CRASH_SCHEMA  # re-exported: a record's readers take them from here
+from .schema import REPORT_SCHEMA as REPORT_SCHEMA
+from .schema import RecordError as RecordError
+from .schema import check_schema
 from .serial import to_fields
 
 

@@ -16,9 +16,12 @@ import dataclasses
 import types
 import typing
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
@@ -74,25 +77,25 @@ def read_fields(cls: type[T], data: dict[str, Any]) -> T:
     """An instance of the dataclass ``cls`` from ``data``: each known field coerced to its type, the others left out,
     missing ones at their defaults."""
     known = hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{k: coerce(data[k], known[k]) for k in names if k in data})
 
 
-def to_fields(obj: Any) -> Any:
+def to_fields(obj: Any) -> dict[str, Any]:
     """A record as plain JSON values, its fields in declared order: nested records (through their own ``to_dict``
     where they have one) and lists of them too, an Enum as its value, a tuple as a list. A field whose metadata has
     ``omit`` set is left out while it is None or an empty list; one with ``round`` is rounded to that many digits."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if f.metadata.get("omit") and (value is None or value == []):
-                continue
-            if "round" in f.metadata and isinstance(value, float):
-                value = round(value, f.metadata["round"])
-            out[f.name] = _plain(value)
-        return out
-    return _plain(obj)
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"not a record: {obj!r}")
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("omit") and (value is None or value == []):
+            continue
+        if "round" in f.metadata and isinstance(value, float):
+            value = round(value, f.metadata["round"])
+        out[f.name] = _plain(value)
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -96,13 +96,20 @@ def _key(version: str) -> tuple[int, int] | None:
         return None
 
 
+def _listed(version: str) -> tuple[int, int]:
+    """The key of a version this module lists (always readable)."""
+    key = _key(version)
+    assert key is not None, version
+    return key
+
+
 def release(version: str | None) -> Release | None:
     """The release whose defaults ``version`` has: its minor release (``1.16.2`` is 1.16.0's), the newest in the table
     for a newer one, None for a version older than 0.14 or one that cannot be read."""
     key = _key(version) if version else None
-    if key is None or key < _key(OLDEST):  # type: ignore[operator]
+    if key is None or key < _listed(OLDEST):
         return None
-    return [r for r in RELEASES if _key(r.version) <= key][-1]  # type: ignore[operator]
+    return [r for r in RELEASES if _listed(r.version) <= key][-1]
 
 
 def defaults(version: str) -> dict[str, Any]:
@@ -132,7 +139,7 @@ def in_current_terms(values: Mapping[str, Any], version: str) -> tuple[dict[str,
     {'per_device_train_batch_size': 8, 'num_generations': 4}
     """
     r = release(version)
-    out, lines = dict(values), []
+    out, lines = dict(values), list[str]()
     if r is None:
         return out, lines
     if r.version in BATCH_OF_PROMPTS:
@@ -140,8 +147,8 @@ def in_current_terms(values: Mapping[str, Any], version: str) -> tuple[dict[str,
         out["per_device_train_batch_size"] = bs * g
         lines.append(f"TRL {r.version} counts per_device_train_batch_size in prompts: {bs} prompt(s) x "
                      f"num_generations {g} = {bs * g} completions per device")
-    lo, hi = (_key(v) for v in VLLM_CONTEXT_FROM_LENGTHS)
-    if (lo <= _key(r.version) <= hi and out.get("use_vllm")  # type: ignore[operator]
+    lo, hi = (_listed(v) for v in VLLM_CONTEXT_FROM_LENGTHS)
+    if (lo <= _listed(r.version) <= hi and out.get("use_vllm")
             and out.get("vllm_mode") == "colocate" and not out.get("vllm_max_model_length")
             and out.get("max_prompt_tokens") and out.get("max_completion_length")):
         out["vllm_max_model_length"] = int(out["max_prompt_tokens"]) + int(out["max_completion_length"])

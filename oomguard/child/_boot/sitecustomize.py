@@ -5,7 +5,7 @@ import os
 import sys
 
 
-def _oomguard_bootstrap():
+def _oomguard_bootstrap() -> None:
     try:
         from oomguard.child import bootstrap
     except ImportError:
@@ -16,6 +16,8 @@ def _oomguard_bootstrap():
         spec = importlib.util.spec_from_file_location(
             "oomguard", os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg]
         )
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no oomguard package in {pkg}")
         mod = importlib.util.module_from_spec(spec)
         sys.modules["oomguard"] = mod
         spec.loader.exec_module(mod)
@@ -23,7 +25,7 @@ def _oomguard_bootstrap():
     bootstrap.install()
 
 
-def _chain_sitecustomize():
+def _chain_sitecustomize() -> None:
     import importlib.machinery
     import importlib.util
 

@@ -162,7 +162,8 @@ def evaluation_terms(s: Step) -> dict[str, int]:
     # larger of the two, not both (measured on the simulated device: the sum over-predicted a 16-row pass by 10%)
     layers = fwd["activations"] - e.acts.batch_buf
     fwd["activations"] = e.acts.batch_buf + max(0, layers - fwd["logits"])
-    out = dict(max(gen, fwd, key=lambda parts: sum(parts.values())))
+    larger = max(gen, fwd, key=lambda parts: sum(parts.values()))
+    out = dict(larger)
     out["activations"] = out.get("activations", 0) + s.acts.batch_buf  # the last training batch stays buffered
     return out
 

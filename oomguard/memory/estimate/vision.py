@@ -169,7 +169,8 @@ def load_pixel_budget(path: str | os.PathLike[str]) -> tuple[int | None, int | N
         raise EstimateError(f"{f}: cannot read the image processor's config ({e})".splitlines()[0]) from None
     if not isinstance(d, dict):
         return None, None
-    size = d.get("size") if isinstance(d.get("size"), dict) else {}
+    given = d.get("size")
+    size = given if isinstance(given, dict) else {}
     lo = d.get("min_pixels", size.get("shortest_edge") if "longest_edge" in size else None)
     hi = d.get("max_pixels", size.get("longest_edge"))
     ok = [v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None for v in (lo, hi)]

@@ -35,11 +35,12 @@ from __future__ import annotations
 from .lines import rank_of, strip_prefix
 from .live import first_in_chain, is_oom, oom_in_chain, report_from_exception
 from .patterns import SIZE
-from .scan import Hit, parse_oom, scan_lines, scan_stream, scan_text
+from .scan import Hit, Readable, parse_oom, scan_lines, scan_stream, scan_text
 
 __all__ = [
     "SIZE",
     "Hit",
+    "Readable",
     "first_in_chain",
     "is_oom",
     "oom_in_chain",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from ...vocab.oomreport import Frame, OOMReport
 from .heads import CHEAP_REGEXES, VETO, backend_for, might_be_oom, pid_of, recognitions
@@ -211,7 +211,13 @@ def scan_text(text: str) -> list[Hit]:
 _MAX_LINE = 1 << 20  # a "line" longer than this is cut, so one runaway line cannot hold the whole file
 
 
-def scan_stream(stream: BinaryIO, *, chunk_size: int = 8 << 20, max_bytes: int | None = None) -> Iterator[Hit]:
+class Readable(Protocol):
+    """What a scan reads bytes from: a file opened "rb", a gzip stream, a stream that tees what it reads."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def scan_stream(stream: Readable, *, chunk_size: int = 8 << 20, max_bytes: int | None = None) -> Iterator[Hit]:
     """Stream a (possibly huge) binary log and yield its OOMs in order, in bounded memory.
 
     Gives the same hits as ``scan_text`` on the decoded text. Only lines that contain a needle are looked at; the
