@@ -198,6 +198,7 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
       oomguard run --simulate-gpu 300MiB examples/grpo_gsm8k.py
     """
 
+    from .decide.conductor import Policy
     from .decide.ladder import LadderBug, LadderError, load_ladder
     from .display.ui import ConsoleReporter, JsonLogReporter
     from .run.command import (
@@ -264,18 +265,15 @@ def run(command: tuple[str, ...], ladder: str | None, max_attempts: int, max_tim
         _exit(str(e), 2)
     except (UsageError, LadderError, SizeError) as e:
         _usage(str(e)) if not isinstance(e, UsageError) else _exit(str(e), e.code)
-    options = RunOptions(ladder=lad, max_attempts=1 if replay else max_attempts, max_time=max_time,
-                         simulate_gpu=sim, gpu_memory=cap, report_path=report_file, lock_path=lock_file,
-                         workdir=workdir_path, replay=replay, predict=not no_predict,
-                         probe_steps=0 if (no_probe or replay) else probe_steps, always_probe=always_probe,
-                         minimize=minimize,
-                         refine=not no_refine,
-                         preflight=not (no_preflight or no_predict), preflight_margin=preflight_margin,
-                         simulate_context=sim_ctx,
-                         checkpoint_every=checkpoint_every, html_path=html_file,
-                         membership=membership, trl=trl, ladder_auto=ladder is None and not replay,
-                         ladder_reason=why, oom_grace=oom_grace, leak_restart=not no_leak_restart,
-                         trace=not no_trace)
+    policy = Policy(max_attempts=1 if replay else max_attempts, max_time=max_time,
+                    probe_steps=0 if (no_probe or replay) else probe_steps, always_probe=always_probe,
+                    minimize=minimize, refine=not no_refine, preflight=not (no_preflight or no_predict),
+                    preflight_margin=preflight_margin, ladder_auto=ladder is None and not replay,
+                    leak_restart=not no_leak_restart)
+    options = RunOptions(ladder=lad, policy=policy, simulate_gpu=sim, gpu_memory=cap, report_path=report_file,
+                         lock_path=lock_file, workdir=workdir_path, replay=replay, predict=not no_predict,
+                         simulate_context=sim_ctx, checkpoint_every=checkpoint_every, html_path=html_file,
+                         membership=membership, trl=trl, ladder_reason=why, oom_grace=oom_grace, trace=not no_trace)
     reporter = JsonLogReporter() if json_log else ConsoleReporter(quiet=quiet, lock=config_path, command=args,
                                                                   options=device_options)
     try:

@@ -134,13 +134,14 @@ def test_when_a_chosen_config_runs_out_of_memory_the_climb_learns_and_puts_somet
     as headroom, and its fall-back below the same ceiling is tests/test_cheapest.py's.) Slow: the learning and the
     choice after a probe's OOM are tests/test_choose.py's (never repeating a config) and tests/test_refine.py's; the
     default run's test above takes a pre-flight stop and a choice through real TRL."""
+    from oomguard.decide.conductor import Policy
     from oomguard.decide.ladder import load_ladder
     from oomguard.display.ui import ConsoleReporter
     from oomguard.run.supervisor import RunOptions, Supervisor
 
     budget = 118 * 2**20
-    opts = RunOptions(ladder=load_ladder("fastest"), simulate_gpu=budget, capacity=int(budget * 1.4), probe_steps=2,
-                      preflight_margin=None, refine=False, report_path=tmp_path / "r.json", lock_path=tmp_path / "l.json",
+    opts = RunOptions(ladder=load_ladder("fastest"), simulate_gpu=budget, capacity=int(budget * 1.4),
+                      policy=Policy(probe_steps=2, preflight_margin=None, refine=False), report_path=tmp_path / "r.json", lock_path=tmp_path / "l.json",
                       workdir=tmp_path / "wd", echo=False)
     import json
     import os

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oomguard.decide.climb import Climb
+from oomguard.decide.conductor import Conductor, Policy
 from oomguard.decide.ladder import load_ladder
 from oomguard.oom.parse import parse_oom
 from oomguard.run.classify import Ranks, classify
@@ -48,8 +49,9 @@ def crash(adir: Path, pid: int, rank: int | None = None) -> tuple[Path, OOMRaise
 
 def decide(tmp_path: Path, res: ProcessResult, events: list):
     warnings: list[str] = []
-    attempt, diag = classify(1, res, tmp_path, events, TRL_DEFAULTS, [], warnings.append)
-    return attempt, diag, warnings
+    ended = classify(1, res, tmp_path, events, TRL_DEFAULTS, [], warnings.append)
+    con = Conductor(Climb(load_ladder("default")), None, Policy(), launched=True)
+    return con.take(ended), ended.diagnosis, warnings  # the record the conductor builds from it
 
 
 def ended(how: str, pid: int, rank: int | None = None, **kw) -> ProcessEnded:

@@ -15,6 +15,7 @@ from oomguard.decide.climb import Climb
 from oomguard.decide.conductor import PROBE_TAIL, Conductor, Policy
 from oomguard.decide.judge import Judge
 from oomguard.decide.ladder import load_ladder
+from oomguard.vocab.ended import Ended
 from oomguard.vocab.knobs import KNOB_NAMES, TRL_DEFAULTS, RunFacts
 from oomguard.vocab.records import Attempt, AttemptKind, Outcome
 
@@ -182,8 +183,8 @@ def test_the_machine_calibration_keeps_worst_case_probes_of_this_model_only(tmp_
 
 def _run_choices(tmp_path: Path, user: dict, ooms: int) -> list[dict]:
     """The knobs of each attempt of `oomguard run --no-probe` whose first ``ooms`` launches run out of memory: the
-    Supervisor's own loop, with a launcher that stands in for the training process (it reports the user's config,
-    passes every construction point, and ends as told)."""
+    Supervisor's own loop (the conductor's ``drive``), with a launcher that stands in for the training process (it
+    reports the user's config, passes every construction point, and ends as told: an ``Ended``)."""
     from oomguard.display.ui import ConsoleReporter
     from oomguard.oom.diagnose import diagnose
     from oomguard.oom.parse.scan import parse_oom
@@ -191,7 +192,7 @@ def _run_choices(tmp_path: Path, user: dict, ooms: int) -> list[dict]:
     from oomguard.vocab.events import CodeSeen, ModelSeen
 
     sup = Supervisor(["train.py"], RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", predict=False,
-                                              probe_steps=0, report_path=tmp_path / "r.json",
+                                              policy=Policy(probe_steps=0), report_path=tmp_path / "r.json",
                                               lock_path=tmp_path / "l.json"),
                      ConsoleReporter(quiet=True, live=False))
     con = sup.conductor
@@ -200,12 +201,10 @@ def _run_choices(tmp_path: Path, user: dict, ooms: int) -> list[dict]:
         index = len(con.climb.attempts) + 1
         sup.launcher.learn([CodeSeen(point="config", observed=user), CodeSeen(point="trainer"), ModelSeen()])
         oom = index <= ooms
-        a = Attempt(index=index, knobs=con.climb.effective()[0].to_dict(), remedies=con.climb.remedies_in_force(),
-                    outcome=Outcome.OOM if oom else Outcome.OK, exit_code=1 if oom else 0, seconds=1.0, kind=nxt.kind)
         report = parse_oom(OOM_TEXT)
-        diag = diagnose(report) if oom and report is not None else None
-        con.record(a, diag)
-        return a, diag
+        return Ended(knobs=con.climb.effective()[0].to_dict(), remedies=con.climb.remedies_in_force(),
+                     outcome=Outcome.OOM if oom else Outcome.OK, exit_code=1 if oom else 0, seconds=1.0, kind=nxt.kind,
+                     diagnosis=diagnose(report) if oom and report is not None else None)
 
     sup.launcher.launch = launch  # type: ignore[method-assign]
     assert sup.run() == 0

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from oomguard.child.runtime import Runtime
+from oomguard.decide.conductor import Policy
 from oomguard.decide.ladder import distributed_reason_of as facts_reason
 from oomguard.decide.ladder import load_ladder
 from oomguard.memory.estimate import ModelSpec, estimate
@@ -229,7 +230,8 @@ def test_the_training_processes_report_picks_the_ladder_when_the_command_did_not
     said: list[str] = []
     seen = CodeSeen("config", {"zero_stage": 2}, {"deepspeed": "GRPOConfig"}, 2)
     for auto, ladder in ((True, "multi-gpu"), (False, "default")):
-        opts = RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd", ladder_auto=auto)
+        opts = RunOptions(ladder=load_ladder("default"), workdir=tmp_path / "wd",
+                          policy=Policy(ladder_auto=auto))
         sup = Supervisor(["true"], opts, ConsoleReporter(quiet=True, live=False))
         sup.ui.message = said.append  # type: ignore[method-assign]
         sup.launcher.learn([seen])

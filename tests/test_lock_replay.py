@@ -324,13 +324,13 @@ def test_a_replay_stopped_for_a_locked_value_fails_with_its_line_and_the_usage_c
               ProcessEnded("unmet", pid=12, rank=1, error=unmet.line())]
     for launcher_code in (1, 2):  # torchrun's own code, or the process's where nothing sits between
         result = ProcessResult(launcher_code, "", "", None, 1.0)
-        attempt, diag = classify(1, result, tmp_path, events, TRL_DEFAULTS, [], warn=print)
-        assert (attempt.outcome, attempt.exit_code, diag) == (Outcome.FAILED, 2, None)
-        assert attempt.note == unmet.line() and attempt.unmet["knob"] == "per_device_train_batch_size"
+        ended = classify(1, result, tmp_path, events, TRL_DEFAULTS, [], warn=print)
+        assert (ended.outcome, ended.exit_code, ended.diagnosis) == (Outcome.FAILED, 2, None)
+        assert ended.note == unmet.line() and ended.unmet["knob"] == "per_device_train_batch_size"
     lock = Lock(overrides=DEMO_LOCK)
     climb = replayed(DEMO_LOCK)
     conductor = Conductor(climb, None, Policy(replay=True, probe_steps=0), launched=True)
-    conductor.record(attempt, None)
+    attempt = conductor.take(ended)
     assert conductor.after(attempt, None).kind is None  # not retried
     assert conclude(attempt, climb, replay=lock) == ("failed", 2, unmet.line())
 

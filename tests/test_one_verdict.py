@@ -15,6 +15,7 @@ For every config of the table, three code paths are asked the same question, wit
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,11 @@ from oomguard.run.classify import classify
 from oomguard.run.learning import take_events
 from oomguard.run.options import RunOptions
 from oomguard.run.proc import ProcessResult
+from oomguard.vocab.ended import Ended
 from oomguard.vocab.events import CodeSeen, DatasetSeen, ModelSeen, read_events
 from oomguard.vocab.knobs import TRL_DEFAULTS, RunFacts
 from oomguard.vocab.protocol import Plan, ProbePlan
-from oomguard.vocab.records import Attempt, AttemptKind, Outcome
+from oomguard.vocab.records import AttemptKind, Outcome
 from oomguard.vocab.trlrange import head_of
 
 MODELS = Path(__file__).resolve().parent / "fixtures" / "models"
@@ -96,9 +98,8 @@ def launch(tmp: Path, index: int, con: Conductor, nxt, case: tuple) -> tuple[str
     adir = tmp / f"attempt-{index}"
     adir.mkdir(parents=True)
     c = con.climb
-    parts = con.judging(nxt)
-    unless = parts.pop("unless_sure")
-    probe = ProbePlan(output_dir=str(adir / "scratch"), unless_sure=unless) if nxt.kind != AttemptKind.RUN else None
+    parts = con.judging()
+    probe = ProbePlan(output_dir=str(adir / "scratch"), unless_sure=nxt.deferred) if nxt.kind != AttemptKind.RUN else None
     rt = Runtime(Plan(attempt=index, overrides=c.overrides(c.effective()[0]), events=str(adir / "events.jsonl"),
                       probe=probe, **parts))
     rt.observe(values)
@@ -121,7 +122,7 @@ def run_side(tmp: Path, case: tuple, cap: int, probe_oom: bool) -> dict:
     of memory, the OOM's own figures unknown as they are to plan) the config it chooses and how that starts."""
     _config, _values, _device, simulated, trl, _prompt = case
     opts = RunOptions(ladder=load_ladder("default"), simulate_gpu=cap if simulated else None)
-    con = Conductor(Climb(opts.ladder), Judge(cap, simulated=simulated), opts.policy(device=True), capacity=cap,
+    con = Conductor(Climb(opts.ladder), Judge(cap, simulated=simulated), opts.policy_for(device=True), capacity=cap,
                     launched=True)
     con.take_trl(trl, None)  # the command's TRL, read before launching
     nxt = con.first()
@@ -133,13 +134,12 @@ def run_side(tmp: Path, case: tuple, cap: int, probe_oom: bool) -> dict:
     knobs = con.climb.effective()[0]
     if first == "stop":
         res = ProcessResult(returncode=87, stdout_tail="", stderr_tail="", interrupted=None, seconds=1.0)
-        attempt, diag = classify(1, res, tmp / "attempt-1", events, knobs, [], lambda _s: None)
-        assert attempt.outcome == "predicted"
+        ended = replace(classify(1, res, tmp / "attempt-1", events, knobs, [], lambda _s: None), kind=nxt.kind)
+        assert ended.outcome == "predicted"
     else:
-        attempt, diag = Attempt(index=1, knobs=knobs.to_dict(), remedies=[], outcome=Outcome.OOM, exit_code=86,
-                                seconds=1.0), None
-    attempt.kind = nxt.kind
-    con.record(attempt, diag)
+        ended = Ended(kind=nxt.kind, knobs=knobs.to_dict(), remedies=[], outcome=Outcome.OOM, exit_code=86,
+                      seconds=1.0)
+    attempt, diag = con.take(ended), ended.diagnosis
     nxt = con.after(attempt, diag)
     if nxt.kind is None:
         return out
@@ -172,10 +172,10 @@ def test_the_plan_carries_one_judge_and_no_copy_of_it(tmp_path):
     """The training process decides with the one judge the supervisor holds (``JudgeSpec``): one plan part for
     "will it fit", the same for the pre-flight and the probe's decision."""
     con = Conductor(Climb(load_ladder("default")), Judge(GiB, simulated=True),
-                    RunOptions(ladder=load_ladder("default")).policy(device=True), capacity=GiB, launched=True)
-    parts = con.judging(con.first())
-    assert parts["judge"] == con.judge.judge_spec() and parts["preflight"] and parts["unless_sure"]
-    plan = Plan(probe=ProbePlan(unless_sure=True), **{k: v for k, v in parts.items() if k != "unless_sure"})
+                    RunOptions(ladder=load_ladder("default")).policy_for(device=True), capacity=GiB, launched=True)
+    parts = con.judging()
+    assert parts["judge"] == con.judge.judge_spec() and parts["preflight"] and con.first().deferred
+    plan = Plan(probe=ProbePlan(unless_sure=True), **parts)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan.to_dict()))
     again = Plan.load(str(path))  # as the training process reads it

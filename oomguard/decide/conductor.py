@@ -6,13 +6,14 @@ runs (``Climb``, judged by the memory model handed to it once: ``Judge``), what 
 ladder a distributed run takes, and when the budget is spent. Its policy (``Policy``) is the user's options; its
 state is the climb's and its own (the undo trials, the rungs the last choice put in force, the last diagnosis).
 
-What it decides comes back as data (``Next``): the next attempt's kind, and what to tell the user, in order
-(``Said``: a line, or the climb's decision for the front-end to show its way), so a front-end reads top to bottom::
+It drives the loop (``drive``): a front-end only launches the attempt it names (``launch(next) -> Ended``: how it
+ended, as the front-end observed it), and the conductor alone builds the attempt's record (``Attempt``, ``take``),
+writes its notes and counts it against the budget. What it decides comes back as data (``Next``): the next attempt's
+kind (probe or run is decided here only: ``first`` and ``choose``, by ``may_skip_probe``; the training process
+resolves a ``deferred`` probe by the one verdict), and what to tell the user, in order (``Said``: a line, or the
+climb's decision for the front-end to show its way)::
 
-    nxt = conductor.first()
-    while nxt.kind is not None and not conductor.spent():
-        attempt, diagnosis = launcher.launch(nxt)      # which calls conductor.record(attempt, diagnosis)
-        nxt = conductor.after(attempt, diagnosis)
+    last = conductor.drive(launcher.launch, tell=show)
 
 >>> from oomguard.decide.ladder import load_ladder
 >>> c = Conductor(Climb(load_ladder("default")), None, Policy(probe_steps=0))
@@ -22,13 +23,14 @@ What it decides comes back as data (``Next``): the next attempt's kind, and what
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..memory.estimate import PROBE, FitVerdict, launch_as
 from ..vocab.diagnosis import LEAK_KINDS, Diagnosis
+from ..vocab.ended import Ended
 from ..vocab.facts import RunFacts
 from ..vocab.knobs import Knobs, reachable
 from ..vocab.records import Attempt, AttemptKind, Outcome
@@ -38,6 +40,7 @@ from .choose import Choice
 from .climb import UNDO_BY_DEFAULT, Climb, Decision
 from .judge import Judge
 from .ladder import MULTI_GPU, distributed_reason_of, load_ladder
+from .leaks import after_leak, resumed_step, unconfirmed
 from .minimize import Minimizer
 from .proofs import Proofs
 from .repeat import Repeat
@@ -109,29 +112,25 @@ class Conductor:
             return False
         return self.climb.probe_may_be_skipped()
 
-    def judging(self, nxt: Next) -> dict[str, Any]:
-        """What the plan of the attempt ``nxt`` carries for the training process to judge its config with (the one
-        verdict, ``memory.estimate.verdict``): the Judge as it stands (``judge``, with --preflight-margin where
-        given; None without a model), whether the pre-flight stops a config the verdict is ``stop`` on
-        (``preflight``: not under --no-preflight, for a replayed lock, nor once this run proved the model wrong:
-        a probe measures instead, ``decide/miss.py``), and whether a probe becomes the real run
-        where the model is sure (``unless_sure``)."""
+    def judging(self) -> dict[str, Any]:
+        """What an attempt's plan carries for the training process to judge its config with (the one verdict,
+        ``memory.estimate.verdict``; whether a probe becomes the real run where the model is sure is ``Next.deferred``):
+        the Judge as it stands (``judge``, with --preflight-margin where given; None without a model), and whether the
+        pre-flight stops a config the verdict is ``stop`` on (``preflight``: not under --no-preflight, for a replayed
+        lock, nor once this run proved the model wrong: a probe measures instead, ``decide/miss.py``)."""
         judge = self.judge
         return {"judge": judge.judge_spec(self.policy.preflight_margin) if judge is not None else None,
                 "preflight": (judge is not None and self.policy.preflight and not self.policy.replay
-                              and not self.proofs.unsure),
-                "unless_sure": nxt.kind == AttemptKind.PROBE and nxt.deferred and judge is not None}
+                              and not self.proofs.unsure)}
 
     def starts(self, v: FitVerdict | None) -> str:
         """How the config in force starts where the memory model's verdict on it is ``v`` (None: the model cannot
         judge it): ``stop``, ``probe`` or ``run``, as the training process decides it (``memory.estimate.launch_as``)
         for the attempt :meth:`first` launches, with what :meth:`judging` puts in its plan; what `oomguard plan` says
         `oomguard run` does."""
-        nxt = self.first()
-        parts = self.judging(nxt)
+        nxt, parts = self.first(), self.judging()
         return launch_as(v.decision if v is not None and parts["judge"] is not None else PROBE,
-                         probe=nxt.kind != AttemptKind.RUN, deferred=parts["unless_sure"],
-                         preflight=parts["preflight"])
+                         probe=nxt.kind != AttemptKind.RUN, deferred=nxt.deferred, preflight=parts["preflight"])
 
     def spent(self) -> bool:
         """--max-attempts (undo trials are extra work the user asked for: they do not count; a leak's restarts do, so
@@ -219,6 +218,35 @@ class Conductor:
         self.learn(attempt, diag)
         self.climb.record(attempt)
 
+    def drive(self, launch: Callable[[Next], Ended], tell: Callable[[Next], None],
+              ended: Callable[[Attempt, Diagnosis | None], bool] = lambda _a, _d: False) -> Attempt | None:
+        """The loop of every front-end: ``launch`` the next attempt (how it ended comes back), record it (``take``),
+        let the front-end show it (``ended``; True: stop here, as after an interrupt), decide what comes ``after`` and
+        ``tell`` it, until nothing comes next or the budget is spent. Returns the last attempt's record, if any."""
+        nxt, last = self.first(), None
+        while nxt.kind is not None and (last is None or not self.spent()):
+            e = launch(nxt)
+            last = self.take(e)
+            if ended(last, e.diagnosis):
+                break
+            if e.fresh_process is not None:  # only a fresh process could help a call in this one: no next config
+                self.climb.give_up("fresh_process", e.fresh_process)
+                last.skipped = [{"remedy": "fresh_process", "reason": e.fresh_process}]
+                break
+            nxt = self.after(last, e.diagnosis, read_fields=e.read_fields)
+            for d in (s.decision for s in nxt.said if s.decision is not None and s.decision.exhausted is None):
+                last.skipped += [{"remedy": st.remedy.name, "reason": "needs a fresh process"} for st in d.steps
+                                 if st.remedy.name in e.not_here]
+            tell(nxt)
+        return last
+
+    def take(self, e: Ended) -> Attempt:
+        """The record of the attempt that ended as ``e`` (the next index; built here only), recorded (``record``)."""
+        kept = {f.name for f in fields(Attempt)}
+        attempt = Attempt(index=len(self.climb.attempts) + 1, **{k: v for k, v in vars(e).items() if k in kept})
+        self.record(attempt, e.diagnosis)
+        return attempt
+
     def learn(self, attempt: Attempt, diag: Diagnosis | None) -> None:
         """What an attempt teaches the memory model, the same for a launch and a guarded call: its prediction is
         recorded on it; a success teaches the steady state only once an optimizer step has run with its state in
@@ -286,9 +314,9 @@ class Conductor:
             return Next(None) if attempt.kind == AttemptKind.RUN else self._after_fit(attempt, Next(None))
         # out of memory, or stopped by the pre-flight check
         if diag is not None and diag.kind in LEAK_KINDS:
-            return self._after_leak(attempt, diag)
+            return after_leak(self, attempt, diag)
         if self.leaks and not self.leak_confirmed:  # the restart after a young leak ran out without growing again
-            self._unconfirmed(attempt, "the restart after it ran out of memory without the growth")
+            unconfirmed(self, attempt, "the restart after it ran out of memory without the growth")
         if p.replay:
             exhausted = c.give_up("lock", "a locked config is replayed without climbing")
             return Next(None, said=[Said(decision=Decision(exhausted=exhausted))])
@@ -401,58 +429,6 @@ class Conductor:
         nxt.kind = AttemptKind.RUN
         return nxt
 
-    def _after_leak(self, attempt: Attempt, diag: Diagnosis) -> Next:
-        """The OOM was a leak (the memory trace shows memory kept step after step): no rung is climbed for it. The
-        run resumes from its last checkpoint with the same config, saving often enough to move on at the leak's
-        pace (half the steps it made before running out), as long as each restart gets further and the budget
-        (--max-attempts, --max-time: restarts count) leaves room; with --no-leak-restart it stops.
-
-        A young leak (``Facts.young_leak``: foretold by a few steps only) is provisional: the restart confirms it by
-        getting further and growing again. One that gets no further, or runs out without the growth, is the
-        shortfall its figures show (a warm-up that settles late looks the same over a few steps), and a rung is
-        climbed."""
-        c = self.climb
-        made = (attempt.step or 0) - resumed_step(attempt.resume)
-        where = "the host's memory" if diag.kind == "host-leak" else "the device"
-        young = diag.facts.young_leak
-        if young and not self.leak_confirmed and (not self.policy.leak_restart or (self.leaks and made <= 0)):
-            self._unconfirmed(attempt, "the restart got no further before it ran out" if self.policy.leak_restart else
-                              "--no-leak-restart leaves no restart to reproduce the few steps it grew over")
-            self.last_diag = figures = replace(diag, kind=diag.facts.by_figures or "shortfall")
-            return self.choose(attempt, figures)
-        if not young or (self.leaks and made > 0):
-            self.leak_confirmed = True
-        budget = None if self.room_for(1) else (
-            f"--max-time {self.policy.max_time:g}s" if self.policy.max_time is not None and
-            time.time() - c.started >= self.policy.max_time else f"--max-attempts {self.policy.max_attempts}")
-        if not self.policy.leak_restart or (self.leaks and made <= 0) or budget:
-            why = ("--no-leak-restart: stopped at the first leak" if not self.policy.leak_restart else
-                   f"the leak fills {where} before the run gets past its last checkpoint" if made <= 0 else
-                   f"the budget ({budget}) is spent after {len(self.leaks)} restart(s); raise it to restart again")
-            c.give_up("leak", why)
-            attempt.note = f"a leak, not a shortfall: no config change cures it; {why}"
-            return Next(None).line(f"  {attempt.note}; fix the code that keeps the memory (the evidence says where)")
-        cadence = max(1, made // 2)
-        self.checkpoint_every = min(self.checkpoint_every or cadence, cadence)
-        self.leaks.append(attempt.index)
-        what = "a leak, not a shortfall" if self.leak_confirmed else "a leak, it seems (too few steps to be sure)"
-        attempt.note = (f"{what}: resumed with the same config from the last checkpoint, saving every "
-                        f"{self.checkpoint_every} step(s)")
-        line = (f"  {what}: no config change cures it, so the run resumes from its last checkpoint with the same "
-                f"config, with a checkpoint at least every {self.checkpoint_every} step(s) (it made {made} step(s) "
-                f"before {where} was full)")
-        if not self.leak_confirmed:
-            line += "; a restart that gets further and grows again confirms it, else a rung is climbed"
-        return Next(AttemptKind.RUN, checkpoint_every=self.checkpoint_every).line(
-            line + "; --no-leak-restart stops instead")
-
-    def _unconfirmed(self, attempt: Attempt, why: str) -> None:
-        """A young leak the restart did not reproduce: what it was taken for is the shortfall its figures show; the
-        attempts restarted for it are no longer counted as a leak's (the ending does not call the run leaked)."""
-        attempt.note = (f"not a leak after all: {why}, so the OOM is the shortfall its figures show (a warm-up that "
-                        "settles late grows for a few steps too)")
-        self.leaks.clear()
-
     def _take_back(self, attempt: Attempt, err: dict[str, Any]) -> Next:
         """oomguard's own overrides broke the launch (a rung GRPO or PEFT rejects, a 4-bit load a loader cannot make):
         take back the rungs just put in force that set the overrides named where it broke (else all of them), go on."""
@@ -470,22 +446,10 @@ class Conductor:
         return ch.lines(self.capacity, load_only=self.judge is not None and Judge.load_only(self.climb.facts))
 
 
-def resumed_step(resume: dict[str, Any] | None) -> int:
-    """The step an attempt resumed from (its resume plan's checkpoint, ``checkpoint-N``), 0 where it started afresh.
-
-    >>> resumed_step({"mode": "continue", "checkpoint": "/out/checkpoint-12"}), resumed_step(None)
-    (12, 0)
-    """
-    if not resume or resume.get("mode") != "continue":
-        return 0
-    m = re.search(r"checkpoint-(\d+)/?$", str(resume.get("checkpoint") or ""))
-    return int(m.group(1)) if m else 0
-
-
 def ladder_line(why: str) -> str:
     """The line that says which ladder oomguard picked by itself, and why."""
     return (f"ladder {MULTI_GPU}: {why}, so the rungs that only apply to distributed runs (DeepSpeed's buffers, ZeRO "
             "stages, offload) come before any trade of quality; --ladder NAME picks another")
 
 
-__all__ = ["PROBE_TAIL", "Conductor", "Next", "Policy", "Said", "ladder_line", "resumed_step", "say"]
+__all__ = ["PROBE_TAIL", "Conductor", "Ended", "Next", "Policy", "Said", "ladder_line", "resumed_step", "say"]

@@ -36,9 +36,10 @@ from ..memory.estimate import (
     load_pixel_budget,
 )
 from ..vocab.diagnosis import Diagnosis
+from ..vocab.ended import Ended
 from ..vocab.knobs import Knobs, RunFacts
 from ..vocab.oomreport import OOMReport
-from ..vocab.records import Attempt, AttemptKind, Outcome
+from ..vocab.records import AttemptKind, Outcome
 from ..vocab.trlrange import support
 from .alternatives import Alternative
 from .choose import Rung
@@ -195,8 +196,8 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
     if judge.judge(est) or plan.first == RUN:
         return plan  # the climb keeps it as it is
     # the first attempt as run ends it: stopped by the pre-flight, or its probe out of memory
-    run.record(Attempt(index=1, knobs=knobs.to_dict(), remedies=[], exit_code=None, seconds=0.0, kind=AttemptKind.PROBE,
-                       outcome=Outcome.PREDICTED if plan.first == STOP else Outcome.OOM), None)
+    run.take(Ended(knobs=knobs.to_dict(), remedies=[], exit_code=None, seconds=0.0, kind=AttemptKind.PROBE,
+                   outcome=Outcome.PREDICTED if plan.first == STOP else Outcome.OOM))
     # the choice `oomguard run` would make: its conductor's, with nothing launched (every knob reaches); after a stop
     # for vLLM's share, on the diagnosis run's classify gives that stop. Where the choice changes what is trained or
     # learned and a cheaper config may fit, run probes that one first (a trial), and the choice only if it runs out

@@ -7,11 +7,12 @@ memory given back after a failed attempt (:mod:`oomguard.inprocess.release`), th
 (:mod:`oomguard.inprocess.isolate`). No module is named ``guard``: the package attribute ``oomguard.guard`` is the
 function, and importing any of these modules leaves it so.
 
-tenacity is the retry engine (its ``Retrying`` calls the attempt again while the retry predicate holds), and the
-decisions are those of ``oomguard run``, made by the same ``Conductor`` (``oomguard.decide.conductor``) with a policy
-of no probes: it ``record``-s each attempt (the memory model learns by the same rule), chooses the next config
-``after`` an OOM, and says when the budget (attempts, time) is ``spent``. Only ``give_up`` when only a fresh process
-could help is the guard's own: a call in this process cannot recover from what a CUDA runtime OOM leaves.
+The loop is ``oomguard run``'s, driven by the same ``Conductor`` (``oomguard.decide.conductor``, ``drive``) with a
+policy of no probes: this wrapper only calls the function once per attempt and says how it ended (an ``Ended``); the
+conductor writes each attempt's record (the memory model learns by the same rule), chooses the next config ``after``
+an OOM, and says when the budget (attempts, time) is ``spent``. The wrapper observes what only this process can: that
+only a fresh process could help (a call here cannot recover from what a CUDA runtime OOM leaves:
+``Ended.fresh_process``) and which rungs would not take effect here (``Ended.not_here``).
 
 Only OOMs are retried (``oomguard.is_oom``); anything else propagates unchanged.
 
@@ -36,13 +37,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tenacity import Retrying, retry_if_result, stop_never, wait_none
-
 from ..decide.climb import Climb, Decision
-from ..decide.conductor import Conductor, Policy
+from ..decide.conductor import Conductor, Ended, Next, Policy
 from ..decide.experiment import Experiment, cost_note, experiment_lines
 from ..decide.ladder import Ladder, load_ladder
 from ..oom.diagnose import diagnose
@@ -50,11 +50,11 @@ from ..oom.trend import assess, at_oom, describe
 from ..vocab import allocconf
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts, reachable
-from ..vocab.records import Attempt, RunReport, rung_label
+from ..vocab.records import AttemptKind, Outcome, RunReport, rung_label
 from ..vocab.sizes import format_size, parse_size
 from ..vocab.trace import MemSample
 from . import allocapply
-from .attempt import CallResult, call_once, start_simulation, stop_simulation
+from .attempt import call_once, start_simulation, stop_simulation
 from .isolate import check_picklable, lookup, run_isolated
 from .release import live_bytes, loaded_torch, release, reset_peak
 from .tracked import TrackedKnobs
@@ -89,21 +89,15 @@ class OOMGuardExhausted(RuntimeError):
         self.report = report
 
 
-class _Attempt:
-    """What one attempt left for the retry loop: its record, the value, or the facts of its OOM (never the
-    exception itself)."""
+class _Call:
+    """What a guarded call's attempts leave for its end, never the exception itself: the value of the attempt that
+    fit, the last OOM's diagnosis and message, and the knobs the last attempt reached (for the climb's lines)."""
 
-    def __init__(self, record: Attempt, value: Any = None, diagnosis: Diagnosis | None = None,
-                 message: str = "") -> None:
-        self.record = record
-        self.value = value
-        self.diagnosis = diagnosis
-        self.message = message
-        self.again = False  # the conductor chose a next config and the budget leaves room for it
-
-    @property
-    def outcome(self) -> str:
-        return self.record.outcome
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.diagnosis: Diagnosis | None = None
+        self.message = ""
+        self.fields: frozenset[str] = frozenset()
 
 
 class Guarded:
@@ -159,9 +153,10 @@ class Guarded:
         # a function that takes knobs may read them for memory the GRPO model does not describe: climbed unjudged
         conductor = Conductor(climb, None if self.takes_knobs else self._judge(), self.policy(), subject="the function")
         reads: set[str] = set()
-        retryer = Retrying(stop=stop_never, wait=wait_none(), retry=retry_if_result(lambda a: a.again),
-                           retry_error_callback=lambda state: state.outcome.result(), reraise=True)
-        last: _Attempt = retryer(self._attempt, conductor, reads, args, kwargs)
+        call = _Call()
+        last = conductor.drive(lambda _nxt: self._attempt(conductor, reads, call, args, kwargs),
+                               lambda nxt: self._tell(nxt, call))
+        assert last is not None  # the first attempt always runs
         if last.outcome == "ok":
             n = len(climb.attempts)
             self.report = self._report(climb, reads, "stable", f"stable after {n} attempt(s)" if n > 1 else
@@ -171,21 +166,21 @@ class Guarded:
                 for line in experiment_lines(self.report.experiment):
                     self._log(logging.INFO, line)
             self._write()
-            return last.value
+            return call.value
         late = self.max_time is not None and time.time() - climb.started >= self.max_time
         leaked = climb.exhausted is not None and climb.exhausted.skipped[:1] and climb.exhausted.skipped[0][0] == "leak"
-        why = (f"it leaks memory, which no config change cures ({last.diagnosis.evidence[0]})"
-               if leaked and last.diagnosis is not None and last.diagnosis.evidence
+        why = (f"it leaks memory, which no config change cures ({call.diagnosis.evidence[0]})"
+               if leaked and call.diagnosis is not None and call.diagnosis.evidence
                else "no rung left that can help" if climb.exhausted is not None
                else f"stopped after {len(climb.attempts)} attempt(s) and {self.max_time:g} s (max_time)" if late
                else f"stopped after {self.max_attempts} attempts (max_attempts)")
-        self.report = self._report(climb, reads, "leaked" if leaked else "exhausted", f"{why}; last OOM: {last.message}",
+        self.report = self._report(climb, reads, "leaked" if leaked else "exhausted", f"{why}; last OOM: {call.message}",
                                    None)
         self._write()
-        skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.record.skipped[-4:])
+        skipped = "; ".join(f"{s['remedy']}: {s['reason']}" for s in last.skipped[-4:])
         raise OOMGuardExhausted(
             f"{self.fn.__name__} still ran out of memory after {len(climb.attempts)} attempt(s): {why}. "
-            f"Last OOM: {last.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
+            f"Last OOM: {call.message[:300]}" + (f" (skipped {skipped})" if skipped else ""), self.report)
 
     def policy(self) -> Policy:
         """The climb's policy for a guarded call: ``oomguard run``'s with no probes (the call is the attempt), no
@@ -193,18 +188,13 @@ class Guarded:
         return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=0, preflight=False,
                       leak_restart=False)
 
-    def _attempt(self, conductor: Conductor, reads: set[str], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> _Attempt:
-        """One attempt: run the call with the climb's knobs, have the conductor record it, and on an OOM ask it for
-        the next config."""
+    def _attempt(self, conductor: Conductor, reads: set[str], call: _Call, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Ended:
+        """One attempt: run the call with the climb's knobs and say how it ended, for the conductor to record."""
         climb = conductor.climb
         index = len(climb.attempts) + 1
-        knobs = climb.effective()[0]
-        record = Attempt(index=index, knobs=knobs.to_dict(), remedies=climb.remedies_in_force(), outcome="ok",
-                         exit_code=None, seconds=0.0)
+        knobs, remedies = climb.effective()[0], climb.remedies_in_force()
         note = allocapply.apply(knobs, climb, self.isolate)
-        if note:
-            record.note = note
         before = live_bytes()
         reset_peak()
         start = time.monotonic()
@@ -212,63 +202,53 @@ class Guarded:
             result = run_isolated(self, knobs, climb, args, kwargs)
         else:
             result = call_once(self.fn, self.takes_knobs, knobs, climb.overrides(knobs), reads, args, kwargs)
-        record.seconds = time.monotonic() - start
-        record.peak_bytes = result.peak
+        seconds = time.monotonic() - start
         reads |= result.reads  # an isolated attempt reads knobs in its own process
         climb.observe(result.observed)
         if result.facts:
             climb.learn(climb.facts.replace(**result.facts))
         # the knobs as the call really ran them: a GRPOConfig built inside it reports the function's own values
-        record.knobs = climb.effective()[0].to_dict()
-        attempt = _Attempt(record)
+        ended = Ended(kind=AttemptKind.RUN.value, outcome=Outcome.OK.value, knobs=climb.effective()[0].to_dict(),
+                      remedies=remedies, exit_code=None, seconds=seconds, peak_bytes=result.peak, note=note or None)
         if result.ok:
-            attempt.value = result.value
-            conductor.record(record, None)
+            call.value = result.value
             self._watch_calls(live_bytes(), result.peak)
-            return attempt
+            return ended
         # An OOM: everything below works from plain data; the exception and its frames are gone.
         release()
-        record.memory = {"live_before": before, "live_after_release": live_bytes()}
-        self._record_oom(conductor, attempt, result)
-        if attempt.diagnosis is not None and attempt.diagnosis.kind == "driver" and not self.isolate:
-            why = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
-            climb.give_up("fresh_process", why)
-            record.skipped = [{"remedy": "fresh_process", "reason": why}]
-            self._log(logging.WARNING, f"not retrying {self.fn.__name__}(): {why}")
-            return attempt
-        reached = ALLOCATOR_KNOBS if self.takes_knobs else reachable(result.reached)
-        fields = frozenset(set(reads) | set(reached))
-        nxt = conductor.after(record, attempt.diagnosis, read_fields=fields)
-        for said in nxt.said:
-            if said.decision is not None:
-                self._log_climb(said.decision, fields if self.takes_knobs else None)
-                if said.decision.exhausted is None:
-                    for step in said.decision.steps:
-                        if not allocapply.can_apply_here(step.remedy.name, self.isolate):
-                            record.skipped.append({"remedy": step.remedy.name, "reason": "needs a fresh process"})
-            elif said.line is not None:
-                self._log(logging.INFO, said.line.strip())
-        attempt.again = nxt.kind is not None and not conductor.spent()
-        return attempt
-
-    def _record_oom(self, conductor: Conductor, attempt: _Attempt, result: CallResult) -> None:
-        """Diagnose the OOM, have the conductor record the attempt, and say it in one line."""
-        from ..oom.analyze import finding
-
-        r, record = result.report, attempt.record
+        memory = {"live_before": before, "live_after_release": live_bytes()}
+        r = result.report
         assert r is not None  # a failed call carries its OOMReport
         samples = result.samples or self.calls  # the trainer's steps in this call, else the calls before it
         last = max((s.step for s in samples), default=0)
-        d = diagnose(r, result.frames, phase=result.phase,
-                     trend=at_oom(samples, step=last + 1) if samples else None)
-        record.outcome = "oom"
-        record.oom = finding(f"{self.fn.__name__}()", None, r, d, frames=result.frames)
-        attempt.diagnosis = d
-        attempt.message = r.message
-        conductor.record(record, d)
-        self._log(logging.WARNING, f"{self.fn.__name__}() attempt {record.index}/{self.max_attempts} ran out of "
+        d = diagnose(r, result.frames, phase=result.phase, trend=at_oom(samples, step=last + 1) if samples else None)
+        call.diagnosis, call.message = d, r.message
+        self._log(logging.WARNING, f"{self.fn.__name__}() attempt {index}/{self.max_attempts} ran out of "
                   f"memory: {d.kind}{' during ' + d.phase if d.phase != 'unknown' else ''}"
                   f"{f' ({format_size(r.requested)} requested)' if r.requested else ''}")
+        fresh = None
+        if d.kind == "driver" and not self.isolate:
+            fresh = "a CUDA runtime OOM can leave the context unusable; use guard(isolate=True) or `oomguard run`"
+            self._log(logging.WARNING, f"not retrying {self.fn.__name__}(): {fresh}")
+        reached = ALLOCATOR_KNOBS if self.takes_knobs else reachable(result.reached)
+        call.fields = frozenset(set(reads) | set(reached))
+        ladder = climb.ladder
+        not_here = frozenset(rung.name for rung in (*ladder.rungs, *ladder.host_rungs)
+                             if not allocapply.can_apply_here(rung.name, self.isolate))
+        from ..oom.analyze import finding
+
+        return replace(ended, outcome=Outcome.OOM.value, oom=finding(f"{self.fn.__name__}()", None, r, d,
+                                                               frames=result.frames),
+                       memory=memory, diagnosis=d, read_fields=call.fields, fresh_process=fresh, not_here=not_here)
+
+    def _tell(self, nxt: Next, call: _Call) -> None:
+        """What the conductor decided after an attempt, as log lines: the climb in one line (for a function that takes
+        ``knobs``, only the changes it reads), and its other lines."""
+        for said in nxt.said:
+            if said.decision is not None:
+                self._log_climb(said.decision, call.fields if self.takes_knobs else None)
+            elif said.line is not None:
+                self._log(logging.INFO, said.line.strip())
 
     def _watch_calls(self, kept: int | None, peak: int | None) -> None:
         """Memory at the end of a call that fit: a leak across calls (the function keeps memory from one call to

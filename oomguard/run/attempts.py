@@ -1,9 +1,9 @@
-"""One attempt of ``oomguard run``, from its plan to its record: the plan file and environment of the launch, the
+"""One attempt of ``oomguard run``, from its plan to how it ended: the plan file and environment of the launch, the
 process watched while it runs (its events, the live view, a rank that died while others hang, a node of a group
-that must stop), and how it ended (``classify``) with what the training process said of itself.
+that must stop), and how it ended (``classify``: an ``Ended``, with what the training process said of itself).
 
-``Launcher`` launches what the conductor (``oomguard.decide.conductor``) decides and hands back the record; its own
-state is what only a launch knows: the newest checkpoint the run wrote (a later run resumes from it), where the run
+``Launcher`` launches what the conductor (``oomguard.decide.conductor``) decides and hands back how it ended; the
+conductor alone writes the attempt's record. The Launcher's own state is what only a launch knows: the newest checkpoint the run wrote (a later run resumes from it), where the run
 writes, why a group ended early, the warnings said once and kept for the report, the device's context measured."""
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ from typing import Any
 from ..decide.conductor import Conductor, Next
 from ..oom.trendwords import held
 from ..vocab import allocconf
-from ..vocab.diagnosis import Diagnosis
+from ..vocab.ended import Ended
 from ..vocab.events import (
     CheckpointSaved,
     ChildEvent,
-    CodeSeen,
-    ConfigGenerated,
     EventTail,
     MemHolders,
     MemTrend,
-    OverrideFailed,
     PatchFailed,
     ProbeDecided,
     ProcessStarted,
@@ -39,11 +36,11 @@ from ..vocab.files import write_json_atomic
 from ..vocab.knobs import Knobs
 from ..vocab.lock import shown
 from ..vocab.protocol import PLAN_ENV, SIMULATE_ENV, STOPPED_MARK, Plan, ProbePlan, whereabouts
-from ..vocab.records import Attempt, AttemptKind, Outcome
+from ..vocab.records import AttemptKind
 from ..vocab.serial import to_fields
 from ..vocab.trace import Holder
 from .aside import Aside
-from .classify import classify, main_trace
+from .classify import classify
 from .command import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
 from .group import Group, GroupError, GroupTail
 from .hostmem import host_limit
@@ -54,22 +51,6 @@ from .resume import resume_plan
 from .watch import PROBE_DIR_PREFIX, Watch
 
 CENSUS_AFTER = 3  # steps into a run restarted after a leak before the training process finds where it is held
-TRACE_POINTS = 256  # a report keeps at most this many samples of an attempt's memory trace (evenly thinned)
-
-
-def trace_of(events: list[ChildEvent]) -> list[dict[str, Any]]:
-    """The memory trace of an attempt's main process (the one with the most samples), thinned for the report.
-
-    >>> from oomguard.vocab.events import MemSampled
-    >>> trace_of([MemSampled(step=s, kept=10, peak=20, pid=1) for s in range(1, 4)])[-1]
-    {'step': 3, 'kept': 10, 'peak': 20}
-    """
-    mine = main_trace(events)
-    if len(mine) > TRACE_POINTS:
-        stride = len(mine) / TRACE_POINTS
-        mine = [mine[int(i * stride)] for i in range(TRACE_POINTS - 1)] + [mine[-1]]
-    keys = ("step", "kept", "peak", "reserved", "host_rss", "prompt_tokens", "completion_tokens")
-    return [{k: getattr(e, k) for k in keys if getattr(e, k) is not None} for e in mine]
 
 
 class Launcher:
@@ -111,9 +92,13 @@ class Launcher:
         if device:
             self.device = device
 
-    def launch(self, nxt: Next) -> tuple[Attempt, Diagnosis | None]:
-        """Run the attempt ``nxt`` names to its end, have the conductor record it, and return its record and, for an
-        OOM, its diagnosis."""
+    @property
+    def max_attempts(self) -> int:
+        return self.conductor.policy.max_attempts
+
+    def launch(self, nxt: Next) -> Ended:
+        """Run the attempt ``nxt`` names to its end and say how it ended (``classify``), for the conductor to record:
+        this writes no record."""
         c, kind = self.conductor.climb, nxt.kind
         assert kind is not None
         index = len(c.attempts) + 1
@@ -126,10 +111,8 @@ class Launcher:
         # A probe's output directory is oomguard's: made here, deleted when the attempt ends, whatever the ending (a
         # script that saves at its end writes a whole model there). The user's output_dir is never given to a probe.
         scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX)) if kind != AttemptKind.RUN else None
-        # how the training process judges its config; a probe unless it finds the memory model sure of the config:
-        # then it is the real run
-        judging = self.conductor.judging(nxt)
-        deferred = judging.pop("unless_sure")
+        # a probe unless the training process finds the memory model sure of the config: then it is the real run
+        deferred = nxt.deferred
         probe = (ProbePlan(steps=self.conductor.probe_steps, output_dir=str(scratch), unless_sure=deferred)
                  if scratch is not None else None)
         resume = (resume_plan(self.checkpoint, self.checkpoint_knobs, knobs, c.climbed, self.output_dir, index)
@@ -137,11 +120,12 @@ class Launcher:
         plan = Plan(attempt=index, overrides=c.overrides(knobs), pinned=c.pinned.to_dict(only_set=True),
                     simulate_gpu=self.o.simulate_gpu,
                     simulate_context=self.sim_context, gpu_memory=self.o.gpu_memory, crash_dir=str(adir),
-                    events=str(events_path), remedies=remedies, probe=probe, resume=resume, **judging,
+                    events=str(events_path), remedies=remedies, probe=probe, resume=resume,
+                    **self.conductor.judging(),
                     checkpoint_every=self._saves(nxt) if kind == AttemptKind.RUN or deferred else None,
                     trace=self.o.trace, host_limit=self.host_limit,
                     census_after=CENSUS_AFTER if self.conductor.leaks else None)
-        self.ui.attempt_start(index, self.o.max_attempts, c.actions_in_force(without), plan.overrides,
+        self.ui.attempt_start(index, self.max_attempts, c.actions_in_force(without), plan.overrides,
                               AttemptKind.RUN if deferred else kind)
         if resume:
             self.ui.message(f"  {resume.mode}: {resume.why}")
@@ -149,7 +133,7 @@ class Launcher:
                       self.progress_state(index, kind, remedies), saves_set=plan.checkpoint_every)
         if self.group is not None:
             self.group.publish(index, {"kind": kind.value, "plan": plan.to_dict(), "actions":
-                                       c.actions_in_force(without), "max_attempts": self.o.max_attempts,
+                                       c.actions_in_force(without), "max_attempts": self.max_attempts,
                                        "alloc": self._alloc_options(knobs)})
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
         res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
@@ -160,42 +144,16 @@ class Launcher:
         self.poll(watch, live=False)  # the last lines the process wrote
         events = watch.events
         self.learn(events)
-        attempt, diag = classify(index, res, adir, events, knobs, remedies, self.ui.message, self.host_limit)
-        attempt.trace = trace_of(events)
-        attempt.kind, attempt.resume = watch.kind, to_fields(resume) if resume is not None else None
-        decided = next((e for e in events if isinstance(e, ProbeDecided)), None)
-        if decided is not None:
-            attempt.probe_decision = {"decided": decided.decided, "why": decided.why,
-                                      "predicted_bytes": decided.predicted_bytes, "limit": decided.limit}
-        if self.group_failure is not None:
-            attempt.outcome, attempt.note = Outcome.FAILED, self.group_failure
-            attempt.exit_code = attempt.exit_code or 1
-        for g in (e for e in events if isinstance(e, ConfigGenerated)):
-            attempt.generated = {**(attempt.generated or {}),
-                                 g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
-        broken = [e for e in events if isinstance(e, PatchFailed)]
-        for e in broken:
-            self.warn(e.line())
-            self.broken = self.broken or e.line()
-        configured = any(isinstance(e, CodeSeen) and e.point == "config" for e in events)
-        if attempt.kind != AttemptKind.RUN and not configured:
-            attempt.kind = AttemptKind.RUN  # no GRPOConfig to shorten: the "probe" was the whole command
-            if not broken and attempt.outcome != Outcome.FAILED:
-                attempt.note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
-        if broken:
-            attempt.note = broken[0].line()
-        elif attempt.outcome == Outcome.FAILED and not configured and not attempt.note:
-            # what a training process said of its failure stays the reason
-            attempt.note = "it failed before it built a GRPOConfig (its own output above says why)"
         # The knobs as the child really ran them: the first attempt learns the user's config while it runs, and the
         # training process says what it runs (a value of oomguard's the script set again later, say)
-        attempt.knobs = knobs_ran(c.effective(without)[0], events).to_dict()
+        ran = knobs_ran(c.effective(without)[0], events)
+        ended = classify(index, res, adir, events, ran, remedies, self.ui.message, self.host_limit, kind=watch.kind,
+                         resume=to_fields(resume) if resume is not None else None, group_failure=self.group_failure)
+        for e in (e for e in events if isinstance(e, PatchFailed)):
+            self.warn(e.line())
+            self.broken = self.broken or e.line()
         self._said_later(events, plan.overrides)
-        broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
-        if attempt.outcome == Outcome.FAILED and broke is not None:
-            attempt.override_error = {"where": broke.where, "error": broke.error, "overrides": list(broke.overrides)}
-        self.conductor.record(attempt, diag)
-        return attempt, diag
+        return ended
 
     def _said_later(self, events: list[ChildEvent], overrides: dict[str, Any]) -> None:
         """A value oomguard set that the training process runs otherwise (the script sets it again later, a stack
@@ -320,7 +278,7 @@ class Launcher:
             return state
         from ..display.ui import Progress
 
-        return Progress(index=index, max_attempts=self.o.max_attempts, kind=kind, remedies=remedies,
+        return Progress(index=index, max_attempts=self.max_attempts, kind=kind, remedies=remedies,
                         capacity=self.conductor.capacity)
 
     def _saves(self, nxt: Next) -> int | None:

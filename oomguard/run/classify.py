@@ -30,19 +30,24 @@ from __future__ import annotations
 import signal
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..vocab.diagnosis import Diagnosis, Live
+from ..vocab.diagnosis import Live
+from ..vocab.ended import Ended
 from ..vocab.events import (
     CheckpointSaved,
     ChildEvent,
     CodeSeen,
+    ConfigGenerated,
     DatasetSeen,
     MemSampled,
     OOMRaised,
+    OverrideFailed,
+    PatchFailed,
     PreflightStop,
+    ProbeDecided,
     ProcessEnded,
     ProcessStarted,
     Ran,
@@ -62,9 +67,11 @@ from ..vocab.protocol import (
     EXIT_OOM,
     EXIT_PREDICTED,
 )
-from ..vocab.records import Attempt, CrashRecord, Outcome, RecordError
+from ..vocab.records import AttemptKind, CrashRecord, Outcome, RecordError
 from ..vocab.sizes import format_size
 from .proc import ProcessResult
+
+TRACE_POINTS = 256  # a report keeps at most this many samples of an attempt's memory trace (evenly thinned)
 
 
 @dataclass
@@ -211,22 +218,32 @@ def _sigkill(returncode: int) -> bool:
 
 
 def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildEvent], knobs: Knobs,
-             remedies: list[str], warn: Callable[[str], None],
-             host_limit: int | None = None) -> tuple[Attempt, Diagnosis | None]:
-    """The Attempt record of launch ``index`` and, for an OOM, its Diagnosis (with what the training process's memory
-    trace says of it: ``late_trend``; ``host_limit``, the host memory it could use)."""
+             remedies: list[str], warn: Callable[[str], None], host_limit: int | None = None, *,
+             kind: str = AttemptKind.RUN, resume: dict[str, Any] | None = None,
+             group_failure: str | None = None) -> Ended:
+    """How launch ``index`` ended (``Ended``, for the conductor to record): the ending (``ending``), then what the
+    training process said of itself (``said_of_itself``). ``knobs``: as the training process ran them; ``kind``: how
+    it ran (a probe it found sure ran as the real run); ``resume``: how it continued from a checkpoint;
+    ``group_failure``: why the group of nodes ended early, if it did."""
+    base = ending(index, res, adir, events, knobs, remedies, warn, host_limit)
+    return said_of_itself(replace(base, kind=kind, resume=resume, trace=trace_of(events)), events, group_failure)
+
+
+def ending(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildEvent], knobs: Knobs,
+           remedies: list[str], warn: Callable[[str], None], host_limit: int | None = None) -> Ended:
+    """How launch ``index`` ended and, for an OOM, its Diagnosis (with what the training process's memory trace says
+    of it: ``late_trend``; ``host_limit``, the host memory it could use), in the order of the module."""
     steps = [e.step for e in events if isinstance(e, StepDone) and e.step is not None]
     peaks = [e.peak for e in events if isinstance(e, StepDone) and e.peak is not None]
     reserved = [e.reserved for e in events if isinstance(e, StepDone) and e.reserved is not None]
-    attempt = Attempt(index=index, knobs=knobs.to_dict(), remedies=remedies, outcome=Outcome.FAILED,
-                      exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
-                      step=max(steps) if steps else None, peak_reserved_bytes=max(reserved) if reserved else None)
+    base = Ended(kind=AttemptKind.RUN, knobs=knobs.to_dict(), remedies=remedies, outcome=Outcome.FAILED,
+                 exit_code=res.exit_code, seconds=res.seconds, peak_bytes=max(peaks) if peaks else None,
+                 step=max(steps) if steps else None, peak_reserved_bytes=max(reserved) if reserved else None)
     if res.survivors:
         warn(f"{len(res.survivors)} process(es) of attempt {index} still alive after SIGKILL (pids "
              f"{', '.join(map(str, res.survivors[:8]))}): the next attempt may find their memory in use")
     if res.interrupted:
-        attempt.outcome = Outcome.INTERRUPTED
-        return attempt, None
+        return replace(base, outcome=Outcome.INTERRUPTED)
     ranks = Ranks.of(events)
     crash = crash_record(adir, warn, skip=ranks.recovered)
     # What reads an OOM (compiled patterns, the analysis) loads only where one may be: a clean end pays nothing for it.
@@ -239,33 +256,30 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         d = diagnose(crash.report, crash.frames, phase=crash.phase,
                      buffers=deepspeed_buckets(crash.knobs, crash.model_config), trend=trend,
                      live=live_at_oom(crash, events))
-        attempt.outcome = Outcome.OOM
-        attempt.exit_code = EXIT_OOM  # the training process's own code, whatever a launcher made of it
-        attempt.oom = finding_from_crash(str(adir / "crash"), crash, d=d)
-        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
-        attempt.peak_bytes = attempt.peak_bytes or crash.peak_bytes
-        if crash.step is not None:
-            attempt.step = crash.step
-        return attempt, d
+        # the training process's own exit code, whatever a launcher made of it
+        return replace(base, outcome=Outcome.OOM, exit_code=EXIT_OOM, diagnosis=d,
+                       oom=finding_from_crash(str(adir / "crash"), crash, d=d),
+                       trend=trend.to_dict() if trend is not None and trend.verdicts else None,
+                       peak_bytes=base.peak_bytes or crash.peak_bytes,
+                       step=crash.step if crash.step is not None else base.step)
     if ranks.unmet is not None:
         unmet = Unmet.from_dict(ranks.unmet.unmet)
-        attempt.outcome, attempt.exit_code = Outcome.FAILED, EXIT_LOCK_UNMET  # whatever a launcher made of it
-        attempt.unmet, attempt.note = unmet.to_dict(), unmet.line()
-        return attempt, None
+        # whatever a launcher made of it
+        return replace(base, outcome=Outcome.FAILED, exit_code=EXIT_LOCK_UNMET, unmet=unmet.to_dict(),
+                       note=unmet.line())
     if ranks.stop is not None:
         stop = ranks.stop
-        attempt.outcome = Outcome.PREDICTED
-        attempt.exit_code = EXIT_PREDICTED  # the training process's own code, whatever a launcher made of it
-        attempt.predicted_bytes = stop.predicted_bytes
+        # the training process's own code, whatever a launcher made of it
+        stopped = replace(base, outcome=Outcome.PREDICTED, exit_code=EXIT_PREDICTED,
+                          predicted_bytes=stop.predicted_bytes)
         saved = {"loads": "loading", "starts vLLM": "starting vLLM"}.get(stop.before, "generating")
         if stop.reason is not None:  # vLLM would refuse to start: its reservation, not the device, is too small
-            attempt.note = f"stopped before {saved}: {stop.reason}"
             from ..oom.diagnose import diagnose
 
-            return attempt, diagnose(OOMReport(backend="vllm", origin="vllm-kv", message=stop.reason), reason=stop.reason)
-        attempt.note = (f"stopped before {saved}: predicted {format_size(stop.predicted_bytes or 0)}, more than "
-                        f"{100 * stop.margin:.1f}% over the capacity")
-        return attempt, None
+            return replace(stopped, note=f"stopped before {saved}: {stop.reason}", diagnosis=diagnose(
+                OOMReport(backend="vllm", origin="vllm-kv", message=stop.reason), reason=stop.reason))
+        return replace(stopped, note=f"stopped before {saved}: predicted {format_size(stop.predicted_bytes or 0)}, "
+                                     f"more than {100 * stop.margin:.1f}% over the capacity")
     silent = ranks.silent()
     killed = _sigkill(res.returncode) or bool(silent)
     said = ranks.failure(training_only=True)
@@ -279,12 +293,10 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         from ..oom.analyze import finding
         from ..oom.diagnose import diagnose
 
-        trend = late_trend(events, None, host_limit, attempt.step)
+        trend = late_trend(events, None, host_limit, base.step)
         d = diagnose(report, phase="save" if saving(events) else None, host_signs=res.host_oom, trend=trend)
-        attempt.trend = trend.to_dict() if trend is not None and trend.verdicts else None
-        attempt.outcome = Outcome.OOM
-        attempt.oom = finding("exit status", None, report, d)
-        return attempt, d
+        return replace(base, outcome=Outcome.OOM, oom=finding("exit status", None, report, d), diagnosis=d,
+                       trend=trend.to_dict() if trend is not None and trend.verdicts else None)
     clean = ranks.clean(res.pid, res.returncode) if ranks.training else res.returncode == 0
     if not clean and not ranks.spoke():  # no training process could say how it ended (not reached, or killed): read
         # the output
@@ -293,19 +305,18 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         hits = scan_text(res.stderr_tail) or scan_text(res.stdout_tail)
         if hits:
             hit = hits[-1]
-            attempt.outcome = Outcome.OOM
             from ..oom.analyze import finding_from_hit
             from ..oom.diagnose import diagnose
 
-            attempt.oom = finding_from_hit("stderr", hit)
-            return attempt, diagnose(hit.report, hit.frames)
+            return replace(base, outcome=Outcome.OOM, oom=finding_from_hit("stderr", hit),
+                           diagnosis=diagnose(hit.report, hit.frames))
     if clean:
-        attempt.outcome = Outcome.OK
+        note = None
         if res.returncode != 0:
-            attempt.note = (f"every training process finished, but the command exited with code {res.exit_code} "
-                            "(its launcher's own): the training counts as done; the code is passed through")
-            warn(f"attempt {index}: {attempt.note}")
-        return attempt, None
+            note = (f"every training process finished, but the command exited with code {res.exit_code} "
+                    "(its launcher's own): the training counts as done; the code is passed through")
+            warn(f"attempt {index}: {note}")
+        return replace(base, outcome=Outcome.OK, note=note)
     why = said or ranks.failure()
     if why is None and killed:
         how = (f"{ranks.who(silent[0])} ended without a word (killed by a signal)" if silent
@@ -313,8 +324,60 @@ def classify(index: int, res: ProcessResult, adir: Path, events: Sequence[ChildE
         why = (f"{how}, with no sign of the kernel's OOM killer ({res.host_checked or 'not checked'}): passed "
                "through as a failure, not retried")
         warn(f"attempt {index}: {why}")
-    attempt.note = why
-    return attempt, None
+    return replace(base, note=why)
+
+
+def said_of_itself(ended: Ended, events: Sequence[ChildEvent], group_failure: str | None) -> Ended:
+    """What the training process said of its attempt beside how it ended, taken into ``ended``: the probe it decided
+    to run as the real run (or not), a group that ended early (a failure, whatever the process said), the configs
+    oomguard generated for it, a patch of oomguard's that failed, a command that builds no GRPOConfig (its "probe"
+    was the whole command), and oomguard's overrides that broke it.
+
+    >>> e = Ended(kind="probe", outcome="ok", knobs={}, remedies=[], exit_code=0, seconds=1.0)
+    >>> print(said_of_itself(e, [], None).kind, said_of_itself(e, [], None).note[:32])
+    run the command builds no GRPOConfig
+    """
+    changes: dict[str, Any] = {}
+    decided = next((e for e in events if isinstance(e, ProbeDecided)), None)
+    if decided is not None:
+        changes["probe_decision"] = {"decided": decided.decided, "why": decided.why,
+                                     "predicted_bytes": decided.predicted_bytes, "limit": decided.limit}
+    outcome, note = ended.outcome, ended.note
+    if group_failure is not None:
+        outcome, note = Outcome.FAILED, group_failure
+        changes.update(outcome=outcome, exit_code=ended.exit_code or 1)
+    generated = ended.generated
+    for g in (e for e in events if isinstance(e, ConfigGenerated)):
+        generated = {**(generated or {}), g.kind: {"path": g.path, "config": g.config, "replaces": g.replaces}}
+    broken = [e for e in events if isinstance(e, PatchFailed)]
+    configured = any(isinstance(e, CodeSeen) and e.point == "config" for e in events)
+    if ended.kind != AttemptKind.RUN and not configured:
+        changes["kind"] = AttemptKind.RUN  # no GRPOConfig to shorten: the "probe" was the whole command
+        if not broken and outcome != Outcome.FAILED:
+            note = "the command builds no GRPOConfig, so it ran in full instead of as a short probe"
+    if broken:
+        note = broken[0].line()
+    elif outcome == Outcome.FAILED and not configured and not note:
+        # what a training process said of its failure stays the reason
+        note = "it failed before it built a GRPOConfig (its own output above says why)"
+    broke = next((e for e in events if isinstance(e, OverrideFailed)), None)
+    if outcome == Outcome.FAILED and broke is not None:
+        changes["override_error"] = {"where": broke.where, "error": broke.error, "overrides": list(broke.overrides)}
+    return replace(ended, **changes, note=note, generated=generated)
+
+
+def trace_of(events: Sequence[ChildEvent]) -> list[dict[str, Any]]:
+    """The memory trace of an attempt's main process (the one with the most samples), thinned for the report.
+
+    >>> trace_of([MemSampled(step=s, kept=10, peak=20, pid=1) for s in range(1, 4)])[-1]
+    {'step': 3, 'kept': 10, 'peak': 20}
+    """
+    mine = main_trace(events)
+    if len(mine) > TRACE_POINTS:
+        stride = len(mine) / TRACE_POINTS
+        mine = [mine[int(i * stride)] for i in range(TRACE_POINTS - 1)] + [mine[-1]]
+    keys = ("step", "kept", "peak", "reserved", "host_rss", "prompt_tokens", "completion_tokens")
+    return [{k: getattr(e, k) for k in keys if getattr(e, k) is not None} for e in mine]
 
 
 def live_at_oom(crash: CrashRecord, events: Sequence[ChildEvent]) -> Live | None:
@@ -366,7 +429,8 @@ def late_trend(events: Sequence[ChildEvent], pid: int | None, host_limit: int | 
                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, dataset_prompt_max=dataset)
 
 
-__all__ = ["Ranks", "classify", "crash_record", "late_trend", "live_at_oom", "main_trace"]
+__all__ = ["TRACE_POINTS", "Ranks", "classify", "crash_record", "ending", "late_trend", "live_at_oom", "main_trace",
+           "said_of_itself", "trace_of"]
 
 
 def saving(events: Iterable[ChildEvent]) -> bool:

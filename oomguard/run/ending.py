@@ -35,10 +35,10 @@ class Writer:
         """Conclude the run after ``last`` (``signum``: the signal that interrupted it; ``error``: the line of an
         error of oomguard's own that ended it), write what it found, and return the exit code. After such an error a
         stable attempt keeps its status and lock, anything else is ``failed``; the code is EXIT_BUG either way."""
-        c, judge, run = self.conductor.climb, self.conductor.judge, self.launcher
+        c, judge, run, p = self.conductor.climb, self.conductor.judge, self.launcher, self.conductor.policy
         status, code, message = conclude(last, c, signum=signum, replay=self.o.replay,
-                                         reached=bool(self.conductor.reached), max_attempts=self.o.max_attempts,
-                                         max_time=self.o.max_time, broken=run.broken,
+                                         reached=bool(self.conductor.reached), max_attempts=p.max_attempts,
+                                         max_time=p.max_time, broken=run.broken,
                                          leaks=[a for a in c.attempts if a.index in self.conductor.leaks],
                                          held=run.leak_held)
         if error is not None:
@@ -46,7 +46,7 @@ class Writer:
                 "failed", EXIT_BUG, error)
         elif run.group_failure is not None and status == "failed":
             message = run.group_failure
-        margin = self.conductor.stop_margin() if judge is not None and self.o.preflight else None
+        margin = self.conductor.stop_margin() if judge is not None and p.preflight else None
         report = c.report(status, message, code, command=self.argv,
                           device={"simulate_gpu": self.o.simulate_gpu, "simulate_context": run.sim_context,
                                   "gpu_memory": self.o.gpu_memory, "capacity": self.conductor.capacity,

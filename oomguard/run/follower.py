@@ -47,7 +47,7 @@ def follow(run: Launcher, writer: Writer) -> int:
             if plan.get("probe"):  # the leader's scratch directory is on its node: a probe writes into its own
                 scratch = Path(tempfile.mkdtemp(prefix=PROBE_DIR_PREFIX))
                 plan["probe"] = {**plan["probe"], "output_dir": str(scratch)}
-            run.ui.attempt_start(index, int(step.get("max_attempts") or run.o.max_attempts),
+            run.ui.attempt_start(index, int(step.get("max_attempts") or run.max_attempts),
                                  list(step.get("actions") or []), dict(plan.get("overrides") or {}), kind)
             watch = Watch(kind, Knobs(), GroupTail(adir), run.progress_state(index, kind, plan.get("remedies", [])))
             res = run.start(run.env_with(run.write_plan(adir, plan), step.get("alloc") or {}), watch, scratch)

@@ -4,7 +4,7 @@ constants its parts share."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,9 +63,12 @@ class Reporter(Protocol):
 
 @dataclass
 class RunOptions:
+    """What `oomguard run` is given: the climb's ``policy`` (the conductor's, ``Policy``: the budget, probes, undo
+    trials, the pre-flight, the ladder's choice, leak restarts; its ``replay`` and ``device`` are set from ``replay``
+    and the machine when the run starts), and what only the launches and the report need."""
+
     ladder: Ladder
-    max_attempts: int = 8
-    max_time: float | None = None
+    policy: Policy = field(default_factory=Policy)
     simulate_gpu: int | None = None
     simulate_context: int | None = None  # the simulated device's memory outside its allocator (None: the default)
     gpu_memory: int | None = None
@@ -77,29 +80,17 @@ class RunOptions:
     echo: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
     predict: bool = True  # let the memory model choose (ceiling, drops, relaxed graded knobs)
-    probe_steps: int = 2  # a short worst-case probe before the real run (0: none)
-    always_probe: bool = False  # probe even a config the memory model is sure of (else that one's launch is the run)
-    minimize: bool = False  # once the choice's probe fits, prove each rung needed with probes
-    refine: bool = True  # once a probe fits: choose again with what it measured, probe changes the model is unsure of
     checkpoint_every: int | None = None  # add a checkpoint every N steps, so a late OOM loses at most N
     oom_grace: float = RANK_GRACE_S  # after a rank's end decides the attempt (an OOM, a pre-flight stop, a failure, a death),
     # how long the others may take to stop before oomguard stops them
     capacity: int | None = None  # the device size, for predictions (else --simulate-gpu, --gpu-memory or NVML)
     html_path: Path | None = None  # also write a self-contained HTML report
-    preflight: bool = True  # stop a config predicted too far over the device before it loads or generates
-    preflight_margin: float | None = None  # how far over; None: the memory model's measured error (Judge.stop_margin)
     membership: Membership | None = None  # this node's place in a job on several nodes (oomguard.group)
     trl: Support | None = None  # the command's TRL as read before launching (run.command.trl_support), if readable
-    # --ladder was not given: a run the training process reports distributed takes the multi-gpu ladder
-    ladder_auto: bool = False
     ladder_reason: str | None = None  # why the command itself picked the multi-gpu ladder (run.launch)
     trace: bool = True  # the training process samples its memory at each step (leaks, long samples, fragmentation)
-    leak_restart: bool = True  # after an OOM the trace shows is a leak: resume with the same config (else: stop)
 
-    def policy(self, device: bool) -> Policy:
-        """The options that shape the climb's decisions, for its conductor; ``device``: whether a device could run
-        out of memory (an accelerator, a simulated or named size)."""
-        return Policy(max_attempts=self.max_attempts, max_time=self.max_time, probe_steps=self.probe_steps,
-                      always_probe=self.always_probe, refine=self.refine, minimize=self.minimize,
-                      replay=bool(self.replay), preflight=self.preflight, preflight_margin=self.preflight_margin,
-                      ladder_auto=self.ladder_auto, device=device, leak_restart=self.leak_restart)
+    def policy_for(self, device: bool) -> Policy:
+        """The climb's policy for this run; ``device``: whether a device could run out of memory (an accelerator, a
+        simulated or named size)."""
+        return replace(self.policy, replay=bool(self.replay), device=device)

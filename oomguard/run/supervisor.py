@@ -1,14 +1,16 @@
 """The Supervisor: launch the user's command, watch it, and after an OOM let the climb choose the next config.
 
-``Supervisor.run`` reads top to bottom like torchrun's elastic agent (``_invoke_run``): launch an attempt in a fresh
-process group, classify how it ended, ask what comes next, stop. It is a plain loop rather than a tenacity
-``Retrying``: what comes next (probe, run, undo trial, done) is the conductor's decision, not a retry policy.
+``Supervisor.run`` reads top to bottom like torchrun's elastic agent (``_invoke_run``): the conductor's loop
+(``Conductor.drive``) asks this front-end to launch an attempt in a fresh process group and say how it ended
+(``Launcher.launch`` -> ``Ended``), records it, decides what comes next (probe, run, undo trial, done), and the
+supervisor shows it. It is a plain loop rather than a tenacity ``Retrying``: what comes next is the conductor's
+decision, not a retry policy.
 
 The supervisor never imports torch: everything it learns about the training process comes from the typed events of
 the plan's events file, the CrashRecord, the exit status and the tail of the output. It decides nothing: every
 decision of the climb is the ``Conductor``'s (``oomguard.decide.conductor``: the first attempt, what each attempt
-teaches the memory model, the next config and attempt, the ladder, the budget), the one ``@oomguard.guard`` and
-``oomguard plan`` use too. The supervisor is composed of a ``Launcher`` (one attempt, from its plan to its record:
+teaches the memory model, the next config and attempt, the ladder, the budget, each attempt's record), the one
+``@oomguard.guard`` and ``oomguard plan`` use too. The supervisor is composed of a ``Launcher`` (one attempt, from its plan to its record:
 ``attempts``) and a ``Writer`` (the end: ``ending``), each with its own state.
 """
 
@@ -19,12 +21,14 @@ import time
 from typing import Any
 
 from ..decide.climb import Climb, Decision
-from ..decide.conductor import Conductor, ladder_line, say
+from ..decide.conductor import Conductor, Ended, Next, ladder_line, say
 from ..memory.allocmodel import context_for
 from ..memory.device import accelerator_present, gpu_bf16, gpu_name, gpu_total_memory
 from ..vocab import allocconf
+from ..vocab.diagnosis import Diagnosis
 from ..vocab.knobs import Knobs, RunFacts
 from ..vocab.protocol import EXIT_OOM
+from ..vocab.records import Attempt
 from .attempts import Launcher
 from .command import (
     EXIT_BUG,
@@ -72,7 +76,7 @@ class Supervisor:
             judge = Judge(capacity, simulated=simulated, context=sim_context,
                           device_name=None if simulated else gpu_name(), warn=reporter.message)
         # a probe needs a device that could run out of memory: an accelerator, or a simulated or named size
-        policy = options.policy(device=bool(capacity) or accelerator_present())
+        policy = options.policy_for(device=bool(capacity) or accelerator_present())
         self.conductor = Conductor(climb, judge, policy, capacity=capacity, launched=True)
         for line in self.conductor.take_trl(options.trl.version if options.trl else None, None):
             reporter.message(line)
@@ -142,27 +146,34 @@ class Supervisor:
             self.store.close()  # a host stays until every node has read the end
 
     def _lead(self) -> int:
-        nxt, last, when = self.conductor.first(), None, ""
+        """The conductor drives the attempts (``Conductor.drive``); this front-end launches each and shows it."""
+        self.when = ""
         with self.interrupts:
             try:
-                while nxt.kind is not None and (last is None or not self.conductor.spent()):
-                    when = f"during attempt {len(self.conductor.climb.attempts) + 1}"
-                    last, diag = self.launcher.launch(nxt)  # recorded by the conductor
-                    when = f"after attempt {last.index}"
-                    self.ui.attempt_end(last, diag)
-                    if self.interrupts.signum:
-                        break
-                    nxt = self.conductor.after(last, diag)
-                    say(nxt, self.ui.message, self._show)
-                when = "while it wrote the run's report"
+                last = self.conductor.drive(self._launch, lambda nxt: say(nxt, self.ui.message, self._show),
+                                            self._ended)
+                self.when = "while it wrote the run's report"
                 return self.writer.finish(last, self.interrupts.signum)
             except KeyboardInterrupt:
                 self.interrupts.signum = self.interrupts.signum or 2
             except UsageError:
                 raise
             except Exception as e:  # oomguard's own: the attempt's processes are ended already (proc.run_attempt)
-                return self._failed(e, last, when)
-        return self.writer.finish(last, self.interrupts.signum)
+                return self._failed(e, self._last(), self.when)
+        return self.writer.finish(self._last(), self.interrupts.signum)
+
+    def _launch(self, nxt: Next) -> Ended:
+        self.when = f"during attempt {len(self.conductor.climb.attempts) + 1}"
+        return self.launcher.launch(nxt)
+
+    def _ended(self, last: Attempt, diag: Diagnosis | None) -> bool:
+        """Show how attempt ``last`` ended; an interrupt ends the run there."""
+        self.when = f"after attempt {last.index}"
+        self.ui.attempt_end(last, diag)
+        return bool(self.interrupts.signum)
+
+    def _last(self) -> Attempt | None:
+        return self.conductor.climb.attempts[-1] if self.conductor.climb.attempts else None
 
     def _failed(self, e: Exception, last: Any, when: str) -> int:
         """An error of oomguard's own ended the run: keep its traceback, and write the report (and the lock of a stable
