@@ -138,7 +138,7 @@ class Guarded:
         _refuse_distributed()
         if self.isolate:
             check_picklable(self, args, kwargs)
-        started = bool(self.simulate_gpu) and not self.isolate and start_simulation(self.simulate_gpu)
+        started = bool(self.simulate_gpu and not self.isolate and start_simulation(self.simulate_gpu))
         try:
             return self._climb(args, kwargs)
         finally:

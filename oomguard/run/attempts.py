@@ -320,7 +320,8 @@ class Launcher:
                 self.output_dir = ev.output_dir or self.output_dir
                 if w.saves_set is None:  # the script's own cadence (oomguard set none): a leak's restarts keep it
                     steps = "steps" in ev.save_strategy.lower().split(".")[-1:]
-                    self.script_saves = ev.save_steps if steps and ev.save_steps else None
+                    # a save_steps below 1 is TRL's ratio of the run's steps: no cadence in steps to compare
+                    self.script_saves = int(ev.save_steps) if steps and ev.save_steps and ev.save_steps >= 1 else None
                 if ("no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints
                         and w.saves_set is None):  # oomguard's own cadence saves beside it
                     self.warned_no_checkpoints = True

@@ -68,7 +68,7 @@ class Supervisor:
         )
         capacity = options.capacity or options.simulate_gpu or options.gpu_memory or gpu_total_memory()
         simulated = bool(options.simulate_gpu)
-        sim_context = context_for(options.simulate_gpu, options.simulate_context) if simulated else None
+        sim_context = context_for(options.simulate_gpu, options.simulate_context) if options.simulate_gpu else None
         judge = None  # the memory model, loaded only where it can judge: a known size
         if options.predict and capacity:
             from ..decide.judge import Judge
