@@ -204,7 +204,9 @@ def test_a_wait_ends_when_its_key_comes_or_its_time_runs_out(tmp_path):
         if len(ticks) == 2:
             follow.ended(1, {"returncode": 0})
 
-    assert lead.gather(1, tick=tick) == {1: {"returncode": 0}} and len(ticks) == 2
+    # gather looks again until the key is there; TCPStore's set is not acknowledged, so the look right after it may
+    # miss it by a moment on a loaded machine (one more tick)
+    assert lead.gather(1, tick=tick) == {1: {"returncode": 0}} and 2 <= len(ticks) <= 3
 
 
 def test_nodes_on_their_own_disks_read_every_nodes_training_files_through_the_store(tmp_path):
@@ -331,8 +333,9 @@ def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str, share
 @pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-directory", "node-local-through-rendezvous"])
 def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model, shared):
-    """Node 1's rank runs out of memory once: both nodes relaunch with the same remedy and both reports agree. With
-    node-local working directories (no --group), the nodes meet through torchrun's rendezvous host."""
+    """Node 1's rank runs out of memory once: both nodes relaunch with the same remedy (a probe, then the run) and both
+    reports agree. With node-local working directories (no --group), the nodes meet through torchrun's rendezvous
+    host."""
     env = {"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1",
            "OOMGUARD_TEST_MARKER": str(tmp_path / "acted")}  # rank 1 (node 1) runs out of memory once
     procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe", shared=shared)
@@ -342,7 +345,11 @@ def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path,
     for key in ("status", "stable", "diff", "attempts", "exit_code"):
         assert reports[0][key] == reports[1][key], key
     lead = reports[0]
-    assert lead["status"] == "stable" and [a["outcome"] for a in lead["attempts"]] == ["oom", "ok"]
+    # the injected OOM says 13.8 GiB were in use where the model predicted 0.1 GiB: the model is proven wrong, so the
+    # relaunch is probed first even under --no-probe (issue 46), then it runs, the same on both nodes
+    assert lead["status"] == "stable"
+    assert [(a["kind"], a["outcome"]) for a in lead["attempts"]] == [("run", "oom"), ("probe", "ok"), ("run", "ok")]
+    assert lead["attempts"][0]["miss"]["factor"] > 2 and lead["attempts"][1]["remedies"] == lead["attempts"][2]["remedies"]
     assert lead["diff"] and [r["node"] for r in (lead["group"], reports[1]["group"])] == [0, 1]
     assert json.loads((tmp_path / "lock-1.json").read_text())["overrides"] == \
         json.loads((tmp_path / "lock-0.json").read_text())["overrides"]
@@ -352,7 +359,7 @@ def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path,
         assert str(session).startswith(str(tmp_path / "wd-0"))
         assert (tmp_path / "wd-1" / session.relative_to(tmp_path / "wd-0") / "attempt-2" / "events-node0.jsonl").exists()
     ended = [json.loads(line) for n in (0, 1) for line in
-             (session / "attempt-2" / f"events-node{n}.jsonl").read_text().splitlines()
+             (session / "attempt-3" / f"events-node{n}.jsonl").read_text().splitlines()
              if '"train_end"' in line]
     assert sorted(e["rank"] for e in ended) == [0, 1]  # both ranks trained, one on each node
     assert "node 0 decides" in outs[1][1] and "as node 0 decided" in outs[1][1]
