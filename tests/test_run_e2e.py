@@ -229,7 +229,17 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     oom = rep["attempts"][0]["oom"]
     live = oom["live_bytes"]
     assert live["source"] == "tally" and live["parameters"] > 0 and live["optimizer"] > 0, live
-    assert (oom["kind"], oom["short_of"]) == ("shortfall", "activations"), oom["evidence"]
+    # the kind follows what was live: TRL 1.x's step holds most of it (activations); TRL 0.29's, at this budget, a
+    # little less than the state's half (the long-lived state, small allocations)
+    from oomguard.vocab.diagnosis import STATE_SHARE, Live
+
+    held = Live.of(live)
+    state_holds = held.state >= STATE_SHARE * (held.total + oom["requested_bytes"])
+    assert (oom["kind"], oom["short_of"]) == (("small-allocations", "long-lived state") if state_holds else
+                                              ("shortfall", "activations")), (live, oom["evidence"])
+    import trl
+
+    assert state_holds is trl.__version__.startswith("0."), live
     assert rep["attempts"][0]["climbed"] == "shorter_sequences"
     assert "max_prompt_tokens" in {r["knob"] for r in rep["diff"]}
     assert "dropped 2 of 66 prompts" in out.stderr
