@@ -186,8 +186,8 @@ class Climb:
         config would leave out such a value where it equals what the climb takes for the user's (TRL's default,
         before the command reported its own), and the command's own value would run instead."""
         known = set(self.observed) | set(self.base.to_dict(only_set=True))
-        knobs = TRL_DEFAULTS.to_dict()  # a rung's values may hold more than knobs (generation_rounds' rows per round)
-        chosen = [k for r in self.applied for k, _v in r.values or () if k in knobs and k not in known]
+        # a rung's values may hold more than knobs (generation_rounds' rows per round): only knobs are sent
+        chosen = [k for r in self.applied for k, _v in r.values or () if k in TABLE and k not in known]
         return list(dict.fromkeys([*self.pinned.to_dict(only_set=True), *chosen]))
 
     def experiment(self, final: Knobs | None = None,
