@@ -183,12 +183,18 @@ class Conductor:
             lines.append(str(s.message) if s.untested else
                          f"{stack_untested}: the pre-flight stops only far over the device, and a probe verifies the "
                          "first choice")
-            if self.probe_steps <= 0 and not self.policy.replay:
-                self.probe_steps = 2
+            self._probe_first()
         self.trl_seen = (version, head, stack_untested)
         if self.judge is not None:
             self.judge.set_trl(head or head_of(version), untested)
         return lines
+
+    def _probe_first(self) -> None:
+        """The model cannot be sure of this run (a TRL or stack no measurement covers, what was not observed, a
+        prediction proven wrong): configs are probed first even under --no-probe, at the user's probe length where
+        they gave one; a replayed lock runs as it is."""
+        if self.probe_steps <= 0 and not self.policy.replay:
+            self.probe_steps = 2
 
     def take_unobserved(self, unobserved: tuple[str, ...]) -> list[str]:
         """What the training process could not observe of the run (its prompts, its generation engine: one line each,
@@ -198,8 +204,8 @@ class Conductor:
         self.unobserved_said.extend(new)
         if self.judge is not None:
             self.judge.unobserved = tuple(self.unobserved_said)
-        if new and self.probe_steps <= 0 and not self.policy.replay:
-            self.probe_steps = 2
+        if new:
+            self._probe_first()
         return [f"not observed: {line} (the memory model is unsure of this run: a probe goes first)" for line in new]
 
     def take_device(self, total: int | None, from_nvml: bool) -> str | None:
@@ -261,8 +267,8 @@ class Conductor:
         if attempt.outcome != Outcome.PREDICTED:  # a stop keeps the figure it was stopped on (a load, perhaps)
             attempt.predicted_bytes = est.peak_bytes if est else None
         if est is not None and self.proofs.learn(est, attempt, diag, simulated=judge.simulated,
-                                                 head=judge.head_for(c.facts)) and not self.policy.replay:
-            self.probe_steps = max(self.probe_steps, 2)  # proven wrong: probes first, even under --no-probe
+                                                 head=judge.head_for(c.facts)):
+            self._probe_first()  # proven wrong
         if attempt.outcome == Outcome.OK and attempt.step is not None and attempt.step < 2:
             return
         if diag is not None and diag.kind in LEAK_KINDS:  # the code's leak ran out, not the config
