@@ -14,6 +14,11 @@
 #    models, no worker idle between the two). `python -m pytest -q` alone is the default run (within 5 minutes).
 # 4. Each environment's tests, once it is built, on two workers.
 #
+# Disk: the five environments take about 11 GiB, each with its own copy of the same torch. After each build, files
+# that are the same in two environments become one (util-linux's `hardlink`, where the machine has it), which brings
+# them to about 7 GiB; pip never writes into an installed file, so a later install in one leaves the others as they
+# are. CI says at its start when the disk has less than that free, since a full disk fails hundreds of tests at once.
+#
 # CI=1 is exported, so a test that needs a tool CI must have (Chromium for the HTML reports) fails instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +29,15 @@ rm -f "$logs"/*.rc
 t0=$(date +%s)
 stamp() { echo "ci: $1 ($(( $(date +%s) - t0 )) s since the start)"; }
 STACKS=(compat vllm swift unsloth)
+free_gib=$(( $(df -Pk . | awk 'NR == 2 { print $4 }') / 1048576 ))
+[ "$free_gib" -ge 8 ] || echo "ci: warning: $free_gib GiB free on this disk, where the environments take about 7 GiB" >&2
 
 # A process group of its own, so that it can be stopped whole (its pip processes included) if CI ends early.
 setsid bash -c '
   for s in "$@"; do
     start=$(date +%s)
     if bash "tests/$s.sh" --setup > "'"$logs"'/$s-setup.log" 2>&1; then rc=0; else rc=$?; fi
+    command -v hardlink > /dev/null && { hardlink -q -t .venv .venv-* > /dev/null 2>&1 || true; }
     echo "$rc $(( $(date +%s) - start ))" > "'"$logs"'/$s.rc"
   done
 ' builder "${STACKS[@]}" &

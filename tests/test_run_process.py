@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -13,7 +14,7 @@ import pytest
 
 from oomguard.run.supervisor import UsageError, resolve_command
 
-from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard, still_alive, torchrun, wait_until
+from helpers import ROOT, SCRIPTS, pid_alive, run_oomguard, still_alive, torchrun
 
 
 def test_command_forms(tmp_path):
@@ -153,22 +154,38 @@ def test_an_attempt_ends_only_when_its_whole_group_is_gone(tmp_path):
     assert res.returncode == 0 and res.survivors == []
 
 
+def _read_until(proc: subprocess.Popen, pattern: str, count: int, timeout: float) -> dict[str, re.Match]:
+    """The first match of ``pattern`` per distinct first group in ``proc``'s output, once ``count`` of them came.
+
+    Two ranks write to one pipe unbuffered, so one line can hold both ranks' messages (a rank's text, then the other's,
+    then both newlines): every match of a line counts. A line never comes while the ranks sleep, so the read has a
+    deadline of its own: past ``timeout`` the supervisor is killed, which closes the pipe and ends the read."""
+    found: dict[str, re.Match] = {}
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        while len(found) < count:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            for m in re.finditer(pattern, line):
+                found.setdefault(m.group(1), m)
+    finally:
+        watchdog.cancel()
+    return found
+
+
 def _start_ranks(tmp_path, *flags):
     """`oomguard run` over torchrun with 2 sleeping ranks; returns the process and the ranks' pids once both are up."""
     proc = subprocess.Popen([sys.executable, "-m", "oomguard", "run", "--report", str(tmp_path / "report.json"),
                              "--lock", str(tmp_path / "lock.json"), "--workdir", str(tmp_path / "wd"), "--",
                              *torchrun(2, str(SCRIPTS / "sleeper_ranks.py"), *flags)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    ranks: dict[str, tuple[int, int]] = {}
-    deadline = time.time() + 120
-    while len(ranks) < 2 and time.time() < deadline:
-        m = re.search(r"rank=(\d) pid=(\d+) sid=(\d+)", proc.stdout.readline())
-        if m:
-            ranks[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    assert len(ranks) == 2, proc.stderr.read() if proc.poll() is not None else "ranks not up"
-    pids = [pid for pid, _ in ranks.values()]
-    assert all(sid == pid for pid, sid in ranks.values())  # torchrun gave each rank a session of its own
-    return proc, pids
+    found = _read_until(proc, r"rank=(\d) pid=(\d+) sid=(\d+)", 2, 120)
+    assert len(found) == 2, proc.stderr.read()[-3000:] if proc.poll() is not None else "ranks not up"
+    ranks = {int(m.group(2)): int(m.group(3)) for m in found.values()}
+    assert all(sid == pid for pid, sid in ranks.items())  # torchrun gave each rank a session of its own
+    return proc, list(ranks)
 
 
 @pytest.mark.e2e
@@ -199,15 +216,7 @@ def test_a_second_sigint_ends_stubborn_ranks_at_once(tmp_path):
     both said so, a second SIGINT kills them at once."""
     proc, ranks = _start_ranks(tmp_path, "--stubborn")
     proc.send_signal(signal.SIGINT)
-    ignored: set[str] = set()
-
-    def both_ignored_it() -> bool:
-        m = re.search(r"rank=(\d) ignored SIGINT", proc.stdout.readline())
-        if m:
-            ignored.add(m.group(1))
-        return len(ignored) == 2 or proc.poll() is not None
-
-    wait_until(both_ignored_it, 60, "the ranks never said they ignored the first SIGINT", every=0)
+    assert len(_read_until(proc, r"rank=(\d) ignored SIGINT", 2, 60)) == 2, "the ranks never said they ignored it"
     assert proc.poll() is None, proc.stderr.read()[-3000:]
     proc.send_signal(signal.SIGINT)
     assert _ended(proc, 30) == 130
