@@ -53,6 +53,21 @@ from .watch import PROBE_DIR_PREFIX, Watch
 CENSUS_AFTER = 3  # steps into a run restarted after a leak before the training process finds where it is held
 
 
+
+def script_cadence(save_strategy: str, save_steps: float | None) -> int | None:
+    """The script's own checkpoint cadence in steps, as TrainBegin reports it; None where it has none in steps.
+
+    A leak's restarts need checkpoints no further apart than oomguard's cadence; a script that already saves as often
+    keeps its own. A ``save_steps`` below 1 is the transformers ratio of the run's total steps, unknown here, so it
+    is no cadence to compare (oomguard adds its own beside it).
+
+    >>> script_cadence("IntervalStrategy.STEPS", 50.0), script_cadence("steps", 0.1), script_cadence("epoch", 50)
+    (50, None, None)
+    """
+    if "steps" not in save_strategy.lower().split(".")[-1:] or not save_steps or save_steps < 1:
+        return None
+    return int(save_steps)
+
 class Launcher:
     """Launches one attempt at a time and watches it (see the module)."""
 
@@ -319,9 +334,7 @@ class Launcher:
             if isinstance(ev, TrainBegin):
                 self.output_dir = ev.output_dir or self.output_dir
                 if w.saves_set is None:  # the script's own cadence (oomguard set none): a leak's restarts keep it
-                    steps = "steps" in ev.save_strategy.lower().split(".")[-1:]
-                    # a save_steps below 1 is TRL's ratio of the run's steps: no cadence in steps to compare
-                    self.script_saves = int(ev.save_steps) if steps and ev.save_steps and ev.save_steps >= 1 else None
+                    self.script_saves = script_cadence(ev.save_strategy, ev.save_steps)
                 if ("no" in ev.save_strategy.lower().split(".")[-1:] and not self.warned_no_checkpoints
                         and w.saves_set is None):  # oomguard's own cadence saves beside it
                     self.warned_no_checkpoints = True
