@@ -383,7 +383,7 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
     facts = asked.facts.replace(**image_facts)
     if len(capacities) > 1 or fit_knob is not None:
         _plan_cards(spec, k, values, capacities, sizes, model_path, fit_knob, lad, facts, prompt_tokens, world_size,
-                    as_json)
+                    as_json, asked.lines)
     # judged as `oomguard run` judges, with what earlier probes of this model on this machine learned
     # (OOMGUARD_CACHE_DIR points the store elsewhere), else the built-in fit
     p = make_plan(spec, k, capacity, ladder=lad, facts=facts, prompt_tokens=prompt_tokens,
@@ -425,8 +425,9 @@ def plan(model_path: str, gpu_size: str, fit_knob: str | None, ladder: str | Non
 
 
 def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int], sizes: list[str], model: str, fit: str | None, lad: Any,
-                facts: Any, prompt_tokens: int | None, world_size: int, as_json: bool) -> None:
-    """``oomguard plan`` with several cards or ``--fit``: one row per card, judged as ``run`` judges."""
+                facts: Any, prompt_tokens: int | None, world_size: int, as_json: bool, lines: Any = ()) -> None:
+    """``oomguard plan`` with several cards or ``--fit``: one row per card, judged as ``run`` judges; the TRL
+    ``lines`` (whose defaults fill the config) and what the model does not count, as the one-card answer says them."""
     from .decide.plan import card_rows
     from .memory.device import gpu_name
 
@@ -439,7 +440,7 @@ def _plan_cards(spec: Any, k: Any, given: dict[str, Any], capacities: list[int],
     else:
         from .display.render import cards_table, console
 
-        cards_table(console(), rows, model, fit)
+        cards_table(console(), rows, model, fit, lines)
     sys.exit(PLAN_EXIT[worst])
 
 

@@ -77,6 +77,26 @@ def test_several_cards_without_fit_say_what_run_would_set_where_it_does_not_fit(
     assert not small["fits"] and small["suggest"] and big["fits"] and big["suggest"] == {}
 
 
+def test_several_cards_say_what_the_model_does_not_count_and_whose_defaults_fill_the_config():
+    """The table of cards says what the one-card answer says beside its verdict: a vLLM server's own GPU is not
+    modelled (hence "probe first" on every card), and the TRL lines before the table."""
+    from rich.console import Console
+
+    from oomguard.decide.ladder import load_ladder
+    from oomguard.decide.plan import card_rows
+    from oomguard.display.render import cards_table
+
+    spec = load_model_spec(LLAMA / "config.json")
+    k = TRL_DEFAULTS.replace(use_vllm=True, vllm_mode="server")
+    rows, worst = card_rows(spec, k, [("24GiB", 24 * GiB), ("80GiB", 80 * GiB)], None, ladder=load_ladder("default"),
+                            facts=RunFacts(), prompt_tokens=None)
+    out = Console(record=True, width=200)
+    cards_table(out, rows, "llama", None, ["TRL 0.29.1 (--trl-version): its defaults fill the config"])
+    text = out.export_text()
+    assert worst == "probe" and text.startswith("TRL 0.29.1 (--trl-version)")
+    assert text.count("not modelled: a vLLM server's own GPU") == 1  # once for every card
+
+
 def test_no_cached_config_offline_is_one_line_with_the_way_out(tmp_path):
     out = plan("--model", "acme/not-cached", "--gpu", "16GiB", cache=tmp_path)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1

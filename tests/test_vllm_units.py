@@ -236,3 +236,49 @@ def test_plan_fit_vllm_gpu_memory_utilization_answers_per_card():
     text = subprocess.run([sys.executable, "-m", "oomguard", "plan", "--model", model, "--gpu", "24GiB",
                            "dtype=bfloat16", "--fit", "vllm_gpu_memory_utilization"], capture_output=True, text=True)
     assert text.returncode == 2 and "give use_vllm=true" in text.stderr
+
+
+def test_a_probe_first_card_is_answered_as_judged_before_any_oom():
+    """plan follows run past a "probe first" verdict by assuming the probe runs out of memory (to show run's next
+    choice); the card's `--fit` answer is still the range where both sides fit, not one shrunk by that pretended OOM
+    (which marked the user's config failed, and so every share above it: "training 0 bytes short")."""
+    from oomguard.decide.plan import PROBE, card_row, make_plan
+    from oomguard.decide.split import share_split
+    from oomguard.memory.estimate import load_model_spec
+
+    spec = load_model_spec(Path(__file__).parent / "fixtures" / "models" / "deepseek-r1-distill-qwen-1.5b")
+    k = TRL_DEFAULTS.replace(use_vllm=True, dtype="bfloat16", max_completion_length=1024, num_generations=8,
+                             per_device_train_batch_size=8, vllm_max_model_length=4096, zero_stage=3)
+    p = make_plan(spec, k, 18 * GiB, facts=RunFacts(world_size=4))
+    row = card_row(p, "18GiB", "vllm_gpu_memory_utilization", world_size=4)
+    fresh = Judge(18 * GiB, spec=spec)
+    fresh.set_trl(p.facts.trl_head, False)
+    expected = share_split(fresh, p.facts, p.knobs)
+    assert p.first == PROBE and expected.low is not None
+    assert row["fit_range"] == [expected.low, expected.high] and row["fit_short"] is None
+
+
+def test_a_stop_where_both_sides_are_short_names_training_first_and_the_climb_may_use_every_rung():
+    """A full fine-tune of a 7B beside vLLM's default share on a 40 GiB card: training is 37 GiB over, and vLLM's
+    share cannot hold its engine either. The stop is training's (only vLLM's own rungs answer a stop for its share,
+    which left "no rung of the ladder applies"), and its line names both sides."""
+    from oomguard.decide.plan import make_plan
+    from oomguard.memory.estimate import load_model_spec
+
+    spec = load_model_spec(Path(__file__).parent / "fixtures" / "models" / "qwen2.5-7b-instruct")
+    p = make_plan(spec, TRL_DEFAULTS.replace(use_vllm=True, dtype="bfloat16"), 40 * GiB, facts=RunFacts())
+    assert p.first == "stop" and p.verdict.short[0] == "training" and p.verdict.short[1] > 30 * GiB
+    assert "vLLM's reservation (12.00 GiB) cannot hold its engine" in p.verdict.line()
+    assert not p.exhausted and p.steps
+
+
+def test_fit_on_vllm_under_a_trl_whose_default_is_server_asks_for_colocate_only():
+    """TRL 0.x's vLLM default is a server: a user who gave use_vllm=true is told the one setting missing."""
+    from oomguard.decide.fit import FitError, check_knob
+    from oomguard.vocab.trlreleases import defaults
+
+    old = TRL_DEFAULTS.replace(**{k: v for k, v in defaults("0.19.0").items() if hasattr(TRL_DEFAULTS, k)})
+    with pytest.raises(FitError, match=r"give vllm_mode=colocate \(TRL's default mode from 1.0; before it, server\)"):
+        check_knob("vllm_gpu_memory_utilization", old.replace(use_vllm=True))
+    with pytest.raises(FitError, match="give use_vllm=true vllm_mode=colocate"):
+        check_knob("vllm_max_model_length", TRL_DEFAULTS)

@@ -62,8 +62,9 @@ def check_knob(knob: str, knobs: Knobs | None = None) -> None:
         raise FitError(f"--fit takes one of {', '.join((*FIT_KNOBS, *SPLIT_KNOBS))}, not {knob!r}")
     if knob in SPLIT_KNOBS and knobs is not None and not (knobs.use_vllm and (knobs.vllm_mode or "colocate")
                                                            == "colocate"):
-        raise FitError(f"--fit {knob} answers vLLM beside the trainer: give use_vllm=true (vllm_mode=colocate, TRL's "
-                       "default); a vLLM server has a card of its own")
+        said = "vllm_mode=colocate" if knobs.use_vllm else "use_vllm=true vllm_mode=colocate"
+        raise FitError(f"--fit {knob} answers vLLM beside the trainer: give {said} (TRL's default mode from 1.0; "
+                       f"before it, server); a vLLM server has a card of its own")
 
 
 def candidates(knobs: Knobs, knob: str, *, world_size: int = 1, upper: int | None = None) -> list[int]:

@@ -21,6 +21,7 @@ an OOM to skip rungs predicted not to be enough.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from ..memory.estimate import (
     FitVerdict,
     ModelSpec,
     load_pixel_budget,
+    not_modelled,
 )
 from ..vocab.diagnosis import Diagnosis
 from ..vocab.ended import Ended
@@ -195,7 +197,9 @@ def make_plan(spec: ModelSpec, knobs: Knobs, capacity: int, *, ladder: Ladder | 
                       first=run.starts(v))
     if judge.judge(est) or plan.first == RUN:
         return plan  # the climb keeps it as it is
-    # the first attempt as run ends it: stopped by the pre-flight, or its probe out of memory
+    # the first attempt as run ends it: stopped by the pre-flight, or its probe out of memory. What fits this card
+    # (`--fit`) is the judge's before that ending, which marks the config failed and so every config above it
+    plan.judge = copy.deepcopy(judge)
     run.take(Ended(knobs=knobs.to_dict(), remedies=[], exit_code=None, seconds=0.0, kind=AttemptKind.PROBE,
                    outcome=Outcome.PREDICTED if plan.first == STOP else Outcome.OOM))
     # the choice `oomguard run` would make: its conductor's, with nothing launched (every knob reaches); after a stop
@@ -260,7 +264,8 @@ def card_row(p: Prediction, gpu: str, fit: str | None, *, world_size: int = 1, u
     row: dict[str, Any] = {"gpu": gpu, "capacity_bytes": p.capacity, "peak_bytes": p.estimate.peak_bytes,
                            "fits": p.fits, "verdict": v.decision, "verdict_line": v.line(),
                            "short": {"side": v.short[0], "bytes": v.short[1]} if v.short else None,
-                           "suggest": p.suggest if p.first == STOP else {}, "exhausted": p.exhausted}
+                           "suggest": p.suggest if p.first == STOP else {}, "exhausted": p.exhausted,
+                           "not_modelled": not_modelled(p.estimate.unmodelled)}
     if fit in SPLIT_KNOBS:
         split = (share_split(p.judge, p.facts, p.knobs) if fit == SHARE_KNOB
                  else length_split(p.judge, p.facts, p.knobs, upper))

@@ -169,10 +169,15 @@ def _split_cells(r: dict[str, Any]) -> list[str]:
     return [fits, "—" if run is None else f"{run:.2f}" if isinstance(run, float) else f"{run:,}"]
 
 
-def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str | None) -> None:
+def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str | None,
+                lines: Sequence[str] = ()) -> None:
     """One row per card (``oomguard plan --gpu A,B,...``): the config's predicted peak, the verdict `oomguard run`
     acts on, the largest ``fit`` that fits (``--fit``; for vLLM's share, the range where vLLM and training both fit
-    and the value run launches with), and what ``oomguard run`` would change where it stops the config."""
+    and the value run launches with), and what ``oomguard run`` would change where it stops the config; with the TRL
+    ``lines`` (whose defaults fill the config) before it and what the model does not count after it, as the
+    one-card answer says them."""
+    for line in lines:
+        out.print(escape(line), soft_wrap=True)
     out.print(f"[bold]{model}[/]: one row per card, at the settings given")
     split = fit in ("vllm_gpu_memory_utilization", "vllm_max_model_length")
     t = Table(header_style="bold")
@@ -201,6 +206,8 @@ def cards_table(out: Console, rows: list[dict[str, Any]], model: str, fit: str |
     for r in rows:
         if r.get("fit_short"):
             out.print(f"{r['gpu']}: {escape(r['fit_short']['why'])}", soft_wrap=True)
+    for line in dict.fromkeys(line for r in rows for line in r.get("not_modelled", ())):
+        out.print(f"not modelled: {escape(line)}", soft_wrap=True)
     if split:
         out.print("both fit: vLLM's share holds its weights, its profile's activations and a KV cache for its context "
                   "and the generation batch, and training fits beside it, each with the memory model's margin kept "

@@ -187,7 +187,8 @@ class FitVerdict:
         if self.decision == STOP:
             return (f"predicted {format_size(self.predicted)}, {100 * (self.predicted / self.capacity - 1):.0f}% over "
                     f"the {format_size(self.capacity)} device: beyond the pre-flight's stop margin "
-                    f"({100 * self.stop_margin:.1f}%, {self.stop_source})")
+                    f"({100 * self.stop_margin:.1f}%, {self.stop_source})"
+                    + (f"; and {self.vllm_note}" if self.vllm_note else ""))
         if self.capacity <= 0:
             return "the device's size is not known"
         if self.reasons:
@@ -234,10 +235,11 @@ def verdict(est: Any, spec: JudgeSpec, *, head: str | None = None, doubts: Doubt
     short: tuple[str, int] | None = None
     note = ""
     if cap > 0 and est.vllm_lacks and not VLLM_NOT_MODELLED & set(est.unmodelled):
-        decision, short = STOP, ("vllm", int(est.vllm_lacks))
         note = next((n for n in est.notes if n.startswith("vLLM's reservation")), "vLLM's reservation is too small")
-    elif cap > 0 and peak > stop_limit:
-        decision, short = STOP, ("training", peak - cap)
+    if cap > 0 and peak > stop_limit:  # training short names the stop, even where vLLM's share is short too: only
+        decision, short = STOP, ("training", peak - cap)  # vLLM's own rungs answer a stop for its share
+    elif note:
+        decision, short = STOP, ("vllm", int(est.vllm_lacks))
     elif sure is not None and peak <= sure:
         decision = RUN
     else:
