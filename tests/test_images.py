@@ -186,7 +186,8 @@ def test_the_dataset_images_are_measured_as_grpo_trainer_reads_them():
     assert largest_image_row(one) == 2
     many = Dataset.from_list([{"prompt": "a", "images": [_image(10, 10)]},
                               {"prompt": "b", "images": [_image(10, 10), _image(64, 32), _image(8, 8)]}])
-    assert image_facts(many) == {"images_per_prompt": 3, "image_height": 64, "image_width": 32}
+    assert image_facts(many) == {"images_per_prompt": 3, "image_height": 64, "image_width": 32,
+                                 "prompt_image_sizes": ((10, 10), (64, 32), (8, 8))}
     assert image_facts(Dataset.from_list([{"prompt": "a"}])) == {} and largest_image_row(many) == 1
     paired = with_images_of(one, [0, 0], donor=2)  # the probe: the longest prompt with the largest image
     assert paired["prompt"] == ["a", "a"] and [im.size for im in paired["image"]] == [(50, 50), (50, 50)]
@@ -209,13 +210,32 @@ def test_images_in_the_prompts_messages_are_found_as_grpo_trainer_finds_them():
     """Images as content parts of the prompt's messages (no image column): GRPOTrainer's ``_tokenize_prompts``
     collects them, and so do the facts: several per prompt, the largest by its pixels, read without decoding."""
     data = _in_messages([("a", [_image(30, 40)]), ("b", [_image(10, 10), _image(64, 32)]), ("c", [])])
-    assert image_facts(data) == {"images_per_prompt": 2, "image_height": 64, "image_width": 32}
+    assert image_facts(data) == {"images_per_prompt": 2, "image_height": 64, "image_width": 32,
+                                 "prompt_image_sizes": ((10, 10), (64, 32))}
     assert largest_image_row(data) == 1
     paired = with_images_of(data, [0, 0], donor=1)  # the probe: the longest prompt with the largest image
     (part,) = [c for c in paired[0]["prompt"][0]["content"] if c["type"] == "image"]
     assert part["image"].size == (32, 64) and paired[0]["prompt"][0]["content"][-1]["text"] == "a"
     text_only = _in_messages([("a", [])])
     assert image_facts(text_only) == {}
+
+
+def test_images_are_found_past_text_only_first_rows_and_several_count_as_their_own_pixels():
+    """A dataset that opens with text-only prompts still has images (found in any measured row, not the first 8); a
+    prompt with images of different sizes counts its own pixels (the heaviest prompt's), not its count times the
+    largest image, so the memory model does not predict three of the largest where one is large."""
+    from datasets import Dataset
+
+    late = _in_messages([*((f"t{i}", []) for i in range(10)), ("img", [_image(48, 48)])])
+    assert image_facts(late) == {"images_per_prompt": 1, "image_height": 48, "image_width": 48}
+    text = [{"type": "text", "text": "?", "image": None}]
+    by_path = Dataset.from_list([*({"prompt": [{"role": "user", "content": text}]} for _ in range(10)),
+                                 {"prompt": [{"role": "user", "content": [{"type": "image", "image": "x.png",
+                                                                          "text": None}]}]}])
+    assert image_facts(by_path) == {"images_per_prompt": 1}  # an image part whose size cannot be read is still one
+    mixed = _in_messages([("a", [_image(64, 64), _image(16, 16), _image(16, 32)]), ("b", [_image(32, 32)])])
+    assert image_facts(mixed) == {"images_per_prompt": 3, "image_height": 64, "image_width": 64,
+                                  "prompt_image_sizes": ((64, 64), (16, 16), (16, 32))}
 
 
 def test_the_processor_budget_is_read_and_set_where_each_processor_keeps_it():

@@ -125,9 +125,29 @@ def _images_of(value: Any, column: str) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
 
 
+def _holds_image_feature(feature: Any) -> bool:
+    """Whether a ``datasets`` feature holds an ``Image`` anywhere (nested in lists and structs)."""
+    from datasets import Image
+
+    if isinstance(feature, Image):
+        return True
+    if isinstance(feature, dict):
+        return any(_holds_image_feature(v) for v in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_holds_image_feature(v) for v in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _holds_image_feature(inner)
+
+
+def _sample(n: int) -> range:
+    """The rows measured of ``n``: all, or ``IMAGE_STATS_ROWS`` of them evenly spaced."""
+    return range(0, n, max(1, -(-n // IMAGE_STATS_ROWS)))
+
+
 def images_source(dataset: Any) -> str | None:
     """Where GRPOTrainer finds the dataset's images: its ``images`` or ``image`` column, or ``prompt`` (content parts
-    of the first rows' messages); None without images."""
+    of the messages: an ``Image`` in the prompt's features, or an image part in any measured row, not only the first
+    rows, since a dataset may open with text-only prompts); None without images."""
     column = image_column(dataset)
     if column is not None:
         return column
@@ -135,41 +155,53 @@ def images_source(dataset: Any) -> str | None:
     if "prompt" not in cols or not hasattr(dataset, "__len__") or not len(dataset):
         return None
     try:
-        first = dataset.select(range(min(len(dataset), 8)))["prompt"]
+        if _holds_image_feature(dataset.features["prompt"]):
+            return "prompt"
+    except Exception:  # a dataset without ``datasets``' features: its rows say it
+        pass
+    try:
+        prompts = _undecoded(dataset, "prompt").select(_sample(len(dataset)))["prompt"]
     except Exception:
         return None
-    return "prompt" if any(content_images(p) for p in first) else None
+    return "prompt" if any(content_images(p) for p in prompts) else None
 
 
-def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None]:
-    """(the most images in one prompt, the largest image's ``(height, width)``, its row) over the dataset's rows, or
-    ``IMAGE_STATS_ROWS`` of them evenly spaced; ``(0, None, None)`` without images."""
+def _scan(dataset: Any) -> tuple[int, tuple[int, int] | None, int | None, tuple[tuple[int, int], ...]]:
+    """(the most images in one prompt, the largest image's ``(height, width)``, its row, the sizes of the images of
+    the prompt whose images hold the most pixels together) over the dataset's rows, or ``IMAGE_STATS_ROWS`` of them
+    evenly spaced; ``(0, None, None, ())`` without images."""
     column = images_source(dataset)
     if column is None or not hasattr(dataset, "__len__") or not len(dataset):
-        return 0, None, None
-    n = len(dataset)
-    step = max(1, -(-n // IMAGE_STATS_ROWS))
+        return 0, None, None, ()
     view = _undecoded(dataset, column)
     per_prompt, largest, row = 0, None, None
-    for i in range(0, n, step):
+    heaviest: tuple[tuple[int, int], ...] = ()
+    for i in _sample(len(dataset)):
         imgs = _images_of(view[i][column], column)
         per_prompt = max(per_prompt, len(imgs))
-        sizes = [hw for hw in map(image_size, imgs) if hw is not None]
+        sizes = tuple(hw for hw in map(image_size, imgs) if hw is not None)
+        if sum(h * w for h, w in sizes) > sum(h * w for h, w in heaviest):
+            heaviest = sizes
         big = max(sizes, key=lambda hw: hw[0] * hw[1], default=None)
         if big is not None and (largest is None or big[0] * big[1] > largest[0] * largest[1]):
             largest, row = big, i
-    return per_prompt, largest, row
+    return per_prompt, largest, row, heaviest
 
 
 def image_facts(dataset: Any) -> dict[str, Any]:
-    """RunFacts of the dataset's images: the most images in one prompt, and the largest image's size (by pixels);
-    nothing for a dataset without images."""
+    """RunFacts of the dataset's images: the most images in one prompt, the largest image's size (by pixels) and,
+    with several images per prompt, the sizes of the heaviest prompt's own images; nothing for a dataset without
+    images (wherever a prompt might hold them, none does)."""
     if images_source(dataset) is None:
         return {}
-    per_prompt, largest, _row = _scan(dataset)
+    per_prompt, largest, _row, heaviest = _scan(dataset)
+    if not per_prompt:
+        return {}
     out: dict[str, Any] = {"images_per_prompt": per_prompt}
     if largest is not None:
         out.update(image_height=largest[0], image_width=largest[1])
+        if per_prompt > 1:
+            out.update(prompt_image_sizes=heaviest)
     return out
 
 

@@ -67,6 +67,9 @@ class RunFacts:
     images_per_prompt: int | None = None
     image_height: int | None = None
     image_width: int | None = None
+    # with several images per prompt, the heaviest prompt's own images, each ``(height, width)`` (the prompt whose
+    # images hold the most pixels together): the memory model counts these, not the most images times the largest
+    prompt_image_sizes: tuple[tuple[int, int], ...] = ()
     prompt_tokens_images: bool = False
     # the least ``max_pixels`` the run's image processor takes (Qwen2-VL/2.5-VL: its min_pixels; Gemma 3: one
     # 896x896 image, no pan-and-scan crop); None: its processor has no pixel budget oomguard knows how to set
@@ -97,6 +100,8 @@ class RunFacts:
         for name in ("missing_packages", "trl_lacks", "lora_target_parameters", "unmodelled", "unobserved"):
             if not isinstance(getattr(self, name), tuple):  # JSON gives a list
                 object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+        if self.prompt_image_sizes and not all(isinstance(hw, tuple) for hw in self.prompt_image_sizes):
+            object.__setattr__(self, "prompt_image_sizes", tuple((int(h), int(w)) for h, w in self.prompt_image_sizes))
 
     def replace(self, **changes: Any) -> RunFacts:
         return dataclasses.replace(self, **changes)

@@ -16,9 +16,16 @@ images makes each image up to ``n`` images of tokens.
 ...                intermediate=128, heads=4, patch=14, out_hidden=256, temporal_patch=2, merge=2))
 >>> facts = RunFacts(images_per_prompt=1, image_height=448, image_width=448, pixel_budget_floor=3136)
 >>> images_of(vl, facts, TRL_DEFAULTS.replace(max_pixels=224 * 224))
-Images(per_prompt=1, height=448, width=448, max_pixels=50176, min_pixels=3136, in_prompt_tokens=False)
+Images(per_prompt=1, height=448, width=448, max_pixels=50176, min_pixels=3136, in_prompt_tokens=False, sizes=())
 >>> images_of(vl, RunFacts(), TRL_DEFAULTS) is None   # no image reported: a text-only run
 True
+
+Several images of different sizes in one prompt count the heaviest prompt's own images (here 448 x 448 beside two
+of 224 x 224), not three of the largest:
+
+>>> mixed = facts.replace(images_per_prompt=3, prompt_image_sizes=((448, 448), (224, 224), (224, 224)))
+>>> images_of(vl, mixed, TRL_DEFAULTS).sizes
+((448, 448), (224, 224), (224, 224))
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ def images_of(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> Images | None:
         return Images(per_prompt=per * max(1, int(budget or tile) // tile), height=facts.image_height,
                       width=facts.image_width, in_prompt_tokens=facts.prompt_tokens_images)
     return Images(per_prompt=per, height=facts.image_height, width=facts.image_width, max_pixels=budget,
-                  min_pixels=facts.pixel_budget_floor, in_prompt_tokens=facts.prompt_tokens_images)
+                  min_pixels=facts.pixel_budget_floor, in_prompt_tokens=facts.prompt_tokens_images,
+                  sizes=facts.prompt_image_sizes if per > 1 else ())
 
 
 def fed(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> dict[str, Any]:

@@ -44,12 +44,12 @@ def _vision_nograd(s: Step, rows: int) -> int:
     v, images = s.spec.vision, s.images
     if v is None or images is None or images.per_prompt <= 0:
         return 0
-    from .vision import image_tokens, vision_patches
+    from .vision import prompt_patches, prompt_tokens_of_images
 
-    n = rows * images.per_prompt * vision_patches(v, images)
+    n = rows * prompt_patches(v, images)
     b = s.g.b_c
     block = max(3 * v.hidden * (b + 8), 3 * v.intermediate * b)
-    tokens = rows * images.per_prompt * image_tokens(v, images)
+    tokens = rows * prompt_tokens_of_images(v, images)
     return n * (2 * v.hidden * s.g.b_res + 4 * v.hidden + block) + tokens * v.out_hidden * s.g.b_res
 
 

@@ -29,7 +29,7 @@ from .terms import (
     rowchunk_bytes,
     weight_bytes,
 )
-from .vision import Images, merger_bytes_per_patch, pixel_bytes, vision_bytes_per_patch, vision_patches
+from .vision import Images, merger_bytes_per_patch, pixel_bytes, prompt_patches, vision_bytes_per_patch
 from .zero3 import prefetched_live
 
 DEFAULT_PROMPT_TOKENS = 256
@@ -361,7 +361,7 @@ def activations_of(spec: ModelSpec, g: Regime, geo: _Geometry, co: Coefficients,
     v_layer = v_stored = 0
     v = spec.vision
     if v is not None and images is not None and images.per_prompt > 0:
-        patches = geo.B * images.per_prompt * vision_patches(v, images)
+        patches = geo.B * prompt_patches(v, images)
         trains = not g.lora and not freeze_vision
         per = vision_bytes_per_patch(v, b_c=g.b_c, b_res=g.b_res, trains=trains, adapted="vision" in g.targets)
         v_layer = patches * per  # itemised and measured for the tower itself: not scaled by c_act

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .model import EstimateError, ModelSpec, VisionSpec
@@ -47,7 +47,8 @@ class Images:
     defaults, 1,003,520 and 3,136; a model's ``preprocessor_config.json`` often sets its own: see
     :func:`load_pixel_budget`). ``in_prompt_tokens``: the ``prompt_tokens`` passed to ``estimate`` already count the
     image tokens (a length measured on the processor's output), so only the vision tower is added; otherwise the
-    image tokens are added to the prompt.
+    image tokens are added to the prompt. ``sizes``: with several images of different sizes, the heaviest prompt's
+    own, each ``(height, width)``, counted one by one instead of ``per_prompt`` times the largest.
     """
 
     per_prompt: int = 1
@@ -56,6 +57,29 @@ class Images:
     max_pixels: int | None = None
     min_pixels: int | None = None
     in_prompt_tokens: bool = False
+    sizes: tuple[tuple[int, int], ...] = ()
+
+    def each(self) -> list[Images]:
+        """One prompt's images one by one: its ``sizes``, else ``per_prompt`` of the largest.
+
+        >>> [(i.height, i.width) for i in Images(per_prompt=2, height=64, width=64).each()]
+        [(64, 64), (64, 64)]
+        >>> [(i.height, i.width) for i in Images(per_prompt=2, height=64, width=64, sizes=((64, 64), (8, 8))).each()]
+        [(64, 64), (8, 8)]
+        """
+        if self.sizes:
+            return [replace(self, per_prompt=1, height=h, width=w, sizes=()) for h, w in self.sizes]
+        return [replace(self, per_prompt=1)] * max(0, self.per_prompt)
+
+
+def prompt_patches(v: VisionSpec, images: Images) -> int:
+    """Patches the vision tower runs over for one prompt's images (:func:`vision_patches` of each)."""
+    return sum(vision_patches(v, i) for i in images.each())
+
+
+def prompt_tokens_of_images(v: VisionSpec, images: Images) -> int:
+    """Tokens one prompt's images add to it (:func:`image_tokens` of each)."""
+    return sum(image_tokens(v, i) for i in images.each())
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -109,7 +133,7 @@ def prompt_image_tokens(spec: ModelSpec, images: Images | None) -> int:
     them already)."""
     if images is None or spec.vision is None or images.per_prompt <= 0 or images.in_prompt_tokens:
         return 0
-    return images.per_prompt * image_tokens(spec.vision, images)
+    return prompt_tokens_of_images(spec.vision, images)
 
 
 def pixel_bytes(v: VisionSpec, images: Images) -> int:
@@ -118,7 +142,7 @@ def pixel_bytes(v: VisionSpec, images: Images) -> int:
     if images.per_prompt <= 0:
         return 0
     per_patch = v.channels * v.temporal_patch * v.patch * v.patch
-    return 4 * images.per_prompt * vision_patches(v, images) * per_patch
+    return 4 * prompt_patches(v, images) * per_patch
 
 
 def vision_bytes_per_patch(v: VisionSpec, *, b_c: int, b_res: int, trains: bool, adapted: bool) -> int:
