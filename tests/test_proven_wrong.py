@@ -104,6 +104,26 @@ def test_a_fixed_allocation_the_model_does_not_know_ends_the_climb_and_spends_no
     assert not con.climb.remedies_in_force() and set(con.climb.refused) >= {"generation_rounds"}
 
 
+def test_under_continuous_batching_a_request_larger_than_the_device_is_first_its_paged_cache():
+    """The same request where the script generates with transformers' continuous batching: a request larger than the
+    device while generating is the paged cache (transformers sized it from more free memory than the process may
+    use), so its share is lowered with the first speed changes, before any signal; only when the request stays the
+    same after that does the climb end on the fixed allocation."""
+    p = predicted(conductor(80 * GiB))
+    capacity = int(3.67 * p)
+    con = conductor(capacity)
+    con.climb.observe({**USER, "use_transformers_continuous_batching": True})
+    con.climb.learn(FACTS.replace(generation_engine="continuous_batching"))
+    text = oom_text(int(1.94 * capacity), capacity, int(0.8 * p))
+    launch(con, AttemptKind.RUN, Outcome.OOM, text)
+    assert "paged_cache" in con.climb.remedies_in_force()
+    knobs = con.climb.effective()[0]
+    assert knobs.cb_max_memory_percent < 0.5 and (knobs.num_generations, knobs.max_completion_length) == (8, 1024)
+    launch(con, AttemptKind.PROBE, Outcome.OOM, text)
+    assert con.climb.exhausted is not None and con.climb.exhausted.skipped[0][0] == "fixed-allocation"
+    assert "paged_cache" in con.climb.refused  # taken back: it changed nothing of what failed
+
+
 def test_a_rung_that_changed_nothing_of_what_failed_is_taken_back_and_not_tried_again():
     """Without the memory model (--no-predict) the ladder climbs one rung at a time: an OOM that fails on the same
     request, in the same phase, as much live, after the micro-batch split, takes the split back (the memory that ran

@@ -388,7 +388,8 @@ class Conductor:
         """An OOM as the last (``decide/repeat.py``): the rungs between them go; a fixed allocation ends the climb."""
         c, attempt.note = self.climb, repeat.took_back()
         c.take_back([n for n in repeat.rungs if n in c.remedies_in_force()], attempt.note)
-        if not repeat.fixed:
+        open_rungs = {r.name for r in c.ladder.rungs} - set(c.refused) - set(c.remedies_in_force())
+        if not repeat.fixed or repeat.sized_by(c.facts.generation_engine, open_rungs):
             nxt = self.choose(attempt, diag, read_fields=read_fields)
         else:
             est = self.judge.predict(c.facts, c.effective()[0]) if self.judge is not None else None

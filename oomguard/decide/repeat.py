@@ -62,6 +62,20 @@ class Repeat:
         """A request one tensor's size that shapes did not change: a fixed allocation."""
         return bool(self.shaped) and (self.request or 0) > SMALL_REQUEST
 
+    def sized_by(self, engine: str | None, open_rungs: set[str]) -> str | None:
+        """The rung of those still open (not in force, not taken back) that sizes this fixed request, if one does:
+        in generation under transformers' continuous batching, the request is its paged cache, a share of the free
+        memory, which ``paged_cache`` lowers (so the climb goes on to it instead of ending).
+
+        >>> Repeat(1, 2, 11 << 30, "generation", ("micro_batch",), ("micro_batch",)).sized_by(
+        ...     "continuous_batching", {"paged_cache", "checkpointing"})
+        'paged_cache'
+        >>> Repeat(1, 2, 11 << 30, "generation", ("micro_batch",), ("micro_batch",)).sized_by("generate", {"paged_cache"})
+        """
+        if self.phase == "generation" and engine == "continuous_batching" and "paged_cache" in open_rungs:
+            return "paged_cache"
+        return None
+
     def took_back(self) -> str:
         them = ", ".join(self.rungs)
         return (f"took back {them}: attempt {self.attempt} ran out of memory as attempt {self.before} did (the same "

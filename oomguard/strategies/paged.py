@@ -50,6 +50,10 @@ class PagedCache(Remedy):
     def helps(self, d: Diagnosis | None) -> str | None:
         if d is not None and d.phase not in ("generation", "unknown"):
             return f"the OOM came in {d.phase}; the paged cache exists only while generating"
+        if d is not None and d.kind == "impossible":
+            # one request larger than the device while generating is the cache itself where transformers measured
+            # more free memory than the process may use (a limit below the card's, a neighbour): its share sizes it
+            return None
         return super().helps(d)
 
     def blocked(self, ctx: Context) -> str | None:
