@@ -115,7 +115,7 @@ def reads_as_under_python(stderr: str, workdir: Path, launcher: str | None, atte
     aside = list(workdir.glob(f"{adir}/after-stop.log"))
     if launcher:
         assert aside and launcher in aside[0].read_text(), stderr[-3000:]
-        assert "what the launcher printed after the out-of-memory error" in stderr and str(aside[0]) in stderr
+        assert "what the command printed after the out-of-memory error" in stderr and str(aside[0]) in stderr
     else:
         assert not aside
 

@@ -7,6 +7,7 @@ verdicts); these are `slow` (CI runs them)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -38,6 +39,9 @@ def test_a_leak_is_resumed_with_your_config_until_every_step_is_done_and_named_w
     assert len(attempts) >= 3 and attempts[-1]["outcome"] == "ok" and attempts[-1]["step"] == 16
     # no knob changed for the leak: only the checkpoint cadence, an adaptation in the diff and the lock
     assert [(r["knob"], r["remedy"]) for r in rep["diff"]] == [("checkpoint_every", "adaptation")], rep["diff"]
+    lock = json.loads((tmp_path / "lock.json").read_text())  # it ran every step: its lock replays the cadence
+    assert lock["overrides"] == {"checkpoint_every": attempts[-1]["knobs"]["checkpoint_every"]}
+    assert "What oomguard changed" in out.stdout + out.stderr
     assert len({str(sorted((k, v) for k, v in a["knobs"].items() if k != "checkpoint_every"))
                 for a in attempts}) == 1
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-15", "checkpoint-16"]

@@ -229,10 +229,10 @@ class ConsoleReporter:
         colour = {"stable": "green", "failed": "red", "exhausted": "red", "interrupted": "yellow",
                   "leaked": "yellow"}[report.status]
         self._say(f"[bold {colour}]{report.status}[/]: {_plain(report.message)}")
-        if report.diff and report.status in ("stable", "exhausted"):
-            stable = report.status == "stable"
-            diff_table(self.out, report.diff, title="What oomguard changed" if stable else "What oomguard tried",
-                       stable=stable)
+        if report.diff and report.status in ("stable", "exhausted", "leaked"):
+            ran = report.status == "stable" or (report.status == "leaked" and report.exit_code == 0)
+            diff_table(self.out, report.diff, title="What oomguard changed" if ran else "What oomguard tried",
+                       stable=ran)
         said = [r["flag"] for r in report.diff if r.get("flag")]
         if said and report.status == "stable":
             self._say(_plain(f"{told((report.facts or {}).get('stack'), said)} (the lock replays them: oomguard run "

@@ -153,7 +153,7 @@ class Launcher:
         aside = Aside(lambda: (adir / STOPPED_MARK).exists(), adir / "after-stop.log")
         res = self.start(self._env(self.write_plan(adir, plan), knobs), watch, scratch, aside)
         if aside.lines:
-            self.ui.message(f"  what the launcher printed after {aside.why} ({aside.lines} lines) is in {aside.path}")
+            self.ui.message(f"  what the command printed after {aside.why} ({aside.lines} lines) is in {aside.path}")
         if self.group is not None:
             self._gather(index, res, watch)
         self.poll(watch, live=False)  # the last lines the process wrote

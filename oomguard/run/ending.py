@@ -71,7 +71,9 @@ class Writer:
         if self.group is not None:
             report.group = self.group_info()
         report.warnings = list(run.warnings)
-        lock_path = self._write_outputs(report, status)
+        # a leaking run that finished every step through restarts ran its config to the end, with the cadence its
+        # restarts needed: its lock replays both
+        lock_path = self._write_outputs(report, status == "stable" or (status == "leaked" and code == 0))
         if self.group is not None:
             lock = (self.lock(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
                               report.diff, report.attempts[-1].files()).to_dict() if lock_path is not None else None)
@@ -121,14 +123,14 @@ class Writer:
                     stable=stable, world_size=c.facts.world_size or 1, diff=diff,
                     stack=c.facts.stack if said else None, flags=said)
 
-    def _write_outputs(self, report: RunReport, status: str) -> Path | None:
-        """The report, the lock when stable, then the HTML page (a help: its failure costs only the page, one line).
-        Each run keeps its own copies; the top-level files are copies of the latest, and an older one that no run
-        keeps is kept aside first."""
+    def _write_outputs(self, report: RunReport, ran: bool) -> Path | None:
+        """The report, the lock where the last attempt's config ran to the end (``ran``), then the HTML page (a
+        help: its failure costs only the page, one line). Each run keeps its own copies; the top-level files are
+        copies of the latest, and an older one that no run keeps is kept aside first."""
         kept = self.o.workdir / "kept"
         aside = publish(report.to_dict(), self.run_dir / "report.json", self.o.report_path, kept)
         lock_path: Path | None = None
-        if status == "stable":
+        if ran:
             lock_path = self.o.lock_path
             final = Knobs.from_dict(report.attempts[-1].knobs)
             lock_aside = publish(self.lock(final, report.original, report.stable, report.diff,

@@ -77,6 +77,9 @@ def take_events(conductor: Conductor, events: Sequence[ChildEvent], *, sized_by_
         say(line)
     # measured on the loaded weights: the user's own config may not learn
     if c.facts.bf16_moving is not None and (warning := precision_warning(c.original(), c.facts)):
+        ran = c.effective()[0]
+        if (ran.dtype, ran.bf16) != (c.original().dtype, c.original().bf16):  # a lock or a rung set another precision
+            warning = f"your own config, not the precision this run uses: {warning}"
         warn(warning)
     for line in lines:
         say(line)
