@@ -215,6 +215,13 @@ def test_a_young_leak_whose_restart_gets_no_further_is_the_shortfall_and_a_rung_
     done = Attempt(index=3, knobs={}, remedies=[], outcome=Outcome.OK, exit_code=0, seconds=1.0, kind=AttemptKind.RUN)
     con.climb.record(done)
     assert conclude(done, con.climb, leaks=[])[0] == "stable"
+    # a script that saved nothing before the first OOM: the restart starts from step 0 and runs out where it did, the
+    # late-settling warm-up a young leak looked like, not a confirmation
+    scratch = conductor()
+    scratch.after(young_at(scratch, 1, step=7), young_diagnosis())
+    from_zero = young_at(scratch, 2, step=7)
+    assert scratch.after(from_zero, young_diagnosis()).kind is not None and scratch.climb.climbed
+    assert not scratch.leak_confirmed and "not a leak after all" in (from_zero.note or "")
     # without restarts (--no-leak-restart, the guard) a young leak is the shortfall at once
     off = conductor(leak_restart=False)
     assert off.after(young_at(off, 1, step=7), young_diagnosis()).kind is not None and off.climb.climbed

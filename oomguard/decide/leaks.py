@@ -48,12 +48,16 @@ def after_leak(con: Conductor, attempt: Attempt, diag: Diagnosis) -> Next:
     made = (attempt.step or 0) - resumed_step(attempt.resume)
     where = "the host's memory" if diag.kind == "host-leak" else "the device"
     young = diag.facts.young_leak
-    if young and not con.leak_confirmed and (not con.policy.leak_restart or (con.leaks and made <= 0)):
+    # a restart confirms a young leak by getting past the step the last leak ran out at: one from step 0 (no
+    # checkpoint yet) that runs out where it did is the warm-up it looked like
+    before = next((a.step or 0 for a in c.attempts if con.leaks and a.index == con.leaks[-1]), 0)
+    further = made > 0 and (attempt.step or 0) > before
+    if young and not con.leak_confirmed and (not con.policy.leak_restart or (con.leaks and not further)):
         unconfirmed(con, attempt, "the restart got no further before it ran out" if con.policy.leak_restart else
                     "--no-leak-restart leaves no restart to reproduce the few steps it grew over")
         con.last_diag = figures = replace(diag, kind=diag.facts.by_figures or "shortfall")
         return con.choose(attempt, figures)
-    if not young or (con.leaks and made > 0):
+    if not young or (con.leaks and further):
         con.leak_confirmed = True
     budget = None if con.room_for(1) else (
         f"--max-time {con.policy.max_time:g}s" if con.policy.max_time is not None and
