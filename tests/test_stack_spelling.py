@@ -10,7 +10,9 @@ parser would); a notebook's call is parsed with ``ast``.
 from __future__ import annotations
 
 import ast
+import json
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -172,6 +174,16 @@ def test_the_swift_adapter_keeps_a_user_s_stronger_setting_of_the_same_knob():
     args = swift_args(sleep_level=2)
     swift_adapter.apply_model_args(runtime(vllm_enable_sleep_mode=True), args)
     assert args.sleep_level == 2
+
+
+def test_a_zero3_rung_over_the_user_s_zero2_offload_keeps_their_optimizer_offload():
+    """``--deepspeed zero2_offload`` and a rung that raises only the stage: swift gets ZeRO-3 with the user's optimizer
+    offload kept (swift's ``zero3`` preset alone would switch it off), as the diff says."""
+    args = swift_args(deepspeed="zero2_offload")
+    swift_adapter.apply_model_args(runtime(zero_stage=3), args)
+    written = json.loads(Path(args.deepspeed).read_text())["zero_optimization"]
+    assert written["stage"] == 3 and written["offload_optimizer"]["device"] == "cpu"
+    assert written.get("offload_param", {}).get("device", "none") == "none"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -211,10 +211,13 @@ class StackTable:
         already (so a user's stronger setting of the same knob stays). Returns the arguments set."""
         done: dict[str, Any] = {}
         for s in self._chosen(point, knobs):
-            values = s.values(overrides)
             if not s.set_by(overrides) or not s.means_something(target):
                 continue
             said = s.from_args(target)
+            # knobs spelled together are written together: one oomguard leaves alone keeps the user's value (a ZeRO
+            # stage raised over the user's optimizer offload keeps that offload)
+            values = tuple(v if v is not None else said.get(k) for k, v in zip(s.knobs, s.values(overrides),
+                                                                               strict=True))
             if said and all(said.get(k) == v for k, v in zip(s.knobs, values, strict=True) if v is not None):
                 continue
             args = s.to_args(*values)
