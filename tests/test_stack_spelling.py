@@ -186,6 +186,21 @@ def test_a_zero3_rung_over_the_user_s_zero2_offload_keeps_their_optimizer_offloa
     assert written.get("offload_param", {}).get("device", "none") == "none"
 
 
+def test_a_zero3_rung_over_the_user_s_own_deepspeed_json_changes_only_the_stage_in_it(tmp_path):
+    """``--deepspeed my_ds.json``: the rung's stage is written into the user's own config (every other key as they
+    wrote it), not replaced by one of swift's presets."""
+    own = tmp_path / "my_ds.json"
+    own.write_text(json.dumps({"gradient_clipping": 0.7, "zero_optimization": {"stage": 2, "overlap_comm": False,
+                                                                                "offload_optimizer": {"device": "cpu"}}}))
+    args = swift_args(deepspeed=str(own))
+    swift_adapter.apply_model_args(runtime(zero_stage=3), args)
+    written = json.loads(Path(args.deepspeed).read_text())
+    assert Path(args.deepspeed) != own and json.loads(own.read_text())["zero_optimization"]["stage"] == 2
+    assert written["gradient_clipping"] == 0.7 and written["zero_optimization"]["stage"] == 3
+    assert written["zero_optimization"]["overlap_comm"] is False
+    assert written["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Unsloth
 

@@ -104,7 +104,10 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
     ov = rt.overrides
     own = getattr(args, "deepspeed", None)
     SWIFT.apply(ov, args, point=ARGUMENTS)
-    if isinstance(getattr(args, "deepspeed", None), Generated):
+    ds = SWIFT.spelling("zero_stage")
+    if own and getattr(args, "deepspeed", None) is not own and ds is not None and not ds.from_args({"deepspeed": own}):
+        args.deepspeed = own_deepspeed_file(rt, own)  # the user's own JSON, not one of swift's presets
+    elif isinstance(getattr(args, "deepspeed", None), Generated):
         args.deepspeed = deepspeed_file(rt, args.deepspeed, own)
     if ov.dtype is not None and ov.dtype not in ("auto", "float32") and not _cuda():
         # swift turns 16-bit mixed precision on with a 16-bit dtype, which needs use_cpu here
@@ -131,6 +134,19 @@ def deepspeed_file(rt: Runtime, wanted: Generated, own: Any) -> str | dict[str, 
     how = dict(wanted.settings)
     cfg = deepspeed_config(swift_preset(str(how.pop("preset"))), **how)
     return write_generated(rt, cfg, str(own) if own else None) or cfg
+
+
+def own_deepspeed_file(rt: Runtime, own: Any) -> str | dict[str, Any]:
+    """The user's own ``--deepspeed`` (a JSON file or string, not a preset's name) with the rung's ZeRO stage,
+    offloads and buffer sizes written into it, every other key as they wrote it: a preset in its place would lose
+    their settings. Its path, else the config itself."""
+    from ...vocab.distributed import deepspeed_config, ds_config_sizes, load_user_deepspeed
+    from ..dsconfig import write_generated
+
+    ov = rt.overrides
+    cfg = deepspeed_config(load_user_deepspeed(own), zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
+                           offload_params=ov.offload_params, sizes=ds_config_sizes(ov))
+    return write_generated(rt, cfg, str(own)) or cfg
 
 
 def swift_preset(name: str) -> dict[str, Any] | None:
