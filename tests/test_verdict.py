@@ -88,3 +88,7 @@ def test_the_html_table_of_what_was_tried_has_no_stable_column_when_nothing_was_
     page = run_html({"status": "stable", "message": "", "diff": ROWS, "original": {},
                      "attempts": [{"index": 1, "kind": "run", "outcome": "ok", "seconds": 1.0}]})
     assert "<th>stable</th>" in page.split('<table id="diff">', 1)[1] and "What changed" in page
+    # a leaking run that finished every step through restarts ran its config to the end, as the terminal says
+    page = run_html({"status": "leaked", "exit_code": 0, "message": "", "diff": ROWS, "original": {},
+                     "attempts": [{"index": 1, "kind": "run", "outcome": "ok", "seconds": 1.0}]})
+    assert "What changed" in page

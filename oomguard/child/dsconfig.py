@@ -70,6 +70,13 @@ def observe(cfg: Any) -> dict[str, Any]:
     return observe_deepspeed(user_deepspeed(cfg)[0])
 
 
+def with_rung(user: dict[str, Any] | None, ov: Any) -> dict[str, Any]:
+    """The user's DeepSpeed config (None: transformers' "auto" template) with the ZeRO stage, offloads and buffer
+    sizes oomguard's overrides ``ov`` set, every other key as the user wrote it."""
+    return deepspeed_config(user, zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
+                            offload_params=ov.offload_params, sizes=ds_config_sizes(ov))
+
+
 def apply(rt: Runtime, cfg: Any) -> None:
     """A rung changed a DeepSpeed knob: write the run's config with the change (every other key as the user wrote
     it) next to the attempt's records and point ``GRPOConfig.deepspeed`` at it; then make sure a DeepSpeed run on CPU
@@ -77,8 +84,7 @@ def apply(rt: Runtime, cfg: Any) -> None:
     ov = rt.overrides
     if any(getattr(ov, name) is not None for name in _DS_KNOBS):
         user, source = user_deepspeed(cfg)
-        generated = deepspeed_config(user, zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
-                                     offload_params=ov.offload_params, sizes=ds_config_sizes(ov))
+        generated = with_rung(user, ov)
         if source == "accelerate":
             for section in ("bf16", "fp16"):  # accelerate sets them from mixed_precision; transformers fills "auto"
                 generated.setdefault(section, {"enabled": "auto"})

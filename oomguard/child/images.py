@@ -125,20 +125,6 @@ def _images_of(value: Any, column: str) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
 
 
-def _holds_image_feature(feature: Any) -> bool:
-    """Whether a ``datasets`` feature holds an ``Image`` anywhere (nested in lists and structs)."""
-    from datasets import Image
-
-    if isinstance(feature, Image):
-        return True
-    if isinstance(feature, dict):
-        return any(_holds_image_feature(v) for v in feature.values())
-    if isinstance(feature, (list, tuple)):
-        return any(_holds_image_feature(v) for v in feature)
-    inner = getattr(feature, "feature", None)
-    return inner is not None and _holds_image_feature(inner)
-
-
 def _sample(n: int) -> range:
     """The rows measured of ``n``: all, or ``IMAGE_STATS_ROWS`` of them evenly spaced."""
     return range(0, n, max(1, -(-n // IMAGE_STATS_ROWS)))
@@ -155,7 +141,8 @@ def images_source(dataset: Any) -> str | None:
     if "prompt" not in cols or not hasattr(dataset, "__len__") or not len(dataset):
         return None
     try:
-        if _holds_image_feature(dataset.features["prompt"]):
+        feature = dataset.features["prompt"]
+        if _without_decoding(feature) != feature:  # an Image nested in the messages' features
             return "prompt"
     except Exception:  # a dataset without ``datasets``' features: its rows say it
         pass

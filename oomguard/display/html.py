@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..vocab.files import write_atomic
-from ..vocab.records import climbed_labels
+from ..vocab.records import climbed_labels, ran_to_end
 from ..vocab.sizes import format_size
 from .trace_chart import trace_svg, trend_block
 
@@ -270,7 +270,7 @@ def run_html(report: dict[str, Any], breakdown: dict[str, int] | None = None) ->
             body.append(trace_svg(a["trace"], capacity=capacity, verdicts=verdicts,
                                   oom_step=step + 1 if a.get("outcome") == "oom" and isinstance(step, int) else None,
                                   title=f"Attempt {a.get('index')} ({a.get('kind', 'run')})"))
-    stable = report.get("status") == "stable"
+    stable = ran_to_end(str(report.get("status")), report.get("exit_code"))
     body.append(("<h2>What changed</h2>" if stable else "<h2>What was tried</h2>")
                 + _diff_table(report.get("diff") or [], stable))
     from ..decide.experiment import experiment_lines

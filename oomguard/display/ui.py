@@ -13,7 +13,7 @@ from typing import Any
 from ..decide.experiment import cost_note, experiment_lines
 from ..decide.ladder import Exhausted, Step
 from ..vocab.diagnosis import Diagnosis
-from ..vocab.records import Attempt, RunReport, rung_label
+from ..vocab.records import Attempt, RunReport, ran_to_end, rung_label
 from ..vocab.sizes import format_size
 from ..vocab.stacks import told
 
@@ -230,7 +230,7 @@ class ConsoleReporter:
                   "leaked": "yellow"}[report.status]
         self._say(f"[bold {colour}]{report.status}[/]: {_plain(report.message)}")
         if report.diff and report.status in ("stable", "exhausted", "leaked"):
-            ran = report.status == "stable" or (report.status == "leaked" and report.exit_code == 0)
+            ran = ran_to_end(report.status, report.exit_code)
             diff_table(self.out, report.diff, title="What oomguard changed" if ran else "What oomguard tried",
                        stable=ran)
         said = [r["flag"] for r in report.diff if r.get("flag")]

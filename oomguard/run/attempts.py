@@ -53,7 +53,6 @@ from .watch import PROBE_DIR_PREFIX, Watch
 CENSUS_AFTER = 3  # steps into a run restarted after a leak before the training process finds where it is held
 
 
-
 def script_cadence(save_strategy: str, save_steps: float | None) -> int | None:
     """The script's own checkpoint cadence in steps, as TrainBegin reports it; None where it has none in steps.
 
@@ -67,6 +66,7 @@ def script_cadence(save_strategy: str, save_steps: float | None) -> int | None:
     if "steps" not in save_strategy.lower().split(".")[-1:] or not save_steps or save_steps < 1:
         return None
     return int(save_steps)
+
 
 class Launcher:
     """Launches one attempt at a time and watches it (see the module)."""

@@ -14,7 +14,7 @@ from ..decide.experiment import Experiment
 from ..vocab.files import publish, write_json_atomic
 from ..vocab.knobs import DS_SIZE_KNOBS, Knobs
 from ..vocab.lock import Lock
-from ..vocab.records import Attempt, AttemptKind, Outcome, RunReport
+from ..vocab.records import Attempt, AttemptKind, Outcome, RunReport, ran_to_end
 from ..vocab.stacks import flags
 from .attempts import Launcher
 from .command import EXIT_BUG
@@ -71,9 +71,7 @@ class Writer:
         if self.group is not None:
             report.group = self.group_info()
         report.warnings = list(run.warnings)
-        # a leaking run that finished every step through restarts ran its config to the end, with the cadence its
-        # restarts needed: its lock replays both
-        lock_path = self._write_outputs(report, status == "stable" or (status == "leaked" and code == 0))
+        lock_path = self._write_outputs(report, ran_to_end(status, code))
         if self.group is not None:
             lock = (self.lock(Knobs.from_dict(report.attempts[-1].knobs), report.original, report.stable,
                               report.diff, report.attempts[-1].files()).to_dict() if lock_path is not None else None)

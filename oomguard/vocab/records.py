@@ -195,6 +195,16 @@ class Attempt:
         return {kind: g["path"] for kind, g in (self.generated or {}).items() if isinstance(g, dict) and g.get("path")}
 
 
+def ran_to_end(status: str, exit_code: int | None) -> bool:
+    """Whether a run's last config ran to the end: stable, or a leaking run that finished every step through its
+    restarts (its config and the cadence the restarts needed are then what a lock replays and the diff shows).
+
+    >>> ran_to_end("stable", 0), ran_to_end("leaked", 0), ran_to_end("leaked", 76), ran_to_end("exhausted", 75)
+    (True, True, False, False)
+    """
+    return status == "stable" or (status == "leaked" and exit_code == 0)
+
+
 @dataclass
 class RunReport:
     """All attempts, the original and stable knobs, and the diff (schema ``oomguard.report/1``)."""

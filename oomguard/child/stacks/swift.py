@@ -33,7 +33,7 @@ from typing import Any
 from ...vocab.events import CodeSeen
 from ...vocab.knobs import STACK_ONLY
 from ...vocab.stacks.spelling import Generated
-from ...vocab.stacks.swift import ARGUMENTS, SWIFT
+from ...vocab.stacks.swift import ARGUMENTS, SWIFT, is_preset
 from ..datasets import PROMPT_STATS_ROWS
 from ..runtime import Runtime
 
@@ -104,8 +104,7 @@ def apply_model_args(rt: Runtime, args: Any) -> None:
     ov = rt.overrides
     own = getattr(args, "deepspeed", None)
     SWIFT.apply(ov, args, point=ARGUMENTS)
-    ds = SWIFT.spelling("zero_stage")
-    if own and getattr(args, "deepspeed", None) is not own and ds is not None and not ds.from_args({"deepspeed": own}):
+    if own and not is_preset(own) and getattr(args, "deepspeed", None) is not own:
         args.deepspeed = own_deepspeed_file(rt, own)  # the user's own JSON, not one of swift's presets
     elif isinstance(getattr(args, "deepspeed", None), Generated):
         args.deepspeed = deepspeed_file(rt, args.deepspeed, own)
@@ -140,12 +139,10 @@ def own_deepspeed_file(rt: Runtime, own: Any) -> str | dict[str, Any]:
     """The user's own ``--deepspeed`` (a JSON file or string, not a preset's name) with the rung's ZeRO stage,
     offloads and buffer sizes written into it, every other key as they wrote it: a preset in its place would lose
     their settings. Its path, else the config itself."""
-    from ...vocab.distributed import deepspeed_config, ds_config_sizes, load_user_deepspeed
-    from ..dsconfig import write_generated
+    from ...vocab.distributed import load_user_deepspeed
+    from ..dsconfig import with_rung, write_generated
 
-    ov = rt.overrides
-    cfg = deepspeed_config(load_user_deepspeed(own), zero_stage=ov.zero_stage, offload_optimizer=ov.offload_optimizer,
-                           offload_params=ov.offload_params, sizes=ds_config_sizes(ov))
+    cfg = with_rung(load_user_deepspeed(own), rt.overrides)
     return write_generated(rt, cfg, str(own)) or cfg
 
 

@@ -68,6 +68,15 @@ def _deepspeed(stage: Any, optimizer: Any, params: Any) -> dict[str, Any]:
                                     ("offload_optimizer", optimizer), ("offload_params", params)))}
 
 
+def is_preset(value: Any) -> bool:
+    """Whether ``--deepspeed``'s value names one of swift's presets (else it is the user's own JSON, a path, a dict).
+
+    >>> is_preset("zero2_offload"), is_preset("/home/me/ds.json")
+    (True, False)
+    """
+    return _PRESET.fullmatch(str(value or "")) is not None
+
+
 def _read_deepspeed(a: Any) -> dict[str, Any]:
     m = _PRESET.fullmatch(str(arg(a, "deepspeed") or ""))
     if m is None:  # a path, a JSON string or a dict: the DeepSpeed config itself says it (child/dsconfig.py)
@@ -140,4 +149,4 @@ def _render(spelling: Spelling, args: dict[str, Any]) -> str:
 # swift's own spellings, then TRL's knobs under TRL's names (the GRPOConfig fields it does not spell otherwise)
 SWIFT = StackTable("swift", with_trl_names(_OWN, CONFIG), _render, said_as="as swift's flags", join=" ")
 
-__all__ = ["ARGUMENTS", "CONFIG", "SWIFT", "SWIFT_ARGUMENTS"]
+__all__ = ["ARGUMENTS", "CONFIG", "SWIFT", "SWIFT_ARGUMENTS", "is_preset"]
