@@ -70,4 +70,4 @@ def test_a_full_fine_tune_where_an_8bit_optimizer_alone_fits_keeps_the_full_fine
     assert out.returncode == 0 and rep["status"] == "stable", out.stderr[-3000:]
     assert sum(a["outcome"] == "oom" for a in rep["attempts"]) <= 1
     assert {r["knob"]: r["to"] for r in rep["diff"]} == {"optim": "adamw_bnb_8bit"}
-    assert "a full fine-tune" in out.stderr and "first a probe without what changes the experiment" in out.stderr
+    assert "a full fine-tune" in out.stderr and "first without what changes the experiment" in out.stderr

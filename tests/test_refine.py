@@ -150,11 +150,37 @@ def test_a_config_predicted_as_large_as_one_that_ran_out_is_not_worth_an_undo_pr
     g = Judge(int(Judge(10 * 2**30).predict(facts, big).peak_bytes / 1.2))
     g.set_trl("logits")
     assert g.doubt > 0.3 and g.plausible(facts)(big) and g.plausible(facts)(small)
-    g.failed.append((facts, small))  # the smaller config ran out of memory on the device
+    g.ran_out(facts, small)  # the smaller config ran out of memory on the device
     assert not g.plausible(facts)(big) and not g.plausible(facts)(small)
     lora = small.replace(lora_r=16)
     assert g.plausible(facts)(lora)  # less than what ran out: still worth a probe
 
+
+
+def test_a_config_that_allocates_as_much_where_memory_ran_out_is_judged_not_to_fit():
+    """An OOM in generation: a micro-batch split saves memory in training, not in generation (the same rows are
+    generated at once), so it neither fits nor is worth a probe, however much lower its predicted peak; fewer rows
+    generated at once are. After a fragmentation the ceiling holds only under the allocator settings it ran out
+    under (ms-swift's and Unsloth's wider model at half its peak: a split chosen after the pre-flight's stop ran out in
+    generation, and the next choice generated the same rows)."""
+    facts = RunFacts(model_config=LLAMA, prompt_tokens_max=200)
+    user = TRL_DEFAULTS.replace(lora_r=8, max_completion_length=4096, per_device_train_batch_size=8,
+                                gradient_accumulation_steps=1, num_generations=8)
+    split = user.replace(per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    fewer = split.replace(num_generations=4, gradient_accumulation_steps=4)
+    g = Judge(10 * 2**30)
+    pu, ps, pf = (g.predict(facts, k) for k in (user, split, fewer))
+    assert ps.peak_bytes < pu.peak_bytes and ps.phases["generation"] == pu.phases["generation"]
+    assert pf.phases["generation"] < 0.9 * pu.phases["generation"]
+    g = Judge(int(ps.peak_bytes * 1.5))  # room for the split by its peak
+    assert g.fits(facts)(split) and g.plausible(facts)(split)
+    g.ran_out(facts, user, "generation")
+    assert not g.fits(facts)(split) and not g.plausible(facts)(split)
+    assert g.fits(facts)(fewer) and g.plausible(facts)(fewer)
+    frag = Judge(int(ps.peak_bytes * 1.5))
+    frag.ran_out(facts, user, "generation", fragmented=True)
+    assert not frag.fits(facts)(split)
+    assert frag.fits(facts)(split.replace(expandable_segments=True))  # what can help a fragmentation
 
 # -- the conductor's decisions ---------------------------------------------------------------------------------
 
@@ -214,6 +240,18 @@ def test_after_the_probe_fits_a_closer_config_is_probed_then_the_run():
     assert closer.lora_r and con.climb.remedies_in_force() == ["lora"]
     again = attempt(con, AttemptKind.PROBE, Outcome.OK)
     assert con.after(again, None).kind is AttemptKind.RUN  # without LoRA the model is sure: no undo trial
+
+
+def test_the_last_launch_the_budget_allows_is_the_run_itself():
+    """A probe that fit on the last launch --max-attempts allows left no launch for the run (issue 49: ms-swift and
+    Unsloth at half their peak ended `exhausted` with "a config fits, but the budget ran out"): the last launch after
+    an OOM is the chosen config's run, as is a choice the budget leaves room to probe before its run."""
+    con = conductor(max_attempts=3)
+    con.judge = ToyJudge(10.0, 10.0)
+    assert con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None).kind is AttemptKind.PROBE
+    last = con.after(attempt(con, AttemptKind.PROBE, Outcome.OOM), None)
+    assert last.kind is AttemptKind.RUN and not last.deferred
+    assert any("the run itself" in (s.line or "") for s in last.said)
 
 
 def test_a_doubtful_change_that_a_probe_shows_is_not_needed_is_dropped():

@@ -154,20 +154,23 @@ def test_a_wider_model_at_half_its_peak_keeps_what_swift_trains_with(wide_half):
     first = report["attempts"][0]
     assert first["outcome"] == "predicted" and "stopped before loading" in first["note"], wide_half["stderr"]
     assert all(a["knobs"]["lora_r"] == 8 for a in report["attempts"])
-    assert report["status"] != "failed", wide_half["stderr"]
-
-
-@pytest.mark.xfail(strict=True, reason="needs issue 46's no-chain rule: the first choice after the load's stop, bf16 "
-                   "weights and a micro-batch split, runs out in generation by one of the allocator's 20 MiB segments "
-                   "(predicted within the model's error), and the config chosen next gives up generations")
-def test_a_wider_model_at_half_its_peak_is_stable_within_three_launches(wide_half):
-    """Issue 49's done-when for ms-swift: stable within 3 launches, at most 1 real OOM, the experiment kept (4
-    generations of 32 tokens, the rows per step, swift's LoRA r=8)."""
-    report = wide_half["report"]
+    # stable at issue 49's --max-attempts 3: after the OOM in generation no config that generates the same rows at once
+    # is launched again, and the last launch the budget allows is the run itself, not a probe
     outcomes = [a["outcome"] for a in report["attempts"]]
-    assert report["status"] == "stable" and len(outcomes) <= 3 and outcomes.count("oom") <= 1, outcomes
-    assert report["experiment"]["kept"] == ["4 generations per prompt", "32-token completions", "1 prompt per step",
-                                            "your LoRA (r=8)"]
+    assert report["status"] == "stable" and len(outcomes) <= 3 and outcomes.count("oom") <= 1, wide_half["stderr"]
+    assert report["attempts"][-1]["kind"] == "run"
+
+
+@pytest.mark.xfail(strict=True, reason="at half the peak (49 MiB) no config that keeps 4 generations fits on the "
+                   "simulated device: generating 4 rows at once needs one more of the allocator's 20 MiB segments "
+                   "than the bf16 weights leave (a split to 1 row runs out there, expandable segments or not; swift's "
+                   "environment has no bitsandbytes, and its CPU 4-bit runs out there too), so the run ends stable "
+                   "with 2 generations")
+def test_a_wider_model_at_half_its_peak_keeps_the_experiment(wide_half):
+    """Issue 49's done-when for ms-swift: the experiment kept (4 generations of 32 tokens, the rows per step, swift's
+    LoRA r=8)."""
+    assert wide_half["report"]["experiment"]["kept"] == ["4 generations per prompt", "32-token completions",
+                                                         "1 prompt per step", "your LoRA (r=8)"]
 
 
 @pytest.mark.slow

@@ -384,6 +384,31 @@ def test_where_unsloth_cannot_load_4bit_weights_the_rung_is_not_offered(monkeypa
     assert make_remedy("load_4bit").blocked(Context(knobs=TRL_DEFAULTS, facts=facts)) == why
 
 
+def test_on_unsloth_s_cpu_backend_no_8bit_optimizer_and_under_the_simulated_device_no_4bit_load_is_offered(monkeypatch):
+    """Unsloth's CPU backend turns adamw_bnb_8bit into torch's AdamW when the config is built, so the 8-bit optimizer
+    rung would launch the same run again (issue 49: a second real OOM); its CPU 4-bit load, which runs on this CPU,
+    fails on the simulated device inside the loader. Neither is offered there; on a GPU both are."""
+    import torch
+
+    from oomguard.child import simulate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, mod in (("unsloth_zoo", SimpleNamespace()), ("unsloth_zoo.cpu", SimpleNamespace()),
+                      ("unsloth_zoo.cpu.runtime", SimpleNamespace(cpu_bnb_4bit_supported=lambda: True)),
+                      ("unsloth_zoo.cpu.trainer", SimpleNamespace(normalize_cpu_training_arguments=None))):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(simulate, "device", lambda: None)
+    said = unsloth.loader_facts()
+    assert "cannot_load_4bit" not in said and said["cannot_optim_8bit"] == unsloth.cannot_optim_8bit()
+    facts = RunFacts(**said)
+    ctx = Context(knobs=TRL_DEFAULTS, facts=facts)
+    assert make_remedy("optimizer_8bit").blocked(ctx) == said["cannot_optim_8bit"]
+    monkeypatch.setattr(simulate, "device", lambda: object())
+    assert unsloth.loader_facts()["cannot_load_4bit"] == unsloth.cannot_load_4bit() != unsloth.CPU_NO_4BIT
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not {"cannot_load_4bit", "cannot_optim_8bit"} & set(unsloth.loader_facts())
+
+
 def test_only_the_rung_that_set_what_broke_the_loader_is_taken_back_and_a_run_left_with_none_is_exhausted():
     """The loader named the override it could not take (load_in_4bit): the 4-bit rung is taken back, the micro-batch
     split chosen with it stays. Where nothing is left to climb, the run ends exhausted, not as the script's failure

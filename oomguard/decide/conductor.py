@@ -276,7 +276,8 @@ class Conductor:
         peak = attempt.peak_bytes
         if peak and attempt.kind != AttemptKind.RUN:
             peak = int(peak * (1 + PROBE_TAIL))
-        judge.learn(c.facts, knobs, attempt.outcome, peak, diag.report if diag else None)
+        judge.learn(c.facts, knobs, attempt.outcome, peak, diag.report if diag else None,
+                    phase=diag.phase if diag else None, fragmented=diag is not None and diag.kind == "fragmentation")
         if attempt.outcome == Outcome.OK and attempt.kind != AttemptKind.RUN:
             # what this machine teaches later runs of this model: a probe's worst case, like the prediction's
             judge.record(c.facts, knobs, attempt.peak_bytes, attempt.peak_reserved_bytes)
@@ -305,7 +306,7 @@ class Conductor:
                 c.trial_of = None
                 attempt.note = ("the cheaper config tried first did not fit: back to the config the memory model "
                                 "chose, which changes what is trained or learned")
-                return Next(AttemptKind.PROBE).line(f"  {attempt.note}")
+                return self.probe(Next(AttemptKind.PROBE).line(f"  {attempt.note}"))
             # the config chosen again after a probe fit did not hold: back to that one, which needs no new probe
             attempt.note = "the config chosen again did not hold: back to the config the probe before showed to fit"
             return self._after_fit(attempt, Next(None).line(f"  {attempt.note}"))
@@ -366,15 +367,24 @@ class Conductor:
                 nxt.line(line)
         if decision.trial and c.trial_of is not None:
             kept = ", ".join(dict.fromkeys(r.name for r in c.trial_of.rungs))
-            nxt.line(f"  first a probe without what changes the experiment: {', '.join(c.remedies_in_force())} is "
-                     f"predicted within the memory model's error of the device (the choice, {kept}, follows if it "
-                     "does not fit)")
+            then = (f"the choice, {kept}, follows if it does not fit" if self.room_for(2) else
+                    f"the budget leaves no launch for the choice, {kept}, after it")
+            nxt.line(f"  first without what changes the experiment: {', '.join(c.remedies_in_force())} is predicted "
+                     f"within the memory model's error of the device ({then})")
         if self.probe_steps <= 0:
             return nxt
         if c.effective()[0] in c.verified:  # a probe already ran this config: no second probe
             return self._after_fit(attempt, nxt.line("  back to a config a probe already showed to fit"))
         nxt.kind, nxt.deferred = AttemptKind.PROBE, self.may_skip_probe()
-        return nxt
+        return self.probe(nxt)
+
+    def probe(self, nxt: Next) -> Next:
+        """``nxt``, a probe, unless it is the last launch the budget allows (--max-attempts, --max-time): then the run
+        itself, since a probe that fit would leave no launch for the run it stands in for."""
+        if self.room_for(2):
+            return nxt
+        nxt.kind, nxt.deferred = AttemptKind.RUN, False
+        return nxt.line("  the last launch the budget allows is the run itself, not a probe")
 
     def doubt(self) -> float | None:
         """How far over the device a config may be predicted and still be worth a probe: the model's doubt, but not so

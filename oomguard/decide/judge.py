@@ -59,6 +59,35 @@ def predictor(spec: ModelSpec, capacity: int, *, facts: RunFacts | None = None,
     return predict
 
 
+# The diagnosis's phases (``vocab.diagnosis.PHASES``) as the memory model splits a step (``Estimate.phases``); a load,
+# a save or an unknown phase has no estimate of its own
+ESTIMATE_PHASE = {"generation": "generation", "scoring": "scoring", "forward": "forward_backward",
+                  "backward": "forward_backward", "optimizer": "optimizer", "evaluation": "evaluation"}
+
+
+# a phase, the allocation a config must stay below in it, and the allocator settings the ceiling holds for (None: any)
+Ceiling = tuple[str, int, "tuple[bool, int | None] | None"]
+
+
+def allocator(k: Knobs) -> tuple[bool, int | None]:
+    """The allocator settings of ``k`` that decide how its cache fragments."""
+    return bool(k.expandable_segments), k.max_split_size_mb
+
+
+def below(est: Estimate, k: Knobs, ceilings: list[Ceiling]) -> bool:
+    """Whether ``est`` (the prediction for ``k``) allocates less than each ceiling that holds for ``k`` in its phase
+    (``Judge._failed_phases``): one from a fragmentation holds only under the allocator settings it ran out with.
+
+    >>> e, k = Estimate(30, 30, {}, {"generation": 20, "optimizer": 30}, 0, 0, "optimizer"), Knobs()
+    >>> below(e, k, [("generation", 21, None)]), below(e, k, [("generation", 20, None)]), below(e, k, [])
+    (True, False, True)
+    >>> below(e, k, [("generation", 20, (True, None))])  # a fragmentation under expandable segments: k has none
+    True
+    """
+    return all(est.phases.get(ph, 0) < ceiling for ph, ceiling, alloc in ceilings
+               if alloc is None or alloc == allocator(k))
+
+
 class Judge:
     """The memory model as the climb's judge during a run, calibrated online by every attempt.
 
@@ -99,6 +128,9 @@ class Judge:
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
         self.failed: list[tuple[RunFacts, Knobs]] = []  # configs that ran out of memory in this run
+        # the memory model's phase each ran out in (None: not known), and the allocator settings it ran out under
+        # where they are what can help (a fragmentation)
+        self.failed_phase: list[tuple[str | None, tuple[bool, int | None] | None]] = []
         # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
         self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
         self.warn = warn
@@ -250,7 +282,12 @@ class Judge:
         except ValueError:  # EstimateError: knobs the model cannot judge (e.g. an unknown dtype)
             return None
 
-    def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None) -> None:
+    def learn(self, facts: RunFacts, knobs: Knobs, outcome: str, peak: int | None, report: Any = None,
+              phase: str | None = None, fragmented: bool = False) -> None:
+        """What an attempt teaches: a success its measured peak (the scale); an OOM a lower bound, the config it
+        ran out with and the phase it ran out in (``phase``, the diagnosis's: judged per phase by :meth:`fits` and
+        :meth:`plausible`; where the diagnosis is fragmentation, ``fragmented``, only under the same allocator
+        settings, which are what can help it)."""
         est = self.predict(facts, knobs)
         if est is None:
             return
@@ -258,7 +295,7 @@ class Judge:
         if outcome == "ok" and peak:
             self.coefficients = co.calibrated(peak, est.peak_alloc_bytes)
         if outcome == "oom" and not (report is not None and report.backend == "host"):  # a device OOM
-            self.failed.append((facts, knobs))
+            self.ran_out(facts, knobs, phase, fragmented)
         if outcome == "oom" and report is not None:
             big = report.requested if report.requested and report.requested > 20 * 2**20 else 0  # not a rounded block
             lower = (report.allocated or 0) + big
@@ -269,6 +306,12 @@ class Judge:
                 co = co.calibrated(int(est.peak_alloc_bytes * limit / max(1, est.peak_bytes) * 1.05) + 1,
                                    est.peak_alloc_bytes)
             self.coefficients = co
+
+    def ran_out(self, facts: RunFacts, knobs: Knobs, phase: str | None = None, fragmented: bool = False) -> None:
+        """Keep a config that ran out of memory on the device in this run, the phase it ran out in (the diagnosis's
+        word) and, for a fragmentation, the allocator settings it ran out under."""
+        self.failed.append((facts, knobs))
+        self.failed_phase.append((ESTIMATE_PHASE.get(phase or ""), allocator(knobs) if fragmented else None))
 
     def judge(self, est: Estimate, margin: float | None = None) -> bool:
         """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare, and a colocated
@@ -294,10 +337,12 @@ class Judge:
 
             return load_fits
         ceiling = self.failed_ceiling(facts)
+        phases = self._failed_phases(facts, 1 - self.doubt)
 
         def judge(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and self.judge(est, margin) and (ceiling is None or est.peak_bytes < ceiling)
+            return (est is not None and self.judge(est, margin) and (ceiling is None or est.peak_bytes < ceiling)
+                    and below(est, k, phases))
 
         return judge
 
@@ -317,6 +362,15 @@ class Judge:
     def _failed_peaks(self, facts: RunFacts) -> list[int]:
         return [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
 
+    def _failed_phases(self, facts: RunFacts, share: float = 1.0) -> list[Ceiling]:
+        """Below what predicted allocation a config must be in each phase a config ran out in (``share`` of that
+        config's prediction for the phase): a config that allocates as much in the phase an OOM happened in runs out
+        there again, whatever it saves elsewhere (a micro-batch split after an OOM in generation generates the same
+        rows at once)."""
+        pairs = zip(self.failed, self.failed_phase, strict=True)
+        return [(ph, int(e.phases[ph] * share), alloc) for (_f, k), (ph, alloc) in pairs
+                if ph is not None and (e := self.predict(facts, k)) is not None and ph in e.phases]
+
     def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
         """A Knobs -> bool: the config may fit (predicted at most ``doubt``, default ``self.doubt``, over the
         device, and below every config that ran out of memory on the device in this run); None without a model.
@@ -331,10 +385,11 @@ class Judge:
         failed = self._failed_peaks(facts)
         if failed:
             limit = min(limit, min(failed) - 1)
+        phases = self._failed_phases(facts)
 
         def maybe(k: Knobs) -> bool:
             est = self.predict(facts, k)
-            return est is not None and est.peak_bytes <= limit
+            return est is not None and est.peak_bytes <= limit and below(est, k, phases)
 
         return maybe
 

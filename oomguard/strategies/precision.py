@@ -197,7 +197,7 @@ class Optimizer8bit(Remedy):
             return f"already in force (optim {optim})"
         if optim not in EIGHT_BIT_TWIN:
             return f"optim {optim} has no 8-bit twin"
-        return None
+        return ctx.facts.cannot_optim_8bit
 
     def apply(self, ctx: Context) -> Knobs:
         return ctx.knobs.replace(optim=EIGHT_BIT_TWIN[str(ctx.value("optim"))])

@@ -56,6 +56,9 @@ class RunFacts:
     # 4-bit does not run: it loads 16-bit weights instead), reported when the stack is imported: the 4-bit rung is not
     # offered; None: it can, or nothing says otherwise
     cannot_load_4bit: str | None = None
+    # why an 8-bit optimizer never reaches the training here (Unsloth's CPU backend replaces it with torch's AdamW):
+    # the 8-bit optimizer rung is not offered; None: it can, or nothing says otherwise
+    cannot_optim_8bit: str | None = None
     # the training process computes on a CUDA device with Triton importable: GPU kernels such as Liger's can run
     # (None: not known; False on the CPU and on the simulated device)
     gpu_kernels: bool | None = None

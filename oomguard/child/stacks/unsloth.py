@@ -12,8 +12,10 @@ training process (unsloth 2026.x, CPU backend and GPU path alike):
   set where Unsloth reads them: ``load_in_4bit`` (never with ``full_finetuning``), ``dtype``,
   ``gpu_memory_utilization`` and ``max_seq_length`` for its vLLM, ``max_lora_rank`` raised to a LoRA rank oomguard
   sets; an error the loader raises while one of them is in force is oomguard's (``patching.overrides_reported``: the
-  rung is taken back). Where the loader cannot load 4-bit weights here, the adapter says so when Unsloth is imported
-  (:func:`cannot_load_4bit`), and the 4-bit rung is not offered.
+  rung is taken back). Where the loader cannot load 4-bit weights here (its CPU backend's own check, or oomguard's
+  simulated device, where its CPU 4-bit load fails) or its CPU backend replaces an 8-bit optimizer with torch's AdamW,
+  the adapter says so when Unsloth is imported (:func:`cannot_load_4bit`, :func:`cannot_optim_8bit`), and those rungs
+  are not offered: each would launch the same run again, or one that breaks.
 - ``FastLanguageModel.get_peft_model``: the notebook's LoRA (rank, alpha, targets) and checkpointing read where it
   passes them, and never replaced (a LoRA rung applies to a full fine-tune only); ``use_gradient_checkpointing`` set
   from oomguard's checkpointing knob.
@@ -46,6 +48,10 @@ STACK = "unsloth"
 LOADER_FACTS = {"stack": STACK, "load_takes_4bit": True}
 CPU_NO_4BIT = ("Unsloth's CPU backend loads 16-bit weights instead, as bitsandbytes' 4-bit does not run on this CPU "
                "(Unsloth's own check)")
+SIMULATED_NO_4BIT = ("Unsloth's CPU 4-bit load does not run on oomguard's simulated device (its quantised storages "
+                     "fail inside the loader): a rehearsal on CPU offers no 4-bit load; a GPU does")
+CPU_NO_8BIT = ("Unsloth's CPU backend replaces 8-bit and paged optimizers with torch's AdamW (bitsandbytes' have no CPU "
+               "kernels)")
 # who changed a value oomguard set (child/ran.py): the loader, and the notebook's own LoRA
 FELL_BACK = "Unsloth's loader loaded 16-bit weights instead of the 4-bit load asked of it"
 LORA_KNOBS = ("lora_r", "lora_alpha", "lora_target_modules")
@@ -238,10 +244,10 @@ def _with_defaults(sig: inspect.Signature | None, args: tuple[Any, ...], kwargs:
 
 def loader_facts() -> dict[str, Any]:
     """What the loader itself tells the memory model and the ladder, known as soon as Unsloth is imported: it quantises
-    and prepares a model for the LoRA added after it (``load_takes_4bit``), and where it cannot load 4-bit weights on
-    this machine, why (``cannot_load_4bit``: the 4-bit rung is then not offered)."""
-    why = cannot_load_4bit()
-    return {**LOADER_FACTS, **({"cannot_load_4bit": why} if why else {})}
+    and prepares a model for the LoRA added after it (``load_takes_4bit``), and what it cannot do on this machine, why
+    (``cannot_load_4bit``, ``cannot_optim_8bit``: those rungs are then not offered)."""
+    cannot = {"cannot_load_4bit": cannot_load_4bit(), "cannot_optim_8bit": cannot_optim_8bit()}
+    return {**LOADER_FACTS, **{k: why for k, why in cannot.items() if why}}
 
 
 def cannot_load_4bit() -> str | None:
@@ -254,11 +260,27 @@ def cannot_load_4bit() -> str | None:
     try:
         from unsloth_zoo.cpu.runtime import cpu_bnb_4bit_supported
 
-        if cpu_bnb_4bit_supported():
-            return None
+        if not cpu_bnb_4bit_supported():
+            return CPU_NO_4BIT
     except Exception:  # another Unsloth: nothing known either way
         return None
-    return CPU_NO_4BIT
+    from .. import simulate
+
+    return SIMULATED_NO_4BIT if simulate.device() is not None else None
+
+
+def cannot_optim_8bit() -> str | None:
+    """Why an 8-bit optimizer never reaches the training here, or None: on a machine without CUDA, Unsloth's CPU
+    backend turns every 8-bit or paged optimizer into torch's AdamW when the config is built
+    (``unsloth_zoo.cpu.trainer.normalize_cpu_training_arguments``), so the rung would launch the same run again."""
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_available():
+        return None
+    try:
+        from unsloth_zoo.cpu.trainer import normalize_cpu_training_arguments  # noqa: F401
+    except Exception:  # another Unsloth, without a CPU backend: nothing known
+        return None
+    return CPU_NO_8BIT
 
 
 def generated(trainer: Any) -> bool:
@@ -294,5 +316,5 @@ def _on_cpu(trainer: Any) -> bool:
         return True
 
 
-__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "apply_peft", "cannot_load_4bit", "facts",
-           "loaded", "loader_facts", "observed_loader", "observed_peft", "patch_unsloth"]
+__all__ = ["LOADERS", "SIMULATED_ENVIRONMENT", "STACK", "apply_loader", "apply_peft", "cannot_load_4bit",
+           "cannot_optim_8bit", "facts", "loaded", "loader_facts", "observed_loader", "observed_peft", "patch_unsloth"]
