@@ -156,7 +156,6 @@ def test_a_config_predicted_as_large_as_one_that_ran_out_is_not_worth_an_undo_pr
     assert g.plausible(facts)(lora)  # less than what ran out: still worth a probe
 
 
-
 def test_a_config_that_allocates_as_much_where_memory_ran_out_is_judged_not_to_fit():
     """An OOM in generation: a micro-batch split saves memory in training, not in generation (the same rows are
     generated at once), so it neither fits nor is worth a probe, however much lower its predicted peak; fewer rows
@@ -181,6 +180,7 @@ def test_a_config_that_allocates_as_much_where_memory_ran_out_is_judged_not_to_f
     frag.ran_out(facts, user, "generation", fragmented=True)
     assert not frag.fits(facts)(split)
     assert frag.fits(facts)(split.replace(expandable_segments=True))  # what can help a fragmentation
+
 
 # -- the conductor's decisions ---------------------------------------------------------------------------------
 

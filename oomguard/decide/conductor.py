@@ -306,7 +306,7 @@ class Conductor:
                 c.trial_of = None
                 attempt.note = ("the cheaper config tried first did not fit: back to the config the memory model "
                                 "chose, which changes what is trained or learned")
-                return self.probe(Next(AttemptKind.PROBE).line(f"  {attempt.note}"))
+                return self.probe_or_run(Next(AttemptKind.PROBE).line(f"  {attempt.note}"))
             # the config chosen again after a probe fit did not hold: back to that one, which needs no new probe
             attempt.note = "the config chosen again did not hold: back to the config the probe before showed to fit"
             return self._after_fit(attempt, Next(None).line(f"  {attempt.note}"))
@@ -376,9 +376,9 @@ class Conductor:
         if c.effective()[0] in c.verified:  # a probe already ran this config: no second probe
             return self._after_fit(attempt, nxt.line("  back to a config a probe already showed to fit"))
         nxt.kind, nxt.deferred = AttemptKind.PROBE, self.may_skip_probe()
-        return self.probe(nxt)
+        return self.probe_or_run(nxt)
 
-    def probe(self, nxt: Next) -> Next:
+    def probe_or_run(self, nxt: Next) -> Next:
         """``nxt``, a probe, unless it is the last launch the budget allows (--max-attempts, --max-time): then the run
         itself, since a probe that fit would leave no launch for the run it stands in for."""
         if self.room_for(2):

@@ -65,11 +65,12 @@ ESTIMATE_PHASE = {"generation": "generation", "scoring": "scoring", "forward": "
                   "backward": "forward_backward", "optimizer": "optimizer", "evaluation": "evaluation"}
 
 
+Alloc = tuple[bool, int | None]  # the allocator settings that decide how a cache fragments (``allocator``)
 # a phase, the allocation a config must stay below in it, and the allocator settings the ceiling holds for (None: any)
-Ceiling = tuple[str, int, "tuple[bool, int | None] | None"]
+Ceiling = tuple[str, int, Alloc | None]
 
 
-def allocator(k: Knobs) -> tuple[bool, int | None]:
+def allocator(k: Knobs) -> Alloc:
     """The allocator settings of ``k`` that decide how its cache fragments."""
     return bool(k.expandable_segments), k.max_split_size_mb
 
@@ -127,10 +128,9 @@ class Judge:
         base = Coefficients.for_simulated() if simulated else Coefficients()
         self.context = context  # the device's memory outside the allocator when known (else the model's m_ctx)
         self.base = base
-        self.failed: list[tuple[RunFacts, Knobs]] = []  # configs that ran out of memory in this run
-        # the memory model's phase each ran out in (None: not known), and the allocator settings it ran out under
-        # where they are what can help (a fragmentation)
-        self.failed_phase: list[tuple[str | None, tuple[bool, int | None] | None]] = []
+        # configs that ran out of memory in this run, each with the memory model's phase it ran out in (None: not
+        # known) and the allocator settings it ran out under where they are what can help (a fragmentation)
+        self.failed: list[tuple[RunFacts, Knobs, str | None, Alloc | None]] = []
         # what earlier runs on this machine learned (never for the simulated device: tests must not write ~/.cache)
         self.key = None if simulated or not device_name else machine_key(device_name, simulated=False)
         self.warn = warn
@@ -310,8 +310,7 @@ class Judge:
     def ran_out(self, facts: RunFacts, knobs: Knobs, phase: str | None = None, fragmented: bool = False) -> None:
         """Keep a config that ran out of memory on the device in this run, the phase it ran out in (the diagnosis's
         word) and, for a fragmentation, the allocator settings it ran out under."""
-        self.failed.append((facts, knobs))
-        self.failed_phase.append((ESTIMATE_PHASE.get(phase or ""), allocator(knobs) if fragmented else None))
+        self.failed.append((facts, knobs, ESTIMATE_PHASE.get(phase or ""), allocator(knobs) if fragmented else None))
 
     def judge(self, est: Estimate, margin: float | None = None) -> bool:
         """Whether a predicted peak fits the device with the margin (default ``self.margin``) to spare, and a colocated
@@ -360,15 +359,14 @@ class Judge:
         return int(min(peaks) * (1 - self.doubt)) if peaks else None
 
     def _failed_peaks(self, facts: RunFacts) -> list[int]:
-        return [e.peak_bytes for _f, k in self.failed if (e := self.predict(facts, k)) is not None]
+        return [e.peak_bytes for _f, k, _ph, _a in self.failed if (e := self.predict(facts, k)) is not None]
 
     def _failed_phases(self, facts: RunFacts, share: float = 1.0) -> list[Ceiling]:
         """Below what predicted allocation a config must be in each phase a config ran out in (``share`` of that
         config's prediction for the phase): a config that allocates as much in the phase an OOM happened in runs out
         there again, whatever it saves elsewhere (a micro-batch split after an OOM in generation generates the same
         rows at once)."""
-        pairs = zip(self.failed, self.failed_phase, strict=True)
-        return [(ph, int(e.phases[ph] * share), alloc) for (_f, k), (ph, alloc) in pairs
+        return [(ph, int(e.phases[ph] * share), alloc) for _f, k, ph, alloc in self.failed
                 if ph is not None and (e := self.predict(facts, k)) is not None and ph in e.phases]
 
     def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:

@@ -254,8 +254,7 @@ def cannot_load_4bit() -> str | None:
     """Why Unsloth's loader loads no 4-bit weights here, or None: on a machine without CUDA its CPU backend loads 16-bit
     weights instead where bitsandbytes' CPU 4-bit does not run (Unsloth's own check, a 4-bit layer's forward and
     backward; ``UNSLOTH_CPU_LOAD_IN_4BIT=0`` turns it off)."""
-    torch = sys.modules.get("torch")
-    if torch is None or torch.cuda.is_available():
+    if not _without_cuda():
         return None
     try:
         from unsloth_zoo.cpu.runtime import cpu_bnb_4bit_supported
@@ -269,12 +268,17 @@ def cannot_load_4bit() -> str | None:
     return SIMULATED_NO_4BIT if simulate.device() is not None else None
 
 
+def _without_cuda() -> bool:
+    """torch is imported and sees no CUDA device: where Unsloth runs its CPU backend."""
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.cuda.is_available()
+
+
 def cannot_optim_8bit() -> str | None:
     """Why an 8-bit optimizer never reaches the training here, or None: on a machine without CUDA, Unsloth's CPU
     backend turns every 8-bit or paged optimizer into torch's AdamW when the config is built
     (``unsloth_zoo.cpu.trainer.normalize_cpu_training_arguments``), so the rung would launch the same run again."""
-    torch = sys.modules.get("torch")
-    if torch is None or torch.cuda.is_available():
+    if not _without_cuda():
         return None
     try:
         from unsloth_zoo.cpu.trainer import normalize_cpu_training_arguments  # noqa: F401
