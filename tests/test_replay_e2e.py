@@ -42,6 +42,7 @@ def test_a_replayed_lock_replays_again_as_the_same_config(tmp_path, tiny_model):
     for rep, lock in ((rep1, lock1), (rep2, lock2)):
         assert [a["outcome"] for a in rep["attempts"]] == ["ok"]
         assert rep["original"]["dtype"] == "float32" and rep["stable"]["dtype"] == "bfloat16"  # the script's own
+        assert rep["facts"]["lora_dropout"] == 0.1  # its LoRA's dropout, which the memory model counts
         assert (rep["original"]["num_generations"], rep["stable"]["num_generations"]) == (4, 8)
         assert lock["overrides"] == LOCK["overrides"]
         assert {r["knob"]: r["remedy"] for r in rep["diff"]} == {r["knob"]: r["remedy"] for r in LOCK["diff"]}

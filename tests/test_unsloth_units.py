@@ -310,7 +310,7 @@ def test_the_notebook_s_lora_is_observed_at_get_peft_model_and_never_replaced(tm
     loader = _notebook_loader(rt)
     try:
         model, _tok = loader.from_pretrained("model", load_in_4bit=False)
-        loader.get_peft_model(model, r=8, lora_alpha=8, target_modules=["v_proj", "q_proj"])
+        loader.get_peft_model(model, r=8, lora_alpha=8, target_modules=["v_proj", "q_proj"], lora_dropout=0.05)
     finally:
         patches.remove()
     assert (loader.given["r"], loader.given["lora_alpha"]) == (8, 8)  # untouched
@@ -320,6 +320,7 @@ def test_the_notebook_s_lora_is_observed_at_get_peft_model_and_never_replaced(tm
     assert (ran.lora_r, ran.lora_alpha, ran.lora_target_modules) == (8, 8, ("q_proj", "v_proj"))
     said = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, CodeSeen) and "lora_r" in e.observed]
     assert said and said[0].observed["lora_r"] == 8
+    assert said[0].facts["lora_dropout"] == 0.05  # its dropout, for the memory model (Unsloth's default is 0)
 
 
 def test_a_4bit_rung_adds_no_lora_before_the_notebook_s_own_could_be_seen():

@@ -142,9 +142,10 @@ def _stats(rows: int, ordered: list[int], sampled: bool) -> dict[str, Any]:
     return {"rows": rows, "prompt_tokens_max": ordered[-1],
             "prompt_tokens_p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], "sampled": sampled}
 
-def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any) -> None:
+def emit_prompt_stats(rt: Runtime, prompts: list[Any], tok: Any, lengths: list[int] | None = None) -> None:
     """The ``dataset`` event for prompts a stack's trainer holds in its own format (the memory model's prompt
-    length); nothing is filtered or reordered."""
+    length): ``lengths`` where the stack measured them with its own template, else the tokenizer's chat template;
+    nothing is filtered or reordered."""
     if not prompts:
         return
-    rt.emit(DatasetSeen(**_stats(len(prompts), sorted(prompt_lengths(prompts, tok)), False)))
+    rt.emit(DatasetSeen(**_stats(len(prompts), sorted(lengths or prompt_lengths(prompts, tok)), False)))

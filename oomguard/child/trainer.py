@@ -213,6 +213,8 @@ def prepare_trainer_args(rt: Runtime, a: dict[str, Any], module: Any) -> None:
              **engine.report(rt, args, rollout_func=a.get("rollout_func"))}
     if lora is not None and (tp := target_parameters(lora)):
         facts["lora_target_parameters"] = tp
+    if lora is not None:
+        facts["lora_dropout"] = lora_dropout(lora)
     construction = construction_for(rt, a, args, model)
     if dataset is not None:
         a["train_dataset"] = prepare_dataset(rt, dataset, tokenizer or getattr(construction, "processing_class", None),
@@ -274,6 +276,20 @@ def model_facts(model: Any) -> dict[str, Any]:
     if keeps_mxfp4(model):
         out["keep_mxfp4"] = True
     return out
+
+
+def lora_dropout(cfg: Any) -> float:
+    """The dropout of a LoRA config (PEFT's ``lora_dropout``, a mapping's or an object's); 0 where it has none.
+
+    >>> from types import SimpleNamespace
+    >>> lora_dropout(SimpleNamespace(lora_dropout=0.05)), lora_dropout({"lora_dropout": "0.1"}), lora_dropout(None)
+    (0.05, 0.1, 0.0)
+    """
+    v = cfg.get("lora_dropout") if isinstance(cfg, dict) else getattr(cfg, "lora_dropout", None)
+    try:
+        return max(0.0, float(v or 0.0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def observed_lora(cfg: Any) -> dict[str, Any]:

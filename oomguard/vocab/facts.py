@@ -84,6 +84,9 @@ class RunFacts:
     # dequantising)
     freeze_vision: bool = False
     lora_target_parameters: tuple[str, ...] = ()
+    # the dropout of the user's own LoRA (PEFT's ``lora_dropout``; TRL's ModelConfig and ms-swift default to 0.05,
+    # Unsloth to 0): each adapted module keeps its own dropped copy of its input for backward
+    lora_dropout: float = 0.0
     keep_mxfp4: bool = False
     # what the run does that the memory model does not count (the keys of memory/estimate/unmodelled.py's
     # NOT_MODELLED: Unsloth's standby, offloaded checkpointing and chunked loss, padding-free batches), reported by a

@@ -97,6 +97,19 @@ def observed_model_args(args: Any) -> dict[str, Any]:
     return SWIFT.observe(args, point=ARGUMENTS)
 
 
+def lora_facts(args: Any) -> dict[str, Any]:
+    """The dropout of swift's own LoRA (``--lora_dropout``, 0.05 by default), for the memory model; nothing for a
+    full fine-tune.
+
+    >>> from types import SimpleNamespace
+    >>> lora_facts(SimpleNamespace(tuner_type="lora", lora_dropout=0.05)), lora_facts(SimpleNamespace(tuner_type="full"))
+    ({'lora_dropout': 0.05}, {})
+    """
+    from ..trainer import lora_dropout
+
+    return {"lora_dropout": lora_dropout(args)} if str(getattr(args, "tuner_type", "") or "").lower() == "lora" else {}
+
+
 def apply_model_args(rt: Runtime, args: Any) -> None:
     """oomguard's model-level knobs, set where swift reads them (before ``RLHFArguments.__post_init__``): LoRA, 4-bit,
     the dtype, ZeRO as one of swift's DeepSpeed presets (or, where none says exactly what the rung chose, a JSON
@@ -193,7 +206,7 @@ def patch_arguments(rt: Runtime, module: Any) -> None:
         rt.emit(CodeSeen(point="trainer", observed=user, facts={"model_source": "from_pretrained", "user_peft": False,
                                                  "stack": STACK, "trl_lacks": lacks(()),
                                                  "missing_packages": missing_packages(),
-                                                 "unmodelled": unmodelled(self)}))
+                                                 "unmodelled": unmodelled(self), **lora_facts(self)}))
 
     set_attr(cls, "__post_init__", __post_init__)
 
@@ -230,6 +243,7 @@ def patch_trainer(rt: Runtime, module: Any) -> None:
     from ..callback import make_callback
     from ..datasets import emit_prompt_stats, tokenizer_for
     from ..patching import set_attr
+    from ..prompts import error_line
     from ..trainer import after_init
 
     cls = module.GRPOTrainer
@@ -239,10 +253,17 @@ def patch_trainer(rt: Runtime, module: Any) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig(self, *args, **kwargs)
         rt.trainer = self
-        dataset = getattr(self, "train_dataset", None)
+        rows = prompt_rows(getattr(self, "train_dataset", None))
+        try:
+            lengths = template_lengths(self.template, rows)
+        except Exception as e:  # swift's template API changes between releases: measure with the tokenizer instead
+            rt.cannot_observe(f"the prompts as swift's template encodes them ({error_line(e)}): their length is "
+                              "measured with the tokenizer's chat template alone, without swift's default system "
+                              "prompt and tools")
+            lengths = None
         tok = tokenizer_for(getattr(self, "processing_class", None) or getattr(self, "tokenizer", None),
                              getattr(self, "model", None))
-        emit_prompt_stats(rt, prompts_of(dataset), tok)
+        emit_prompt_stats(rt, [r.get("messages") or r.get("prompt") for r in rows], tok, lengths)
         self.add_callback(make_callback(rt))
         after_init(rt, self)
 
@@ -250,13 +271,15 @@ def patch_trainer(rt: Runtime, module: Any) -> None:
     set_attr(cls, "__init__", __init__)
 
 
-def prompts_of(dataset: Any, limit: int = PROMPT_STATS_ROWS) -> list[Any]:
-    """The prompts of swift's rows (``messages`` without the last assistant turn), at most ``limit`` of them.
+def prompt_rows(dataset: Any, limit: int = PROMPT_STATS_ROWS) -> list[dict[str, Any]]:
+    """Swift's rows without their response (the last assistant turn of ``messages``), at most ``limit`` of them
+    spread over the dataset: what its template encodes for generation (with the row's ``tools``, ``system``, images).
 
-    >>> prompts_of([{"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}])
-    [[{'role': 'user', 'content': '1+2?'}]]
+    >>> prompt_rows([{"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}],
+    ...               "solution": "3"}])
+    [{'messages': [{'role': 'user', 'content': '1+2?'}], 'solution': '3'}]
     """
-    out: list[Any] = []
+    out: list[dict[str, Any]] = []
     try:
         n = len(dataset)
     except TypeError:
@@ -264,11 +287,28 @@ def prompts_of(dataset: Any, limit: int = PROMPT_STATS_ROWS) -> list[Any]:
     step = max(1, n // limit)
     for i in range(0, n, step):
         row = dataset[i]
-        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(row, dict):
+            continue
+        msgs = row.get("messages")
         if isinstance(msgs, list):
             if msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
-                msgs = msgs[:-1]
-            out.append(msgs)
-        elif isinstance(row, dict) and row.get("prompt") is not None:
-            out.append(row["prompt"])
+                row = {**row, "messages": msgs[:-1]}
+            out.append(row)
+        elif row.get("prompt") is not None:
+            out.append(row)
     return out
+
+
+def template_lengths(template: Any, rows: list[dict[str, Any]]) -> list[int] | None:
+    """Each prompt's tokens as swift generates from it: its template in ``transformers`` mode (its inference
+    encoding, the generation prompt added), with the template's default system prompt and the row's tools, which
+    the tokenizer's chat template alone does not add (a ``qwen`` template's "You are a helpful assistant." is 26
+    more tokens for each prompt of the tests' tiny model). None for rows with no ``messages``."""
+    if not rows or not all(isinstance(r.get("messages"), list) for r in rows):
+        return None
+    mode = template.mode
+    template.set_mode("transformers")
+    try:
+        return [len(template.encode(r)["input_ids"]) for r in rows]
+    finally:
+        template.set_mode(mode)

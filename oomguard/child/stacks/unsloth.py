@@ -208,13 +208,16 @@ def _get_peft_model(rt: Runtime, orig: Any) -> Any:
 
     @functools.wraps(orig)
     def get_peft_model(*args: Any, **kwargs: Any) -> Any:
-        own = observed_peft(_with_defaults(sig, args, kwargs))
+        from ..trainer import lora_dropout
+
+        given = _with_defaults(sig, args, kwargs)
+        own = observed_peft(given)
         rt.observe(own)
         apply_peft(rt, kwargs)
         # the notebook's own LoRA trains, never oomguard's (whose rung applies to a full fine-tune only)
         rt.runs_instead({k: v for k, v in own.items() if k in LORA_KNOBS}, ran.OWN_PEFT)
         out = orig(*args, **kwargs)
-        rt.emit(CodeSeen(point="facts", observed=dict(rt.observed)))
+        rt.emit(CodeSeen(point="facts", observed=dict(rt.observed), facts={"lora_dropout": lora_dropout(given)}))
         return out
 
     get_peft_model._oomguard = True  # type: ignore[attr-defined]

@@ -57,8 +57,9 @@ def images_of(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> Images | None:
 def fed(spec: ModelSpec, facts: RunFacts, knobs: Knobs) -> dict[str, Any]:
     """``estimate``'s keyword arguments for what the run feeds the model beyond the knobs: its images, PEFT's
     ``target_parameters``, a frozen vision tower, gpt-oss's experts kept in MXFP4, a loader that keeps the dtype
-    under 4-bit, and what the run does that the model does not count (``RunFacts.unmodelled``)."""
-    return {"images": images_of(spec, facts, knobs),
+    under 4-bit, what the run does that the model does not count (``RunFacts.unmodelled``), and the dropout of the
+    user's own LoRA (a LoRA rung's has none; a rung never replaces the user's)."""
+    return {"images": images_of(spec, facts, knobs), "lora_dropout": facts.lora_dropout,
             "lora_target_parameters": tuple(facts.lora_target_parameters) or None,
             "freeze_vision": facts.freeze_vision, "keep_mxfp4": facts.keep_mxfp4,
             "keeps_dtype_4bit": facts.load_takes_4bit, "unmodelled": tuple(facts.unmodelled)}

@@ -57,6 +57,17 @@ class Estimate:
     vllm_lacks: int = 0  # how far a colocated vLLM's reservation is short of what it needs to start (0: it starts)
     # what the run does that no term counts (``unmodelled.NOT_MODELLED``'s keys): never judged sure
     unmodelled: tuple[str, ...] = field(default=())
+    # the long-lived state every phase holds (the weights, a reference model, the optimizer's state), scaled
+    state: int = 0
+
+    def own(self, phase: str) -> int:
+        """What ``phase`` allocates beyond the long-lived state: the step's own memory there (activations, the KV
+        cache, generation's buffers, gradients), where the model's error lies when the state is the same.
+
+        >>> Estimate(30, 30, {}, {"generation": 20}, 0, 0, "generation", state=12).own("generation")
+        8
+        """
+        return max(0, self.phases.get(phase, 0) - self.state)
 
     def fits(self, capacity: int) -> bool:
         """Whether the predicted device peak fits in ``capacity`` bytes (and a colocated vLLM can start)."""
@@ -168,6 +179,7 @@ def _assemble(s: Step, comp: dict[str, dict[str, int]], capacity: int | None,
     held = v.held if v is not None and not sleep else 0
     allocated = max(phases[ph] + paged.get(ph, 0) for ph in phases)
     return Estimate(peak_bytes=peak_bytes, peak_alloc_bytes=allocated + held, breakdown=bd, phases=phases,
+                    state=round((s.p.weights + s.p.reference + s.p.opt_state) * scale),
                     trainable_params=s.p.trainable, total_params=s.p.total_params, dominant_phase=dominant,
                     notes=tuple(notes), vllm_lacks=v.lacks if v is not None else 0,
                     unmodelled=_unmodelled(k, reported, from_model(s.spec, simulated=simulated, images=bool(
@@ -179,7 +191,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
              capacity: int | None = None, context: int | None = None, head: str | None = None,
              keeps_dtype_4bit: bool = False, images: Images | None = None,
              lora_target_parameters: tuple[str, ...] | None = None, freeze_vision: bool = False,
-             keep_mxfp4: bool = False, unmodelled: tuple[str, ...] = ()) -> Estimate:
+             keep_mxfp4: bool = False, unmodelled: tuple[str, ...] = (), lora_dropout: float = 0.0) -> Estimate:
     """Predict the peak memory of one steady-state TRL GRPO step on one device.
 
     ``knobs`` may leave fields at None: TRL's defaults fill them (``oomguard.vocab.knobs.TRL_DEFAULTS``).
@@ -202,7 +214,8 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     fine-tune whose script froze the vision tower. ``keep_mxfp4``: gpt-oss's experts kept in MXFP4 (the inference load
     with the kernels; training recipes dequantise, the default). ``unmodelled``: what the run does that no term
     counts (``RunFacts.unmodelled``, keys of :data:`.unmodelled.NOT_MODELLED`), kept in ``Estimate.unmodelled`` with
-    what the knobs imply (vLLM in server mode).
+    what the knobs imply (vLLM in server mode). ``lora_dropout``: the user's own LoRA's dropout (``RunFacts``; TRL's
+    ``ModelConfig`` and ms-swift default to 0.05): each adapted module then keeps its own dropped input and mask.
 
     ``coefficients`` default to the research priors, or to :meth:`Coefficients.for_simulated` when ``simulated``.
     The optimizer state is assumed to exist in every phase (the steady state after step 1).
@@ -215,7 +228,7 @@ def estimate(spec: ModelSpec, knobs: Knobs, *, world_size: int = 1, prompt_token
     """
     co = coefficients or (Coefficients.for_simulated() if simulated else Coefficients())
     k = with_trl_defaults(knobs)
-    g = regime_of(spec, k, simulated, keeps_dtype_4bit, lora_target_parameters)
+    g = regime_of(spec, k, simulated, keeps_dtype_4bit, lora_target_parameters, lora_dropout)
     if keep_mxfp4 and not g.lora:
         raise EstimateError("keep_mxfp4: MXFP4 experts cannot train; a full fine-tune dequantises them (LoRA only)")
     geo = geometry_of(k, world_size, prompt_tokens, prompt_image_tokens(spec, images))

@@ -56,9 +56,10 @@ def dtype_name(knobs: Knobs, spec: ModelSpec, keeps_dtype_4bit: bool = False) ->
 
 
 def regime_of(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool = False,
-            target_parameters: tuple[str, ...] | None = None) -> Regime:
+            target_parameters: tuple[str, ...] | None = None, lora_dropout: float = 0.0) -> Regime:
     """The byte widths and switches the knobs imply. A 4-bit load without LoRA has nothing to train: an error.
-    ``target_parameters``: PEFT's ``target_parameters`` (expert parameters named by the user)."""
+    ``target_parameters``: PEFT's ``target_parameters`` (expert parameters named by the user); ``lora_dropout``: the
+    user's LoRA's dropout (oomguard's own LoRA has none)."""
     b_w = DTYPE_BYTES[dtype_name(k, spec, keeps_dtype_4bit)]
     quant4 = bool(k.load_in_4bit)
     r = int(k.lora_r or 0)
@@ -66,16 +67,18 @@ def regime_of(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool
     if quant4 and not lora:
         raise EstimateError("load_in_4bit needs LoRA (lora_r > 0): a purely quantised model cannot be trained")
     # Mixed precision is what the script asked for: TRL's bf16=True default autocasts matmuls to bf16, on a GPU and
-    # on the CPU (accelerate's autocast on the simulated device too); bf16=False and fp16=False compute in the
-    # weights' dtype. PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under
+    # on the CPU (accelerate's autocast on the simulated device too); fp16=True autocasts on a GPU only (accelerate
+    # turns native AMP off for fp16 on the CPU: ms-swift's fp16 for a float32 checkpoint computes in float32 there);
+    # bf16=False and fp16=False compute in the weights' dtype. PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under
     # 4-bit (grpo_trainer.py:532-541).
-    autocast = bool(k.bf16 or k.fp16)
+    autocast = bool(k.bf16 or (k.fp16 and not simulated))
     rows = tuple(lora_targets(spec, r, k.lora_target_modules, target_parameters)) if lora else ()
     names = {t.name for t in rows if t.where in ("attention", "mlp", "moe") and t.kind == "linear"}
     names |= {"experts" for t in rows if t.where == "experts"} | {"vision" for t in rows if t.where == "vision"}
     return Regime(b_w=b_w, b_res=b_w, b_c=2 if autocast else b_w, autocast=autocast,
                    autocast_cast=autocast and b_w == 4, simulated=simulated, quant4=quant4, lora=lora, r=r,
-                   targets=frozenset(names), b_a=2 if quant4 else 4, lora_targets=rows)
+                   targets=frozenset(names), b_a=2 if quant4 else 4, lora_targets=rows,
+                   dropout=lora and lora_dropout > 0)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Regime:
     targets: frozenset[str]  # the decoder layers' adapted Linears by name ("experts": adapted expert parameters)
     b_a: int  # LoRA adapter dtype
     lora_targets: tuple[Any, ...] = ()  # model.LoraTarget rows: what PEFT adapts, where, at which rank
+    dropout: bool = False  # the user's LoRA drops its inputs in training (PEFT's lora_dropout > 0)
 
 
 def activation_bytes_per_token(spec: ModelSpec, g: Regime, moe: bool = False) -> int:
@@ -60,7 +61,11 @@ def activation_bytes_per_token(spec: ModelSpec, g: Regime, moe: bool = False) ->
       and ``kv_b_proj``'s input.
     - SwiGLU MLP: gate, silu(gate), up, and their product (saved by ``down_proj`` when it trains or is adapted).
       A MoE block instead: see :func:`moe_bytes_per_token`.
-    - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module.
+    - LoRA: ``lora_B`` saves the ``lora_A`` output, r per adapted module. With ``lora_dropout`` > 0 each adapted
+      module drops its own copy of its input (PEFT's ``lora_dropout[adapter](x)``, after ``_cast_input_dtype``):
+      ``lora_A`` saves that copy (its bf16 cast under autocast) and the dropout its mask, a bool per element where
+      the fused kernel runs (CUDA's ``native_dropout``), the scaled noise in the adapter dtype on the CPU (ATen's
+      ``_dropout``: ``input * noise``, which saves the noise); nothing is shared between the modules then.
 
     bf16 full fine-tune with ``heads·head_dim = h``: ``16h + 4h + 10h + 8i = 26h + 8i`` (research §3 T7).
     """
@@ -80,6 +85,8 @@ def activation_bytes_per_token(spec: ModelSpec, g: Regime, moe: bool = False) ->
         adapted = sum(1 for m in modules if m in g.targets)
         if not adapted:
             return 0  # a frozen base Linear saves nothing about its input
+        if g.dropout:  # each module's own dropped copy (or its autocast cast) and the dropout's mask or noise
+            return adapted * (2 if autocast else g.b_a) * width + adapted * (g.b_a if g.simulated else 1) * width
         if autocast:
             # lora_A under autocast saves a bf16 copy per module when x is fp32, or when PEFT's _cast_input_dtype
             # first upcast it to the fp32 adapter dtype; with bf16 adapters (QLoRA) x is shared

@@ -26,7 +26,7 @@ args = GRPOConfig(output_dir=output_dir, max_steps=2, per_device_train_batch_siz
 trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, train_dataset=Dataset.from_list(rows),
                       processing_class=AutoTokenizer.from_pretrained(model_dir),
                       peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             task_type="CAUSAL_LM"))
+                                             lora_dropout=0.1, task_type="CAUSAL_LM"))
 trainer.train()
 print("trained", trainer.state.global_step, "steps with", trainer.args.per_device_train_batch_size, "x",
       trainer.args.gradient_accumulation_steps, "rows and", trainer.num_generations, "generations")
