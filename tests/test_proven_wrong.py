@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,23 +148,28 @@ def test_a_rung_that_changed_nothing_of_what_failed_is_taken_back_and_not_tried_
     assert set(before) <= set(con.climb.remedies_in_force())
 
 
-def test_a_proven_wrong_model_tries_a_speed_change_before_any_trade_on_its_word():
-    """The tool-calling script of issue 46: predicted sure to fit, it needed 1.7 times the prediction (the prompts'
-    activations). The next config keeps precision, capacity and signal: the speed and allocator changes at their
-    strongest, probed, with the pre-flight off; what missed is named from what was live."""
-    con = conductor(24 * GiB)
-    p = predicted(con)
+def out_of_memory_at(need: float) -> tuple[Conductor, Attempt, Any]:
+    """The user's config on a device 1.3 times its prediction, run out of memory in backward having needed ``need``
+    times the prediction (the step's own memory): the attempt, and what the conductor does next."""
+    p = predicted(conductor(24 * GiB))
     capacity = int(p * 1.3)
     con = conductor(capacity)
     state = con.judge.predict(FACTS, con.climb.effective()[0]).breakdown["weights"]
     req = 64 * MiB
-    allocated = int(1.7 * p) - req
+    allocated = int(need * p) - req
     report = parse_oom(oom_text(req, capacity, allocated))
     d = diagnose(report, phase="backward", live=Live(parameters=state, other=allocated - state))
     a = Attempt(index=1, knobs=con.climb.effective()[0].to_dict(), remedies=[], outcome=Outcome.OOM, exit_code=1,
                 seconds=1.0, kind=AttemptKind.RUN)
     con.record(a, d)
-    nxt = con.after(a, d)
+    return con, a, con.after(a, d)
+
+
+def test_a_proven_wrong_model_tries_a_speed_change_before_any_trade_on_its_word():
+    """The tool-calling script of issue 46: predicted sure to fit, it needed 1.7 times the prediction (the prompts'
+    activations). The next config keeps precision, capacity and signal: the speed and allocator changes at their
+    strongest, probed, with the pre-flight off; what missed is named from what was live."""
+    con, a, nxt = out_of_memory_at(1.7)
     assert a.miss is not None and a.miss["term"] == "activations" and a.miss["at_least"]
     assert "what missed: the step's own memory" in lines(nxt)
     k = con.climb.effective()[0]
@@ -262,3 +268,24 @@ def test_under_a_stack_no_measurement_covers_a_stop_is_followed_by_what_the_pref
     in_force = con.climb.remedies_in_force()
     assert {r.remedy.cost for r in con.climb.applied} - {"none"}, in_force  # more than the allocator's settings
     assert con.judge.plausible(con.climb.facts, con.stop_margin()[0])(con.climb.effective()[0])
+
+
+def test_a_proven_wrong_model_s_speed_only_trial_is_one_whose_weights_load():
+    """ms-swift's wider model (issue 49): its float32 weights were stopped before they loaded, the bf16 choice ran out
+    in generation and proved the model wrong. The speed-only trial would load the float32 weights again, which the
+    pre-flight knows do not fit whatever the model gets wrong about the step: it is not launched, and the next config
+    is the choice. Where the weights load, the trial goes first."""
+    diag = diagnose(parse_oom(oom_text(64 * MiB, 24 * GiB, 23 * GiB)), phase="generation")
+
+    def climb_after(loads):
+        climb = Climb(load_ladder("default"))
+        climb.observe({**USER, "dtype": "float32", "bf16": False})
+        climb.learn(FACTS)
+        d = climb.choose_next(diag, fits=lambda k: k.dtype == "bfloat16" and k.num_generations <= 4, unsure=True,
+                              loads=loads)
+        return d, climb.effective()[0]
+
+    d, k = climb_after(lambda k: k.dtype != "float32")
+    assert not d.trial and k.dtype == "bfloat16"
+    d, k = climb_after(lambda k: True)
+    assert d.trial and k.dtype == "float32" and k.num_generations == 8

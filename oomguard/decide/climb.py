@@ -278,7 +278,8 @@ class Climb:
                     peak: Callable[[Knobs], int | None] | None = None,
                     relax_fits: Callable[[Knobs], bool] | None = None,
                     plausible: Callable[[Knobs], bool] | None = None,
-                    launchable: Callable[[Knobs], bool] | None = None, unsure: bool = False) -> Decision:
+                    launchable: Callable[[Knobs], bool] | None = None, unsure: bool = False,
+                    loads: Callable[[Knobs], bool] | None = None) -> Decision:
         """After an out-of-memory attempt (the last one recorded): the config for the next one.
 
         Without the memory model (``fits`` None) the next rung of the ladder is climbed, as a ladder always did. With
@@ -293,7 +294,8 @@ class Climb:
         device), that config is put in force first, as a trial (``Decision.trial``) a probe settles: if it does not
         fit, ``settle_rechoice`` puts the choice back, to be probed in turn. Where the run proved the model wrong
         (``unsure``), the trial is the strongest config of the rungs that cost nothing or only speed, where the choice
-        costs precision or more and that config has not run: the model's word is no longer enough to rule it out.
+        costs precision or more and that config has not run, if its weights load (``loads``): the model's word is
+        no longer enough to rule it out.
 
         Where nothing the ladder reaches is predicted to fit: with ``launchable`` (what the pre-flight would let run),
         the cheapest config it lets run below everything the ladder reaches, chosen together, never a chain of stops
@@ -336,7 +338,8 @@ class Climb:
             self.climbed = ceiling_rungs if found is not None else self.climbed + [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
             choice = choice or found
-        trial = self._cheaper_trial(start, choice, plausible, peak, unsure) if choice is not None else None
+        trial = (self._cheaper_trial(start, choice, plausible, peak, unsure, loads) if choice is not None
+                 else None)
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
         if trial is not None:
@@ -349,16 +352,21 @@ class Climb:
                         trial=trial is not None)
 
     def _cheaper_trial(self, start: Knobs, choice: Choice, plausible: Callable[[Knobs], bool] | None,
-                       peak: Callable[[Knobs], int | None] | None, unsure: bool = False) -> Choice | None:
+                       peak: Callable[[Knobs], int | None] | None, unsure: bool = False,
+                       loads: Callable[[Knobs], bool] | None = None) -> Choice | None:
         """The config of the climbed rungs that cost only speed or precision that the model puts within its error of
         the device, where ``choice`` changes what is trained or learned; None when there is none (or nothing to
         trade). Where the model is ``unsure``: the rungs that cost nothing or only speed, at their strongest, where
-        ``choice`` costs precision or more and that config has not been tried."""
+        ``choice`` costs precision or more, that config has not been tried and its weights load (``loads``: the
+        load's figure is the weights as placed, which a model proven wrong about the step still knows; float32
+        weights larger than the device run out while they load, as the pre-flight said)."""
         if unsure:
             if not {r.remedy.cost for r in choice.rungs} - set(FREE_OR_SPEED):
                 return None
             cheap = self._cheap_ceiling(start, self.climbed, unsure)
-            return cheap if cheap is not None and cheap.knobs != choice.knobs else None
+            if cheap is None or cheap.knobs == choice.knobs:
+                return None
+            return cheap if loads is None or loads(cheap.knobs) else None
         if plausible is None or not {r.remedy.cost for r in choice.rungs} & set(UNDO_BY_DEFAULT):
             return None
         cheaper = [r for r in self.climbed if r.remedy.cost not in UNDO_BY_DEFAULT]

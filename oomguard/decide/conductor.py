@@ -348,8 +348,10 @@ class Conductor:
         # what the pre-flight would let run: predicted over the device by no more than its margin
         launchable = (judge.plausible(c.facts, self.stop_margin()[0]) if judge is not None and self.policy.preflight
                       and not self.policy.replay else None)
+        # the weights' load as the pre-flight judges it: a trial the unsure model makes must at least load
+        loads = judge.loads(c.facts, self.stop_margin()[0]) if judge is not None else None
         decision = c.choose_next(diag, read_fields, subject=self.subject, fits=fits, peak=peak, relax_fits=relax,
-                                 plausible=plausible, launchable=launchable, unsure=self.proofs.unsure)
+                                 plausible=plausible, launchable=launchable, unsure=self.proofs.unsure, loads=loads)
         if attempt is not None:
             attempt.climbed, attempt.skipped = decision.label(), decision.skipped_rows()
         if decision.exhausted is not None:

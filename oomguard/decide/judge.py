@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..memory.calibration import (
     Calibration,
@@ -67,7 +67,16 @@ ESTIMATE_PHASE = {"generation": "generation", "scoring": "scoring", "forward": "
 
 Alloc = tuple[bool, int | None]  # the allocator settings that decide how a cache fragments (``allocator``)
 # a phase, the allocation a config must stay below in it, and the allocator settings the ceiling holds for (None: any)
-Ceiling = tuple[str, int, Alloc | None]
+class Ceiling(NamedTuple):
+    """What a config that ran out of memory in ``phase`` allocated there as predicted (``total``, and ``mine``, its
+    own part of it: ``Estimate.own``), each times the share a config must stay below (``Judge._failed_phases``); ``whole``:
+    the failed config's total itself; ``alloc``: the allocator settings it ran out under, for a fragmentation."""
+
+    phase: str
+    total: int
+    mine: int
+    whole: int
+    alloc: Alloc | None = None
 
 
 def allocator(k: Knobs) -> Alloc:
@@ -77,16 +86,23 @@ def allocator(k: Knobs) -> Alloc:
 
 def below(est: Estimate, k: Knobs, ceilings: list[Ceiling]) -> bool:
     """Whether ``est`` (the prediction for ``k``) allocates less than each ceiling that holds for ``k`` in its phase
-    (``Judge._failed_phases``): one from a fragmentation holds only under the allocator settings it ran out with.
+    (``Judge._failed_phases``): in all, or, no more in all, in the phase's own memory (fewer rows generated at once, a
+    smaller micro-batch), where the model's error lies when the long-lived state is the same. One from a fragmentation
+    holds only under the allocator settings it ran out with.
 
-    >>> e, k = Estimate(30, 30, {}, {"generation": 20, "optimizer": 30}, 0, 0, "optimizer"), Knobs()
-    >>> below(e, k, [("generation", 21, None)]), below(e, k, [("generation", 20, None)]), below(e, k, [])
-    (True, False, True)
-    >>> below(e, k, [("generation", 20, (True, None))])  # a fragmentation under expandable segments: k has none
+    >>> e, k = Estimate(30, 30, {}, {"generation": 20, "optimizer": 30}, 0, 0, "optimizer", state=10), Knobs()
+    >>> below(e, k, [Ceiling("generation", 21, 20, 22)]), below(e, k, [Ceiling("generation", 20, 10, 22)])
+    (True, False)
+    >>> below(e, k, [Ceiling("generation", 18, 11, 22)])  # about as much in all, less of its own: fewer rows at once
+    True
+    >>> below(e, k, [Ceiling("generation", 18, 11, 19)])  # less of its own, but more in all (more long-lived state)
+    False
+    >>> below(e, k, [Ceiling("generation", 20, 10, 22, (True, None))])  # a fragmentation under expandable segments
     True
     """
-    return all(est.phases.get(ph, 0) < ceiling for ph, ceiling, alloc in ceilings
-               if alloc is None or alloc == allocator(k))
+    return all(est.phases.get(c.phase, 0) < c.total
+               or (est.phases.get(c.phase, 0) <= c.whole and est.own(c.phase) < c.mine)
+               for c in ceilings if c.alloc is None or c.alloc == allocator(k))
 
 
 class Judge:
@@ -301,7 +317,10 @@ class Judge:
             lower = (report.allocated or 0) + big
             if lower > est.peak_alloc_bytes:
                 co = co.calibrated(lower, est.peak_alloc_bytes)
-            if self.judge(est):  # it predicted a fit, and memory ran out: not conservative enough
+            # it predicted a fit, and memory ran out: not conservative enough. Where the phase is known, the configs
+            # that allocate as much there are judged not to fit (``_failed_phases``), and no other phase is known
+            # wrong: those that run out there no longer, with fewer rows at once, keep their prediction
+            if self.judge(est) and ESTIMATE_PHASE.get(phase or "") not in est.phases:
                 limit = self.capacity / (1 + self.margin)
                 co = co.calibrated(int(est.peak_alloc_bytes * limit / max(1, est.peak_bytes) * 1.05) + 1,
                                    est.peak_alloc_bytes)
@@ -326,15 +345,7 @@ class Judge:
         if spec is None:
             return None
         if self.load_only(facts):
-            def load_fits(k: Knobs) -> bool:
-                try:
-                    need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
-                                      context=self.context, **load_fed(facts))
-                except ValueError:
-                    return False
-                return chooses(need, self.judge_spec(), margin=margin)
-
-            return load_fits
+            return self.loads(facts, margin)
         ceiling = self.failed_ceiling(facts)
         phases = self._failed_phases(facts, 1 - self.doubt)
 
@@ -345,6 +356,24 @@ class Judge:
 
         return judge
 
+    def loads(self, facts: RunFacts, margin: float | None = None) -> Any:
+        """A Knobs -> bool: the weights' load fits the device with ``margin`` to spare (default ``self.margin``), as
+        the training process's pre-flight judges a load (``load_bytes``: the weights as the device places them, nearly
+        exact whatever else the model gets wrong); None without a model."""
+        spec = self.spec(facts)
+        if spec is None:
+            return None
+
+        def load_fits(k: Knobs) -> bool:
+            try:
+                need = load_bytes(spec, k, coefficients=self.coefficients, simulated=self.simulated,
+                                  context=self.context, **load_fed(facts))
+            except ValueError:
+                return False
+            return chooses(need, self.judge_spec(), margin=margin)
+
+        return load_fits
+
     @staticmethod
     def load_only(facts: RunFacts) -> bool:
         """Whether only the load can be judged: the run stopped before GRPOTrainer was built (a load the pre-flight
@@ -353,20 +382,24 @@ class Judge:
         return facts.model_source is None and facts.prompt_tokens_max is None
 
     def failed_ceiling(self, facts: RunFacts) -> int | None:
-        """Below what predicted peak a config must be to be tried after the OOMs of this run: the smallest predicted
-        peak of a config that ran out of memory, less the doubt (None before any OOM)."""
+        """Below what predicted peak a config must be to be tried after the OOMs of this run whose phase is not known:
+        the smallest predicted peak of such a config, less the doubt (None before any). An OOM in a known phase holds
+        for that phase alone (:meth:`_failed_phases`): the phases after it never ran."""
         peaks = self._failed_peaks(facts)
         return int(min(peaks) * (1 - self.doubt)) if peaks else None
 
     def _failed_peaks(self, facts: RunFacts) -> list[int]:
-        return [e.peak_bytes for _f, k, _ph, _a in self.failed if (e := self.predict(facts, k)) is not None]
+        return [e.peak_bytes for _f, k, ph, _a in self.failed
+                if (e := self.predict(facts, k)) is not None and (ph is None or ph not in e.phases)]
 
     def _failed_phases(self, facts: RunFacts, share: float = 1.0) -> list[Ceiling]:
         """Below what predicted allocation a config must be in each phase a config ran out in (``share`` of that
-        config's prediction for the phase): a config that allocates as much in the phase an OOM happened in runs out
-        there again, whatever it saves elsewhere (a micro-batch split after an OOM in generation generates the same
-        rows at once)."""
-        return [(ph, int(e.phases[ph] * share), alloc) for _f, k, ph, alloc in self.failed
+        config's prediction for the phase, in all or in the phase's own memory): a config that allocates as much in
+        the phase an OOM happened in runs out there again, whatever it saves elsewhere (a micro-batch split after an
+        OOM in generation generates the same rows at once); one that generates fewer rows at once may not, though
+        the long-lived state it shares with the failed config is most of both."""
+        return [Ceiling(ph, int(e.phases[ph] * share), int(e.own(ph) * share), e.phases[ph], alloc)
+                for _f, k, ph, alloc in self.failed
                 if ph is not None and (e := self.predict(facts, k)) is not None and ph in e.phases]
 
     def plausible(self, facts: RunFacts, doubt: float | None = None) -> Any:
