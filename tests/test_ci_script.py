@@ -159,9 +159,9 @@ def test_compat_runs_the_core_tests_under_the_oldest_trl_kept_by_installing_oomg
     assert out.returncode == 0, out.stderr
     asked = calls.read_text().splitlines()
     first = lambda prefix: next(i for i, c in enumerate(asked) if c.startswith(prefix))  # noqa: E731
-    assert first("-m pip install -q trl==0.29.1 transformers==5.3.0") < first("-m pip install -q -e .[all]")
-    assert first("-m pip install -q -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
-    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-build-isolation --find-links") \
+    assert first("-m pip install -q --no-compile trl==0.29.1 transformers==5.3.0") < first("-m pip install -q --no-compile -e .[all]")
+    assert first("-m pip install -q --no-compile -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
+    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-compile --no-build-isolation --find-links") \
         < first("-m pytest -q -m core tests/test_deepspeed.py")
     assert "compat: transformers==5.3.0 trl==0.29.1 kept by pip install -e ." in out.stdout
 
@@ -197,11 +197,11 @@ def ci_clone(tmp: Path, fail: str | None = None) -> tuple[subprocess.CompletedPr
 def test_ci_sets_up_a_clean_clone_as_the_readme_says_then_runs_the_stages(tmp_path):
     out, calls = ci_clone(tmp_path)
     assert out.returncode == 0, out.stderr
-    assert calls == ["python3 -m venv .venv", "pip install -q torch==2.13.0",
-                     "pip install -q --no-build-isolation deepspeed==0.19.8 einops", "pip install -q -e .[test]",
+    assert calls == ["python3 -m venv .venv", "pip install -q --no-compile torch==2.13.0",
+                     "pip install -q --no-compile --no-build-isolation deepspeed==0.19.8 einops", "pip install -q --no-compile -e .[test]",
                      "tests/ci.sh "]
 
 
 def test_ci_stops_at_a_set_up_step_that_fails(tmp_path):
     out, calls = ci_clone(tmp_path, fail="deepspeed")
-    assert out.returncode != 0 and calls[-1].startswith("pip install -q --no-build-isolation deepspeed")
+    assert out.returncode != 0 and calls[-1].startswith("pip install -q --no-compile --no-build-isolation deepspeed")

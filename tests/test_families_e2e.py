@@ -3,10 +3,10 @@
 built locally from transformers' real classes with bench/family_calibrate.py's configs (no hub), trained by
 tests/scripts/grpo_family.py (the bench's own run: prompts of exactly 32 tokens, 128-token completions, 4 x 4 rows).
 
-- at 64 GiB each is predicted within 5% of its measured peak, the median within 2%, from what the training process
-  reported (the model's config, the prompt lengths, the dataset's images and the processor's budget);
 - at half its own peak each ends stable with at most 1 real OOM, its generations, completion length and rows per step
-  kept (a cheaper change fits each of them);
+  kept (a cheaper change fits each of them), and its last attempt is predicted within 5% of what it measured, from
+  what the training process reported (the model's config, the prompt lengths, the dataset's images and the
+  processor's budget); the median within 2% is the bench's rows' (tests/test_model_families.py);
 - a vision-language model whose user ranks only signal changes gives up resolution first: the ``smaller_images``
   rung lowers the processor's ``max_pixels`` in the training process, and completions and generations are kept.
 
@@ -17,7 +17,6 @@ the processor's budget; tests/test_model_families.py: the same rows measured by 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -54,26 +53,12 @@ def prediction_error(rep: dict) -> float:
     return (est.peak_alloc_bytes - attempt["peak_bytes"]) / attempt["peak_bytes"]
 
 
-def test_each_family_is_predicted_within_5_percent_at_64gib(tmp_path, family_model):
-    errors = {}
-    for arch in FAMILIES:
-        out, rep = grpo(tmp_path / arch, family_model(arch), arch, "64GiB")
-        attempts = rep["attempts"]
-        assert rep["status"] == "stable" and len(attempts) == 1, (arch, rep["message"], out.stderr[-3000:])
-        assert attempts[0]["kind"] == "run" and not rep["diff"]  # sure of it: one launch, the real run
-        errors[arch] = prediction_error(rep)
-        if arch == "vlm":  # the dataset's images and the processor's budget, as GRPOTrainer reads them
-            f = rep["facts"]
-            assert (f["images_per_prompt"], f["image_height"], f["image_width"]) == (1, 224, 224)
-            assert attempts[0]["knobs"]["max_pixels"] == 224 * 224 and f["pixel_budget_floor"] == 56 * 56
-    worst = max(errors, key=lambda a: abs(errors[a]))
-    assert abs(errors[worst]) <= 0.05, errors
-    assert statistics.median(abs(e) for e in errors.values()) <= 0.02, errors
-
-
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_at_half_its_own_peak_each_family_ends_stable_keeping_the_experiment(tmp_path, family_model, arch):
-    """Half the peak the bench measured for the same config (the fixture's row, TRL 1.16's fused LM head)."""
+    """Half the peak the bench measured for the same config (the fixture's row, TRL 1.16's fused LM head): stable,
+    at most one real OOM, the experiment kept, and the run's own prediction of its last attempt (the judge's, from
+    the facts the training process reported: a vision model's images and its processor's budget included) within 5%
+    of what that attempt measured."""
     if trl_head() != "fused":
         pytest.skip("the rows' peaks are TRL 1.16's (its fused LM head)")
     row = next(r for r in json.loads(ROWS.read_text()) if r["config"]["name"] == FAMILIES[arch])
@@ -84,6 +69,11 @@ def test_at_half_its_own_peak_each_family_ends_stable_keeping_the_experiment(tmp
     assert sum(a["outcome"] == "oom" for a in attempts) <= 1, [(a["kind"], a["outcome"]) for a in attempts]
     kept = rep["experiment"]["kept"]
     assert {"4 generations per prompt", "128-token completions", "1 prompt per step"} <= set(kept), (kept, rep["diff"])
+    assert abs(prediction_error(rep)) <= 0.05, (arch, prediction_error(rep), attempts[-1]["knobs"])
+    if arch == "vlm":  # the dataset's images and the processor's budget, as GRPOTrainer reads them
+        f = rep["facts"]
+        assert (f["images_per_prompt"], f["image_height"], f["image_width"]) == (1, 224, 224)
+        assert f["pixel_budget_floor"] == 56 * 56
 
 
 def test_a_vision_language_model_gives_up_resolution_before_completions(tmp_path, family_model):

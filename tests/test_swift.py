@@ -114,28 +114,23 @@ def test_a_config_file_is_read_as_swift_reads_it(tmp_path, build_model, data):
 
 
 # Issue 49's try, as a new user would: the wider Qwen2, swift's launch script (8 generations of 64 tokens, 8 rows per
-# device, swift's own LoRA r=8 with its default dropout), at half of its own measured peak: a budget of tens of MiB.
-# (At 4 generations of 32 tokens, half the peak is 49 MiB, where no config keeps 4 generations on the simulated
-# device: generating 4 rows at once needs one more of the allocator's 20 MiB segments than the bf16 weights leave.)
+# device, swift's own LoRA r=8 with its default dropout), at half of its own peak as measured under `oomguard run
+# --simulate-gpu 64GiB --no-probe` (ms-swift 4.6.0, 162 MiB reserved): a budget of tens of MiB. (At 4 generations of
+# 32 tokens, half the peak is 49 MiB, where no config keeps 4 generations on the simulated device: generating 4 rows
+# at once needs one more of the allocator's 20 MiB segments than the bf16 weights leave.)
+WIDE_HALF = 162 * 2**20 // 2
 
 
 @pytest.fixture(scope="module")
 def wide_half(tmp_path_factory, build_model, data) -> dict:
-    """The wider model measured where it fits (64 GiB), then run on half its peak at issue 49's --max-attempts 3:
-    once per session (its outcomes are asserted by two tests)."""
+    """The wider model on half its measured peak at issue 49's --max-attempts 3: once per session (its outcomes are
+    asserted by two tests)."""
     model = build_model("qwen_wide")
 
     def run(tmp: Path) -> dict:
-        free, half = tmp / "free", tmp / "half"
-        free.mkdir()
-        half.mkdir()
-        out, measured = oomguard(free, "--simulate-gpu", "64GiB", "--no-probe", "--", *rlhf(model, data, free / "out"))
-        assert out.returncode == 0, out.stderr[-3000:]
-        peak = measured["attempts"][-1]["peak_reserved_bytes"]
-        out, report = oomguard(half, "--simulate-gpu", str(peak // 2), "--max-attempts", "3", "--",
-                               *rlhf(model, data, half / "out"))
-        return {"peak": peak, "measured": measured, "report": report, "stderr": out.stderr[-4000:],
-                "model": model}
+        out, report = oomguard(tmp, "--simulate-gpu", str(WIDE_HALF), "--max-attempts", "3", "--",
+                               *rlhf(model, data, tmp / "out"))
+        return {"report": report, "stderr": out.stderr[-4000:], "model": model}
 
     return once_per_session(tmp_path_factory, "swift-wide", run)
 
@@ -144,32 +139,30 @@ def test_a_wider_model_is_measured_as_swift_trains_it(wide_half):
     """Issue 49, ms-swift: ``original`` is what swift trains with (its LoRA r=8 on all linear layers, 8 generations of
     64 tokens, 8 rows, the checkpoint's float32); the prompts are measured as swift's template encodes them (its
     default system prompt included, which the tokenizer's chat template alone leaves out), and its LoRA's dropout is
-    counted: where it fits, the memory model is not proven wrong by the run (it was 1.5x under before)."""
+    counted: no attempt proves the memory model wrong (it was 1.5x under before)."""
     from transformers import AutoTokenizer
 
-    report, measured = wide_half["report"], wide_half["measured"]
+    report = wide_half["report"]
     original = report["original"]
     mine = {"num_generations": 8, "max_completion_length": 64, "per_device_train_batch_size": 8, "lora_r": 8,
             "lora_alpha": 32, "lora_target_modules": "all-linear", "dtype": "float32", "load_in_4bit": False}
     assert {k: original[k] for k in mine} == mine and not report.get("unseen"), wide_half["stderr"]
-    assert measured["original"] == original
     assert all(a["knobs"]["lora_r"] == 8 for a in report["attempts"])
-    facts = measured["facts"]
+    facts = report["facts"]
     tok = AutoTokenizer.from_pretrained(wide_half["model"])
     longest = max(len(tok.apply_chat_template([{"role": "user", "content": f"what is {x} plus {y}? Put the answer in "
                                                                            "<answer></answer>."}],
                                               add_generation_prompt=True, tokenize=True)["input_ids"])
                   for x in range(1, 8) for y in range(2, 7))
     assert facts["prompt_tokens_max"] > longest + 10 and facts["lora_dropout"] == 0.05 and not facts["unobserved"]
-    assert measured["status"] == "stable" and not measured["attempts"][-1].get("miss"), measured["attempts"][-1]
+    assert not any(a.get("miss") for a in report["attempts"]), [a.get("miss") for a in report["attempts"]]
 
 
 def test_a_wider_model_at_half_its_peak_keeps_the_experiment(wide_half):
     """Issue 49's done-when for ms-swift: at half the wider model's peak (81 MiB) and --max-attempts 3, stable within
     3 launches and at most 1 real OOM, with the experiment kept (8 generations of 64 tokens, the rows per step,
     swift's LoRA r=8); the last launch the budget allows is the run itself."""
-    report, peak = wide_half["report"], wide_half["peak"]
-    assert 40 * 2**20 < peak // 2 < 100 * 2**20, peak  # tens of MiB, not the few above the weights
+    report = wide_half["report"]
     outcomes = [a["outcome"] for a in report["attempts"]]
     assert report["status"] == "stable" and len(outcomes) <= 3 and outcomes.count("oom") <= 1, wide_half["stderr"]
     assert report["attempts"][-1]["kind"] == "run"
