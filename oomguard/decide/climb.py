@@ -294,14 +294,12 @@ class Climb:
         device), that config is put in force first, as a trial (``Decision.trial``) a probe settles: if it does not
         fit, ``settle_rechoice`` puts the choice back, to be probed in turn. Where the run proved the model wrong
         (``unsure``), the trial is the strongest config of the rungs that cost nothing or only speed, where the choice
-        costs precision or more and that config has not run, if its weights load (``loads``): the model's word is
-        no longer enough to rule it out.
+        costs precision or more and that config has not run but loads (``loads``): the model's word is not enough.
 
         Where nothing the ladder reaches is predicted to fit: with ``launchable`` (what the pre-flight would let run),
         the cheapest config it lets run below everything the ladder reaches, chosen together, never a chain of stops
         one rung at a time; none: the climb ends (``Exhausted`` of reason ``predicted``), no config launched that the
-        pre-flight would stop again. Without it, one rung, as a ladder always climbed.
-        """
+        pre-flight would stop again. Without it, one rung, as a ladder always climbed."""
         before = self.effective()[0]
         start = self.start()
         pruned = self.applied != self.climbed  # the config in force is a choice below the ceiling
@@ -338,8 +336,7 @@ class Climb:
             self.climbed = ceiling_rungs if found is not None else self.climbed + [Rung(s.remedy, diag) for s in steps]
             choice = self._choose(start, fits, peak, relax_fits) if fits is not None else None
             choice = choice or found
-        trial = (self._cheaper_trial(start, choice, plausible, peak, unsure, loads) if choice is not None
-                 else None)
+        trial = self._cheaper_trial(start, choice, plausible, peak, unsure, loads) if choice is not None else None
         self.applied = list(choice.rungs) if choice is not None else list(self.climbed)
         self.choice = choice
         if trial is not None:
@@ -357,16 +354,14 @@ class Climb:
         """The config of the climbed rungs that cost only speed or precision that the model puts within its error of
         the device, where ``choice`` changes what is trained or learned; None when there is none (or nothing to
         trade). Where the model is ``unsure``: the rungs that cost nothing or only speed, at their strongest, where
-        ``choice`` costs precision or more, that config has not been tried and its weights load (``loads``: the
-        load's figure is the weights as placed, which a model proven wrong about the step still knows; float32
-        weights larger than the device run out while they load, as the pre-flight said)."""
+        ``choice`` costs precision or more, that config has not been tried and its weights load (``loads``: a model
+        proven wrong about the step still knows the weights as placed)."""
         if unsure:
             if not {r.remedy.cost for r in choice.rungs} - set(FREE_OR_SPEED):
                 return None
             cheap = self._cheap_ceiling(start, self.climbed, unsure)
-            if cheap is None or cheap.knobs == choice.knobs:
-                return None
-            return cheap if loads is None or loads(cheap.knobs) else None
+            ok = cheap is not None and cheap.knobs != choice.knobs and (loads is None or loads(cheap.knobs))
+            return cheap if ok else None
         if plausible is None or not {r.remedy.cost for r in choice.rungs} & set(UNDO_BY_DEFAULT):
             return None
         cheaper = [r for r in self.climbed if r.remedy.cost not in UNDO_BY_DEFAULT]
@@ -414,8 +409,7 @@ class Climb:
         graded knobs closer to theirs, fewer free changes) to the config in force, which the probe showed to fit;
         else nothing changes and None is returned. Each adoption is strictly preferred to the last, so repeating this
         after every passing probe ends. The config it replaces is kept until ``settle_rechoice`` hears how the new
-        one's probe ended.
-        """
+        one's probe ended."""
         if not self.climbed or not self.applied or not self.rechoosing:
             return None
         current = self.effective()[0]

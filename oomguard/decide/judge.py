@@ -66,11 +66,13 @@ ESTIMATE_PHASE = {"generation": "generation", "scoring": "scoring", "forward": "
 
 
 Alloc = tuple[bool, int | None]  # the allocator settings that decide how a cache fragments (``allocator``)
-# a phase, the allocation a config must stay below in it, and the allocator settings the ceiling holds for (None: any)
+
+
 class Ceiling(NamedTuple):
     """What a config that ran out of memory in ``phase`` allocated there as predicted (``total``, and ``mine``, its
-    own part of it: ``Estimate.own``), each times the share a config must stay below (``Judge._failed_phases``); ``whole``:
-    the failed config's total itself; ``alloc``: the allocator settings it ran out under, for a fragmentation."""
+    own part of it: ``Estimate.own``), each times the share a config must stay below (``Judge._failed_phases``);
+    ``whole``: the failed config's total itself; ``alloc``: the allocator settings it ran out under where they are
+    what can help (a fragmentation), else None: any settings."""
 
     phase: str
     total: int
