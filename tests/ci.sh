@@ -10,7 +10,7 @@
 #    mostly downloading and unpacking, which overlaps with the suite's CPU-bound tests.
 # 2. mypy over oomguard/ (`python -m mypy`, configured in pyproject.toml: strict where the code is pure), before the
 #    suite so that a type error fails CI in seconds (about 10 s with a cold cache); meanwhile what a training process
-#    imports is compiled (the environments are installed with pip's --no-compile: tests/stackenv.sh's warm_imports).
+#    imports is compiled (the README's command installs the main environment with pip's --no-compile).
 # 3. The main suite, the default run and the `slow` tests in one pytest run (one collection, one build of the tiny
 #    models, no worker idle between the two). `python -m pytest -q` alone is the default run (within 5 minutes).
 # 4. Each environment's tests, once it is built, on two workers.
@@ -55,7 +55,8 @@ stop_builder() {
 trap stop_builder EXIT
 
 # What a training process imports, compiled while mypy runs: the README's command installs with --no-compile (compiling
-# every module of torch, transformers and DeepSpeed takes a CPU minute), so only what is imported is compiled
+# every module of torch, transformers and DeepSpeed takes a CPU minute before anything else can start), so only what
+# is imported is compiled
 python -c "from trl import GRPOTrainer" > /dev/null 2>&1 &
 warm=$!
 python -m mypy

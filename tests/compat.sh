@@ -22,12 +22,12 @@ start=$(date +%s)
 py="$venv/bin/python"
 if [ "$mode" != test ]; then
   [ -x "$py" ] || python3 -m venv "$venv"
-  "$py" -m pip install -q --no-compile torch==2.13.0
+  "$py" -m pip install -q torch==2.13.0
   # TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it. Its
   # tools need `jmespath` (response parsing), which it does not declare either (TRL 1.x does).
-  "$py" -m pip install -q --no-compile "${stack[@]}" requests jmespath
+  "$py" -m pip install -q "${stack[@]}" requests jmespath
   before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
-  "$py" -m pip install -q --no-compile -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
+  "$py" -m pip install -q -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
   after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
   if [ "$before" != "$after" ]; then
     echo "installing oomguard changed the environment's TRL or transformers: $(echo "$before" | tr '\n' ' ')-> $(echo "$after" | tr '\n' ' ')" >&2
@@ -36,8 +36,6 @@ if [ "$mode" != test ]; then
   # DeepSpeed's wheel, built now (from its source distribution, against this torch, no ops) and installed after the
   # tests that run without it
   "$py" -m pip wheel -q --no-build-isolation --no-deps deepspeed==0.19.8 -w "$venv/wheels"
-  # what a training process imports, compiled now (pip installed with --no-compile: tests/stackenv.sh's warm_imports)
-  "$py" -c "from trl import GRPOTrainer" > /dev/null 2>&1 || true
   echo "compat: $(echo "$after" | tr '\n' ' ')kept by pip install -e . ($(( $(date +%s) - start )) s to set up)"
 fi
 [ "$mode" = setup ] && exit 0
@@ -47,6 +45,6 @@ export OOMGUARD_TEST_WORKERS=${OOMGUARD_TEST_WORKERS:-2}
 "$py" -m pytest -q -m core --deselect tests/test_deepspeed.py
 # Then DeepSpeed as the main suite has it (no ops built), for the ZeRO configs in the forms users write: a stage-only
 # dict and an accelerate YAML. Installed after the rest, so the launch matrix above runs as it does without DeepSpeed.
-"$py" -m pip install -q --no-compile --no-build-isolation --find-links "$venv/wheels" deepspeed==0.19.8 einops
+"$py" -m pip install -q --no-build-isolation --find-links "$venv/wheels" deepspeed==0.19.8 einops
 "$py" -m pytest -q -m core tests/test_deepspeed.py
 echo "compat: TRL $trl_version done in $(( $(date +%s) - start )) s"

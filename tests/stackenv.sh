@@ -5,12 +5,7 @@
 #   install_oomguard_unchanged PYTHON CONSTRAINTS LABEL
 #                        install oomguard into a stack's environment and show that it changes the version of none of
 #                        its packages (issue 31: installing oomguard must not break the stack's pins); oomguard is
-#                        uninstalled first, so a reused environment proves it again; then warm_imports
-#   warm_imports PYTHON  compile what a training process imports (TRL's GRPOTrainer and all below it), as the
-#                        environment is built: pip installs with --no-compile (compiling every module of torch and the
-#                        stacks takes 1-2 CPU minutes per environment, in the background builds that share the cores
-#                        with the main suite), and the tests would otherwise compile those modules in their first
-#                        launches
+#                        uninstalled first, so a reused environment proves it again
 TEST_TOOLS=("pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100")
 
 stack_env() {
@@ -19,14 +14,14 @@ stack_env() {
   py="$venv/bin/python"
   constraints="$venv/torch-constraint.txt"
   echo "torch==2.13.0" > "$constraints"
-  "$py" -m pip install -q --no-compile torch==2.13.0
+  "$py" -m pip install -q torch==2.13.0
 }
 
 install_oomguard_unchanged() {
   local py=$1 constraints=$2 label=$3 before after changed added
   "$py" -m pip uninstall -q -y oomguard 2>/dev/null || true
   before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -viE '^(oomguard|-e )' | sort)
-  "$py" -m pip install -q --no-compile -c "$constraints" -e .
+  "$py" -m pip install -q -c "$constraints" -e .
   after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -viE '^(oomguard|-e )' | sort)
   changed=$(comm -23 <(echo "$before") <(echo "$after"))
   if [ -n "$changed" ]; then
@@ -36,11 +31,6 @@ install_oomguard_unchanged() {
   added=$(comm -13 <(echo "$before") <(echo "$after") | tr '\n' ' ')
   echo "$label: installing oomguard changed no package of the environment ($(echo "$before" | wc -l) kept);" \
     "it added ${added:-nothing but itself}"
-  warm_imports "$py"
-}
-
-warm_imports() {
-  "$1" -c "from trl import GRPOTrainer" > /dev/null 2>&1 || true
 }
 
 #   stack_mode "$@"      read the script's first argument: --setup (only build the environment), --test (only run

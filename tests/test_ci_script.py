@@ -159,9 +159,9 @@ def test_compat_runs_the_core_tests_under_the_oldest_trl_kept_by_installing_oomg
     assert out.returncode == 0, out.stderr
     asked = calls.read_text().splitlines()
     first = lambda prefix: next(i for i, c in enumerate(asked) if c.startswith(prefix))  # noqa: E731
-    assert first("-m pip install -q --no-compile trl==0.29.1 transformers==5.3.0") < first("-m pip install -q --no-compile -e .[all]")
-    assert first("-m pip install -q --no-compile -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
-    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-compile --no-build-isolation --find-links") \
+    assert first("-m pip install -q trl==0.29.1 transformers==5.3.0") < first("-m pip install -q -e .[all]")
+    assert first("-m pip install -q -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
+    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-build-isolation --find-links") \
         < first("-m pytest -q -m core tests/test_deepspeed.py")
     assert "compat: transformers==5.3.0 trl==0.29.1 kept by pip install -e ." in out.stdout
 
