@@ -102,8 +102,10 @@ def lora_facts(args: Any) -> dict[str, Any]:
     full fine-tune.
 
     >>> from types import SimpleNamespace
-    >>> lora_facts(SimpleNamespace(tuner_type="lora", lora_dropout=0.05)), lora_facts(SimpleNamespace(tuner_type="full"))
-    ({'lora_dropout': 0.05}, {})
+    >>> lora_facts(SimpleNamespace(tuner_type="lora", lora_dropout=0.05))
+    {'lora_dropout': 0.05}
+    >>> lora_facts(SimpleNamespace(tuner_type="full"))
+    {}
     """
     from ..trainer import lora_dropout
 

@@ -69,8 +69,8 @@ def regime_of(spec: ModelSpec, k: Knobs, simulated: bool, keeps_dtype_4bit: bool
     # Mixed precision is what the script asked for: TRL's bf16=True default autocasts matmuls to bf16, on a GPU and
     # on the CPU (accelerate's autocast on the simulated device too); fp16=True autocasts on a GPU only (accelerate
     # turns native AMP off for fp16 on the CPU: ms-swift's fp16 for a float32 checkpoint computes in float32 there);
-    # bf16=False and fp16=False compute in the weights' dtype. PEFT upcasts adapters to fp32 (autocast_adapter_dtype=True); TRL casts them to bf16 under
-    # 4-bit (grpo_trainer.py:532-541).
+    # bf16=False and fp16=False compute in the weights' dtype. PEFT upcasts adapters to fp32
+    # (autocast_adapter_dtype=True); TRL casts them to bf16 under 4-bit (grpo_trainer.py:532-541).
     autocast = bool(k.bf16 or (k.fp16 and not simulated))
     rows = tuple(lora_targets(spec, r, k.lora_target_modules, target_parameters)) if lora else ()
     names = {t.name for t in rows if t.where in ("attention", "mlp", "moe") and t.kind == "linear"}
