@@ -3,7 +3,8 @@
 - pre-flight: a config the memory model is sure cannot fit stops before it generates (outcome ``predicted``);
 - pruning: rungs of the ladder prefix that memory does not demand are dropped, and the report says why;
 - relaxing: a graded knob ends at the value closest to the user's predicted to fit, not at the blind halving;
-- fall-back: when a chosen config's probe runs out of memory, the model learns and a bigger config is chosen.
+- fall-back: when a chosen config's probe runs out of memory, the model learns and a bigger config is chosen;
+- --minimize: probes without each kept rung prove which are needed.
 """
 
 from __future__ import annotations
@@ -56,37 +57,56 @@ def test_the_default_choice_keeps_the_experiment_and_shows_what_trades_different
 @pytest.mark.core
 def test_preflight_stops_a_sure_overflow_and_the_choice_keeps_only_what_is_needed(tmp_path, tiny_model):
     """By the fastest ladder's order (the earlier default): at 48 MiB the user's config is predicted at more than
-    twice the device: it stops before generating, with no real OOM. The ladder prefix predicted to fit has five
-    rungs; the choice keeps three and says why the others go. Once its probe fits, the model is unsure whether one
-    kept change is needed (expandable segments: without them it predicts a few percent over the device), but it costs
-    nothing, so it is not worth a launch to undo (--minimize would). Under TRL 0.29-1.14 (materialised logits,
-    less memory on the CPU) LoRA alone is chosen, after a probe of the 8-bit optimizer, within the model's wider doubt
-    there, runs out (tests/compat.sh runs it there: `core`). Slow: the default run's test above takes the
-    default ladder through the same stop and choice, and test_run_e2e.py climbs the fastest ladder's rungs (each
-    rung's changes replayed and trained with)."""
-    out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64", extra=("--ladder", "fastest"))
+    twice the device: it stops before generating, with no real OOM (a plain walk would take three: fewer generations,
+    then 8-bit Adam, then LoRA). The ladder prefix predicted to fit has five rungs; the choice takes several in one go
+    and says why the others go.
+
+    Under the newest TRL, --minimize then proves with probes which kept rung each is needed: the 8-bit optimizer,
+    predicted necessary, is found not to be, and fewer generations and LoRA are (their undo is stopped before it
+    generates). Under TRL 0.29-1.14 (materialised logits, less memory on the CPU; tests/compat.sh runs it there: `core`)
+    without --minimize: LoRA alone is chosen, after a probe of the 8-bit optimizer, within the model's wider doubt
+    there, runs out; and once its probe fits, the model may be unsure whether one kept change is needed (expandable
+    segments), but it costs nothing, so it is not worth a launch to undo (--minimize would). Slow: the default run's
+    test above takes the default ladder through the same stop and choice, and test_run_e2e.py climbs the fastest
+    ladder's rungs (each rung's changes replayed and trained with); which undo --minimize tries next is
+    tests/test_refine.py's."""
+    fused = trl_head() == "fused"
+    minimize = ("--probe-steps", "2", "--minimize") if fused else ()
+    out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
+                    extra=("--ladder", "fastest", *minimize))
     attempts = rep["attempts"]
     assert rep["status"] == "stable", (rep["message"], out.stderr[-3000:])
     assert attempts[0]["outcome"] == "predicted" and attempts[0]["kind"] == "probe"
     assert "pre-flight" in out.stderr and "stopped by the pre-flight check" in out.stderr
+    assert attempts[0]["climbed"].count("+") >= 2  # several rungs in one go: a plain walk tries them one by one
+    assert "fewer rungs would not be enough" in out.stderr
     # no real OOM under TRL 1.15 on; under TRL 0.29-1.14 at most a cheaper trial's: the model's doubt (its logits
     # head's error, about 40%) puts the 8-bit optimizer within reach, and a capacity change is never taken on a guess
     # (issue 39)
     ooms = [a for a in attempts if a["outcome"] == "oom"]
-    if trl_head() == "fused":
+    if fused:
         assert ooms == [], story(rep)
     else:
         assert not ooms or (len(ooms) == 1 and ooms[0]["remedies"] == ["optimizer_8bit"]
                             and "the cheaper config tried first did not fit" in out.stderr)
-    assert [(a["kind"], a["outcome"]) for a in attempts[1 + len(ooms):]] == [("probe", "ok"), ("run", "ok")]
+    chosen, final = attempts[1 + len(ooms)], attempts[-1]
+    assert (chosen["kind"], chosen["outcome"]) == ("probe", "ok") and (final["kind"], final["outcome"]) == ("run", "ok")
+    assert chosen["predicted_bytes"] is not None and chosen["predicted_bytes"] <= 48 * 2**20
+    between = attempts[2 + len(ooms):-1]
+    assert [a["kind"] for a in between] == ["minimize"] * len(between) and bool(between) == fused
+    assert all(a["note"] for a in between)
     assert "pre-flight stop" in rep["message"]
     choice = attempts[0]["choice"]
     assert choice["dropped"] and "not needed:" in out.stderr
-    final = attempts[-1]
     assert "lora" in final["remedies"]
     if not ooms:  # the choice itself is what ran, and what it dropped fits without it
         assert all(d["predicted_bytes_without"] <= 48 * 2**20 for d in choice["dropped"])
-        assert set(final["remedies"]) == set(choice["rungs"])
+        assert set(chosen["remedies"]) == set(choice["rungs"])
+    if fused:  # a rung the choice predicted necessary is found not to be; the others are proven needed
+        assert {"fewer_generations", "lora"} <= set(final["remedies"]) < set(chosen["remedies"])
+        assert any("is not needed: the probe fits without it" in a["note"] for a in between)
+    else:
+        assert set(final["remedies"]) == set(chosen["remedies"])
 
 
 @pytest.mark.slow

@@ -89,13 +89,18 @@ def test_the_guided_climb_chooses_from_the_per_rank_prediction_without_an_oom(tm
 
     340 MiB: plain DDP is predicted at 383 MiB (stopped: more than 11.7% over), ZeRO-2 at 330 MiB (measured 288 MiB
     allocated), within the simulated device's 12% of doubt of the edge: sharding alone has no room, so the cheapest
-    config with room is chosen, an 8-bit optimizer (precision), or sharding with it."""
+    config with room is chosen, an 8-bit optimizer (precision), or sharding with it.
+
+    It is also the launch matrix's torchrun-2-stable cell (tests/test_launch_matrix.py, ``FOLDED``): the pre-flight's
+    promise under torchrun's two ranks, whose checks it makes."""
     cmd = torchrun(2, TINY, "--model", wide_model, "--output-dir", str(tmp_path / "out"))
     out, rep = run_oomguard(tmp_path, "--simulate-gpu", "340MiB", "--no-probe", "--", *cmd,
                             env=env_without_launchers())
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    assert out.returncode == rep["attempts"][-1]["exit_code"] == 0
     outcomes = [a["outcome"] for a in rep["attempts"]]
-    assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
+    assert outcomes[0] == "predicted" and outcomes[-1] == "ok" and "oom" not in outcomes, outcomes
+    assert rep["diff"] and {r["remedy"] for r in rep["diff"]} <= set(rep["attempts"][-1]["remedies"])
     assert rep["ladder"] == "multi-gpu"  # picked for torchrun's 2 ranks
     knobs = {r["knob"] for r in rep["diff"]}
     assert not knobs & {"lora_r", "load_in_4bit", "num_generations", "max_completion_length"}, rep["diff"]
@@ -183,20 +188,20 @@ def both_ranks_trained(tmp: Path, rep: dict, out=None) -> None:
         assert "shm_comm" not in out.stdout + out.stderr
 
 
-# tests/compat.sh runs the plain one under the oldest supported TRL too
-@pytest.mark.parametrize("ladder", [pytest.param(None, marks=pytest.mark.core, id="picked"), "fastest"])
-def test_a_stage_only_zero2_dict_is_stopped_before_it_runs_and_its_buffers_sized(tmp_path, tiny_model, ladder):
+# tests/compat.sh runs it under the oldest supported TRL too; the same config under `--ladder fastest` (shorter
+# completions and fewer generations first) is tests/test_deepspeed_config.py's plan test: no cut of the batch shrinks
+# the bucket, so that ladder's choice is the buffer rung as well
+@pytest.mark.core
+def test_a_stage_only_zero2_dict_is_stopped_before_it_runs_and_its_buffers_sized(tmp_path, tiny_model):
     """The issue's run: GRPOConfig(deepspeed={"zero_optimization": {"stage": 2}, batch sizes "auto"}) under torchrun,
     plain `oomguard run` at 60% of its per-rank peak. The multi-gpu ladder is picked by itself, the memory model sees
     DeepSpeed's default bucket and stops the config before it generates, the buffer rung is chosen before any quality
-    trade: no real OOM, both ranks trained, the user's own keys in the generated config. With `--ladder fastest`
-    (shorter completions and fewer generations first) the same: no cut of the batch shrinks the bucket."""
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, *(["--ladder", ladder] if ladder else []), "--",
+    trade: no real OOM, both ranks trained, the user's own keys in the generated config."""
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, "--",
                             *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
                                       "--deepspeed", "stage2"), env=env_without_launchers())
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
-    if ladder is None:
-        assert "ladder multi-gpu: torchrun --nproc_per_node 2 starts 2 ranks" in out.stderr
+    assert "ladder multi-gpu: torchrun --nproc_per_node 2 starts 2 ranks" in out.stderr
     outcomes = [a["outcome"] for a in rep["attempts"]]
     assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
     cfg = sized_by_the_buffer_rung(rep, 2)
@@ -206,34 +211,37 @@ def test_a_stage_only_zero2_dict_is_stopped_before_it_runs_and_its_buffers_sized
 
 
 def test_a_real_oom_of_the_default_bucket_is_diagnosed_as_the_bucket(tmp_path, tiny_model):
-    """A stage-only JSON file (with a setting of the user's own), climbed one rung per OOM (--no-predict): the
-    1.86 GiB request is diagnosed as DeepSpeed's reduce bucket, not "only smaller shapes", and the next rung is the
-    buffer rung: stable after that one OOM, the user's setting kept, their file unchanged."""
+    """A stage-only JSON file (with a setting of the user's own) under torchrun, climbed one rung per OOM
+    (--no-predict): the 1.86 GiB request is diagnosed as DeepSpeed's reduce bucket, not "only smaller shapes", and the
+    next rung is the buffer rung; their file is unchanged. (--max-attempts 1: that the buffer rung then fits is the
+    stage-only dict's test above, and that a config generated from the user's file keeps their settings is the ZeRO-3
+    rung's test at the top.)"""
     user = tmp_path / "ds_zero2.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 7,
                                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                                 "train_batch_size": "auto"}))
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, "--no-probe", "--no-predict", "--",
-                            *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
-                                      "--deepspeed", str(user)), env=env_without_launchers())
-    assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", SIXTY_PERCENT, "--no-probe", "--no-predict", "--max-attempts",
+                            "1", "--", *torchrun(2, TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"),
+                                                 "--deepspeed", str(user)), env=env_without_launchers())
+    assert rep is not None and rep["status"] == "exhausted", out.stderr[-3000:]
     first = rep["attempts"][0]
     assert first["outcome"] == "oom" and "reduce bucket" in first["oom"]["evidence"][0]
     assert "only smaller shapes" not in out.stderr
-    assert [a["outcome"] for a in rep["attempts"]].count("oom") == 1
     assert first["climbed"] == "deepspeed_buffers"
-    cfg = sized_by_the_buffer_rung(rep, 2)
-    assert cfg["steps_per_print"] == 7
-    assert json.loads(user.read_text())["zero_optimization"] == {"stage": 2}
-    both_ranks_trained(tmp_path, rep)
+    assert json.loads(user.read_text()) == {"zero_optimization": {"stage": 2}, "steps_per_print": 7,
+                                            "train_micro_batch_size_per_gpu": "auto",
+                                            "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 
 
-@pytest.mark.parametrize("stage, budget", [pytest.param(2, SIXTY_PERCENT, marks=pytest.mark.core), (3, "1197MiB")])
-def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model, stage, budget):
-    """`accelerate launch --config_file zero{2,3}.yaml` (open-r1's and TRL's form) with a script that does not set
+@pytest.mark.core
+def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model):
+    """`accelerate launch --config_file zero3.yaml` (open-r1's and TRL's form) with a script that does not set
     use_cpu, at 60% of its peak: it runs on CPU ranks (oomguard sets use_cpu where DeepSpeed itself runs on the CPU;
     accelerate's DeepSpeed launcher does not pass the YAML's on), the config accelerate builds is modelled, and the
-    buffer rung rewrites it into a config accelerate accepts: no real OOM, both ranks trained."""
+    buffer rung rewrites it into a config accelerate accepts: no real OOM, both ranks trained. ZeRO-3, since its YAML
+    sets more than ZeRO-2's (zero3_init_flag, the stage-3 buckets the rung sizes too); ZeRO-2's buffer rung is the
+    stage-only dict's test above, and a ZeRO-2 YAML is read as this one is (tests/test_deepspeed_config.py)."""
+    stage, budget = 3, "1197MiB"
     yaml = tmp_path / f"zero{stage}.yaml"
     yaml.write_text(ACCELERATE_YAML.format(stage=stage, init=str(stage == 3).lower()))
     out, rep = run_oomguard(tmp_path, "--simulate-gpu", budget, "--",

@@ -155,14 +155,17 @@ def test_the_multi_gpu_ladder_sizes_the_buffers_before_any_quality_trade():
                for q in names if make_remedy(q).trades == "quality")
 
 
-def test_plan_suggests_the_buffer_rung_for_a_stage_only_config(tmp_path):
+@pytest.mark.parametrize("ladder", [None, "fastest"])
+def test_plan_suggests_the_buffer_rung_for_a_stage_only_config(tmp_path, ladder):
     """`oomguard plan` for the stage-only ZeRO-2 config at 60% of its peak: the buffers alone make it fit (the
-    multi-gpu ladder, picked for two ranks without --ladder)."""
+    multi-gpu ladder, picked for two ranks without --ladder). Under `--ladder fastest`, whose shorter completions and
+    fewer generations come first, the same: no cut of the batch shrinks the bucket (tests/test_deepspeed.py runs the
+    config, and the pre-flight's choice is this one)."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(ROWS["tiny-z2-stage"]["config"]))
     out = subprocess.run([PYTHON, "-m", "oomguard", "plan", "--model", str(cfg), "--gpu", "1178MiB", "--world-size",
-                          "2", "--json", "zero_stage=2", "dtype=float32", "bf16=false",
-                          "optim=adamw_torch", "num_generations=4", "per_device_train_batch_size=4",
+                          "2", "--json", *(["--ladder", ladder] if ladder else []), "zero_stage=2", "dtype=float32",
+                          "bf16=false", "optim=adamw_torch", "num_generations=4", "per_device_train_batch_size=4",
                           "max_completion_length=64"], capture_output=True, text=True, timeout=120)
     plan = json.loads(out.stdout)
     assert out.returncode == 3 and not plan["fits"], out.stderr[-2000:]

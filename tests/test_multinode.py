@@ -331,14 +331,16 @@ def start_nodes(tmp: Path, model: str, env: dict[str, str], *options: str, share
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-directory", "node-local-through-rendezvous"])
-def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model, shared):
+def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path, tiny_model):
     """Node 1's rank runs out of memory once: both nodes relaunch with the same remedy (a probe, then the run) and both
-    reports agree. With node-local working directories (no --group), the nodes meet through torchrun's rendezvous
-    host."""
+    reports agree. The nodes have node-local working directories (no --group): they meet through torchrun's rendezvous
+    host, and each node's training files reach the other through the store. With a shared --group directory the
+    protocol is the same, over a FileStore in that directory: the leader's decision adopted there is
+    test_the_leader_decides_and_the_follower_adopts_its_end's, and a whole run of two nodes that meet there is
+    test_a_node_that_dies_ends_the_job_with_a_message_naming_it's."""
     env = {"OOMGUARD_TEST_ENDING": "oom", "OOMGUARD_TEST_ENDING_RANK": "1",
            "OOMGUARD_TEST_MARKER": str(tmp_path / "acted")}  # rank 1 (node 1) runs out of memory once
-    procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe", shared=shared)
+    procs = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe", shared=False)
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     reports = [json.loads((tmp_path / f"report-{n}.json").read_text()) for n in (0, 1)]
@@ -354,10 +356,10 @@ def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path,
     assert json.loads((tmp_path / "lock-1.json").read_text())["overrides"] == \
         json.loads((tmp_path / "lock-0.json").read_text())["overrides"]
     session = Path(lead["group"]["session"])
-    if not shared:  # each node's files are on its own disk, the same files on both
-        assert all("the group meets through a store at localhost:" in err for _, err in outs)
-        assert str(session).startswith(str(tmp_path / "wd-0"))
-        assert (tmp_path / "wd-1" / session.relative_to(tmp_path / "wd-0") / "attempt-2" / "events-node0.jsonl").exists()
+    # each node's files are on its own disk, the same files on both
+    assert all("the group meets through a store at localhost:" in err for _, err in outs)
+    assert str(session).startswith(str(tmp_path / "wd-0"))
+    assert (tmp_path / "wd-1" / session.relative_to(tmp_path / "wd-0") / "attempt-2" / "events-node0.jsonl").exists()
     ended = [json.loads(line) for n in (0, 1) for line in
              (session / "attempt-3" / f"events-node{n}.jsonl").read_text().splitlines()
              if '"train_end"' in line]
@@ -368,6 +370,8 @@ def test_one_ranks_oom_relaunches_every_node_once_with_the_same_remedy(tmp_path,
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_node_that_dies_ends_the_job_with_a_message_naming_it(tmp_path, tiny_model):
+    """Two nodes that meet in a shared --group directory (a FileStore there): both join, their files go to the shared
+    session, and when node 1 dies (its supervisor and its rank killed) the leader ends the job naming it."""
     env = {"OOMGUARD_GROUP_TIMEOUT": "6", "OOMGUARD_TEST_ENDING": "sleep", "OOMGUARD_TEST_ENDING_RANK": "1"}
     lead, follow = start_nodes(tmp_path, tiny_model, env, "--simulate-gpu", "1GiB", "--no-probe")
     session = None

@@ -1,5 +1,5 @@
-"""End to end, with real TRL on CPU and the simulated device: a lock replayed, the probe's worst case, the guided
-climb; and every rung of the fastest ladder (the design card's order) reaching the training process and training.
+"""End to end, with real TRL on CPU and the simulated device: a lock replayed, the probe's worst case; and every
+rung of the fastest ladder (the design card's order) reaching the training process and training.
 
 Each rung's changes reach the training process and the run trains with them: one launch applies the changes of a
 whole climb to the top of the fastest ladder, as the lock of that climb (its diff names the rung behind each change),
@@ -249,30 +249,3 @@ def test_probe_finds_the_worst_case_first_and_saves_nothing(tmp_path, tiny_model
     assert begin["max_steps"] == 2 and "oomguard-probe" in begin["output_dir"]
     saved = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
     assert saved == ["checkpoint-1", "checkpoint-2"]  # from the real run only
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_guided_climb_reaches_stable_with_one_oom_and_minimize_keeps_only_what_is_needed(tmp_path, tiny_model):
-    """At 48 MiB a plain walk needs three OOMs (fewer generations, then 8-bit Adam, then LoRA). The memory model
-    stops the user's config before it generates, chooses below the ladder prefix predicted to fit, and --minimize
-    then proves with probes that each rung left is needed.
-
-    Slow: the default run's test_choose_e2e.py takes the same configuration (48 MiB, completions of 64) through the
-    pre-flight stop and the guided choice and checks the choice keeps only what is needed; what this adds is
-    --minimize's undo probes (five launches more)."""
-    out, rep = grpo(tmp_path, tiny_model, "48MiB", "--max-completion-length", "64",
-                    extra=("--probe-steps", "2", "--minimize", "--ladder", "fastest"))
-    attempts = rep["attempts"]
-    assert rep["status"] == "stable", rep["message"]
-    first_ok = next(i for i, a in enumerate(attempts) if a["outcome"] == "ok")
-    assert [a["outcome"] for a in attempts[:first_ok]] == ["predicted"]  # one pre-flight stop, then a fitting config
-    assert attempts[0]["climbed"].count("+") >= 2  # several rungs in one go: a plain walk tries them one by one
-    assert "fewer rungs would not be enough" in out.stderr
-    assert attempts[0]["predicted_bytes"] is not None and attempts[first_ok]["predicted_bytes"] <= 48 * 2**20
-    minimized = [a for a in attempts if a["kind"] == "minimize"]
-    assert minimized and all(a["note"] for a in minimized)
-    final = attempts[-1]
-    assert final["kind"] == "run" and final["outcome"] == "ok"
-    assert "load_4bit" not in final["remedies"]  # predicted necessary, found unnecessary
-    assert {"fewer_generations", "lora"} <= set(final["remedies"])
