@@ -9,8 +9,8 @@
 #    stack in its own) are built one after another in the background while the main suite runs: building them is
 #    mostly downloading and unpacking, which overlaps with the suite's CPU-bound tests.
 # 2. mypy over oomguard/ (`python -m mypy`, configured in pyproject.toml: strict where the code is pure), before the
-#    suite so that a type error fails CI in seconds (about 10 s with a cold cache); meanwhile what a training process
-#    imports is compiled (the README's command installs the main environment with pip's --no-compile).
+#    suite so that a type error fails CI in seconds (about 10 s with a cold cache); meanwhile the main environment's
+#    bytecode is written once (the README's command installs it with pip's --no-compile).
 # 3. The main suite, the default run and the `slow` tests in one pytest run (one collection, one build of the tiny
 #    models, no worker idle between the two). `python -m pytest -q` alone is the default run (within 5 minutes).
 # 4. Each environment's tests, once it is built, on two workers.
@@ -54,13 +54,15 @@ stop_builder() {
 }
 trap stop_builder EXIT
 
-# What a training process imports, compiled while mypy runs: the README's command installs with --no-compile (compiling
-# every module of torch, transformers and DeepSpeed takes a CPU minute before anything else can start), so only what
-# is imported is compiled
-python -c "from trl import GRPOTrainer" > /dev/null 2>&1 &
-warm=$!
+# The main environment's bytecode, written while mypy runs (the README's command installs with pip's --no-compile):
+# in unchecked-hash mode, as each stack's (tests/stackenv.sh, compile_env: valid after `hardlink -t`, and needed where
+# PYTHONDONTWRITEBYTECODE keeps a process from writing what it compiles); oomguard's own sources and the tests' in
+# the default mode, which checks their times
+source tests/stackenv.sh
+{ compile_env python; python -m compileall -q oomguard tests > /dev/null 2>&1 || true; } &
+compiling=$!
 python -m mypy
-wait "$warm" || true
+wait "$compiling" || true
 stamp "mypy passed"
 
 python -m pytest -q -m "slow or not slow"

@@ -13,6 +13,7 @@
 # are inside its range leaves both as they were.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tests/stackenv.sh
 mode=all
 case "${1:-}" in --setup|--test) mode=${1#--}; shift ;; esac
 trl_version=${1:-0.29.1}
@@ -22,29 +23,27 @@ start=$(date +%s)
 py="$venv/bin/python"
 if [ "$mode" != test ]; then
   [ -x "$py" ] || python3 -m venv "$venv"
-  "$py" -m pip install -q torch==2.13.0
+  "$py" -m pip install -q --no-compile torch==2.13.0
   # TRL 0.29.1 imports `requests` without declaring it (through its vLLM client); environments of its time had it. Its
   # tools need `jmespath` (response parsing), which it does not declare either (TRL 1.x does).
-  "$py" -m pip install -q "${stack[@]}" requests jmespath
+  "$py" -m pip install -q --no-compile "${stack[@]}" requests jmespath
   before=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
-  "$py" -m pip install -q -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
+  "$py" -m pip install -q --no-compile -e ".[all]" "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100"
   after=$("$py" -m pip list --format=freeze 2>/dev/null | grep -iE '^(trl|transformers)==' | sort)
   if [ "$before" != "$after" ]; then
     echo "installing oomguard changed the environment's TRL or transformers: $(echo "$before" | tr '\n' ' ')-> $(echo "$after" | tr '\n' ' ')" >&2
     exit 1
   fi
-  # DeepSpeed's wheel, built now (from its source distribution, against this torch, no ops) and installed after the
-  # tests that run without it
-  "$py" -m pip wheel -q --no-build-isolation --no-deps deepspeed==0.19.8 -w "$venv/wheels"
+  # DeepSpeed as the main suite has it (no ops built, from its source distribution against this torch), for the ZeRO
+  # configs in the forms users write: a stage-only dict and an accelerate YAML. Runs without DeepSpeed installed are
+  # the stack environments' (tests/vllm.sh, swift.sh, unsloth.sh install none)
+  "$py" -m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8 einops
+  compile_env "$py"  # tests/stackenv.sh: bytecode valid after tests/ci.sh links files between environments
   echo "compat: $(echo "$after" | tr '\n' ' ')kept by pip install -e . ($(( $(date +%s) - start )) s to set up)"
 fi
 [ "$mode" = setup ] && exit 0
 [ -x "$py" ] || { echo "compat: no environment in $venv: run bash tests/compat.sh --setup first" >&2; exit 1; }
 # two workers, as the main suite has on two cores (a run given a path would otherwise stay in one process)
 export OOMGUARD_TEST_WORKERS=${OOMGUARD_TEST_WORKERS:-2}
-"$py" -m pytest -q -m core --deselect tests/test_deepspeed.py
-# Then DeepSpeed as the main suite has it (no ops built), for the ZeRO configs in the forms users write: a stage-only
-# dict and an accelerate YAML. Installed after the rest, so the launch matrix above runs as it does without DeepSpeed.
-"$py" -m pip install -q --no-build-isolation --find-links "$venv/wheels" deepspeed==0.19.8 einops
-"$py" -m pytest -q -m core tests/test_deepspeed.py
+"$py" -m pytest -q -m core
 echo "compat: TRL $trl_version done in $(( $(date +%s) - start )) s"

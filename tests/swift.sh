@@ -18,8 +18,9 @@ venv=${OOMGUARD_SWIFT_VENV:-.venv-swift}
 start=$(date +%s)
 if [ "$mode" != test ]; then
   stack_env "$venv"
-  "$py" -m pip install -q -c "$constraints" ms-swift==4.6.0 msgspec math-verify "${TEST_TOOLS[@]}"
+  "$py" -m pip install -q --no-compile -c "$constraints" ms-swift==4.6.0 msgspec math-verify "${TEST_TOOLS[@]}"
   install_oomguard_unchanged "$py" "$constraints" swift
+  compile_env "$py"
   echo "swift: environment ready in $(( $(date +%s) - start )) s"
 fi
 [ "$mode" = setup ] && exit 0

@@ -27,7 +27,8 @@ STACKS = ("compat", "vllm", "swift", "unsloth")
 def sandbox(tmp: Path, fail_setup: str | None = None, fail_suite: bool = False, slow_setup: float = 0.2,
             fail_mypy: bool = False) -> Path:
     (tmp / "tests").mkdir()
-    shutil.copy(ROOT / "tests" / "ci.sh", tmp / "tests" / "ci.sh")
+    for script in ("ci.sh", "stackenv.sh"):
+        shutil.copy(ROOT / "tests" / script, tmp / "tests" / script)
     calls = tmp / "calls"
     for s in STACKS:
         fail = 'exit 3' if s == fail_setup else 'exit 0'
@@ -77,6 +78,9 @@ def test_every_environment_is_built_and_its_tests_run_after_the_main_suite(tmp_p
     assert [c for c in calls if c.endswith("--test")] == [f"{s} --test" for s in STACKS]
     assert "the swift environment was built in the background" in out.stdout
     assert calls.index("python -m mypy CI=1") < calls.index("python -m pytest -q -m slow or not slow CI=1")
+    # the main environment's bytecode is written before the suite, in the mode `hardlink -t` leaves valid
+    compiled = [i for i, c in enumerate(calls) if "-m compileall" in c and "unchecked-hash" in c]
+    assert compiled and compiled[0] < calls.index("python -m pytest -q -m slow or not slow CI=1")
 
 
 def test_a_type_error_fails_ci_before_the_suite_and_stops_the_background_build(tmp_path):
@@ -152,17 +156,22 @@ def compat_sandbox(tmp: Path, trl_after_install: str = "0.29.1") -> tuple[dict[s
 
 def test_compat_runs_the_core_tests_under_the_oldest_trl_kept_by_installing_oomguard(tmp_path):
     """tests/compat.sh, run for real over a stand-in environment: TRL 0.29.1 and transformers 5.3.0 installed, then
-    oomguard, then the `core` tests without DeepSpeed, and once DeepSpeed is installed, its own `core` tests."""
+    oomguard (which keeps them), then DeepSpeed as the main suite has it, then the `core` tests in one run."""
     env, calls = compat_sandbox(tmp_path)
     out = subprocess.run(["bash", str(ROOT / "tests" / "compat.sh")], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     asked = calls.read_text().splitlines()
     first = lambda prefix: next(i for i, c in enumerate(asked) if c.startswith(prefix))  # noqa: E731
-    assert first("-m pip install -q trl==0.29.1 transformers==5.3.0") < first("-m pip install -q -e .[all]")
-    assert first("-m pip install -q -e .[all]") < first("-m pytest -q -m core --deselect tests/test_deepspeed.py")
-    assert first("-m pytest -q -m core --deselect") < first("-m pip install -q --no-build-isolation --find-links") \
-        < first("-m pytest -q -m core tests/test_deepspeed.py")
+    assert first("-m pip install -q --no-compile trl==0.29.1 transformers==5.3.0") < first("-m pip install -q --no-compile -e .[all]")
+    assert first("-m pip install -q --no-compile -e .[all]") < first("-m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8") \
+        < first("-m pytest -q -m core")
+    assert [c for c in asked if c.startswith("-m pytest")] == ["-m pytest -q -m core"]  # one run, one collection
+    # the bytecode written once, after the last install, in the mode that survives tests/ci.sh's links
+    compiled = first("-m compileall")
+    assert first("-m pip install -q --no-compile --no-build-isolation deepspeed") < compiled < first("-m pytest")
+    assert "--invalidation-mode unchecked-hash" in asked[compiled] and all(
+        "--no-compile" in c for c in asked if c.startswith("-m pip install"))
     assert "compat: transformers==5.3.0 trl==0.29.1 kept by pip install -e ." in out.stdout
 
 

