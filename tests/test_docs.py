@@ -133,6 +133,7 @@ def test_the_readme_is_short_and_holds_both_commands_a_picture_and_links():
     assert f"```bash\n{MAIN_JOB}\n```" in text
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert f"```bash\n{ci}\n```" in text  # the test command is exactly what CI runs
+    assert f"```bash\n{ci}\n```" in (DOCS / "contributing" / "testing.md").read_text(encoding="utf-8")  # as shown
     pictures = re.findall(r"!\[[^\]]+\]\((docs/images/[\w-]+\.png)\)", text)
     assert pictures and all((ROOT / p).is_file() for p in pictures)
     for face in ("oomguard run", "@oomguard.guard", "oomguard analyze", "oomguard plan"):
