@@ -164,12 +164,12 @@ def test_compat_runs_the_core_tests_under_the_oldest_trl_kept_by_installing_oomg
     asked = calls.read_text().splitlines()
     first = lambda prefix: next(i for i, c in enumerate(asked) if c.startswith(prefix))  # noqa: E731
     assert first("-m pip install -q --no-compile trl==0.29.1 transformers==5.3.0") < first("-m pip install -q --no-compile -e .[all]")
-    assert first("-m pip install -q --no-compile -e .[all]") < first("-m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8") \
-        < first("-m pytest -q -m core")
+    deepspeed = first("-m pip install -q --no-compile --no-build-isolation deepspeed==0.19.8")
+    assert first("-m pip install -q --no-compile -e .[all]") < deepspeed < first("-m pytest -q -m core")
     assert [c for c in asked if c.startswith("-m pytest")] == ["-m pytest -q -m core"]  # one run, one collection
     # the bytecode written once, after the last install, in the mode that survives tests/ci.sh's links
     compiled = first("-m compileall")
-    assert first("-m pip install -q --no-compile --no-build-isolation deepspeed") < compiled < first("-m pytest")
+    assert deepspeed < compiled < first("-m pytest")
     assert "--invalidation-mode unchecked-hash" in asked[compiled] and all(
         "--no-compile" in c for c in asked if c.startswith("-m pip install"))
     assert "compat: transformers==5.3.0 trl==0.29.1 kept by pip install -e ." in out.stdout

@@ -162,7 +162,15 @@ def test_a_zero3_gather_for_generation_that_does_not_fit_is_predicted_and_turned
 # The tiny model's stage-only ZeRO-2 run peaks at 1962 MiB per rank (bench/zero_calibrate.py, tiny-z2-stage), almost
 # all of it DeepSpeed's default reduce bucket: 60% of that is 1178 MiB.
 SIXTY_PERCENT = "1178MiB"
+ZERO3_SIXTY_PERCENT = "1197MiB"  # the same for the accelerate ZeRO-3 YAML's run
 ACCELERATE_YAML = (Path(__file__).parent / "fixtures" / "deepspeed" / "accelerate-deepspeed.yaml").read_text()
+
+
+def zero3_yaml(tmp: Path) -> Path:
+    """An accelerate ZeRO-3 YAML as recipes ship it (zero3_init_flag on)."""
+    yaml = tmp / "zero3.yaml"
+    yaml.write_text(ACCELERATE_YAML.format(stage=3, init="true"))
+    return yaml
 
 
 def sized_by_the_buffer_rung(rep: dict, stage: int) -> dict:
@@ -241,19 +249,16 @@ def test_an_accelerate_deepspeed_yaml_as_recipes_ship_it(tmp_path, tiny_model):
     buffer rung rewrites it into a config accelerate accepts: no real OOM, both ranks trained. ZeRO-3, since its YAML
     sets more than ZeRO-2's (zero3_init_flag, the stage-3 buckets the rung sizes too); ZeRO-2's buffer rung is the
     stage-only dict's test above, and a ZeRO-2 YAML is read as this one is (tests/test_deepspeed_config.py)."""
-    stage, budget = 3, "1197MiB"
-    yaml = tmp_path / f"zero{stage}.yaml"
-    yaml.write_text(ACCELERATE_YAML.format(stage=stage, init=str(stage == 3).lower()))
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", budget, "--",
-                            *ACCELERATE_LAUNCH, "--config_file", str(yaml), "--main_process_port", str(free_port()),
-                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"), "--no-use-cpu",
-                            env=env_without_launchers())
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", ZERO3_SIXTY_PERCENT, "--",
+                            *ACCELERATE_LAUNCH, "--config_file", str(zero3_yaml(tmp_path)),
+                            "--main_process_port", str(free_port()), TINY, "--model", tiny_model, "--output-dir",
+                            str(tmp_path / "out"), "--no-use-cpu", env=env_without_launchers())
     assert rep is not None and rep["status"] == "stable", out.stderr[-3000:]
-    assert f"says distributed_type: DEEPSPEED (ZeRO stage {stage})" in out.stderr
+    assert "says distributed_type: DEEPSPEED (ZeRO stage 3)" in out.stderr
     outcomes = [a["outcome"] for a in rep["attempts"]]
     assert outcomes[0] == "predicted" and "oom" not in outcomes, outcomes
-    assert rep["original"]["zero_stage"] == stage
-    cfg = sized_by_the_buffer_rung(rep, stage)
+    assert rep["original"]["zero_stage"] == 3
+    cfg = sized_by_the_buffer_rung(rep, 3)
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "none"  # the YAML's settings, kept
     both_ranks_trained(tmp_path, rep, out)  # ZeRO-3 partitions the weights as they load: oomguard starts DeepSpeed's
     # communication on CPU, which transformers does not
@@ -264,12 +269,10 @@ def test_a_real_oom_under_accelerate_with_zero3_reads_as_under_python(tmp_path, 
     ranks run out of memory as DeepSpeed sets up its default reduce bucket. The terminal shows a rank's trimmed
     traceback and oomguard's line naming its crash record, then the diagnosis; accelerate's ChildFailedError (and
     torch elastic's summary) go to the attempt's file; the attempt is an OOM with the training process's code, 86."""
-    yaml = tmp_path / "zero3.yaml"
-    yaml.write_text(ACCELERATE_YAML.format(stage=3, init="true"))
-    out, rep = run_oomguard(tmp_path, "--simulate-gpu", "1197MiB", "--no-preflight", "--max-attempts", "1", "--",
-                            *ACCELERATE_LAUNCH, "--config_file", str(yaml), "--main_process_port", str(free_port()),
-                            TINY, "--model", tiny_model, "--output-dir", str(tmp_path / "out"), "--no-use-cpu",
-                            env=env_without_launchers())
+    out, rep = run_oomguard(tmp_path, "--simulate-gpu", ZERO3_SIXTY_PERCENT, "--no-preflight", "--max-attempts", "1",
+                            "--", *ACCELERATE_LAUNCH, "--config_file", str(zero3_yaml(tmp_path)),
+                            "--main_process_port", str(free_port()), TINY, "--model", tiny_model, "--output-dir",
+                            str(tmp_path / "out"), "--no-use-cpu", env=env_without_launchers())
     assert rep is not None, out.stderr[-3000:]
     first = rep["attempts"][0]
     assert first["outcome"] == "oom" and first["exit_code"] == 86, out.stderr[-3000:]
